@@ -1,0 +1,69 @@
+"""Chained chunk keys: the one definition shared by the daemon and every client.
+
+`k_i = xxh3_128(k_{i-1} || tokens_i as little-endian int32)`, `k_{-1}` = namespace.
+Keys are 16 bytes, identical in every process and rank, and a key identifies its
+whole prefix. Only full chunks get keys unless `include_partial` asks for the
+trailing partial chunk, whose key covers exactly its tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
+
+KEY_BYTES = 16
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def token_array(token_ids: Any) -> np.ndarray:
+    """Token ids (list, tuple, numpy or 1-D torch tensor) as little-endian int32."""
+    if hasattr(token_ids, "detach"):  # torch tensor, without importing torch
+        token_ids = token_ids.detach().cpu().numpy()
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1:
+        raise ValueError(f"token_ids: expected a 1-D sequence of ints, got shape {tokens.shape}")
+    if tokens.size and tokens.dtype.kind not in "iu":
+        raise ValueError(f"token_ids: expected integers, got dtype {tokens.dtype}")
+    if tokens.size and (int(tokens.min()) < _INT32_MIN or int(tokens.max()) > _INT32_MAX):
+        raise ValueError("token_ids: every id must fit in a signed 32-bit integer")
+    return tokens.astype("<i4", copy=False)
+
+
+def chunk_keys(
+    namespace: bytes, token_ids: Any, chunk_tokens: int, include_partial: bool = False
+) -> list[bytes]:
+    """Keys of the chunks of `token_ids`, in order."""
+    if len(namespace) != KEY_BYTES:
+        raise ValueError(f"namespace: expected {KEY_BYTES} bytes, got {len(namespace)}")
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens: expected a positive integer, got {chunk_tokens}")
+    data = token_array(token_ids).tobytes()
+    step = chunk_tokens * 4
+    stop = len(data) if include_partial else len(data) - len(data) % step
+    keys: list[bytes] = []
+    prev = namespace
+    for start in range(0, stop, step):
+        prev = xxhash.xxh3_128_digest(prev + data[start : start + step])
+        keys.append(prev)
+    return keys
+
+
+def pack_keys(keys: Sequence[bytes]) -> bytes:
+    """Keys concatenated, as the wire carries them."""
+    for i, key in enumerate(keys):
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"keys[{i}]: expected {KEY_BYTES} bytes, got {len(key)}")
+    return b"".join(keys)
+
+
+def unpack_keys(packed: bytes) -> list[bytes]:
+    """Split a concatenation of 16-byte keys; a length that is not a multiple is an error."""
+    if len(packed) % KEY_BYTES:
+        raise ValueError(
+            f"keys: expected a concatenation of {KEY_BYTES}-byte keys, got {len(packed)} bytes "
+            f"({len(packed) % KEY_BYTES} bytes left over)"
+        )
+    return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]

@@ -1,0 +1,256 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_NONE: _ClassVar[Tier]
+    TIER_GPU: _ClassVar[Tier]
+    TIER_CPU: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
+TIER_NONE: Tier
+TIER_GPU: Tier
+TIER_CPU: Tier
+TIER_DISK: Tier
+TIER_REMOTE: Tier
+
+class PageSpec(_message.Message):
+    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "latent", "kv_sharing", "tp_rank", "tp_size", "salt")
+    class KvSharingEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LATENT_FIELD_NUMBER: _ClassVar[int]
+    KV_SHARING_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    chunk_tokens: int
+    latent: bool
+    kv_sharing: _containers.ScalarMap[int, int]
+    tp_rank: int
+    tp_size: int
+    salt: str
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., latent: _Optional[bool] = ..., kv_sharing: _Optional[_Mapping[int, int]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., salt: _Optional[str] = ...) -> None: ...
+
+class ConnectRequest(_message.Message):
+    __slots__ = ("spec", "client_name")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    spec: PageSpec
+    client_name: str
+    def __init__(self, spec: _Optional[_Union[PageSpec, _Mapping]] = ..., client_name: _Optional[str] = ...) -> None: ...
+
+class Arena(_message.Message):
+    __slots__ = ("shm_path", "size")
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    shm_path: str
+    size: int
+    def __init__(self, shm_path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ConnectResponse(_message.Message):
+    __slots__ = ("namespace", "chunk_tokens", "page_bytes", "arena", "lease_ttl_ms", "max_message_bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    chunk_tokens: int
+    page_bytes: int
+    arena: Arena
+    lease_ttl_ms: int
+    max_message_bytes: int
+    def __init__(self, namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., page_bytes: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: bytes
+    lease: bool
+    lease_ttl_ms: int
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hit_chunks", "tiers", "lease_id")
+    HIT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    hit_chunks: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    lease_id: int
+    def __init__(self, hit_chunks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "lease_ttl_ms")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: bytes
+    lease_ttl_ms: int
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("lease_id", "offsets")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("namespace", "lease_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    lease_id: int
+    def __init__(self, namespace: _Optional[bytes] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class LeaseResponse(_message.Message):
+    __slots__ = ("pages",)
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    def __init__(self, pages: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("ready_chunks", "offsets", "page_bytes")
+    READY_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ready_chunks: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    page_bytes: int
+    def __init__(self, ready_chunks: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class PutHeader(_message.Message):
+    __slots__ = ("namespace", "lease_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    lease_id: int
+    def __init__(self, namespace: _Optional[bytes] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PutHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("bytes_written",)
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    bytes_written: int
+    def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "bytes_used", "bytes_capacity", "pages", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    bytes_used: int
+    bytes_capacity: int
+    pages: int
+    extra: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., pages: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace", "model", "pages", "bytes", "page_bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    model: str
+    pages: int
+    bytes: int
+    page_bytes: int
+    def __init__(self, namespace: _Optional[bytes] = ..., model: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "namespaces", "counters", "version", "uptime_s")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    counters: _containers.ScalarMap[str, float]
+    version: str
+    uptime_s: float
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    def __init__(self, namespace: _Optional[bytes] = ...) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("pages",)
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    def __init__(self, pages: _Optional[int] = ...) -> None: ...
