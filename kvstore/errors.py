@@ -1,20 +1,24 @@
 """Errors the store raises; the gRPC layer maps each class to one status code.
 
 Messages are written for the person reading them: what was wrong, and what to do.
+Clients get the same classes back (`from_rpc_error`), so a worker can catch
+`ResourceExhausted` or `ValueError` without knowing gRPC.
 """
 
 from __future__ import annotations
+
+import grpc
 
 
 class KVStoreError(Exception):
     """Base of every error the daemon reports to a client."""
 
 
-class InvalidArgument(KVStoreError):
+class InvalidArgument(KVStoreError, ValueError):
     """The request itself is malformed (bad key length, sizes, counts)."""
 
 
-class NotFound(KVStoreError):
+class NotFound(KVStoreError, LookupError):
     """A namespace or lease the request names does not exist (or expired)."""
 
 
@@ -26,9 +30,34 @@ class ResourceExhausted(KVStoreError):
     """No space can be made: everything evictable is pinned or being written."""
 
 
-class Unauthenticated(KVStoreError):
+class Unauthenticated(KVStoreError, PermissionError):
     """A TCP client did not present the configured auth token."""
 
 
-class Unavailable(KVStoreError):
-    """The daemon is shutting down or a tier is not serving."""
+class Unavailable(KVStoreError, ConnectionError):
+    """The daemon is not reachable, shutting down, or a tier is not serving."""
+
+
+class DeadlineExceeded(KVStoreError, TimeoutError):
+    """The daemon did not answer in time."""
+
+
+STATUS_CODES: dict[type[KVStoreError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+_ERRORS = {code: cls for cls, code in STATUS_CODES.items()}
+
+
+def from_rpc_error(exc: grpc.RpcError, method: str) -> KVStoreError:
+    """The KVStoreError a failed call stands for, its message prefixed with the RPC's name."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    error = _ERRORS.get(code, KVStoreError)(f"{method}: {details} ({code.name})")
+    error.code = code  # type: ignore[attr-defined]
+    return error

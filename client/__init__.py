@@ -1,0 +1,31 @@
+"""kvstore_client: the worker-side library for kvstored.
+
+    from kvstore_client import KVStoreClient, KVSpec
+    with KVStoreClient.connect("unix:///run/kvstore/kvstored.sock", spec) as client:
+        hit_tokens = client.lookup(token_ids)
+        client.load(token_ids[:hit_tokens], kv_caches, block_ids)
+        new_chunks = client.store(token_ids, kv_caches, block_ids)
+"""
+
+from kvstore.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvstore.spec import KVSpec
+from kvstore_client.client import KVStoreClient, default_address
+
+__all__ = [
+    "FailedPrecondition",
+    "InvalidArgument",
+    "KVSpec",
+    "KVStoreClient",
+    "KVStoreError",
+    "NotFound",
+    "ResourceExhausted",
+    "Unavailable",
+    "default_address",
+]

@@ -1,0 +1,161 @@
+"""`kvstored`: loads the config, claims the socket, runs the server until a signal.
+
+Start: a lock file beside the socket tells a live daemon (refuse to start) from
+a dead one (replace its stale socket and arena). Stop (SIGTERM/SIGINT): health
+goes NOT_SERVING, in-flight RPCs drain for `server.grace_s`, then the socket,
+arena and lock file are removed and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import xxhash
+from grpc_health.v1 import health, health_pb2
+
+from kvstore import __version__
+from kvstore.config import Config, ConfigError, load_config, parse_config
+from kvstore.policy import make_policy
+from kvstore.server import SERVICE_NAME, KVStoreServicer, create_server
+from kvstore.store import Store
+from kvstore.tiers.cpu import Arena, CpuTier
+
+log = logging.getLogger("kvstored")
+
+
+class AlreadyRunning(RuntimeError):
+    pass
+
+
+def arena_name(socket_path: Path) -> str:
+    """The arena's shm file name: one per socket, so a restarted daemon finds its predecessor's."""
+    return "kvstore-" + xxhash.xxh3_64_hexdigest(str(socket_path.resolve()).encode())
+
+
+class SocketClaim:
+    """Exclusive ownership of a socket path, through an flock on `<socket>.lock`."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.socket_path = socket_path
+        self.lock_path = socket_path.with_name(socket_path.name + ".lock")
+        socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            raise AlreadyRunning(
+                f"another kvstored (pid {pid}) is serving {socket_path}; stop it first "
+                f"or set server.unix_socket to another path"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+        if socket_path.exists() or socket_path.is_symlink():
+            log.warning("removing stale socket %s left by a daemon that did not shut down", socket_path)
+            socket_path.unlink()
+
+    def release(self) -> None:
+        self.socket_path.unlink(missing_ok=True)
+        self.lock_path.unlink(missing_ok=True)
+        os.close(self._fd)
+
+
+async def serve(config: Config) -> None:
+    socket_path = config.server.socket_path
+    claim = SocketClaim(socket_path)
+    arena = None
+    try:
+        cpu_config = config.tiers.cpu
+        arena = Arena(Path(cpu_config.shm_dir) / arena_name(socket_path), cpu_config.bytes,
+                      cpu_config.file_mode, cpu_config.prefault)
+        store = Store(CpuTier(arena, cpu_config.slab_bytes), make_policy(config.eviction.policy),
+                      config.leases.ttl_s, config.leases.max_ttl_s)
+        servicer = KVStoreServicer(store, config.chunk_tokens, config.server.max_message_bytes,
+                                   str(arena.path), config.server.token)
+        health_servicer = health.aio.HealthServicer()
+        server = create_server(servicer, health_servicer)
+        server.add_insecure_port(f"unix://{socket_path}")
+        if config.server.tcp:
+            server.add_insecure_port(config.server.tcp)
+        await server.start()
+        os.chmod(socket_path, config.server.socket_mode)
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("kvstored %s serving on unix://%s%s (CPU tier %d MiB, chunk_tokens %d)", __version__,
+                 socket_path, f" and tcp {config.server.tcp}" if config.server.tcp else "",
+                 cpu_config.bytes >> 20, config.chunk_tokens)
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        reaper = asyncio.create_task(_reap(store, config.leases.reap_interval_s))
+        await stop.wait()
+        log.info("stopping: draining in-flight calls for up to %.1f s", config.server.grace_s)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(config.server.grace_s)
+        reaper.cancel()
+    finally:
+        if arena is not None:
+            arena.close(unlink=True)
+        claim.release()
+    log.info("stopped")
+
+
+async def _reap(store: Store, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        expired = store.expire()
+        if expired:
+            log.info("expired %d leases whose clients did not finish in time", expired)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstored", description="Multi-tier KV-cache daemon.")
+    parser.add_argument("--config", type=Path, help="YAML config (default: the embedded defaults, "
+                        "the same as configs/kvstored.yaml)")
+    parser.add_argument("--check-config", type=Path, metavar="FILE",
+                        help="validate FILE, print the effective config, exit 0 (valid) or 1")
+    parser.add_argument("--log-level", help="override log_level from the config")
+    parser.add_argument("--version", action="version", version=f"kvstored {__version__}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.check_config is not None:
+        try:
+            config = load_config(args.check_config)
+            make_policy(config.eviction.policy)
+        except (ConfigError, ValueError) as exc:
+            print(f"kvstored: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps(config.to_dict(), indent=2, default=str))
+        return 0
+    try:
+        config = load_config(args.config) if args.config else parse_config({})
+        make_policy(config.eviction.policy)
+    except (ConfigError, ValueError) as exc:
+        print(f"kvstored: {exc}", file=sys.stderr)
+        return 1
+    logging.basicConfig(level=(args.log_level or config.log_level).upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except (AlreadyRunning, OSError, ConfigError) as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""The store: the page index, two-phase stores and loads under leases, eviction.
+
+Primitives (each a few dict operations; they run on the daemon's event loop):
+- `connect(spec)`: register a page spec, returning its namespace.
+- `lookup(ns, keys, lease)`: longest committed prefix; a lease pins the hits.
+- `reserve(ns, keys)` -> `commit` | `abort`: slots for the keys not stored yet.
+- `acquire(ns, lease)` -> `release`: offsets of a load lease's pages.
+- `expire(now)`: leases past their deadline are aborted or released.
+- `clear(ns)`, `stats()`.
+
+An entry being written is never visible to a lookup. Eviction takes committed,
+unpinned pages in policy order, never one the current operation needs, and is
+all or nothing: if the space cannot be made, nothing is evicted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple, cast
+
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvstore.keys import KEY_BYTES
+from kvstore.leases import Lease, LeaseKind, LeaseTable
+from kvstore.policy import EvictionPolicy
+from kvstore.spec import PageSpec
+from kvstore.tiers.cpu import CpuTier
+
+MAX_KEYS_PER_REQUEST = 1 << 16
+TIER_CPU = "cpu"
+
+
+class Entry:
+    __slots__ = ("namespace", "key", "offset", "committed", "pins", "removed")
+
+    def __init__(self, namespace: Namespace, key: bytes, offset: int) -> None:
+        self.namespace = namespace
+        self.key = key
+        self.offset = offset
+        self.committed = False
+        self.pins = 0
+        self.removed = False  # dropped from the index while pinned: freed at the last release
+
+
+@dataclass(eq=False)
+class Namespace:
+    id: bytes
+    spec: PageSpec
+    entries: dict[bytes, Entry] = field(default_factory=dict)
+    pages: int = 0  # committed pages
+
+    @property
+    def label(self) -> str:
+        return f"{self.id.hex()[:12]} ({self.spec.model})"
+
+
+class LookupResult(NamedTuple):
+    hit_chunks: int
+    tiers: list[str]
+    lease_id: int
+
+
+class ReserveResult(NamedTuple):
+    lease_id: int
+    offsets: list[int]  # -1: already stored or being stored, skip
+
+
+class AcquireResult(NamedTuple):
+    offsets: list[int]
+    page_bytes: int
+
+
+class TierUsage(NamedTuple):
+    name: str
+    bytes_used: int
+    bytes_capacity: int
+    pages: int
+
+
+class NamespaceUsage(NamedTuple):
+    namespace: bytes
+    model: str
+    pages: int
+    page_bytes: int
+
+
+class StoreStats(NamedTuple):
+    tiers: list[TierUsage]
+    namespaces: list[NamespaceUsage]
+    counters: dict[str, float]
+
+
+class Store:
+    def __init__(self, cpu: CpuTier, policy: EvictionPolicy, lease_ttl_s: float, max_lease_ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cpu = cpu
+        self.policy = policy
+        self.lease_ttl_s = lease_ttl_s
+        self.max_lease_ttl_s = max_lease_ttl_s
+        self.clock = clock
+        self.namespaces: dict[bytes, Namespace] = {}
+        self.leases = LeaseTable()
+        self.counters: Counter[str] = Counter()
+
+    # -- namespaces ---------------------------------------------------------
+
+    def connect(self, spec: PageSpec) -> Namespace:
+        if not self.cpu.slots.can_hold(spec.page_bytes):
+            raise InvalidArgument(
+                f"a page of this spec is {spec.page_bytes} bytes, larger than a CPU-tier slab "
+                f"({self.cpu.slots.slab_bytes} bytes): raise tiers.cpu.slab_bytes (and tiers.cpu.bytes) "
+                f"or use smaller chunk_tokens"
+            )
+        ns_id = spec.namespace()
+        ns = self.namespaces.get(ns_id)
+        if ns is None:
+            ns = self.namespaces[ns_id] = Namespace(ns_id, spec)
+        return ns
+
+    def _namespace(self, ns_id: bytes) -> Namespace:
+        ns = self.namespaces.get(ns_id)
+        if ns is None:
+            if len(ns_id) != KEY_BYTES:
+                raise InvalidArgument(f"namespace: expected {KEY_BYTES} bytes, got {len(ns_id)}")
+            raise NotFound(
+                f"namespace {ns_id.hex()} is not registered with this daemon "
+                f"(it may have restarted): call Connect with its page spec first"
+            )
+        return ns
+
+    def _check_keys(self, keys: list[bytes]) -> None:
+        if len(keys) > MAX_KEYS_PER_REQUEST:
+            raise InvalidArgument(f"keys: {len(keys)} keys in one request; at most {MAX_KEYS_PER_REQUEST}")
+
+    def _deadline(self, ttl_s: float | None) -> float:
+        if ttl_s is None or ttl_s == 0:
+            ttl_s = self.lease_ttl_s
+        if not 0 < ttl_s <= self.max_lease_ttl_s:
+            raise InvalidArgument(
+                f"lease_ttl_ms: {ttl_s * 1000:.0f} ms is outside 1..{self.max_lease_ttl_s * 1000:.0f} "
+                f"(leases.max_ttl_s)"
+            )
+        return self.clock() + ttl_s
+
+    def _lease(self, ns_id: bytes, lease_id: int, kind: LeaseKind) -> Lease:
+        self._namespace(ns_id)
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.namespace != ns_id:
+            raise NotFound(
+                f"lease {lease_id} not found in namespace {ns_id.hex()[:12]}: it expired, was already "
+                f"released, or belongs to another namespace"
+            )
+        if lease.kind is not kind:
+            verb = "Commit/Abort/Put" if lease.kind is LeaseKind.STORE else "Acquire/Release/Get"
+            raise FailedPrecondition(f"lease {lease_id} is a {lease.kind.value} lease: use {verb} with it")
+        return lease
+
+    # -- load ---------------------------------------------------------------
+
+    def lookup(self, ns_id: bytes, keys: list[bytes], lease: bool = False,
+               ttl_s: float | None = None) -> LookupResult:
+        ns = self._namespace(ns_id)
+        self._check_keys(keys)
+        deadline = self._deadline(ttl_s) if lease else 0.0
+        hits: list[Entry] = []
+        for key in keys:
+            entry = ns.entries.get(key)
+            if entry is None or not entry.committed:
+                break
+            hits.append(entry)
+        self.counters["lookups"] += 1
+        self.counters["hit_chunks"] += len(hits)
+        self.counters["missed_chunks"] += len(keys) - len(hits)
+        self.policy.touch(reversed(hits))
+        lease_id = 0
+        if lease and hits:
+            for entry in hits:
+                entry.pins += 1
+            lease_id = self.leases.add(ns_id, LeaseKind.LOAD, hits, deadline).id
+        return LookupResult(len(hits), [TIER_CPU] * len(hits), lease_id)
+
+    def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult:
+        lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
+        return AcquireResult([entry.offset for entry in lease.entries], self.namespaces[ns_id].spec.page_bytes)
+
+    def release(self, ns_id: bytes, lease_id: int) -> int:
+        lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
+        self.leases.pop(lease_id)
+        return self._unpin(lease)
+
+    def _unpin(self, lease: Lease) -> int:
+        for entry in lease.entries:
+            entry.pins -= 1
+            if entry.pins == 0 and entry.removed:
+                self.cpu.slots.free(entry.offset)
+        return len(lease.entries)
+
+    # -- store --------------------------------------------------------------
+
+    def reserve(self, ns_id: bytes, keys: list[bytes], ttl_s: float | None = None) -> ReserveResult:
+        ns = self._namespace(ns_id)
+        self._check_keys(keys)
+        deadline = self._deadline(ttl_s)
+        present: list[Entry] = []
+        new_keys: list[bytes] = []
+        seen: set[bytes] = set()
+        offsets: list[int] = []
+        for i, key in enumerate(keys):
+            if key in seen:
+                raise InvalidArgument(f"keys[{i}] repeats an earlier key of the same request")
+            seen.add(key)
+            entry = ns.entries.get(key)
+            if entry is None:
+                new_keys.append(key)
+                offsets.append(0)
+            else:
+                present.append(entry)
+                offsets.append(-1)
+        self.counters["reserves"] += 1
+        self.counters["skipped_chunks"] += len(present)
+        self.policy.touch(reversed([e for e in present if e.committed]))
+        if not new_keys:
+            return ReserveResult(0, offsets)
+        self._make_room(ns, len(new_keys), protected=present)
+        entries = []
+        for key in new_keys:
+            entry = Entry(ns, key, self.cpu.slots.alloc(ns.spec.page_bytes))
+            ns.entries[key] = entry
+            entries.append(entry)
+        slots = iter(entries)
+        offsets = [offset if offset < 0 else next(slots).offset for offset in offsets]
+        lease = self.leases.add(ns_id, LeaseKind.STORE, entries, deadline, keys)
+        return ReserveResult(lease.id, offsets)
+
+    def store_lease_offsets(self, ns_id: bytes, lease_id: int) -> AcquireResult:
+        """Offsets of a store lease's reserved slots, in key order (for inline Put)."""
+        lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
+        return AcquireResult([entry.offset for entry in lease.entries], self.namespaces[ns_id].spec.page_bytes)
+
+    def commit(self, ns_id: bytes, lease_id: int) -> int:
+        lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
+        self.leases.pop(lease_id)
+        ns = self.namespaces[ns_id]
+        for entry in lease.entries:
+            entry.committed = True
+        ns.pages += len(lease.entries)
+        # Insert the new pages and touch the whole chain, tail first, so heads stay the most recent.
+        for key in reversed(lease.keys):
+            entry = ns.entries.get(key)
+            if entry is not None and entry.committed:
+                self.policy.insert(entry)
+        self.counters["stored_chunks"] += len(lease.entries)
+        return len(lease.entries)
+
+    def abort(self, ns_id: bytes, lease_id: int) -> int:
+        lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
+        self.leases.pop(lease_id)
+        self._drop_reservation(lease)
+        self.counters["aborted_chunks"] += len(lease.entries)
+        return len(lease.entries)
+
+    def _drop_reservation(self, lease: Lease) -> None:
+        ns = self.namespaces[lease.namespace]
+        for entry in lease.entries:
+            del ns.entries[entry.key]
+            self.cpu.slots.free(entry.offset)
+
+    # -- space --------------------------------------------------------------
+
+    def _evictable(self, protected: set[int]) -> Iterator[tuple[int, Entry]]:
+        for item in self.policy.candidates():
+            entry = cast(Entry, item)
+            if entry.pins == 0 and id(entry) not in protected:
+                yield entry.offset, entry
+
+    def _make_room(self, ns: Namespace, count: int, protected: list[Entry]) -> None:
+        page_bytes = ns.spec.page_bytes
+        victims = self.cpu.slots.plan_free(page_bytes, count, self._evictable({id(e) for e in protected}))
+        if victims is None:
+            raise ResourceExhausted(
+                f"cannot reserve {count} pages of {page_bytes} bytes in the CPU tier "
+                f"({self.cpu.capacity} bytes, {self.cpu.bytes_used} in use): every page that could make "
+                f"room is pinned by a lease or being written; release leases, wait for them to expire, "
+                f"or raise tiers.cpu.bytes"
+            )
+        for entry in victims:
+            self._remove(entry)
+        self.counters["evicted_chunks"] += len(victims)
+
+    def _remove(self, entry: Entry) -> None:
+        """Drop a committed entry from the index; its slot is freed now, or at its last release."""
+        ns = entry.namespace
+        del ns.entries[entry.key]
+        ns.pages -= 1
+        self.policy.remove(entry)
+        if entry.pins:
+            entry.removed = True
+        else:
+            self.cpu.slots.free(entry.offset)
+
+    # -- housekeeping -------------------------------------------------------
+
+    def expire(self, now: float | None = None) -> int:
+        expired = self.leases.pop_expired(self.clock() if now is None else now)
+        for lease in expired:
+            if lease.kind is LeaseKind.STORE:
+                self._drop_reservation(lease)
+            else:
+                self._unpin(lease)
+        self.counters["expired_leases"] += len(expired)
+        return len(expired)
+
+    def clear(self, ns_id: bytes | None = None) -> int:
+        targets = [self._namespace(ns_id)] if ns_id else list(self.namespaces.values())
+        cleared = 0
+        for ns in targets:
+            for entry in [e for e in ns.entries.values() if e.committed]:
+                self._remove(entry)
+                cleared += 1
+        self.counters["cleared_chunks"] += cleared
+        return cleared
+
+    def stats(self) -> StoreStats:
+        pages = sum(ns.pages for ns in self.namespaces.values())
+        tiers = [TierUsage(TIER_CPU, self.cpu.bytes_used, self.cpu.capacity, pages)]
+        namespaces = [
+            NamespaceUsage(ns.id, ns.spec.model, ns.pages, ns.spec.page_bytes)
+            for ns in self.namespaces.values()
+        ]
+        counters: dict[str, float] = dict(self.counters)
+        counters["active_store_leases"] = self.leases.count(LeaseKind.STORE)
+        counters["active_load_leases"] = self.leases.count(LeaseKind.LOAD)
+        counters["active_leases"] = len(self.leases)
+        counters["namespaces"] = len(self.namespaces)
+        return StoreStats(tiers, namespaces, counters)

@@ -1,0 +1,84 @@
+"""CPU tier: one POSIX shared-memory arena owned by the daemon, cut into slots.
+
+Workers on the host map the same file (`/dev/shm/kvstore-...`) once and read
+and write pages in place at offsets the daemon hands out; clients without the
+mapping go through `write`/`read` (the inline Put/Get data plane).
+
+The tier knows bytes and slots only; the store decides what lives here.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from pathlib import Path
+
+from kvstore.tiers.slab import SlabAllocator
+
+log = logging.getLogger(__name__)
+
+
+class Arena:
+    """A shared-memory file of fixed size, mapped read-write."""
+
+    def __init__(self, path: Path, size: int, mode: int = 0o600, prefault: bool = True) -> None:
+        self.path = path
+        self.size = size
+        if path.exists():
+            log.warning("replacing stale arena %s left by a daemon that did not shut down", path)
+            path.unlink()
+        started = time.perf_counter()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            os.fchmod(fd, mode)  # the umask must not widen or narrow the configured mode
+            if prefault:
+                # Reserve the memory now: a full /dev/shm fails here, not as SIGBUS later.
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise OSError(
+                f"tiers.cpu.bytes: cannot create a {size}-byte arena at {path}: {exc.strerror}; "
+                f"free space in {path.parent} or lower tiers.cpu.bytes"
+            ) from exc
+        os.close(fd)
+        self.view = memoryview(self._mmap)
+        log.info("arena %s: %d MiB in %.2f s", path, size >> 20, time.perf_counter() - started)
+
+    def close(self, unlink: bool = True) -> None:
+        self.view.release()
+        self._mmap.close()
+        if unlink:
+            self.path.unlink(missing_ok=True)
+
+
+class CpuTier:
+    name = "cpu"
+
+    def __init__(self, arena: Arena, slab_bytes: int) -> None:
+        self.arena = arena
+        self.slots = SlabAllocator(arena.size, slab_bytes)
+
+    @property
+    def capacity(self) -> int:
+        return self.slots.capacity
+
+    @property
+    def bytes_used(self) -> int:
+        return self.slots.bytes_used
+
+    def write(self, offset: int, data: memoryview | bytes, position: int = 0) -> None:
+        """Copy `data` into the slot at `offset`, starting `position` bytes into it."""
+        start = offset + position
+        self.arena.view[start : start + len(data)] = data
+
+    def read(self, offset: int, length: int) -> memoryview:
+        return self.arena.view[offset : offset + length]
+
+    def close(self) -> None:
+        self.arena.close(unlink=True)

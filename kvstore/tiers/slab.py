@@ -1,0 +1,132 @@
+"""Slot allocator for one arena shared by pages of several sizes.
+
+The arena is cut into equal slabs. A slab belongs to one size class (one page
+size) while any of its slots is in use and returns to the pool when its last
+slot is freed, so namespaces with different page sizes share the arena.
+
+- `alloc(page_bytes)` / `free(offset)`: O(1) (slabs are carved lazily with a
+  bump index; returning a slab costs what its allocations already paid).
+- `available(page_bytes)`: slots that can be allocated without eviction.
+- `plan_free(page_bytes, count, candidates)`: which of the candidates (in
+  eviction order) to free so that `count` slots of that size become available,
+  or None if even all of them would not suffice. Planning changes nothing, so
+  eviction is all or nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+SLOT_ALIGN = 4096  # page-aligned slots: whole OS pages for DMA and for mmap readers
+
+
+class SizeClass:
+    __slots__ = ("page_bytes", "stride", "slots_per_slab", "free", "carving")
+
+    def __init__(self, page_bytes: int, slab_bytes: int) -> None:
+        self.page_bytes = page_bytes
+        self.stride = -(-page_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        self.slots_per_slab = slab_bytes // self.stride
+        self.free: dict[int, None] = {}  # ordered set of free slot offsets
+        self.carving: dict[int, None] = {}  # slabs not yet fully carved
+
+
+class SlabAllocator:
+    def __init__(self, capacity: int, slab_bytes: int) -> None:
+        slab_bytes = min(slab_bytes, capacity) // SLOT_ALIGN * SLOT_ALIGN
+        if slab_bytes <= 0:
+            raise ValueError(f"arena of {capacity} bytes is smaller than one {SLOT_ALIGN}-byte slot")
+        self.slab_bytes = slab_bytes
+        self.num_slabs = capacity // slab_bytes
+        self.capacity = self.num_slabs * slab_bytes
+        self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
+        self._owner: list[SizeClass | None] = [None] * self.num_slabs
+        self._used = [0] * self.num_slabs  # allocated slots per slab
+        self._carved = [0] * self.num_slabs  # slots handed out so far by the bump index
+        self._classes: dict[int, SizeClass] = {}
+        self.bytes_used = 0
+
+    def can_hold(self, page_bytes: int) -> bool:
+        return 0 < page_bytes <= self.slab_bytes
+
+    def _class(self, page_bytes: int) -> SizeClass:
+        cls = self._classes.get(page_bytes)
+        if cls is None:
+            if not self.can_hold(page_bytes):
+                raise ValueError(f"a page of {page_bytes} bytes does not fit a {self.slab_bytes}-byte slab")
+            cls = self._classes[page_bytes] = SizeClass(page_bytes, self.slab_bytes)
+        return cls
+
+    def available(self, page_bytes: int) -> int:
+        cls = self._class(page_bytes)
+        uncarved = sum(cls.slots_per_slab - self._carved[slab] for slab in cls.carving)
+        return len(cls.free) + uncarved + len(self._free_slabs) * cls.slots_per_slab
+
+    def alloc(self, page_bytes: int) -> int:
+        """Offset of a free slot for a page of this size; MemoryError if none is left."""
+        cls = self._class(page_bytes)
+        if cls.free:
+            offset, _ = cls.free.popitem()
+        else:
+            if not cls.carving:
+                if not self._free_slabs:
+                    raise MemoryError(f"no free slot for a {page_bytes}-byte page")
+                slab = self._free_slabs.pop()
+                self._owner[slab] = cls
+                self._carved[slab] = 0
+                cls.carving[slab] = None
+            slab = next(iter(cls.carving))
+            offset = slab * self.slab_bytes + self._carved[slab] * cls.stride
+            self._carved[slab] += 1
+            if self._carved[slab] == cls.slots_per_slab:
+                del cls.carving[slab]
+        self._used[offset // self.slab_bytes] += 1
+        self.bytes_used += cls.page_bytes
+        return offset
+
+    def free(self, offset: int) -> None:
+        slab = offset // self.slab_bytes
+        cls = self._owner[slab]
+        index, misaligned = divmod(offset - slab * self.slab_bytes, cls.stride) if cls else (0, 1)
+        if cls is None or misaligned or index >= self._carved[slab] or offset in cls.free:
+            raise ValueError(f"offset {offset} is not an allocated slot")
+        self._used[slab] -= 1
+        self.bytes_used -= cls.page_bytes
+        if self._used[slab]:
+            cls.free[offset] = None
+            return
+        base = slab * self.slab_bytes
+        for i in range(self._carved[slab]):
+            cls.free.pop(base + i * cls.stride, None)
+        cls.carving.pop(slab, None)
+        self._owner[slab] = None
+        self._carved[slab] = 0
+        self._free_slabs.append(slab)
+
+    def plan_free(self, page_bytes: int, count: int, candidates: Iterable[tuple[int, T]]) -> list[T] | None:
+        """Items to free, in order, so that `count` slots of `page_bytes` become available."""
+        cls = self._class(page_bytes)
+        need = count - self.available(page_bytes)
+        victims: list[T] = []
+        if need <= 0:
+            return victims
+        # Freeing a slot of another size helps only once its whole slab is empty.
+        used_after: dict[int, int] = {}
+        pending: dict[int, list[T]] = {}
+        for offset, item in candidates:
+            slab = offset // self.slab_bytes
+            if self._owner[slab] is cls:
+                victims.append(item)
+                need -= 1
+            else:
+                used_after[slab] = used_after.get(slab, self._used[slab]) - 1
+                pending.setdefault(slab, []).append(item)
+                if used_after[slab] == 0:
+                    victims.extend(pending.pop(slab))
+                    need -= cls.slots_per_slab
+            if need <= 0:
+                return victims
+        return None

@@ -1,0 +1,136 @@
+"""Shared fixtures: a real kvstored process on a temporary socket, and KV specs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore.daemon import arena_name
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Daemon:
+    process: subprocess.Popen[bytes]
+    config_path: Path
+    socket_path: Path
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    @property
+    def arena_path(self) -> Path:
+        return Path("/dev/shm") / arena_name(self.socket_path)
+
+    def stub(self) -> pb_grpc.KVStoreStub:
+        return pb_grpc.KVStoreStub(grpc.insecure_channel(self.address))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout_s)
+
+
+def write_config(path: Path, socket_path: Path, **overrides: Any) -> Path:
+    config: dict[str, Any] = {
+        "log_level": "info",
+        "chunk_tokens": 256,
+        "server": {"unix_socket": str(socket_path), "grace_s": 2.0},
+        "leases": {"ttl_s": 30.0, "reap_interval_s": 0.05},
+        "tiers": {"cpu": {"bytes": "64MiB", "slab_bytes": "16MiB"}},
+    }
+    for dotted, value in overrides.items():
+        node = config
+        *parents, leaf = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def wait_serving(address: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"kvstored exited with {process.returncode}:\n{log_path.read_text()}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise TimeoutError(f"kvstored did not start in {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()}")
+
+
+def start_daemon(tmp_path: Path, name: str = "kvstored", **overrides: Any) -> Daemon:
+    run_dir = tmp_path / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    socket_path = run_dir / "kvstored.sock"
+    config_path = write_config(run_dir / "kvstored.yaml", socket_path, **overrides)
+    log_path = run_dir / "kvstored.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "kvstore.daemon", "--config", str(config_path)],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    daemon = Daemon(process, config_path, socket_path, log_path)
+    try:
+        wait_serving(daemon.address, process, log_path)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return daemon
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Starts kvstored processes; each is stopped with SIGTERM at the end and must exit 0, leaving nothing."""
+    started: list[Daemon] = []
+
+    def factory(name: str = "kvstored", **overrides: Any) -> Daemon:
+        daemon = start_daemon(tmp_path, name, **overrides)
+        started.append(daemon)
+        return daemon
+
+    yield factory
+    for daemon in started:
+        if daemon.process.poll() is None:
+            code = daemon.stop()
+            assert code == 0, daemon.log()
+            assert not daemon.socket_path.exists()
+            assert not daemon.arena_path.exists()
+
+
+@pytest.fixture
+def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
+    return daemon_factory()
+
+
+def python_env() -> dict[str, str]:
+    """Environment for child Python processes that import this checkout."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
