@@ -130,20 +130,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _checked(config: Config) -> Config:
+    """Checks what the loader cannot see alone: the policy name, the token file."""
+    make_policy(config.eviction.policy)
+    _ = config.server.token
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.check_config is not None:
         try:
-            config = load_config(args.check_config)
-            make_policy(config.eviction.policy)
+            config = _checked(load_config(args.check_config))
         except (ConfigError, ValueError) as exc:
             print(f"kvstored: {exc}", file=sys.stderr)
             return 1
-        print(json.dumps(config.to_dict(), indent=2, default=str))
+        effective = config.to_dict()
+        effective["server"]["socket_path"] = str(config.server.socket_path)
+        print(json.dumps(effective, indent=2, default=str))
+        print(f"kvstored: {args.check_config} is valid", file=sys.stderr)
         return 0
     try:
-        config = load_config(args.config) if args.config else parse_config({})
-        make_policy(config.eviction.policy)
+        config = _checked(load_config(args.config) if args.config else parse_config({}))
     except (ConfigError, ValueError) as exc:
         print(f"kvstored: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,450 @@
+"""Config loading: defaults, the shipped files, sizes, modes, and the messages a user sees."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.config import (
+    Config,
+    ConfigError,
+    CpuTierConfig,
+    LeaseConfig,
+    ServerConfig,
+    default_runtime_dir,
+    default_socket_path,
+    load_config,
+    parse_config,
+    parse_size,
+)
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+TOKEN_HINT = "(clients send it as 'authorization: Bearer <token>' metadata)"
+
+
+def error_of(data: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return str(info.value)
+
+
+# --- defaults and shipped files ---------------------------------------------------------------
+
+
+def test_empty_config_gives_every_default() -> None:
+    config = parse_config({})
+
+    assert config == Config() == parse_config(None)
+    assert config.log_level == "info"
+    assert config.chunk_tokens == 256
+    assert config.server == ServerConfig()
+    assert config.server.unix_socket == "auto"
+    assert config.server.socket_mode == 0o660
+    assert config.server.tcp is None and config.server.token is None
+    assert config.server.max_message_bytes == 4 * 2**20
+    assert config.server.grace_s == 5.0
+    assert config.leases == LeaseConfig(ttl_s=30.0, max_ttl_s=600.0, reap_interval_s=0.25)
+    assert config.tiers.cpu == CpuTierConfig(
+        bytes=2**30, slab_bytes=256 * 2**20, shm_dir="/dev/shm", file_mode=0o600, prefault=True
+    )
+    assert config.eviction.policy == "lru"
+
+
+def test_shipped_default_file_is_exactly_the_defaults() -> None:
+    assert load_config(CONFIGS / "kvstored.yaml") == Config()
+
+
+def all_keys(data: dict[str, Any]) -> list[str]:
+    nested = [all_keys(value) if isinstance(value, dict) else [] for value in data.values()]
+    return [*data, *(key for keys in nested for key in keys)]
+
+
+def test_shipped_default_file_spells_out_every_key() -> None:
+    text = (CONFIGS / "kvstored.yaml").read_text()
+    keys = all_keys(Config().to_dict())
+
+    missing = [key for key in keys if not re.search(rf"^\s*{key}:", text, re.MULTILINE)]
+
+    assert missing == []
+
+
+def test_shipped_tcp_file_adds_a_listener_with_a_token_file() -> None:
+    config = load_config(CONFIGS / "kvstored-tcp.yaml")
+
+    assert config.server.tcp == "127.0.0.1:50051"
+    assert config.server.auth_token_file == "/etc/kvstore/token"
+    assert config.tiers == Config().tiers
+
+
+def test_systemd_unit_runs_the_daemon_with_the_etc_config() -> None:
+    lines = set((CONFIGS / "kvstored.service").read_text().splitlines())
+
+    for line in (
+        "ExecStart=/usr/local/bin/kvstored --config /etc/kvstore/kvstored.yaml",
+        "RuntimeDirectory=kvstore",
+        "Restart=on-failure",
+        "KillSignal=SIGTERM",
+        "TimeoutStopSec=30",
+        "LimitMEMLOCK=infinity",
+    ):
+        assert line in lines
+    assert not any(line.startswith("PrivateDevices=") for line in lines)
+
+
+def test_to_dict_round_trips_and_hides_the_token() -> None:
+    config = parse_config({"server": {"tcp": "0.0.0.0:50051", "auth_token": "s3cret"}, "log_level": "DEBUG"})
+
+    assert parse_config(config.to_dict(redact=False)) == config
+    assert config.to_dict()["server"]["auth_token"] == "<redacted>"
+    assert config.to_dict()["tiers"]["cpu"]["bytes"] == 2**30
+
+
+# --- sizes ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MiB", 536870912),
+        ("8GiB", 8 * 2**30),
+        ("1.5GiB", 3 * 2**29),
+        ("64KiB", 65536),
+        ("1TiB", 2**40),
+        ("2GB", 2 * 10**9),
+        ("4096", 4096),
+        (4096, 4096),
+        (" 8 gib ", 8 * 2**30),
+        ("0", 0),
+    ],
+)
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["lots", "", "8G", "-1", -1, "1.5", "1.3KiB", "8 GiB 2", "1e3", True, "0x10"]
+)
+def test_parse_size_refuses(text: Any) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_sizes_in_the_config() -> None:
+    config = parse_config({"tiers": {"cpu": {"bytes": "8GiB", "slab_bytes": 64 * 2**20}}})
+
+    assert config.tiers.cpu.bytes == 8 * 2**30
+    assert config.tiers.cpu.slab_bytes == 64 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"tiers": {"cpu": {"bytes": "lots"}}}, "tiers.cpu.bytes: expected a size like 8GiB, got 'lots'"),
+        ({"tiers": {"cpu": {"bytes": 1.5}}}, "tiers.cpu.bytes: expected a size like 8GiB, got 1.5"),
+        ({"tiers": {"cpu": {"bytes": 0}}}, "tiers.cpu.bytes: expected a value > 0, got 0"),
+        (
+            {"tiers": {"cpu": {"bytes": "128MiB"}}},
+            "tiers.cpu.slab_bytes: expected at most tiers.cpu.bytes (128MiB), got 256MiB",
+        ),
+        (
+            {"server": {"max_message_bytes": "32KiB"}},
+            "server.max_message_bytes: expected a value >= 64KiB, got 32KiB",
+        ),
+        (
+            {"server": {"max_message_bytes": "1GiB"}},
+            "server.max_message_bytes: expected a value <= 64MiB, got 1GiB",
+        ),
+    ],
+)
+def test_bad_sizes_name_the_key(data: dict[str, Any], message: str) -> None:
+    assert error_of(data) == message
+
+
+# --- unknown keys and wrong types -------------------------------------------------------------------
+
+
+def test_unknown_key_suggests_the_close_one() -> None:
+    assert (
+        error_of({"tiers": {"cpu": {"byts": "1GiB"}}})
+        == "tiers.cpu.byts: unknown key (did you mean 'bytes'?)"
+    )
+
+
+def test_unknown_key_without_a_close_one_lists_the_valid_keys() -> None:
+    assert (
+        error_of({"leases": {"zzz": 1}})
+        == "leases.zzz: unknown key (valid keys: ttl_s, max_ttl_s, reap_interval_s)"
+    )
+    assert error_of({"gpu": {}}).startswith("gpu: unknown key (valid keys: log_level, chunk_tokens, server,")
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"chunk_tokens": "abc"}, "chunk_tokens: expected an integer, got 'abc'"),
+        ({"chunk_tokens": True}, "chunk_tokens: expected an integer, got True"),
+        ({"chunk_tokens": 2.5}, "chunk_tokens: expected an integer, got 2.5"),
+        ({"chunk_tokens": 0}, "chunk_tokens: expected a value > 0, got 0"),
+        ({"leases": [1, 2]}, "leases: expected a mapping, got a list"),
+        ({"tiers": {"cpu": "big"}}, "tiers.cpu: expected a mapping, got 'big'"),
+        ({"tiers": {"cpu": {"prefault": "yes"}}}, "tiers.cpu.prefault: expected true or false, got 'yes'"),
+        ({"tiers": {"cpu": {"prefault": 1}}}, "tiers.cpu.prefault: expected true or false, got 1"),
+        ({"tiers": {"cpu": {"shm_dir": "shm"}}}, "tiers.cpu.shm_dir: expected an absolute path, got 'shm'"),
+        ({"leases": {"ttl_s": "soon"}}, "leases.ttl_s: expected a number, got 'soon'"),
+        ({"leases": {"ttl_s": None}}, "leases.ttl_s: expected a number, got nothing (null)"),
+        ({"leases": {"ttl_s": ".nan"}}, "leases.ttl_s: expected a number, got '.nan'"),
+        ({"leases": {"ttl_s": 0}}, "leases.ttl_s: expected a value > 0, got 0.0"),
+        (
+            {"leases": {"ttl_s": 60, "max_ttl_s": 30}},
+            "leases.max_ttl_s: expected a value >= leases.ttl_s (60.0), got 30.0",
+        ),
+        ({"server": {"grace_s": -1}}, "server.grace_s: expected a value >= 0, got -1.0"),
+        ({"server": {"auth_token": 12345}}, "server.auth_token: expected a string, got 12345"),
+        ({"server": {"unix_socket": ""}}, "server.unix_socket: expected a non-empty string"),
+        ({"eviction": {"policy": " "}}, "eviction.policy: expected a non-empty string"),
+        ([1], "(top level): expected a mapping, got a list"),
+    ],
+)
+def test_wrong_values_name_the_dotted_key(data: Any, message: str) -> None:
+    assert error_of(data) == message
+
+
+def test_numbers_convert_to_floats_including_yaml_exponents() -> None:
+    config = parse_config({"leases": {"ttl_s": 10, "max_ttl_s": "1e3"}, "server": {"grace_s": 0}})
+
+    assert config.leases.ttl_s == 10.0 and isinstance(config.leases.ttl_s, float)
+    assert config.leases.max_ttl_s == 1000.0
+    assert config.server.grace_s == 0.0
+
+
+def test_an_empty_section_keeps_its_defaults() -> None:
+    assert parse_config({"leases": None, "tiers": {"cpu": None}}) == Config()
+
+
+@pytest.mark.parametrize(
+    ("given", "stored"), [("DEBUG", "debug"), ("Warning", "warning"), ("error", "error")]
+)
+def test_log_level_is_case_insensitive(given: str, stored: str) -> None:
+    assert parse_config({"log_level": given}).log_level == stored
+
+
+def test_log_level_outside_the_choices() -> None:
+    assert (
+        error_of({"log_level": "verbose"})
+        == "log_level: expected one of debug, info, warning, error, got 'verbose'"
+    )
+
+
+# --- octal modes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "mode"), [(0o660, 0o660), ("0660", 0o660), ("0o640", 0o640), ("600", 0o600), (0, 0)]
+)
+def test_modes(given: Any, mode: int) -> None:
+    config = parse_config({"server": {"socket_mode": given}, "tiers": {"cpu": {"file_mode": given}}})
+
+    assert config.server.socket_mode == mode
+    assert config.tiers.cpu.file_mode == mode
+
+
+def test_yaml_octal_mode_is_read_as_octal(tmp_path: Path) -> None:
+    path = tmp_path / "kvstored.yaml"
+    path.write_text("server:\n  socket_mode: 0660\ntiers:\n  cpu:\n    file_mode: '0o640'\n")
+
+    config = load_config(path)
+
+    assert config.server.socket_mode == 0o660
+    assert config.tiers.cpu.file_mode == 0o640
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            660,
+            "server.socket_mode: expected a file mode like 0660 or '0o660', got 660 "
+            "(= 0o1224; write the mode with a leading 0)",
+        ),
+        ("0689", "server.socket_mode: expected a file mode like 0660 or '0o660', got '0689'"),
+        ("rw-rw----", "server.socket_mode: expected a file mode like 0660 or '0o660', got 'rw-rw----'"),
+        (True, "server.socket_mode: expected a file mode like 0660 or '0o660', got True"),
+        (-1, "server.socket_mode: expected a file mode like 0660 or '0o660', got -1"),
+    ],
+)
+def test_bad_modes(given: Any, message: str) -> None:
+    assert error_of({"server": {"socket_mode": given}}) == message
+
+
+# --- TCP and tokens ---------------------------------------------------------------------------------
+
+
+def test_tcp_without_a_token_is_refused() -> None:
+    assert error_of({"server": {"tcp": "127.0.0.1:50051"}}) == (
+        "server.tcp: a TCP listener needs server.auth_token or server.auth_token_file " + TOKEN_HINT
+    )
+
+
+def test_both_token_fields_are_refused() -> None:
+    message = error_of({"server": {"auth_token": "a", "auth_token_file": "/etc/kvstore/token"}})
+
+    assert message == "server.auth_token: set server.auth_token or server.auth_token_file, not both"
+
+
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1:50051", "[::1]:50051", "0.0.0.0:1", "[::]:65535", "kv-host.local:80"]
+)
+def test_tcp_addresses(address: str) -> None:
+    config = parse_config({"server": {"tcp": address, "auth_token": "t0ken"}})
+
+    assert config.server.tcp == address
+    assert config.server.token == "t0ken"
+
+
+@pytest.mark.parametrize(
+    "address", ["50051", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:65536", "::1:50051", "a b:1", ":50051"]
+)
+def test_bad_tcp_addresses(address: str) -> None:
+    message = error_of({"server": {"tcp": address, "auth_token": "t0ken"}})
+
+    assert message == (
+        "server.tcp: expected host:port with a port in 1..65535, like 127.0.0.1:50051 or [::1]:50051, "
+        f"got {address!r}"
+    )
+
+
+def test_token_is_read_from_the_file_and_stripped(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("  s3cret-token\n")
+
+    server = parse_config({"server": {"tcp": "127.0.0.1:50051", "auth_token_file": str(token_file)}}).server
+
+    assert server.token == "s3cret-token"
+
+
+def test_unreadable_or_empty_token_file_names_the_key(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+
+    with pytest.raises(ConfigError, match=r"^server\.auth_token_file: cannot read the token: .*No such file"):
+        _ = ServerConfig(auth_token_file=str(tmp_path / "missing")).token
+    with pytest.raises(
+        ConfigError, match=r"^server\.auth_token_file: '.*empty' is empty; write the token into it$"
+    ):
+        _ = ServerConfig(auth_token_file=str(empty)).token
+
+
+def test_token_must_fit_in_grpc_metadata() -> None:
+    assert error_of({"server": {"auth_token": "two words"}}) == (
+        "server.auth_token: expected a token of printable ASCII characters without spaces"
+    )
+
+
+# --- files --------------------------------------------------------------------------------------
+
+
+def test_errors_from_a_file_are_prefixed_with_it(tmp_path: Path) -> None:
+    path = tmp_path / "x.yaml"
+    path.write_text("tiers:\n  cpu:\n    bytes: lots\n")
+
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+
+    assert str(info.value) == f"{path}: tiers.cpu.bytes: expected a size like 8GiB, got 'lots'"
+    assert (info.value.source, info.value.key) == (str(path), "tiers.cpu.bytes")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.yaml"
+
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+
+    assert str(info.value) == f"{path}: cannot read the config file: No such file or directory"
+
+
+def test_yaml_syntax_error_names_the_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("server:\n  tcp: [127.0.0.1:50051\nleases: {}\n")
+
+    with pytest.raises(ConfigError, match=rf"^{path}: line 3, column \d+: invalid YAML: "):
+        load_config(path)
+
+
+def test_a_key_given_twice_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "twice.yaml"
+    path.write_text("tiers:\n  cpu:\n    bytes: 1GiB\n    bytes: 2GiB\n")
+
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+
+    assert str(info.value) == f"{path}: line 4, column 5: invalid YAML: duplicate key 'bytes'"
+
+
+def test_an_empty_file_gives_the_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing set\n")
+
+    assert load_config(path) == Config()
+
+
+# --- runtime directory and socket -------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_runtime_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    return monkeypatch
+
+
+def test_runtime_dir_as_root(no_runtime_env: pytest.MonkeyPatch) -> None:
+    no_runtime_env.setattr(os, "geteuid", lambda: 0)
+    no_runtime_env.setenv("XDG_RUNTIME_DIR", "/run/user/0")
+
+    assert default_runtime_dir() == Path("/run/kvstore")
+    assert default_socket_path() == Path("/run/kvstore/kvstored.sock")
+
+
+def test_runtime_dir_of_a_user_session(no_runtime_env: pytest.MonkeyPatch) -> None:
+    no_runtime_env.setattr(os, "geteuid", lambda: 1000)
+    no_runtime_env.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+
+    assert default_runtime_dir() == Path("/run/user/1000/kvstore")
+
+
+def test_runtime_dir_without_a_session(no_runtime_env: pytest.MonkeyPatch) -> None:
+    no_runtime_env.setattr(os, "geteuid", lambda: 1000)
+
+    assert default_runtime_dir() == Path("/tmp/kvstore-1000")
+    assert ServerConfig().socket_path == Path("/tmp/kvstore-1000/kvstored.sock")
+
+
+def test_runtime_dir_of_a_systemd_service_user(no_runtime_env: pytest.MonkeyPatch) -> None:
+    no_runtime_env.setattr(os, "geteuid", lambda: 999)
+    no_runtime_env.setenv("RUNTIME_DIRECTORY", "/run/kvstore")
+
+    assert default_runtime_dir() == Path("/run/kvstore")
+
+
+def test_explicit_socket_path(tmp_path: Path) -> None:
+    config = parse_config({"server": {"unix_socket": str(tmp_path / "kv.sock")}})
+
+    assert config.server.socket_path == tmp_path / "kv.sock"
+    assert error_of({"server": {"unix_socket": "/" + "s" * 107}}) == (
+        "server.unix_socket: expected a path of at most 107 bytes"
+    )
+
+
+def test_config_error_survives_pickling() -> None:
+    error = ConfigError("tiers.cpu.bytes", "expected a size like 8GiB, got 'lots'", "x.yaml")
+
+    copy = pickle.loads(pickle.dumps(error))
+
+    assert str(copy) == str(error) == "x.yaml: tiers.cpu.bytes: expected a size like 8GiB, got 'lots'"
+    assert (copy.key, copy.source) == ("tiers.cpu.bytes", "x.yaml")
