@@ -234,7 +234,7 @@ class KVStoreClient:
     # -- inline data plane --------------------------------------------------
 
     def _put(self, lease_id: int, staging: torch.Tensor) -> None:
-        data = memoryview(staging.numpy())
+        data = memoryview(staging.numpy().data)
         step = self.max_message_bytes - 1024
 
         def messages() -> Iterator[pb.PutRequest]:

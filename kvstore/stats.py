@@ -17,7 +17,7 @@ def stats_message(stats: StoreStats, version: str, uptime_s: float) -> pb.StatsR
         tiers=[pb.TierStats(name=t.name, bytes_used=t.bytes_used, bytes_capacity=t.bytes_capacity,
                             pages=t.pages) for t in stats.tiers],
         namespaces=[pb.NamespaceStats(namespace=n.namespace, model=n.model, pages=n.pages,
-                                      bytes=n.pages * n.page_bytes, page_bytes=n.page_bytes)
+                                      stored_bytes=n.pages * n.page_bytes, page_bytes=n.page_bytes)
                     for n in stats.namespaces],
         counters=stats.counters, version=version, uptime_s=uptime_s,
     )
@@ -37,7 +37,7 @@ def stats_to_dict(msg: pb.StatsResponse) -> dict[str, Any]:
             for t in msg.tiers
         },
         "namespaces": [
-            {"namespace": n.namespace.hex(), "model": n.model, "pages": n.pages, "bytes": n.bytes,
+            {"namespace": n.namespace.hex(), "model": n.model, "pages": n.pages, "bytes": n.stored_bytes,
              "page_bytes": n.page_bytes}
             for n in msg.namespaces
         ],
