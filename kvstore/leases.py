@@ -31,6 +31,8 @@ class Lease:
     entries: list[Any]  # store: the reserved entries; load: the pinned hit entries, in chain order
     expires_at: float
     keys: list[bytes] = field(default_factory=list)  # store: every key of the request, in chain order
+    writer_active: bool = False  # an inline Put is writing the pages
+    broken: str = ""  # why the pages cannot be committed (a Put that failed part-way)
 
 
 class LeaseTable:

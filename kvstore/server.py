@@ -143,28 +143,37 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidArgument("Put: the first message must be a PutHeader naming the store lease")
-        ns_id, lease_id = first.header.namespace, first.header.lease_id
-        slots = self.store.store_lease_offsets(ns_id, lease_id)
+        lease, slots = self.store.begin_put(first.header.namespace, first.header.lease_id)
+        try:
+            position = await self._write_pages(lease.id, slots.offsets, slots.page_bytes, request_iterator)
+        except BaseException as exc:
+            self.store.end_put(lease, f"its Put failed part-way ({exc})")
+            raise
+        self.store.end_put(lease)
+        return pb.PutResponse(bytes_written=position)
+
+    async def _write_pages(self, lease_id: int, offsets: list[int], page_bytes: int,
+                           messages: AsyncIterator[pb.PutRequest]) -> int:
         lease = self.store.leases.get(lease_id)
-        page_bytes, total, position = slots.page_bytes, len(slots.offsets) * slots.page_bytes, 0
-        async for message in request_iterator:
+        total, position = len(offsets) * page_bytes, 0
+        async for message in messages:
             if message.WhichOneof("part") != "data":
                 raise InvalidArgument("Put: only the first message may be a PutHeader; the rest carry data")
             data = memoryview(message.data)
             if position + len(data) > total:
                 raise InvalidArgument(f"Put: more than the {total} bytes of the lease's "
-                                      f"{len(slots.offsets)} pages of {page_bytes} bytes")
+                                      f"{len(offsets)} pages of {page_bytes} bytes")
             if self.store.leases.get(lease_id) is not lease:
                 raise NotFound(f"lease {lease_id} expired while its pages were being written")
             while data:
                 page, within = divmod(position, page_bytes)
                 n = min(page_bytes - within, len(data))
-                self.store.cpu.write(slots.offsets[page], data[:n], within)
+                self.store.cpu.write(offsets[page], data[:n], within)
                 data, position = data[n:], position + n
         if position != total:
-            raise InvalidArgument(f"Put: received {position} bytes; the lease's {len(slots.offsets)} pages "
+            raise InvalidArgument(f"Put: received {position} bytes; the lease's {len(offsets)} pages "
                                   f"of {page_bytes} bytes need exactly {total}")
-        return pb.PutResponse(bytes_written=position)
+        return position
 
     async def Get(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext) -> None:
         try:

@@ -29,6 +29,7 @@ from kvstore.spec import PageSpec
 from kvstore.tiers.cpu import CpuTier
 
 MAX_KEYS_PER_REQUEST = 1 << 16
+MAX_NAMESPACES = 4096
 TIER_CPU = "cpu"
 
 
@@ -116,8 +117,21 @@ class Store:
         ns_id = spec.namespace()
         ns = self.namespaces.get(ns_id)
         if ns is None:
+            if len(self.namespaces) >= MAX_NAMESPACES:
+                self._forget_empty_namespaces()
+            if len(self.namespaces) >= MAX_NAMESPACES:
+                raise ResourceExhausted(
+                    f"this daemon already serves {MAX_NAMESPACES} namespaces that hold pages; "
+                    f"`kvctl clear` some of them"
+                )
             ns = self.namespaces[ns_id] = Namespace(ns_id, spec)
         return ns
+
+    def _forget_empty_namespaces(self) -> None:
+        """Drops namespaces with no pages and no leases; their clients register them again."""
+        leased = {lease.namespace for lease in self.leases.all()}
+        for ns_id in [n.id for n in self.namespaces.values() if not n.entries and n.id not in leased]:
+            del self.namespaces[ns_id]
 
     def _namespace(self, ns_id: bytes) -> Namespace:
         ns = self.namespaces.get(ns_id)
@@ -163,7 +177,7 @@ class Store:
                ttl_s: float | None = None) -> LookupResult:
         ns = self._namespace(ns_id)
         self._check_keys(keys)
-        deadline = self._deadline(ttl_s) if lease else 0.0
+        deadline = self._deadline(ttl_s)
         hits: list[Entry] = []
         for key in keys:
             entry = ns.entries.get(key)
@@ -218,12 +232,13 @@ class Store:
             else:
                 present.append(entry)
                 offsets.append(-1)
+        if new_keys:
+            self._make_room(ns, len(new_keys), protected=present)
         self.counters["reserves"] += 1
         self.counters["skipped_chunks"] += len(present)
         self.policy.touch(reversed([e for e in present if e.committed]))
         if not new_keys:
             return ReserveResult(0, offsets)
-        self._make_room(ns, len(new_keys), protected=present)
         entries = []
         for key in new_keys:
             entry = Entry(ns, key, self.cpu.slots.alloc(ns.spec.page_bytes))
@@ -239,8 +254,24 @@ class Store:
         lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
         return AcquireResult([entry.offset for entry in lease.entries], self.namespaces[ns_id].spec.page_bytes)
 
+    def begin_put(self, ns_id: bytes, lease_id: int) -> tuple[Lease, AcquireResult]:
+        """Claims a store lease for one inline Put; a second concurrent Put is refused."""
+        lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
+        if lease.writer_active:
+            raise FailedPrecondition(f"lease {lease_id}: another Put is already writing its pages")
+        lease.writer_active = True
+        return lease, self.store_lease_offsets(ns_id, lease_id)
+
+    def end_put(self, lease: Lease, error: str = "") -> None:
+        lease.writer_active = False
+        if error:
+            lease.broken = error
+
     def commit(self, ns_id: bytes, lease_id: int) -> int:
         lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
+        if lease.broken or lease.writer_active:
+            why = lease.broken or "a Put is still writing its pages"
+            raise FailedPrecondition(f"lease {lease_id} cannot be committed: {why}; Abort it and store again")
         self.leases.pop(lease_id)
         ns = self.namespaces[ns_id]
         for entry in lease.entries:
@@ -280,7 +311,7 @@ class Store:
         victims = self.cpu.slots.plan_free(page_bytes, count, self._evictable({id(e) for e in protected}))
         if victims is None:
             raise ResourceExhausted(
-                f"cannot reserve {count} pages of {page_bytes} bytes in the CPU tier "
+                f"cannot reserve {count} page(s) of {page_bytes} bytes in the CPU tier "
                 f"({self.cpu.capacity} bytes, {self.cpu.bytes_used} in use): every page that could make "
                 f"room is pinned by a lease or being written; release leases, wait for them to expire, "
                 f"or raise tiers.cpu.bytes"
@@ -319,6 +350,7 @@ class Store:
             for entry in [e for e in ns.entries.values() if e.committed]:
                 self._remove(entry)
                 cleared += 1
+
         self.counters["cleared_chunks"] += cleared
         return cleared
 

@@ -215,3 +215,22 @@ def test_request_validation(tmp_path: Path, clock: Clock) -> None:
     big = PageSpec(**{**SPEC.__dict__, "chunk_tokens": 4096})
     with pytest.raises(InvalidArgument, match="slab_bytes"):
         store.connect(big)
+
+
+def test_namespace_table_is_bounded(tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvstore.store
+
+    monkeypatch.setattr(kvstore.store, "MAX_NAMESPACES", 3)
+    store = make_store(tmp_path, clock, 16)
+    keys = store_chain(store, list(range(16)))  # SPEC's namespace holds a page
+    specs = [PageSpec(**{**SPEC.__dict__, "salt": f"tenant-{i}"}) for i in range(5)]
+    store.connect(specs[0])
+    store.connect(specs[1])
+    store.connect(specs[2])  # at the cap: the two empty namespaces are forgotten
+    assert set(store.namespaces) == {SPEC.namespace(), specs[2].namespace()}
+    for spec in specs[2:4]:
+        store.connect(spec)
+        store.reserve(spec.namespace(), chunk_keys(spec.namespace(), list(range(16)), 16))
+    with pytest.raises(ResourceExhausted, match="3 namespaces"):
+        store.connect(specs[4])  # all three hold pages or leases
+    assert load_chain(store, keys) == [page_bytes(keys[0])]
