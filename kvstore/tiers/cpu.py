@@ -29,6 +29,14 @@ class Arena:
         if path.exists():
             log.warning("replacing stale arena %s left by a daemon that did not shut down", path)
             path.unlink()
+        if prefault:
+            fs = os.statvfs(path.parent)
+            free = fs.f_bavail * fs.f_frsize
+            if free < size:
+                raise OSError(
+                    f"tiers.cpu.bytes: a {size}-byte arena does not fit in {path.parent}, which has "
+                    f"{free} bytes free; free space there or lower tiers.cpu.bytes"
+                )
         started = time.perf_counter()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
         try:

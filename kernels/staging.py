@@ -1,0 +1,63 @@
+"""Pinned staging for the small int64 tables a kernel launch reads (addresses, block ids).
+
+`to_device(values, device)` returns the values as an int64 tensor on `device`, copied
+asynchronously on the current stream. The copy must not stall the host: a fresh
+`pin_memory()` per call allocates pinned memory whenever earlier copies are still queued
+(the allocator frees a block only once its copy ran), and a copy from pageable memory can
+wait for the stream. So each device keeps a ring of pinned slots, and a slot is refilled
+only after the copy out of it has run (its event), which also bounds how far the host runs
+ahead of the GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import cache
+
+import numpy as np
+import torch
+
+NUM_SLOTS = 64
+MIN_SLOT_VALUES = 4096
+
+
+class TableStaging:
+    """A ring of pinned host slots feeding one CUDA device."""
+
+    def __init__(self, device: torch.device, num_slots: int = NUM_SLOTS) -> None:
+        self.device = device
+        self._slots: list[torch.Tensor | None] = [None] * num_slots
+        self._events = [torch.cuda.Event() for _ in range(num_slots)]
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def to_device(self, values: np.ndarray) -> torch.Tensor:
+        """`values` (int64) as a tensor on the device, ordered on the current stream."""
+        count = values.size
+        with self._lock:
+            index = self._next
+            self._next = (index + 1) % len(self._slots)
+            done = self._events[index]
+            done.synchronize()  # the copy out of this slot has run (at once if never recorded)
+            slot = self._slots[index]
+            if slot is None or slot.numel() < count:
+                slot = torch.empty(max(count, MIN_SLOT_VALUES), dtype=torch.int64, pin_memory=True)
+                self._slots[index] = slot
+            slot.numpy()[:count] = values
+            result = torch.empty(count, dtype=torch.int64, device=self.device)
+            result.copy_(slot[:count], non_blocking=True)
+            done.record()
+        return result
+
+
+@cache
+def staging_for(device: torch.device) -> TableStaging:
+    """The staging ring of one device, made on first use."""
+    return TableStaging(device)
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """int64 `values` on `device`: shared with numpy on the CPU, through the pinned ring for CUDA."""
+    if device.type != "cuda":
+        return torch.from_numpy(values)
+    return staging_for(device).to_device(values)

@@ -1,0 +1,686 @@
+"""Page gather/scatter: every layout, dtype and direction, for the torch reference and Triton.
+
+Each scenario builds a small random KV cache, poisons the destination twice (0xA5, then
+0x5A), runs one implementation and checks every destination byte against an oracle that
+indexes the cache token by token: a byte the oracle writes must hold the same value under
+both poisons, and every other byte must still hold the poison. Without CUDA the Triton
+kernels run in Triton's interpreter on CPU tensors; with CUDA they run on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# With CUDA the Triton cases run on the GPU; without it (or with TRITON_INTERPRET=1 set by the
+# caller) in the interpreter on CPU tensors. The variable must be set before
+# kvstore_kernels.triton_copy is imported: @triton.jit reads it.
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from types import ModuleType  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+import kvstore_kernels  # noqa: E402
+from kvstore.spec import KVSpec  # noqa: E402
+from kvstore_kernels import reference  # noqa: E402
+
+LAYOUTS = ["flash_attn", "flashinfer", "cross_layer", "mla", "hf"]
+DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn"]
+IMPLS = ["torch", "triton"]
+POISONS = (0xA5, 0x5A)
+BATCH = 2
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def triton_module() -> ModuleType:
+    from kvstore_kernels import triton_copy
+
+    if not CUDA and not triton_copy.is_interpreted():
+        importlib.reload(triton_copy)  # imported before TRITON_INTERPRET was set
+    return triton_copy
+
+
+def run(impl: str, direction: str, *args: Any, **kwargs: Any) -> None:
+    module = reference if impl == "torch" else triton_module()
+    getattr(module, direction)(*args, **kwargs)
+
+
+def device_of(impl: str) -> str:
+    return "cuda" if impl == "triton" and CUDA else "cpu"
+
+
+def make_spec(
+    layout: str,
+    dtype: str = "bfloat16",
+    *,
+    num_layers: int = 3,
+    block_size: int = 2,
+    chunk_tokens: int | None = None,
+    sharing: dict[int, int] | None = None,
+) -> KVSpec:
+    return KVSpec(
+        model="m",
+        num_layers=num_layers,
+        num_kv_heads=1 if layout == "mla" else 2,
+        head_dim=4,
+        dtype=dtype,
+        block_size=block_size,
+        layout=layout,
+        chunk_tokens=chunk_tokens or 2 * block_size,
+        kv_sharing=sharing or {},
+    )
+
+
+# -- caches: base tensors (whose every byte is checked) and the views handed to the kernels --
+
+
+def _base_and_view(spec: KVSpec, num_blocks: int, strided: bool) -> tuple[tuple[int, ...], Callable]:
+    bs, h, d, layers = spec.block_size, spec.num_kv_heads, spec.head_dim, spec.num_layers
+    seq = num_blocks * bs + 1
+    plain: dict[str, tuple[int, ...]] = {
+        "flash_attn": (2, num_blocks, bs, h, d),
+        "flashinfer": (num_blocks, 2, bs, h, d),
+        "cross_layer": (num_blocks, layers, 2, bs, h, d),
+        "mla": (num_blocks, bs, d),
+        "hf": (BATCH, h, seq, d),
+    }
+    if not strided:
+        return plain[spec.layout], lambda t: t
+    return {  # views that are not packed, or whose blocks are not adjacent
+        "flash_attn": ((2, num_blocks, bs, d, h), lambda t: t.transpose(-1, -2)),
+        "flashinfer": ((2 * num_blocks, 2, bs, h, d), lambda t: t[::2]),
+        "cross_layer": ((num_blocks, layers, 2, bs, h + 1, d), lambda t: t[..., :h, :]),
+        "mla": ((num_blocks, bs, d + 3), lambda t: t[..., :d]),
+        "hf": ((BATCH, seq, h, d), lambda t: t.transpose(1, 2)),
+    }[spec.layout]
+
+
+def build(
+    spec: KVSpec,
+    device: str,
+    *,
+    num_blocks: int = 12,
+    seed: int = 0,
+    fill: int | None = None,
+    strided: bool = False,
+    alias_shared: bool = False,
+) -> tuple[list[torch.Tensor], Any]:
+    """(base tensors, kv_caches). Shared layers get their own tensor unless `alias_shared`."""
+    shape, view = _base_and_view(spec, num_blocks, strided)
+    dtype = getattr(torch, spec.dtype)
+    gen = torch.Generator().manual_seed(seed)
+    per_layer = 2 if spec.layout == "hf" else 1
+    count = 1 if spec.layout == "cross_layer" else spec.num_layers * per_layer
+    byte_shape = (*shape[:-1], shape[-1] * spec.page.itemsize)
+    bases = [
+        (
+            torch.full(byte_shape, fill, dtype=torch.uint8)
+            if fill is not None
+            else torch.randint(0, 256, byte_shape, dtype=torch.uint8, generator=gen)
+        )
+        .view(dtype)
+        .to(device)
+        for _ in range(count)
+    ]
+    views = [view(base) for base in bases]
+    if spec.layout == "cross_layer":
+        return bases, views[0]
+    entries: list[Any] = (
+        [tuple(views[2 * i : 2 * i + 2]) for i in range(spec.num_layers)] if per_layer == 2 else views
+    )
+    if alias_shared:
+        for layer, source in spec.kv_sharing.items():
+            entries[layer] = entries[source]
+    return bases, entries
+
+
+def as_bytes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().cpu().contiguous().view(torch.uint8) for t in tensors]
+
+
+def block_table(num_blocks: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:length]
+
+
+# -- the oracle: token-by-token indexing of each layout, written from DESIGN.md's page format --
+
+
+def _selector(spec: KVSpec, caches: Any, layer: int, kv: int, batch_index: int) -> torch.Tensor:
+    """A view of one layer's K or V indexed by [block, offset] (by [position] for hf)."""
+    if spec.layout == "flash_attn":
+        return caches[layer][kv]
+    if spec.layout == "flashinfer":
+        return caches[layer].select(1, kv)
+    if spec.layout == "cross_layer":
+        return caches.select(2, kv).select(1, layer)
+    if spec.layout == "mla":
+        return caches[layer]
+    return caches[layer][kv][batch_index].transpose(0, 1)
+
+
+def _token_index(spec: KVSpec, table: Any, chunk: int) -> tuple[torch.Tensor, ...]:
+    tokens = torch.arange(chunk * spec.page.chunk_tokens, (chunk + 1) * spec.page.chunk_tokens)
+    if spec.layout == "hf":
+        return (tokens,)
+    return torch.as_tensor(table)[tokens // spec.block_size], tokens % spec.block_size
+
+
+def _spans(spec: KVSpec, layers: range | None):
+    """(engine layer, kv, byte offset in a page) of every K/V span that moves."""
+    page = spec.page
+    for position, layer in enumerate(page.stored_layers):
+        if layers is None or layer in layers:
+            for kv in range(page.kv_factor):
+                yield layer, kv, position * page.layer_bytes + kv * page.chunk_tokens * page.token_bytes
+
+
+def expected_buffer(
+    spec: KVSpec,
+    caches: Any,
+    table: Any,
+    chunks: list[int],
+    offsets: list[int],
+    size: int,
+    layers: range | None = None,
+    batch_index: int = 0,
+) -> torch.Tensor:
+    """int16 buffer: the byte each position must hold, or -1 where gather must not write."""
+    out = torch.full((size,), -1, dtype=torch.int16)
+    span_bytes = spec.page.chunk_tokens * spec.page.token_bytes
+    for chunk, offset in zip(chunks, offsets, strict=True):
+        index = _token_index(spec, table, chunk)
+        for layer, kv, start in _spans(spec, layers):
+            tokens = _selector(spec, caches, layer, kv, batch_index)[index].cpu().contiguous()
+            out[offset + start : offset + start + span_bytes] = (
+                tokens.view(torch.uint8).flatten().to(torch.int16)
+            )
+    return out
+
+
+def write_expected(
+    spec: KVSpec,
+    caches: Any,
+    table: Any,
+    chunks: list[int],
+    buffer: torch.Tensor,
+    offsets: list[int],
+    layers: range | None = None,
+    batch_index: int = 0,
+) -> None:
+    """What scatter must do, token by token, into `caches` (CPU tensors)."""
+    span_bytes = spec.page.chunk_tokens * spec.page.token_bytes
+    dtype = getattr(torch, spec.dtype)
+    for chunk, offset in zip(chunks, offsets, strict=True):
+        index = _token_index(spec, table, chunk)
+        for layer, kv, start in _spans(spec, layers):
+            target = _selector(spec, caches, layer, kv, batch_index)
+            span = buffer[offset + start : offset + start + span_bytes].cpu().clone().view(dtype)
+            target[index] = span.view(target[index].shape)
+
+
+def check_gather(
+    impl: str,
+    spec: KVSpec,
+    caches: Any,
+    table: Any,
+    chunks: list[int],
+    offsets: list[int],
+    size: int,
+    layers: range | None = None,
+    batch_index: int = 0,
+) -> None:
+    expected = expected_buffer(spec, caches, table, chunks, offsets, size, layers, batch_index)
+    for poison in POISONS:
+        buffer = torch.full((size,), poison, dtype=torch.uint8, device=device_of(impl))
+        run(impl, "gather", spec, caches, table, chunks, buffer, offsets, layers, batch_index=batch_index)
+        want = torch.where(expected < 0, poison, expected).to(torch.uint8)
+        assert torch.equal(buffer.cpu(), want), (
+            f"poison {poison:#x}: {int((buffer.cpu() != want).sum())} bytes differ"
+        )
+
+
+def check_scatter(
+    impl: str,
+    spec: KVSpec,
+    table: Any,
+    chunks: list[int],
+    offsets: list[int],
+    size: int,
+    layers: range | None = None,
+    batch_index: int = 0,
+    **build_args: Any,
+) -> None:
+    buffer = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    for poison in POISONS:
+        bases, caches = build(spec, device_of(impl), fill=poison, **build_args)
+        expected_bases, expected = build(spec, "cpu", fill=poison, **build_args)
+        run(
+            impl,
+            "scatter",
+            spec,
+            caches,
+            table,
+            chunks,
+            buffer.to(device_of(impl)),
+            offsets,
+            layers,
+            batch_index=batch_index,
+        )
+        write_expected(spec, expected, table, chunks, buffer, offsets, layers, batch_index)
+        for index, (got, want) in enumerate(zip(as_bytes(bases), as_bytes(expected_bases), strict=True)):
+            assert torch.equal(got, want), (
+                f"poison {poison:#x}, tensor {index}: {int((got != want).sum())} bytes differ"
+            )
+
+
+def scenario(spec: KVSpec) -> tuple[Any, list[int], list[int], int]:
+    """Permuted block table, chunks out of order, pages apart and out of order in one buffer."""
+    page_bytes = spec.page.page_bytes
+    chunks = [3, 0, 2]
+    table = None if spec.layout == "hf" else block_table(12, 4 * spec.blocks_per_chunk)
+    return table, chunks, [3 * page_bytes + 8, 16, 5 * page_bytes + 24], 7 * page_bytes + 32
+
+
+# -- scenarios -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_every_layout_and_dtype(direction: str, layout: str, dtype: str, impl: str) -> None:
+    spec = make_spec(layout, dtype, sharing={1: 0})  # layer 1 is shared: never stored, never written
+    table, chunks, offsets, size = scenario(spec)
+    if direction == "gather":
+        _, caches = build(spec, device_of(impl))
+        check_gather(impl, spec, caches, table, chunks, offsets, size, batch_index=1)
+    else:
+        check_scatter(impl, spec, table, chunks, offsets, size, batch_index=1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layers", [range(1, 4), range(2, 3), range(0, 2), range(3, 3)])
+def test_layer_subsets_skip_shared_layers(layers: range, impl: str) -> None:
+    spec = make_spec("flashinfer", num_layers=4, sharing={2: 0})
+    table, chunks, offsets, size = scenario(spec)
+    _, caches = build(spec, device_of(impl))
+    check_gather(impl, spec, caches, table, chunks, offsets, size, layers)
+    check_scatter(impl, spec, table, chunks, offsets, size, layers)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["flash_attn", "hf"])
+def test_shared_layers_that_alias_their_source(layout: str, impl: str) -> None:
+    spec = make_spec(layout, num_layers=4, sharing={1: 0, 3: 2})
+    table, chunks, offsets, size = scenario(spec)
+    _, caches = build(spec, device_of(impl), alias_shared=True)
+    check_gather(impl, spec, caches, table, chunks, offsets, size)
+    check_scatter(impl, spec, table, chunks, offsets, size, alias_shared=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("block_size", [1, 3, 16, 64])
+def test_block_sizes(block_size: int, impl: str) -> None:
+    spec = make_spec("flash_attn", "float16", num_layers=2, block_size=block_size)
+    table, chunks, offsets, size = scenario(spec)
+    _, caches = build(spec, device_of(impl))
+    check_gather(impl, spec, caches, table, chunks, offsets, size)
+    check_scatter(impl, spec, table, chunks, offsets, size)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_page_offsets_on_odd_bytes(impl: str) -> None:
+    spec = make_spec("cross_layer", "float32")
+    table, chunks, _, size = scenario(spec)
+    offsets = [1, 2 * spec.page.page_bytes + 3, spec.page.page_bytes + 2]
+    _, caches = build(spec, device_of(impl))
+    check_gather(impl, spec, caches, table, chunks, offsets, size)
+    check_scatter(impl, spec, table, chunks, offsets, size)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_strided_views_are_honoured(direction: str, layout: str, impl: str) -> None:
+    spec = make_spec(layout, "bfloat16")
+    table, chunks, offsets, size = scenario(spec)
+    if direction == "gather":
+        _, caches = build(spec, device_of(impl), strided=True)
+        check_gather(impl, spec, caches, table, chunks, offsets, size)
+    else:  # bytes of the base outside the view must keep their poison too
+        check_scatter(impl, spec, table, chunks, offsets, size, strided=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_restores_the_blocks(layout: str, impl: str) -> None:
+    spec = make_spec(layout, "float8_e4m3fn", sharing={2: 1})
+    table, chunks, offsets, size = scenario(spec)
+    _, original = build(spec, device_of(impl), seed=3)
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device_of(impl))
+    run(impl, "gather", spec, original, table, chunks, buffer, offsets)
+    bases, restored = build(spec, device_of(impl), fill=0xA5)
+    run(impl, "scatter", spec, restored, table, chunks, buffer, offsets)
+    expected_bases, expected = build(spec, "cpu", fill=0xA5)
+    cpu_original = build(spec, "cpu", seed=3)[1]
+    for chunk in chunks:  # the original blocks, copied token by token; all else stays poisoned
+        index = _token_index(spec, table, chunk)
+        for layer, kv, _ in _spans(spec, None):
+            _selector(spec, expected, layer, kv, 0)[index] = _selector(spec, cpu_original, layer, kv, 0)[
+                index
+            ]
+    for got, want in zip(as_bytes(bases), as_bytes(expected_bases), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_page_format_by_hand(impl: str) -> None:
+    """DESIGN.md's page, built with loops: [stored_layer][k|v][token][kv_head][head_dim]."""
+    spec = make_spec("flash_attn", "float32", block_size=2, chunk_tokens=4, sharing={1: 0})
+    caches = [
+        torch.arange(2 * 4 * 2 * 2 * 4, dtype=torch.float32).reshape(2, 4, 2, 2, 4) + 1000 * layer
+        for layer in range(3)
+    ]
+    table = [3, 1, 0, 2]
+    page: list[float] = []
+    for layer in (0, 2):
+        for kv in range(2):
+            for token in range(4, 8):  # chunk 1
+                for head in range(2):
+                    for dim in range(4):
+                        page.append(float(caches[layer][kv, table[token // 2], token % 2, head, dim]))
+    device = device_of(impl)
+    buffer = torch.full((spec.page.page_bytes + 8,), 0xA5, dtype=torch.uint8, device=device)
+    run(impl, "gather", spec, [c.to(device) for c in caches], table, [1], buffer, [8])
+    assert torch.equal(buffer[8:].cpu().view(torch.float32), torch.tensor(page))
+    assert torch.equal(buffer[:8].cpu(), torch.full((8,), 0xA5, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mla_page_format_by_hand(impl: str) -> None:
+    """MLA pages: [stored_layer][token][latent]."""
+    spec = make_spec("mla", "float32", num_layers=2, block_size=1, chunk_tokens=2)
+    caches = [
+        torch.arange(3 * 1 * 4, dtype=torch.float32).reshape(3, 1, 4) + 100 * layer for layer in range(2)
+    ]
+    table = [2, 0, 1]
+    expected = [
+        float(caches[layer][table[token], 0, dim])
+        for layer in range(2)
+        for token in (0, 1)
+        for dim in range(4)
+    ]
+    buffer = torch.zeros(spec.page.page_bytes, dtype=torch.uint8, device=device_of(impl))
+    run(impl, "gather", spec, [c.to(device_of(impl)) for c in caches], table, [0], buffer, [0])
+    assert buffer.cpu().view(torch.float32).tolist() == expected
+
+
+# -- validation: every mismatch is a ValueError naming it, raised before any byte moves ----------
+
+
+def _bad(**changes: Any) -> dict[str, Any]:
+    return changes
+
+
+def _layer(index: int, tensor: Callable[[list], Any]) -> Callable[[dict], None]:
+    def change(args: dict) -> None:
+        args["kv_caches"] = list(args["kv_caches"])
+        args["kv_caches"][index] = tensor(args["kv_caches"])
+
+    return change
+
+
+BAD_INPUTS: list[tuple[str, Callable[[dict], None], str]] = [
+    (
+        "shape",
+        _layer(2, lambda c: torch.zeros(2, 12, 2, 2, 8, dtype=torch.bfloat16)),
+        "kv_caches[2]: shape [2, 12, 2, 2, 8]",
+    ),
+    (
+        "dtype",
+        _layer(0, lambda c: c[0].to(torch.float16)),
+        "kv_caches[0]: dtype float16 does not match the spec's bfloat16",
+    ),
+    ("device", _layer(2, lambda c: c[2].to("meta")), "kv_caches[2]: on meta"),
+    ("not a tensor", _layer(0, lambda c: "x"), "kv_caches[0]: expected a torch.Tensor"),
+    ("layer count", lambda a: a.update(kv_caches=a["kv_caches"][:2]), "expected a list of 3 layers"),
+    (
+        "block id",
+        lambda a: a["block_ids"].__setitem__(5, 12),
+        "block_ids[5]: block 12 (chunk 2) is outside 0..11",
+    ),
+    ("negative block id", lambda a: a["block_ids"].__setitem__(0, -1), "block_ids[0]: block -1"),
+    (
+        "short table",
+        lambda a: a.update(block_ids=a["block_ids"][:7]),
+        "block table has 7 entries; chunk 3 needs 8",
+    ),
+    ("float table", lambda a: a.update(block_ids=a["block_ids"].float()), "block_ids: expected integer"),
+    ("2-D table", lambda a: a.update(block_ids=a["block_ids"].reshape(2, 4)), "block_ids: expected a 1-D"),
+    (
+        "buffer dtype",
+        lambda a: a.update(buffer=a["buffer"].view(torch.int16)),
+        "buffer: expected a 1-D uint8 tensor, got int16",
+    ),
+    ("buffer 2-D", lambda a: a.update(buffer=a["buffer"].view(2, -1)), "buffer: expected a 1-D uint8 tensor"),
+    (
+        "buffer strided",
+        lambda a: a.update(buffer=a["buffer"][::2]),
+        "buffer: expected contiguous bytes, got stride 2",
+    ),
+    (
+        "page past end",
+        lambda a: a.update(offsets=[0, 6 * 256 - 255, 600]),
+        "offsets[1]: page 1281..1537 (256 bytes) runs past",
+    ),
+    ("counts", lambda a: a.update(offsets=[0, 256]), "3 chunks but 2 offsets"),
+    ("negative chunk", lambda a: a.update(chunks=[0, -1, 2]), "chunks[1]: -1 is negative"),
+    ("layers past end", lambda a: a.update(layers=range(1, 4)), "layers: range(1, 4) is outside 0..3"),
+    ("layers step", lambda a: a.update(layers=range(0, 3, 2)), "layers: expected a range with step 1"),
+]
+
+
+def _bad_args() -> dict[str, Any]:
+    spec = make_spec("flash_attn", sharing={1: 0})  # page: 2 stored layers x 128 bytes
+    _, caches = build(spec, "cpu")
+    return dict(
+        spec=spec,
+        kv_caches=caches,
+        block_ids=block_table(12, 8),
+        chunks=[3, 0, 2],
+        buffer=torch.full((6 * 256,), 0xA5, dtype=torch.uint8),
+        offsets=[0, 256, 600],
+    )
+
+
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+@pytest.mark.parametrize(
+    ("change", "message"), [case[1:] for case in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS]
+)
+def test_bad_input_is_a_value_error(change: Callable[[dict], None], message: str, direction: str) -> None:
+    args = _bad_args()
+    assert args["spec"].page.page_bytes == 256
+    change(args)
+    before = [t.clone() for t in args["kv_caches"] if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        getattr(kvstore_kernels, direction)(**args)
+    after = [t for t in args["kv_caches"] if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    assert all(
+        torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(before, after, strict=True)
+    )
+    if args["buffer"].dtype == torch.uint8:
+        assert bool((args["buffer"] == 0xA5).all())
+
+
+def test_overlapping_pages_are_refused_on_gather() -> None:
+    args = _bad_args()
+    args["offsets"] = [0, 255, 600]
+    with pytest.raises(ValueError, match=r"offsets\[0\] and offsets\[1\]: pages at 0 and 255 overlap"):
+        kvstore_kernels.gather(**args)
+    kvstore_kernels.scatter(**args)  # reading overlapping pages is fine
+
+
+def test_scatter_refuses_a_block_written_twice() -> None:
+    args = _bad_args()
+    args["block_ids"][1] = args["block_ids"][7]
+    with pytest.raises(ValueError, match=f"block {int(args['block_ids'][7])} appears twice"):
+        kvstore_kernels.scatter(**args)
+
+
+def test_scatter_refuses_expanded_views() -> None:
+    args = _bad_args()
+    args["kv_caches"][2] = torch.zeros(2, 1, 2, 2, 4, dtype=torch.bfloat16).expand(2, 12, 2, 2, 4)
+    with pytest.raises(ValueError, match=r"kv_caches\[2\]: has a zero stride"):
+        kvstore_kernels.scatter(**args)
+
+
+def test_hf_chunk_past_the_sequence_and_bad_batch_index() -> None:
+    spec = make_spec("hf")
+    _, caches = build(spec, "cpu", num_blocks=4)  # 9 positions: chunks 0 and 1 only
+    buffer = torch.zeros(spec.page.page_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="chunk 2 needs seq positions up to 11"):
+        kvstore_kernels.gather(spec, caches, None, [2], buffer, [0])
+    with pytest.raises(ValueError, match=r"batch_index: 2 is outside 0..1 for kv_caches\[0\] key"):
+        kvstore_kernels.gather(spec, caches, None, [1], buffer, [0], batch_index=2)
+
+
+def test_cross_layer_takes_one_tensor() -> None:
+    spec = make_spec("cross_layer")
+    _, cache = build(spec, "cpu")
+    with pytest.raises(ValueError, match="cross_layer layout takes one tensor, got list"):
+        kvstore_kernels.gather(
+            spec, [cache], [0, 1], [0], torch.zeros(spec.page.page_bytes, dtype=torch.uint8), [0]
+        )
+
+
+# -- dispatch ------------------------------------------------------------------------------------
+
+
+def _small_call() -> tuple[KVSpec, Any, torch.Tensor, torch.Tensor]:
+    spec = make_spec("flash_attn")
+    _, caches = build(spec, "cpu")
+    return spec, caches, block_table(12, 2), torch.zeros(spec.page.page_bytes, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("torch", "torch"), ("triton", "triton"), ("", "torch")])
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch, setting: str, expected: str) -> None:
+    monkeypatch.setenv("KVSTORE_KERNELS", setting)
+    calls: list[str] = []
+    triton_copy = triton_module()
+    monkeypatch.setattr(triton_copy, "launch", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr(reference, "gather_plan", lambda *a, **k: calls.append("torch"))
+    spec, caches, table, buffer = _small_call()
+    kvstore_kernels.gather(spec, caches, table, [0], buffer, [0])
+    assert calls == [expected]
+
+
+def test_unknown_backend_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTORE_KERNELS", "cuda")
+    spec, caches, table, buffer = _small_call()
+    with pytest.raises(ValueError, match="KVSTORE_KERNELS: expected one of auto, triton, torch, got 'cuda'"):
+        kvstore_kernels.gather(spec, caches, table, [0], buffer, [0])
+
+
+@pytest.mark.skipif(CUDA, reason="CPU tensors reach Triton only through the interpreter")
+def test_forced_triton_on_cpu_runs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTORE_KERNELS", "triton")
+    assert triton_module().is_interpreted()
+    spec, caches, table, buffer = _small_call()
+    kvstore_kernels.gather(spec, caches, table, [0], buffer, [0])
+    assert torch.equal(buffer.to(torch.int16), expected_buffer(spec, caches, table, [0], [0], buffer.numel()))
+
+
+# -- CUDA: real kernels, pinned host pages, wide tiles -------------------------------------------
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("buffer_on", ["pinned", "cuda", "pageable"])
+def test_cuda_cache_with_each_buffer(monkeypatch: pytest.MonkeyPatch, buffer_on: str) -> None:
+    """Auto dispatch: Triton for a pinned or device buffer, the reference for pageable memory."""
+    spec = KVSpec(
+        model="m",
+        num_layers=4,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        block_size=16,
+        layout="flash_attn",
+        chunk_tokens=64,
+        kv_sharing={3: 1},
+    )
+    table = block_table(40, 32)
+    chunks, offsets = (
+        [5, 1, 7, 0],
+        [0, 3 * spec.page.page_bytes, spec.page.page_bytes, 6 * spec.page.page_bytes],
+    )
+    _, caches = build(spec, "cuda", num_blocks=40)
+    size = 7 * spec.page.page_bytes
+    launches: list[int] = []
+    triton_copy = triton_module()
+    real_launch = triton_copy.launch
+
+    def counting_launch(*args: Any, **kwargs: Any) -> None:
+        launches.append(1)
+        real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_copy, "launch", counting_launch)
+    expected = expected_buffer(spec, caches, table, chunks, offsets, size)
+    for poison in POISONS:
+        buffer = torch.full(
+            (size,), poison, dtype=torch.uint8, device="cuda" if buffer_on == "cuda" else "cpu"
+        )
+        buffer = buffer.pin_memory() if buffer_on == "pinned" else buffer
+        kvstore_kernels.gather(spec, caches, table, chunks, buffer, offsets)
+        torch.cuda.synchronize()
+        assert torch.equal(buffer.cpu(), torch.where(expected < 0, poison, expected).to(torch.uint8))
+        _, restored = build(spec, "cuda", num_blocks=40, fill=poison)
+        kvstore_kernels.scatter(spec, restored, table, chunks, buffer, offsets)
+        again = torch.full_like(buffer, poison)
+        again = again.pin_memory() if buffer_on == "pinned" else again
+        kvstore_kernels.gather(spec, restored, table, chunks, again, offsets)
+        torch.cuda.synchronize()
+        assert torch.equal(again.cpu(), buffer.cpu())
+    assert len(launches) == (0 if buffer_on == "pageable" else 6)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("max_programs", [1, 3, 1000])
+def test_cuda_program_cap_covers_every_segment(max_programs: int) -> None:
+    spec = make_spec("cross_layer", "float8_e4m3fn", num_layers=5, block_size=16, chunk_tokens=64)
+    table, chunks, offsets, size = scenario(spec)
+    table = block_table(40, 16)
+    _, caches = build(spec, "cuda", num_blocks=40)
+    buffer = torch.full((size,), 0xA5, dtype=torch.uint8, device="cuda")
+    triton_module().gather(spec, caches, table, chunks, buffer, offsets, max_programs=max_programs)
+    expected = expected_buffer(spec, caches, table, chunks, offsets, size)
+    assert torch.equal(buffer.cpu(), torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+
+
+@gpu
+@needs_cuda
+def test_cuda_many_calls_in_flight_reuse_the_table_slots() -> None:
+    """More queued launches than pinned table slots: each launch still reads its own tables."""
+    spec = make_spec("flash_attn", "float16", num_layers=2, block_size=16, chunk_tokens=16)
+    table = block_table(200, 200)
+    _, caches = build(spec, "cuda", num_blocks=200)
+    chunks = list(range(150))
+    offsets = [(149 - chunk) * spec.page.page_bytes for chunk in chunks]
+    size = 150 * spec.page.page_bytes
+    buffer = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
+    busy = torch.randn(4096, 4096, device="cuda")
+    busy @ busy  # keep the stream busy so the launches queue up behind it
+    for chunk, offset in zip(chunks, offsets, strict=True):
+        kvstore_kernels.gather(spec, caches, table, [chunk], buffer, [offset])
+    torch.cuda.synchronize()
+    expected = expected_buffer(spec, caches, table, chunks, offsets, size)
+    assert torch.equal(buffer, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
