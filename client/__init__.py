@@ -1,10 +1,10 @@
 """kvstore_client: the worker-side library for kvstored.
 
-    from kvstore_client import KVStoreClient, KVSpec
-    with KVStoreClient.connect("unix:///run/kvstore/kvstored.sock", spec) as client:
-        hit_tokens = client.lookup(token_ids)
-        client.load(token_ids[:hit_tokens], kv_caches, block_ids)
-        new_chunks = client.store(token_ids, kv_caches, block_ids)
+from kvstore_client import KVStoreClient, KVSpec
+with KVStoreClient.connect("unix:///run/kvstore/kvstored.sock", spec) as client:
+    hit_tokens = client.lookup(token_ids)
+    client.load(token_ids[:hit_tokens], kv_caches, block_ids)
+    new_chunks = client.store(token_ids, kv_caches, block_ids)
 """
 
 from kvstore.errors import (

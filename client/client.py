@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -27,12 +28,25 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.spec import KVSpec
 from kvstore.stats import stats_to_dict
+from kvstore_client.handles import LoadHandle, StoreHandle
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 _CHANNEL_LIMIT = 64 << 20
 _NOT_REGISTERED = "is not registered with this daemon"
+
+
+def _ignore(exc: BaseException) -> None:
+    pass
+
+
+def cache_device(kv_caches: Any) -> torch.device:
+    """The device of an engine's KV cache (a tensor, a list of them, or a list of (k, v) pairs)."""
+    first = kv_caches
+    while isinstance(first, list | tuple) and first:
+        first = first[0]
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
 
 
 def default_address() -> str:
@@ -42,20 +56,33 @@ def default_address() -> str:
 
 
 class KVStoreClient:
-    def __init__(self, address: str, spec: KVSpec, shared_memory: bool | None = None,
-                 token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, name: str = "") -> None:
+    def __init__(
+        self,
+        address: str,
+        spec: KVSpec,
+        shared_memory: bool | None = None,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        name: str = "",
+        pin_arena: bool | None = None,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.name = name or f"pid-{os.getpid()}"
         self._want_shared_memory = shared_memory
+        self._pin_arena = pin_arena
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        options = [("grpc.max_receive_message_length", _CHANNEL_LIMIT),
-                   ("grpc.max_send_message_length", _CHANNEL_LIMIT)]
+        options = [
+            ("grpc.max_receive_message_length", _CHANNEL_LIMIT),
+            ("grpc.max_send_message_length", _CHANNEL_LIMIT),
+        ]
         self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._requested_spec = spec
         self._arena: mmap.mmap | None = None
         self.arena: torch.Tensor | None = None
+        self._registered = False
+        self._streams: dict[torch.device, Any] = {}
         try:
             self._handshake()
         except BaseException:
@@ -63,17 +90,26 @@ class KVStoreClient:
             raise
 
     @classmethod
-    def connect(cls, address: str | None = None, spec: KVSpec | None = None, *,
-                shared_memory: bool | None = None, token: str | None = None,
-                timeout_s: float = DEFAULT_TIMEOUT_S, name: str = "") -> KVStoreClient:
+    def connect(
+        cls,
+        address: str | None = None,
+        spec: KVSpec | None = None,
+        *,
+        shared_memory: bool | None = None,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        name: str = "",
+        pin_arena: bool | None = None,
+    ) -> KVStoreClient:
         """Connect to kvstored at `address` (default: the default config's unix socket).
 
         `shared_memory`: None maps the arena when the daemon's is reachable on this host,
-        True requires it, False always sends page bytes inline.
+        True requires it, False always sends page bytes inline. `pin_arena`: None registers the
+        mapped arena with CUDA when a GPU is present (the kernels then move pages at PCIe speed).
         """
         if spec is None:
             raise ValueError("spec: a KVSpec describing this worker's KV cache is required")
-        return cls(address or default_address(), spec, shared_memory, token, timeout_s, name)
+        return cls(address or default_address(), spec, shared_memory, token, timeout_s, name, pin_arena)
 
     # -- connection ---------------------------------------------------------
 
@@ -86,22 +122,37 @@ class KVStoreClient:
     def _handshake(self) -> None:
         spec = self._requested_spec
         page = spec._page(spec.chunk_tokens or spec.block_size)
-        request = pb.ConnectRequest(client_name=self.name, spec=pb.PageSpec(
-            model=page.model, num_layers=page.num_layers, num_kv_heads=page.num_kv_heads,
-            head_dim=page.head_dim, dtype=page.dtype, chunk_tokens=spec.chunk_tokens or 0,
-            latent=page.latent, kv_sharing=dict(page.kv_sharing), tp_rank=page.tp_rank,
-            tp_size=page.tp_size, salt=page.salt))
+        request = pb.ConnectRequest(
+            client_name=self.name,
+            spec=pb.PageSpec(
+                model=page.model,
+                num_layers=page.num_layers,
+                num_kv_heads=page.num_kv_heads,
+                head_dim=page.head_dim,
+                dtype=page.dtype,
+                chunk_tokens=spec.chunk_tokens or 0,
+                latent=page.latent,
+                kv_sharing=dict(page.kv_sharing),
+                tp_rank=page.tp_rank,
+                tp_size=page.tp_size,
+                salt=page.salt,
+            ),
+        )
         reply = self._rpc("Connect", request)
         self.spec = spec.with_chunk_tokens(reply.chunk_tokens)
         if reply.chunk_tokens % spec.block_size:
-            raise ValueError(f"chunk_tokens: the daemon's {reply.chunk_tokens} is not a multiple of "
-                             f"block_size {spec.block_size}; pass KVSpec(chunk_tokens=...)")
+            raise ValueError(
+                f"chunk_tokens: the daemon's {reply.chunk_tokens} is not a multiple of "
+                f"block_size {spec.block_size}; pass KVSpec(chunk_tokens=...)"
+            )
         self.namespace: bytes = reply.namespace
         self.page_bytes: int = reply.page_bytes
         self.max_message_bytes: int = reply.max_message_bytes
         if self.spec.page.namespace() != self.namespace or self.spec.page.page_bytes != self.page_bytes:
-            raise RuntimeError("the daemon computed another namespace or page size for this spec: "
-                               "client and daemon run incompatible kvstore versions")
+            raise RuntimeError(
+                "the daemon computed another namespace or page size for this spec: "
+                "client and daemon run incompatible kvstore versions"
+            )
         self._map_arena(reply.arena.shm_path, reply.arena.size)
 
     def _map_arena(self, path: str, size: int) -> None:
@@ -112,8 +163,10 @@ class KVStoreClient:
             fd = os.open(path, os.O_RDWR)
         except OSError as exc:
             if self._want_shared_memory:
-                raise ConnectionError(f"cannot map the daemon's arena {path!r}: {exc.strerror}; "
-                                      f"connect with shared_memory=False to send bytes instead") from exc
+                raise ConnectionError(
+                    f"cannot map the daemon's arena {path!r}: {exc.strerror}; "
+                    f"connect with shared_memory=False to send bytes instead"
+                ) from exc
             log.info("arena %s not reachable (%s): page bytes go inline", path, exc.strerror)
             return
         try:
@@ -121,8 +174,36 @@ class KVStoreClient:
         finally:
             os.close(fd)
         self.arena = torch.frombuffer(self._arena, dtype=torch.uint8)
+        if self._pin_arena is not False:
+            self._register_arena()
+
+    def _register_arena(self) -> None:
+        """Pins the arena for DMA (cudaHostRegister) so kernels read and write it at PCIe speed."""
+        if self.arena is None or not torch.cuda.is_available():
+            return
+        started = time.perf_counter()
+        code = torch.cuda.cudart().cudaHostRegister(self.arena.data_ptr(), self.arena.numel(), 0)
+        if int(code) != 0:
+            log.warning(
+                "cudaHostRegister of the %d MiB arena failed (error %d): transfers fall back to "
+                "pageable speed; raise the memlock limit (LimitMEMLOCK=infinity)",
+                self.arena.numel() >> 20,
+                int(code),
+            )
+            return
+        self._registered = True
+        log.info(
+            "registered the %d MiB arena with CUDA in %.2f s",
+            self.arena.numel() >> 20,
+            time.perf_counter() - started,
+        )
 
     def _unmap_arena(self) -> None:
+        if self._registered and self.arena is not None:
+            for stream in self._streams.values():
+                stream.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
+            self._registered = False
         self.arena = None
         if self._arena is not None:
             self._arena.close()
@@ -164,64 +245,157 @@ class KVStoreClient:
         keys = self.keys(token_ids)
         if not keys:
             return 0
-        reply = self._first_rpc("Lookup", lambda: pb.LookupRequest(namespace=self.namespace,
-                                                                    keys=pack_keys(keys)))
+        reply = self._first_rpc(
+            "Lookup", lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys))
+        )
         return reply.hit_chunks * self.spec.page.chunk_tokens
 
     def store(self, token_ids: Any, kv_caches: Any, block_ids: Any, layers: range | None = None) -> int:
         """Store the whole chunks of `token_ids` from the KV cache; returns how many were new."""
+        return self.store_async(token_ids, kv_caches, block_ids, layers=layers).wait()
+
+    def load(self, token_ids: Any, kv_caches: Any, block_ids: Any, layers: range | None = None) -> int:
+        """Load the longest stored prefix of `token_ids` into the KV cache; returns tokens loaded."""
+        return self.load_async(token_ids, kv_caches, block_ids, layers=layers).wait()
+
+    def store_async(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        *,
+        stream: Any = None,
+        layers: range | None = None,
+    ) -> StoreHandle:
+        """Reserve the new chunks and enqueue their gather; `wait()` commits them.
+
+        On CUDA the gather runs on `stream` (default: this client's side stream, which first
+        waits for the caller's current stream), so the caller's stream is never blocked.
+        """
         keys = self.keys(token_ids)
-        if not keys:
-            return 0
-        reply = self._first_rpc("Reserve", lambda: pb.ReserveRequest(namespace=self.namespace,
-                                                                      keys=pack_keys(keys)))
-        chunks = [i for i, offset in enumerate(reply.offsets) if offset >= 0]
-        if not chunks:
-            return 0
+        reply = (
+            self._first_rpc(
+                "Reserve", lambda: pb.ReserveRequest(namespace=self.namespace, keys=pack_keys(keys))
+            )
+            if keys
+            else None
+        )
+        chunks = [i for i, offset in enumerate(reply.offsets) if offset >= 0] if reply else []
+        if reply is None or not chunks:
+            return StoreHandle(None, lambda: 0, _ignore, 0)
         lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id)
         try:
             if self.arena is not None:
                 offsets = [reply.offsets[i] for i in chunks]
-                kvstore_kernels.gather(self.spec, kv_caches, block_ids, chunks, self.arena, offsets, layers)
+                event = self._enqueue(
+                    kvstore_kernels.gather, kv_caches, block_ids, chunks, self.arena, offsets, layers, stream
+                )
             else:
                 staging = torch.empty(len(chunks) * self.page_bytes, dtype=torch.uint8)
                 offsets = [i * self.page_bytes for i in range(len(chunks))]
                 kvstore_kernels.gather(self.spec, kv_caches, block_ids, chunks, staging, offsets, layers)
                 self._put(reply.lease_id, staging)
+                event = None
         except BaseException:
             self._abort_quietly(lease)
             raise
-        committed: int = self._rpc("Commit", lease).committed
-        return committed
 
-    def load(self, token_ids: Any, kv_caches: Any, block_ids: Any, layers: range | None = None) -> int:
-        """Load the longest stored prefix of `token_ids` into the KV cache; returns tokens loaded."""
+        def commit() -> int:
+            committed: int = self._rpc("Commit", lease).committed
+            return committed
+
+        return StoreHandle(event, commit, lambda exc: self._abort_quietly(lease), len(chunks))
+
+    def load_async(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        *,
+        stream: Any = None,
+        layers: range | None = None,
+    ) -> LoadHandle:
+        """Pin the longest stored prefix and enqueue its scatter; `wait()` releases it.
+
+        `wait()` returns the number of leading tokens that are valid in the KV cache: 0 if the
+        lease lapsed while the pages were read (their slots may have been reused meanwhile).
+        """
         keys = self.keys(token_ids)
-        if not keys:
-            return 0
-        reply = self._first_rpc("Lookup", lambda: pb.LookupRequest(namespace=self.namespace,
-                                                                    keys=pack_keys(keys), lease=True))
-        if reply.hit_chunks == 0:
-            return 0
+        reply = (
+            self._first_rpc(
+                "Lookup", lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys), lease=True)
+            )
+            if keys
+            else None
+        )
+        if reply is None or reply.hit_chunks == 0:
+            return LoadHandle(None, lambda: 0, _ignore, 0)
         lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id)
         try:
             if self.arena is not None:
                 acquired = self._rpc("Acquire", lease)
                 ready = acquired.ready_chunks
-                kvstore_kernels.scatter(self.spec, kv_caches, block_ids, range(ready), self.arena,
-                                        list(acquired.offsets)[:ready], layers)
+                event = self._enqueue(
+                    kvstore_kernels.scatter,
+                    kv_caches,
+                    block_ids,
+                    range(ready),
+                    self.arena,
+                    list(acquired.offsets)[:ready],
+                    layers,
+                    stream,
+                )
             else:
-                staging = self._get(lease)
+                staging = self._get(lease, reply.hit_chunks)
                 ready = len(staging) // self.page_bytes
                 offsets = [i * self.page_bytes for i in range(ready)]
-                kvstore_kernels.scatter(self.spec, kv_caches, block_ids, range(ready), staging, offsets, layers)
-        finally:
-            released = self._release_quietly(lease)
-        if not released:
-            # The lease lapsed while we read: its slots may have been reused, so trust nothing.
+                kvstore_kernels.scatter(
+                    self.spec, kv_caches, block_ids, range(ready), staging, offsets, layers
+                )
+                event = None
+        except BaseException:
+            self._release_quietly(lease)
+            raise
+        tokens = ready * self.spec.page.chunk_tokens
+
+        def release() -> int:
+            if self._release_quietly(lease):
+                return tokens
             log.warning("load lease %d expired during the copy; reporting no tokens loaded", lease.lease_id)
             return 0
-        return ready * self.spec.page.chunk_tokens
+
+        return LoadHandle(event, release, lambda exc: self._release_quietly(lease), tokens)
+
+    def _enqueue(
+        self,
+        transfer: Callable[..., None],
+        kv_caches: Any,
+        block_ids: Any,
+        chunks: Sequence[int],
+        buffer: torch.Tensor,
+        offsets: list[int],
+        layers: range | None,
+        stream: Any,
+    ) -> torch.cuda.Event | None:
+        """Runs `transfer`; on CUDA enqueues it on a stream and returns its completion event."""
+        device = cache_device(kv_caches)
+        if device.type != "cuda":
+            transfer(self.spec, kv_caches, block_ids, chunks, buffer, offsets, layers)
+            return None
+        if stream is None:
+            stream = self._side_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            transfer(self.spec, kv_caches, block_ids, chunks, buffer, offsets, layers)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _side_stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
 
     def stats(self) -> dict[str, Any]:
         return stats_to_dict(self._rpc("Stats", pb.StatsRequest()))
@@ -244,14 +418,20 @@ class KVStoreClient:
 
         self._rpc("Put", messages())
 
-    def _get(self, lease: pb.LeaseRequest) -> torch.Tensor:
+    def _get(self, lease: pb.LeaseRequest, pages: int) -> torch.Tensor:
+        """A load lease's pages, streamed straight into one buffer; a short stream yields whole pages only."""
+        staging = torch.empty(pages * self.page_bytes, dtype=torch.uint8)
+        view, position = memoryview(staging.numpy().data).cast("B"), 0
         try:
-            parts = [m.data for m in self._stub.Get(lease, timeout=self.timeout_s, metadata=self._metadata)]
+            for message in self._stub.Get(lease, timeout=self.timeout_s, metadata=self._metadata):
+                end = position + len(message.data)
+                if end > len(view):
+                    raise RuntimeError(f"Get returned more than the lease's {pages} pages")
+                view[position:end] = message.data
+                position = end
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, "Get") from None
-        data = bytearray(b"".join(parts))
-        usable = len(data) - len(data) % self.page_bytes
-        return torch.frombuffer(data, dtype=torch.uint8)[:usable] if usable else torch.empty(0, dtype=torch.uint8)
+        return staging[: position - position % self.page_bytes]
 
     def _abort_quietly(self, lease: pb.LeaseRequest) -> None:
         try:

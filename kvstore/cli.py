@@ -38,8 +38,12 @@ def human_bytes(n: float) -> str:
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-             for row in cells]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -67,10 +71,21 @@ def cmd_stats(admin: Admin, args: argparse.Namespace) -> int:
         print(json.dumps(stats, indent=2))
         return 0
     print(f"kvstored {stats['version']}, up {stats['uptime_s']:.0f} s\n")
-    print(table(("tier", "used", "capacity", "use", "pages"), [
-        (name, human_bytes(t["bytes_used"]), human_bytes(t["bytes_capacity"]),
-         f"{100 * t['bytes_used'] / max(t['bytes_capacity'], 1):.1f}%", t["pages"])
-        for name, t in stats["tiers"].items()]))
+    print(
+        table(
+            ("tier", "used", "capacity", "use", "pages"),
+            [
+                (
+                    name,
+                    human_bytes(t["bytes_used"]),
+                    human_bytes(t["bytes_capacity"]),
+                    f"{100 * t['bytes_used'] / max(t['bytes_capacity'], 1):.1f}%",
+                    t["pages"],
+                )
+                for name, t in stats["tiers"].items()
+            ],
+        )
+    )
     counters = stats["counters"]
     looked_up = counters.get("hit_chunks", 0) + counters.get("missed_chunks", 0)
     rows = [(name, value) for name, value in counters.items()]
@@ -84,9 +99,13 @@ def cmd_stats(admin: Admin, args: argparse.Namespace) -> int:
 
 
 def _namespace_table(namespaces: list[dict[str, Any]]) -> str:
-    return table(("namespace", "model", "pages", "bytes", "page size"), [
-        (n["namespace"], n["model"], n["pages"], human_bytes(n["bytes"]), human_bytes(n["page_bytes"]))
-        for n in namespaces])
+    return table(
+        ("namespace", "model", "pages", "bytes", "page size"),
+        [
+            (n["namespace"], n["model"], n["pages"], human_bytes(n["bytes"]), human_bytes(n["page_bytes"]))
+            for n in namespaces
+        ],
+    )
 
 
 def cmd_ls(admin: Admin, args: argparse.Namespace) -> int:
@@ -106,8 +125,9 @@ def cmd_clear(admin: Admin, args: argparse.Namespace) -> int:
         try:
             namespace = bytes.fromhex(args.namespace)
         except ValueError:
-            raise KVStoreError(f"--namespace: expected 32 hex digits as `kvctl ls` shows, "
-                               f"got {args.namespace!r}") from None
+            raise KVStoreError(
+                f"--namespace: expected 32 hex digits as `kvctl ls` shows, got {args.namespace!r}"
+            ) from None
     pages = admin.call("Clear", pb.ClearRequest(namespace=namespace)).pages
     print(f"cleared {pages} pages" + (f" of namespace {args.namespace}" if args.namespace else ""))
     return 0
@@ -126,8 +146,9 @@ def cmd_health(admin: Admin, args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvctl", description="Administer a running kvstored.")
-    parser.add_argument("--address", default=None,
-                        help=f"daemon address (default: unix://{default_socket_path()})")
+    parser.add_argument(
+        "--address", default=None, help=f"daemon address (default: unix://{default_socket_path()})"
+    )
     parser.add_argument("--token", default=None, help="auth token, for a daemon reached over TCP")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     commands = parser.add_subparsers(dest="command", required=True)

@@ -43,8 +43,14 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def add(self, namespace: bytes, kind: LeaseKind, entries: list[Any], expires_at: float,
-            keys: list[bytes] | None = None) -> Lease:
+    def add(
+        self,
+        namespace: bytes,
+        kind: LeaseKind,
+        entries: list[Any],
+        expires_at: float,
+        keys: list[bytes] | None = None,
+    ) -> Lease:
         lease_id = secrets.randbits(63) or 1
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1

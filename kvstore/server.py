@@ -31,7 +31,6 @@ from kvstore.store import Store
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-TIERS = {"gpu": pb.TIER_GPU, "cpu": pb.TIER_CPU, "disk": pb.TIER_DISK, "remote": pb.TIER_REMOTE}
 R = TypeVar("R")
 
 
@@ -44,7 +43,9 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, KVStoreError):
         await context.abort(STATUS_CODES[type(exc)], str(exc))
     log.error("internal error", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in kvstored: {exc!r} (see the daemon's log)")
+    await context.abort(
+        grpc.StatusCode.INTERNAL, f"internal error in kvstored: {exc!r} (see the daemon's log)"
+    )
 
 
 def _unary(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
@@ -81,8 +82,9 @@ def page_spec(msg: pb.PageSpec, default_chunk_tokens: int) -> PageSpec:
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(self, store: Store, chunk_tokens: int, max_message_bytes: int, shm_path: str,
-                 auth_token: str | None) -> None:
+    def __init__(
+        self, store: Store, chunk_tokens: int, max_message_bytes: int, shm_path: str, auth_token: str | None
+    ) -> None:
         self.store = store
         self.chunk_tokens = chunk_tokens
         self.max_message_bytes = max_message_bytes
@@ -96,24 +98,31 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             return
         sent = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not hmac.compare_digest(str(sent), f"Bearer {self.auth_token}"):
-            raise Unauthenticated("TCP clients must send 'authorization: Bearer <token>' metadata "
-                                  "with the daemon's server.auth_token")
+            raise Unauthenticated(
+                "TCP clients must send 'authorization: Bearer <token>' metadata "
+                "with the daemon's server.auth_token"
+            )
 
     @_unary
     async def Connect(self, request: pb.ConnectRequest, context: Any) -> pb.ConnectResponse:
         ns = self.store.connect(page_spec(request.spec, self.chunk_tokens))
         return pb.ConnectResponse(
-            namespace=ns.id, chunk_tokens=ns.spec.chunk_tokens, page_bytes=ns.spec.page_bytes,
+            namespace=ns.id,
+            chunk_tokens=ns.spec.chunk_tokens,
+            page_bytes=ns.spec.page_bytes,
             arena=pb.Arena(shm_path=self.shm_path, size=self.store.cpu.arena.size),
-            lease_ttl_ms=int(self.store.lease_ttl_s * 1000), max_message_bytes=self.max_message_bytes,
+            lease_ttl_ms=int(self.store.lease_ttl_s * 1000),
+            max_message_bytes=self.max_message_bytes,
         )
 
     @_unary
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        result = self.store.lookup(request.namespace, unpack_keys(request.keys), request.lease,
-                                   _ttl(request.lease_ttl_ms))
-        return pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=[TIERS[t] for t in result.tiers],
-                                 lease_id=result.lease_id)
+        result = self.store.lookup(
+            request.namespace, unpack_keys(request.keys), request.lease, _ttl(request.lease_ttl_ms)
+        )
+        return pb.LookupResponse(
+            hit_chunks=result.hit_chunks, tiers=result.tiers, lease_id=result.lease_id
+        )
 
     @_unary
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
@@ -131,8 +140,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_unary
     async def Acquire(self, request: pb.LeaseRequest, context: Any) -> pb.AcquireResponse:
         result = self.store.acquire(request.namespace, request.lease_id)
-        return pb.AcquireResponse(ready_chunks=len(result.offsets), offsets=result.offsets,
-                                  page_bytes=result.page_bytes)
+        return pb.AcquireResponse(
+            ready_chunks=len(result.offsets), offsets=result.offsets, page_bytes=result.page_bytes
+        )
 
     @_unary
     async def Release(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
@@ -152,8 +162,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.store.end_put(lease)
         return pb.PutResponse(bytes_written=position)
 
-    async def _write_pages(self, lease_id: int, offsets: list[int], page_bytes: int,
-                           messages: AsyncIterator[pb.PutRequest]) -> int:
+    async def _write_pages(
+        self, lease_id: int, offsets: list[int], page_bytes: int, messages: AsyncIterator[pb.PutRequest]
+    ) -> int:
         lease = self.store.leases.get(lease_id)
         total, position = len(offsets) * page_bytes, 0
         async for message in messages:
@@ -161,8 +172,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 raise InvalidArgument("Put: only the first message may be a PutHeader; the rest carry data")
             data = memoryview(message.data)
             if position + len(data) > total:
-                raise InvalidArgument(f"Put: more than the {total} bytes of the lease's "
-                                      f"{len(offsets)} pages of {page_bytes} bytes")
+                raise InvalidArgument(
+                    f"Put: more than the {total} bytes of the lease's "
+                    f"{len(offsets)} pages of {page_bytes} bytes"
+                )
             if self.store.leases.get(lease_id) is not lease:
                 raise NotFound(f"lease {lease_id} expired while its pages were being written")
             while data:
@@ -171,8 +184,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 self.store.cpu.write(offsets[page], data[:n], within)
                 data, position = data[n:], position + n
         if position != total:
-            raise InvalidArgument(f"Put: received {position} bytes; the lease's {len(offsets)} pages "
-                                  f"of {page_bytes} bytes need exactly {total}")
+            raise InvalidArgument(
+                f"Put: received {position} bytes; the lease's {len(offsets)} pages "
+                f"of {page_bytes} bytes need exactly {total}"
+            )
         return position
 
     async def Get(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext) -> None:
@@ -185,7 +200,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     if self.store.leases.get(request.lease_id) is not lease:
                         raise NotFound(f"lease {request.lease_id} expired while its pages were being read")
                     length = min(self.data_bytes, result.page_bytes - start)
-                    await context.write(pb.GetResponse(data=bytes(self.store.cpu.read(offset + start, length))))
+                    await context.write(
+                        pb.GetResponse(data=bytes(self.store.cpu.read(offset + start, length)))
+                    )
         except Exception as exc:
             await _abort(context, exc)
 
@@ -201,10 +218,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 def create_server(servicer: KVStoreServicer, health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
     """A server with the KV store, health and reflection services; ports are added by the caller."""
     limit = servicer.max_message_bytes
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
-    ])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
+    )
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -77,9 +77,7 @@ class PageSpec:
         sharing = tuple(sorted((int(a), int(b)) for a, b in dict(self.kv_sharing).items()))
         for layer, source in sharing:
             if not (0 <= layer < self.num_layers and 0 <= source < self.num_layers):
-                raise ValueError(
-                    f"kv_sharing: layer {layer} -> {source} is outside 0..{self.num_layers - 1}"
-                )
+                raise ValueError(f"kv_sharing: layer {layer} -> {source} is outside 0..{self.num_layers - 1}")
             if source == layer or source in dict(sharing):
                 raise ValueError(
                     f"kv_sharing: layer {layer} must reuse a layer that stores its own KV, "

@@ -14,12 +14,23 @@ from kvstore.store import StoreStats
 
 def stats_message(stats: StoreStats, version: str, uptime_s: float) -> pb.StatsResponse:
     return pb.StatsResponse(
-        tiers=[pb.TierStats(name=t.name, bytes_used=t.bytes_used, bytes_capacity=t.bytes_capacity,
-                            pages=t.pages) for t in stats.tiers],
-        namespaces=[pb.NamespaceStats(namespace=n.namespace, model=n.model, pages=n.pages,
-                                      stored_bytes=n.pages * n.page_bytes, page_bytes=n.page_bytes)
-                    for n in stats.namespaces],
-        counters=stats.counters, version=version, uptime_s=uptime_s,
+        tiers=[
+            pb.TierStats(name=t.name, bytes_used=t.bytes_used, bytes_capacity=t.bytes_capacity, pages=t.pages)
+            for t in stats.tiers
+        ],
+        namespaces=[
+            pb.NamespaceStats(
+                namespace=n.namespace,
+                model=n.model,
+                pages=n.pages,
+                stored_bytes=n.pages * n.page_bytes,
+                page_bytes=n.page_bytes,
+            )
+            for n in stats.namespaces
+        ],
+        counters=stats.counters,
+        version=version,
+        uptime_s=uptime_s,
     )
 
 
@@ -32,13 +43,22 @@ def stats_to_dict(msg: pb.StatsResponse) -> dict[str, Any]:
         "version": msg.version,
         "uptime_s": round(msg.uptime_s, 3),
         "tiers": {
-            t.name: {"bytes_used": t.bytes_used, "bytes_capacity": t.bytes_capacity, "pages": t.pages,
-                     **{k: _number(v) for k, v in sorted(t.extra.items())}}
+            t.name: {
+                "bytes_used": t.bytes_used,
+                "bytes_capacity": t.bytes_capacity,
+                "pages": t.pages,
+                **{k: _number(v) for k, v in sorted(t.extra.items())},
+            }
             for t in msg.tiers
         },
         "namespaces": [
-            {"namespace": n.namespace.hex(), "model": n.model, "pages": n.pages, "bytes": n.stored_bytes,
-             "page_bytes": n.page_bytes}
+            {
+                "namespace": n.namespace.hex(),
+                "model": n.model,
+                "pages": n.pages,
+                "bytes": n.stored_bytes,
+                "page_bytes": n.page_bytes,
+            }
             for n in msg.namespaces
         ],
         "counters": {k: _number(v) for k, v in sorted(msg.counters.items())},

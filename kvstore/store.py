@@ -26,11 +26,12 @@ from kvstore.keys import KEY_BYTES
 from kvstore.leases import Lease, LeaseKind, LeaseTable
 from kvstore.policy import EvictionPolicy
 from kvstore.spec import PageSpec
+from kvstore.tiers import Tier
 from kvstore.tiers.cpu import CpuTier
 
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_NAMESPACES = 4096
-TIER_CPU = "cpu"
+_CPU = bytes([Tier.CPU])
 
 
 class Entry:
@@ -59,7 +60,7 @@ class Namespace:
 
 class LookupResult(NamedTuple):
     hit_chunks: int
-    tiers: list[str]
+    tiers: bytes  # one Tier per hit chunk
     lease_id: int
 
 
@@ -94,8 +95,14 @@ class StoreStats(NamedTuple):
 
 
 class Store:
-    def __init__(self, cpu: CpuTier, policy: EvictionPolicy, lease_ttl_s: float, max_lease_ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cpu: CpuTier,
+        policy: EvictionPolicy,
+        lease_ttl_s: float,
+        max_lease_ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cpu = cpu
         self.policy = policy
         self.lease_ttl_s = lease_ttl_s
@@ -173,8 +180,9 @@ class Store:
 
     # -- load ---------------------------------------------------------------
 
-    def lookup(self, ns_id: bytes, keys: list[bytes], lease: bool = False,
-               ttl_s: float | None = None) -> LookupResult:
+    def lookup(
+        self, ns_id: bytes, keys: list[bytes], lease: bool = False, ttl_s: float | None = None
+    ) -> LookupResult:
         ns = self._namespace(ns_id)
         self._check_keys(keys)
         deadline = self._deadline(ttl_s)
@@ -193,11 +201,13 @@ class Store:
             for entry in hits:
                 entry.pins += 1
             lease_id = self.leases.add(ns_id, LeaseKind.LOAD, hits, deadline).id
-        return LookupResult(len(hits), [TIER_CPU] * len(hits), lease_id)
+        return LookupResult(len(hits), _CPU * len(hits), lease_id)
 
     def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult:
         lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
-        return AcquireResult([entry.offset for entry in lease.entries], self.namespaces[ns_id].spec.page_bytes)
+        return AcquireResult(
+            [entry.offset for entry in lease.entries], self.namespaces[ns_id].spec.page_bytes
+        )
 
     def release(self, ns_id: bytes, lease_id: int) -> int:
         lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
@@ -252,7 +262,9 @@ class Store:
     def store_lease_offsets(self, ns_id: bytes, lease_id: int) -> AcquireResult:
         """Offsets of a store lease's reserved slots, in key order (for inline Put)."""
         lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
-        return AcquireResult([entry.offset for entry in lease.entries], self.namespaces[ns_id].spec.page_bytes)
+        return AcquireResult(
+            [entry.offset for entry in lease.entries], self.namespaces[ns_id].spec.page_bytes
+        )
 
     def begin_put(self, ns_id: bytes, lease_id: int) -> tuple[Lease, AcquireResult]:
         """Claims a store lease for one inline Put; a second concurrent Put is refused."""
@@ -356,7 +368,7 @@ class Store:
 
     def stats(self) -> StoreStats:
         pages = sum(ns.pages for ns in self.namespaces.values())
-        tiers = [TierUsage(TIER_CPU, self.cpu.bytes_used, self.cpu.capacity, pages)]
+        tiers = [TierUsage(Tier.CPU.name.lower(), self.cpu.bytes_used, self.cpu.capacity, pages)]
         namespaces = [
             NamespaceUsage(ns.id, ns.spec.model, ns.pages, ns.spec.page_bytes)
             for ns in self.namespaces.values()

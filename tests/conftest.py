@@ -92,8 +92,11 @@ def start_daemon(tmp_path: Path, name: str = "kvstored", **overrides: Any) -> Da
     config_path = write_config(run_dir / "kvstored.yaml", socket_path, **overrides)
     log_path = run_dir / "kvstored.log"
     with open(log_path, "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "kvstore.daemon", "--config", str(config_path)],
-                                   stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.daemon", "--config", str(config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     daemon = Daemon(process, config_path, socket_path, log_path)
     try:
         wait_serving(daemon.address, process, log_path)

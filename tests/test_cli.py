@@ -14,8 +14,12 @@ from tests.conftest import Daemon
 
 def kvctl(daemon: Daemon | None, *args: str, address: str | None = None) -> subprocess.CompletedProcess[str]:
     target = address or (daemon.address if daemon else "")
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", "--address", target, *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "--address", target, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def fill(daemon: Daemon, model: str, tokens: int) -> KVStoreClient:
@@ -38,8 +42,15 @@ def test_stats_table_and_json(daemon: Daemon) -> None:
         assert stats["tiers"]["cpu"]["bytes_capacity"] == 64 << 20
         assert stats["counters"]["hit_chunks"] == 4 and stats["counters"]["missed_chunks"] == 2
         assert stats["counters"]["stored_chunks"] == 4 and stats["counters"]["active_leases"] == 0
-        assert stats["namespaces"] == [{"namespace": client.namespace.hex(), "model": "model-a", "pages": 4,
-                                        "bytes": 4 * page, "page_bytes": page}]
+        assert stats["namespaces"] == [
+            {
+                "namespace": client.namespace.hex(),
+                "model": "model-a",
+                "pages": 4,
+                "bytes": 4 * page,
+                "page_bytes": page,
+            }
+        ]
         table = kvctl(daemon, "stats")
         assert table.returncode == 0
         lines = table.stdout.splitlines()

@@ -20,15 +20,24 @@ CHUNK = 256
 
 
 def make_spec(dtype: torch.dtype = torch.float16, model: str = "llama-test", layers: int = 4) -> KVSpec:
-    return KVSpec(model=model, num_layers=layers, num_kv_heads=2, head_dim=32, dtype=dtype, block_size=BLOCK,
-                  layout="flash_attn")
+    return KVSpec(
+        model=model,
+        num_layers=layers,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=dtype,
+        block_size=BLOCK,
+        layout="flash_attn",
+    )
 
 
 def random_cache(spec: KVSpec, num_blocks: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [torch.randn(shape, generator=gen).to(torch.float32).to(getattr(torch, spec.dtype))
-            for _ in range(spec.num_layers)]
+    return [
+        torch.randn(shape, generator=gen).to(torch.float32).to(getattr(torch, spec.dtype))
+        for _ in range(spec.num_layers)
+    ]
 
 
 def empty_cache(spec: KVSpec, num_blocks: int) -> list[torch.Tensor]:
@@ -40,8 +49,9 @@ def tokens_of(n: int, seed: int) -> list[int]:
     return torch.randint(0, 128_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def assert_blocks_equal(dst: list[torch.Tensor], dst_blocks: torch.Tensor, src: list[torch.Tensor],
-                        src_blocks: torch.Tensor) -> None:
+def assert_blocks_equal(
+    dst: list[torch.Tensor], dst_blocks: torch.Tensor, src: list[torch.Tensor], src_blocks: torch.Tensor
+) -> None:
     for layer, (d, s) in enumerate(zip(dst, src, strict=True)):
         got, want = d[:, dst_blocks].view(torch.uint8), s[:, src_blocks].view(torch.uint8)
         assert torch.equal(got, want), f"layer {layer} differs"
@@ -78,8 +88,10 @@ def test_shared_memory_and_bytes_clients_share_pages(daemon: Daemon) -> None:
     tokens = tokens_of(1024, seed=5)
     blocks = torch.arange(64)
     source = random_cache(spec, 64, seed=6)
-    with KVStoreClient.connect(daemon.address, spec, shared_memory=True) as writer, \
-            KVStoreClient.connect(daemon.address, spec, shared_memory=False) as reader:
+    with (
+        KVStoreClient.connect(daemon.address, spec, shared_memory=True) as writer,
+        KVStoreClient.connect(daemon.address, spec, shared_memory=False) as reader,
+    ):
         writer.store(tokens, source, blocks)
         target = empty_cache(spec, 64)
         assert reader.load(tokens, target, blocks) == 1024
@@ -111,8 +123,10 @@ def test_lookup_is_the_exact_prefix(daemon: Daemon) -> None:
 
 def test_models_do_not_share_pages(daemon: Daemon) -> None:
     tokens = tokens_of(512, seed=10)
-    with KVStoreClient.connect(daemon.address, make_spec(model="a")) as a, \
-            KVStoreClient.connect(daemon.address, make_spec(model="b")) as b:
+    with (
+        KVStoreClient.connect(daemon.address, make_spec(model="a")) as a,
+        KVStoreClient.connect(daemon.address, make_spec(model="b")) as b,
+    ):
         a.store(tokens, random_cache(a.spec, 32, seed=11), torch.arange(32))
         assert a.lookup(tokens) == 512 and b.lookup(tokens) == 0
         assert b.load(tokens, empty_cache(b.spec, 32), torch.arange(32)) == 0
@@ -146,8 +160,13 @@ def test_second_process_sees_what_the_first_stored(daemon: Daemon, tmp_path) -> 
     with KVStoreClient.connect(daemon.address, spec) as client:
         assert client.store(tokens, cache, torch.arange(64)) == 4
     out = tmp_path / "loaded.pt"
-    result = subprocess.run([sys.executable, "-c", CHILD, daemon.address, "load", str(out)],
-                            capture_output=True, text=True, timeout=120, env=python_env())
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, daemon.address, "load", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=python_env(),
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1024"
     assert_blocks_equal(torch.load(out), torch.arange(64), cache, torch.arange(64))
@@ -155,16 +174,24 @@ def test_second_process_sees_what_the_first_stored(daemon: Daemon, tmp_path) -> 
 
 def test_killed_client_leaks_no_slot(daemon_factory: Callable[..., Daemon]) -> None:
     daemon = daemon_factory(leases__ttl_s=1.0)
-    child = subprocess.Popen([sys.executable, "-c", CHILD, daemon.address, "reserve"], stdout=subprocess.PIPE,
-                             text=True, env=python_env())
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, daemon.address, "reserve"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=python_env(),
+    )
     assert child.stdout is not None and child.stdout.readline().strip() == "reserved"
     spec = make_spec()
     with KVStoreClient.connect(daemon.address, spec) as client:
         stats = client.stats()
         assert stats["counters"]["active_store_leases"] == 1
         assert stats["tiers"]["cpu"]["bytes_used"] == 4 * client.page_bytes
-        assert client.lookup(torch.randint(0, 128000, (1024,),
-                                           generator=torch.Generator().manual_seed(12)).tolist()) == 0
+        assert (
+            client.lookup(
+                torch.randint(0, 128000, (1024,), generator=torch.Generator().manual_seed(12)).tolist()
+            )
+            == 0
+        )
         child.send_signal(signal.SIGKILL)
         child.wait()
         deadline = time.monotonic() + 10
@@ -204,8 +231,10 @@ def test_arena_full_of_leased_pages_is_resource_exhausted(daemon_factory: Callab
         from kvstore.keys import pack_keys
         from kvstore.proto import kvstore_pb2 as pb
 
-        client._rpc("Lookup", pb.LookupRequest(namespace=client.namespace, keys=pack_keys(client.keys(held)),
-                                               lease=True))
+        client._rpc(
+            "Lookup",
+            pb.LookupRequest(namespace=client.namespace, keys=pack_keys(client.keys(held)), lease=True),
+        )
         with pytest.raises(ResourceExhausted, match="pinned by a lease"):
             client.store(tokens_of(256, seed=302), random_cache(spec, 16, seed=303), torch.arange(16))
         assert client.lookup(held) == 2048

@@ -21,8 +21,9 @@ SPEC = pb.PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtyp
 
 
 def kvstored(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore.daemon", *args], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.daemon", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def store_one(daemon: Daemon) -> bytes:
@@ -106,7 +107,9 @@ def test_check_config(tmp_path: Path) -> None:
     assert "tiers.cpu.bytes: expected a size like 8GiB, got 'lots'" in result.stderr
     bad.write_text("chunk_tokns: 256\n")
     result = kvstored("--config", str(bad))
-    assert result.returncode == 1 and "chunk_tokns: unknown key (did you mean 'chunk_tokens'?)" in result.stderr
+    assert (
+        result.returncode == 1 and "chunk_tokns: unknown key (did you mean 'chunk_tokens'?)" in result.stderr
+    )
     bad.write_text("eviction:\n  policy: fifo\n")
     result = kvstored("--check-config", str(bad))
     assert result.returncode == 1 and "eviction.policy: unknown policy 'fifo'" in result.stderr
@@ -142,8 +145,12 @@ def test_tcp_listener_needs_a_token(tmp_path: Path, daemon_factory: Callable[...
 def test_arena_larger_than_shm_fails_at_start(tmp_path: Path) -> None:
     shm = os.statvfs("/dev/shm")
     too_big = shm.f_bavail * shm.f_frsize + (1 << 30)
-    config = write_config(tmp_path / "big.yaml", tmp_path / "b.sock",
-                          tiers__cpu__bytes=str(too_big), tiers__cpu__slab_bytes="256MiB")
+    config = write_config(
+        tmp_path / "big.yaml",
+        tmp_path / "b.sock",
+        tiers__cpu__bytes=str(too_big),
+        tiers__cpu__slab_bytes="256MiB",
+    )
     result = kvstored("--config", str(config))
     assert result.returncode == 1
     assert "tiers.cpu.bytes: a " in result.stderr and "does not fit in /dev/shm" in result.stderr

@@ -10,8 +10,9 @@ import xxhash
 from kvstore.keys import chunk_keys, pack_keys, unpack_keys
 from kvstore.spec import KVSpec, PageSpec
 
-LLAMA_8B = PageSpec(model="llama-3.1-8b", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16",
-                    chunk_tokens=256)
+LLAMA_8B = PageSpec(
+    model="llama-3.1-8b", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", chunk_tokens=256
+)
 
 
 def test_namespace_and_chain_are_pinned() -> None:
@@ -53,11 +54,14 @@ def test_token_containers_agree() -> None:
     assert chunk_keys(ns, torch.tensor(tokens), 256) == expected
 
 
-@pytest.mark.parametrize(("tokens", "message"), [
-    ([[1, 2]], "1-D"),
-    ([1.5, 2.0], "integers"),
-    ([2**31], "32-bit"),
-])
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ([[1, 2]], "1-D"),
+        ([1.5, 2.0], "integers"),
+        ([2**31], "32-bit"),
+    ],
+)
 def test_bad_tokens_are_rejected(tokens: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         chunk_keys(LLAMA_8B.namespace(), tokens, 256)
@@ -77,8 +81,10 @@ def test_namespace_changes_with_every_page_field() -> None:
     ]
     digests = {v.namespace() for v in variants} | {base.namespace()}
     assert len(digests) == len(variants) + 1
-    assert PageSpec(**{**base.__dict__, "tp_rank": 1, "tp_size": 2}).namespace().hex() == \
-        "8729c145ca784790029f316902f3c7e3"
+    assert (
+        PageSpec(**{**base.__dict__, "tp_rank": 1, "tp_size": 2}).namespace().hex()
+        == "8729c145ca784790029f316902f3c7e3"
+    )
 
 
 def test_engine_layout_does_not_change_the_namespace() -> None:
@@ -94,20 +100,24 @@ def test_page_geometry() -> None:
     assert LLAMA_8B.layer_span(2, 5) == (2 * LLAMA_8B.layer_bytes, 3 * LLAMA_8B.layer_bytes)
     shared = PageSpec(**{**LLAMA_8B.__dict__, "kv_sharing": ((1, 0), (3, 2))})
     assert shared.stored_layers[:3] == (0, 2, 4) and shared.num_stored_layers == 30
-    mla = PageSpec(model="ds", num_layers=2, num_kv_heads=1, head_dim=576, dtype="bfloat16", chunk_tokens=64,
-                   latent=True)
+    mla = PageSpec(
+        model="ds", num_layers=2, num_kv_heads=1, head_dim=576, dtype="bfloat16", chunk_tokens=64, latent=True
+    )
     assert mla.page_bytes == 2 * 64 * 576 * 2
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"model": ""}, "model"),
-    ({"num_layers": 0}, "num_layers"),
-    ({"dtype": "int8"}, "dtype"),
-    ({"tp_rank": 2, "tp_size": 2}, "tp_rank"),
-    ({"kv_sharing": ((40, 0),)}, "kv_sharing"),
-    ({"kv_sharing": ((2, 1), (1, 0))}, "kv_sharing"),
-    ({"latent": True}, "num_kv_heads"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"model": ""}, "model"),
+        ({"num_layers": 0}, "num_layers"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"tp_rank": 2, "tp_size": 2}, "tp_rank"),
+        ({"kv_sharing": ((40, 0),)}, "kv_sharing"),
+        ({"kv_sharing": ((2, 1), (1, 0))}, "kv_sharing"),
+        ({"latent": True}, "num_kv_heads"),
+    ],
+)
 def test_bad_page_specs(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         PageSpec(**{**LLAMA_8B.__dict__, **fields})
@@ -115,8 +125,15 @@ def test_bad_page_specs(fields: dict[str, object], message: str) -> None:
 
 def test_kv_spec_checks_chunk_against_block() -> None:
     with pytest.raises(ValueError, match="multiple of block_size"):
-        KVSpec(model="m", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_size=16,
-               chunk_tokens=40)
+        KVSpec(
+            model="m",
+            num_layers=2,
+            num_kv_heads=2,
+            head_dim=8,
+            dtype="float16",
+            block_size=16,
+            chunk_tokens=40,
+        )
     with pytest.raises(ValueError, match="layout"):
         KVSpec(model="m", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", layout="paged")
 

@@ -35,8 +35,9 @@ def clock() -> Clock:
 
 def make_store(tmp_path: Path, clock: Clock, pages: int) -> Store:
     arena = Arena(tmp_path / "arena", pages * PAGE, prefault=False)
-    return Store(CpuTier(arena, pages * PAGE), make_policy("lru"), lease_ttl_s=10.0, max_lease_ttl_s=60.0,
-                 clock=clock)
+    return Store(
+        CpuTier(arena, pages * PAGE), make_policy("lru"), lease_ttl_s=10.0, max_lease_ttl_s=60.0, clock=clock
+    )
 
 
 def page_bytes(key: bytes) -> bytes:

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -30,7 +28,7 @@ class PageSpec(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: int
         value: int
-        def __init__(self, key: int | None = ..., value: int | None = ...) -> None: ...
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -53,7 +51,7 @@ class PageSpec(_message.Message):
     tp_rank: int
     tp_size: int
     salt: str
-    def __init__(self, model: str | None = ..., num_layers: int | None = ..., num_kv_heads: int | None = ..., head_dim: int | None = ..., dtype: str | None = ..., chunk_tokens: int | None = ..., latent: bool | None = ..., kv_sharing: _Mapping[int, int] | None = ..., tp_rank: int | None = ..., tp_size: int | None = ..., salt: str | None = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., latent: _Optional[bool] = ..., kv_sharing: _Optional[_Mapping[int, int]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., salt: _Optional[str] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("spec", "client_name")
@@ -61,7 +59,7 @@ class ConnectRequest(_message.Message):
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     spec: PageSpec
     client_name: str
-    def __init__(self, spec: PageSpec | _Mapping | None = ..., client_name: str | None = ...) -> None: ...
+    def __init__(self, spec: _Optional[_Union[PageSpec, _Mapping]] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class Arena(_message.Message):
     __slots__ = ("shm_path", "size")
@@ -69,7 +67,7 @@ class Arena(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     shm_path: str
     size: int
-    def __init__(self, shm_path: str | None = ..., size: int | None = ...) -> None: ...
+    def __init__(self, shm_path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
     __slots__ = ("namespace", "chunk_tokens", "page_bytes", "arena", "lease_ttl_ms", "max_message_bytes")
@@ -85,7 +83,7 @@ class ConnectResponse(_message.Message):
     arena: Arena
     lease_ttl_ms: int
     max_message_bytes: int
-    def __init__(self, namespace: bytes | None = ..., chunk_tokens: int | None = ..., page_bytes: int | None = ..., arena: Arena | _Mapping | None = ..., lease_ttl_ms: int | None = ..., max_message_bytes: int | None = ...) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., page_bytes: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms")
@@ -97,7 +95,7 @@ class LookupRequest(_message.Message):
     keys: bytes
     lease: bool
     lease_ttl_ms: int
-    def __init__(self, namespace: bytes | None = ..., keys: bytes | None = ..., lease: bool | None = ..., lease_ttl_ms: int | None = ...) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_chunks", "tiers", "lease_id")
@@ -105,9 +103,9 @@ class LookupResponse(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     hit_chunks: int
-    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    tiers: bytes
     lease_id: int
-    def __init__(self, hit_chunks: int | None = ..., tiers: _Iterable[Tier | str] | None = ..., lease_id: int | None = ...) -> None: ...
+    def __init__(self, hit_chunks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace", "keys", "lease_ttl_ms")
@@ -117,7 +115,7 @@ class ReserveRequest(_message.Message):
     namespace: bytes
     keys: bytes
     lease_ttl_ms: int
-    def __init__(self, namespace: bytes | None = ..., keys: bytes | None = ..., lease_ttl_ms: int | None = ...) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "offsets")
@@ -125,7 +123,7 @@ class ReserveResponse(_message.Message):
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: int | None = ..., offsets: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("namespace", "lease_id")
@@ -133,19 +131,19 @@ class LeaseRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     lease_id: int
-    def __init__(self, namespace: bytes | None = ..., lease_id: int | None = ...) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
     __slots__ = ("pages",)
     PAGES_FIELD_NUMBER: _ClassVar[int]
     pages: int
-    def __init__(self, pages: int | None = ...) -> None: ...
+    def __init__(self, pages: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed",)
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     committed: int
-    def __init__(self, committed: int | None = ...) -> None: ...
+    def __init__(self, committed: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("ready_chunks", "offsets", "page_bytes")
@@ -155,7 +153,7 @@ class AcquireResponse(_message.Message):
     ready_chunks: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     page_bytes: int
-    def __init__(self, ready_chunks: int | None = ..., offsets: _Iterable[int] | None = ..., page_bytes: int | None = ...) -> None: ...
+    def __init__(self, ready_chunks: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace", "lease_id")
@@ -163,7 +161,7 @@ class PutHeader(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     lease_id: int
-    def __init__(self, namespace: bytes | None = ..., lease_id: int | None = ...) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -171,19 +169,19 @@ class PutRequest(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     header: PutHeader
     data: bytes
-    def __init__(self, header: PutHeader | _Mapping | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("bytes_written",)
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     bytes_written: int
-    def __init__(self, bytes_written: int | None = ...) -> None: ...
+    def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("data",)
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
-    def __init__(self, data: bytes | None = ...) -> None: ...
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -197,7 +195,7 @@ class TierStats(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: float
-        def __init__(self, key: str | None = ..., value: float | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -208,7 +206,7 @@ class TierStats(_message.Message):
     bytes_capacity: int
     pages: int
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, name: str | None = ..., bytes_used: int | None = ..., bytes_capacity: int | None = ..., pages: int | None = ..., extra: _Mapping[str, float] | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., pages: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("namespace", "model", "pages", "stored_bytes", "page_bytes")
@@ -222,7 +220,7 @@ class NamespaceStats(_message.Message):
     pages: int
     stored_bytes: int
     page_bytes: int
-    def __init__(self, namespace: bytes | None = ..., model: str | None = ..., pages: int | None = ..., stored_bytes: int | None = ..., page_bytes: int | None = ...) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ..., model: _Optional[str] = ..., pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "namespaces", "counters", "version", "uptime_s")
@@ -232,7 +230,7 @@ class StatsResponse(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: float
-        def __init__(self, key: str | None = ..., value: float | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
@@ -243,16 +241,16 @@ class StatsResponse(_message.Message):
     counters: _containers.ScalarMap[str, float]
     version: str
     uptime_s: float
-    def __init__(self, tiers: _Iterable[TierStats | _Mapping] | None = ..., namespaces: _Iterable[NamespaceStats | _Mapping] | None = ..., counters: _Mapping[str, float] | None = ..., version: str | None = ..., uptime_s: float | None = ...) -> None: ...
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace",)
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
-    def __init__(self, namespace: bytes | None = ...) -> None: ...
+    def __init__(self, namespace: _Optional[bytes] = ...) -> None: ...
 
 class ClearResponse(_message.Message):
     __slots__ = ("pages",)
     PAGES_FIELD_NUMBER: _ClassVar[int]
     pages: int
-    def __init__(self, pages: int | None = ...) -> None: ...
+    def __init__(self, pages: _Optional[int] = ...) -> None: ...

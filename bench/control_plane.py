@@ -1,0 +1,405 @@
+"""Control-plane benchmark: Lookup latency, and store/load throughput through shared memory vs Put/Get.
+
+Starts its own kvstored (temporary directory and config), then measures:
+
+1. Lookup latency (p50/p99/mean, µs) for 1, 64 and 512 keys over the unix socket, through the
+   client's sync stub exactly as `KVStoreClient.lookup` calls it (keys packed in one bytes field),
+   every key present; also `client.lookup` end to end (key hashing included), Lookup(lease) +
+   Release and Lookup(lease) + Acquire + Release for 512 keys, a health check (the gRPC floor),
+   the CPU time both processes spend per call, and the daemon's own work per call measured
+   in this process (where the time goes).
+2. Store and load throughput (GB/s of page bytes per client call) through the shared-memory
+   arena vs inline Put/Get bytes, loads verified byte for byte against the original KV cache.
+
+Prints tables and writes `bench/results/control_plane.json` (and a timestamped copy).
+
+    python bench/control_plane.py            # 32 layers, 4096 tokens per request (512 MiB)
+    python bench/control_plane.py --quick    # seconds: CI-sized
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
+
+from bench.common import Daemon, Latency, print_table, running_daemon, write_results  # noqa: E402
+from kvstore.config import format_size, parse_size  # noqa: E402
+from kvstore.keys import pack_keys, unpack_keys  # noqa: E402
+from kvstore.policy import make_policy  # noqa: E402
+from kvstore.proto import kvstore_pb2 as pb  # noqa: E402
+from kvstore.server import TIERS, KVStoreServicer  # noqa: E402
+from kvstore.spec import PageSpec  # noqa: E402
+from kvstore.store import Store  # noqa: E402
+from kvstore.tiers.cpu import Arena, CpuTier  # noqa: E402
+from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
+
+CHUNK_TOKENS = 256
+BLOCK_SIZE = 16
+LOOKUP_SIZES = (1, 64, 512)
+DEFAULT_SLAB_BYTES = 256 << 20
+TARGET_LOOKUP_P50_US = 200.0
+TARGET_LOOKUP_P99_US = 1000.0
+TARGET_SHM_SPEEDUP = 5.0
+
+FULL = {"tokens": 4096, "layers": 32, "arena": "2GiB", "repeats": 5, "lookup_calls": 3000, "warmup": 300}
+QUICK = {"tokens": 512, "layers": 2, "arena": "64MiB", "repeats": 2, "lookup_calls": 200, "warmup": 20}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few calls (CI smoke run)")
+    parser.add_argument("--tokens", type=int, help=f"tokens per store/load request (full: {FULL['tokens']})")
+    parser.add_argument("--layers", type=int, help=f"model layers (full: {FULL['layers']})")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--arena", help=f"the daemon's CPU tier size (full: {FULL['arena']})")
+    parser.add_argument("--repeats", type=int, help=f"timed stores/loads per path (full: {FULL['repeats']})")
+    parser.add_argument("--lookup-calls", type=int,
+                        help=f"timed Lookups per size (full: {FULL['lookup_calls']})")
+    parser.add_argument("--warmup", type=int, help="untimed calls before each latency series")
+    parser.add_argument("--parts", nargs="+", choices=("lookup", "throughput"),
+                        default=["lookup", "throughput"])
+    parser.add_argument("--name", help="results name (default: control_plane, or control_plane-quick)")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.arena = parse_size(args.arena)
+    args.name = args.name or ("control_plane-quick" if args.quick else "control_plane")
+    if args.tokens <= 0 or args.tokens % CHUNK_TOKENS:
+        parser.error(f"--tokens: expected a positive multiple of chunk_tokens {CHUNK_TOKENS}")
+    if min(args.layers, args.kv_heads, args.head_dim, args.repeats, args.lookup_calls) <= 0:
+        parser.error("--layers, --kv-heads, --head-dim, --repeats and --lookup-calls must be positive")
+    return args
+
+
+def lookup_spec() -> KVSpec:
+    """A tiny page (8 KiB): the Lookup path walks the index only, so page size does not matter."""
+    return KVSpec(model="bench/lookup", num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.bfloat16,
+                  block_size=BLOCK_SIZE, layout="flash_attn", chunk_tokens=CHUNK_TOKENS)
+
+
+def throughput_spec(args: argparse.Namespace) -> KVSpec:
+    return KVSpec(model="bench/throughput", num_layers=args.layers, num_kv_heads=args.kv_heads,
+                  head_dim=args.head_dim, dtype=torch.bfloat16, block_size=BLOCK_SIZE, layout="flash_attn",
+                  chunk_tokens=CHUNK_TOKENS)
+
+
+def daemon_config(args: argparse.Namespace) -> dict[str, Any]:
+    """A slab fits a throughput page; the arena holds one request plus a slab of lookup pages."""
+    page_bytes = throughput_spec(args).page.page_bytes
+    stride, lookup_stride = _stride(page_bytes), _stride(lookup_spec().page.page_bytes)
+    slab_bytes = _stride(max(stride, min(DEFAULT_SLAB_BYTES, args.arena // 8)))
+    chunks = args.tokens // CHUNK_TOKENS
+    slabs = -(-chunks // (slab_bytes // stride)) + -(-max(LOOKUP_SIZES) // (slab_bytes // lookup_stride))
+    needed = slabs * slab_bytes
+    if "throughput" in args.parts and needed > args.arena:
+        raise SystemExit(f"--arena: {format_size(args.arena)} cannot hold {chunks} pages of "
+                         f"{format_size(page_bytes)} plus the lookup pages; use --arena "
+                         f"{format_size(needed)} or fewer --tokens/--layers")
+    return {
+        "log_level": "warning",
+        "chunk_tokens": CHUNK_TOKENS,
+        "server": {"grace_s": 1.0},
+        "leases": {"ttl_s": 60.0},
+        "tiers": {"cpu": {"bytes": args.arena, "slab_bytes": slab_bytes}},
+    }
+
+
+def _stride(num_bytes: int) -> int:
+    return -(-num_bytes // 4096) * 4096  # the slab allocator's 4 KiB slot alignment
+
+
+def kv_caches(spec: KVSpec, num_blocks: int, random: bool) -> list[torch.Tensor]:
+    """flash_attn layout: per layer `[2, num_blocks, block_size, kv_heads, head_dim]`."""
+    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    caches = []
+    for _ in range(spec.num_layers):
+        cache = torch.zeros(shape, dtype=torch.bfloat16)
+        if random:  # random bit patterns, NaNs included: the copy must move bits, not values
+            cache.view(torch.int16).random_(-(2**15), 2**15)
+        caches.append(cache)
+    return caches
+
+
+def time_calls(call: Callable[[], object], calls: int) -> list[float]:
+    samples = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def measure(series: Mapping[str, Callable[[], object]], calls: int, warmup: int, daemon: Daemon,
+            rounds: int = 5) -> dict[str, dict[str, Any]]:
+    """Latency of each call, plus CPU µs per call in this process and in the daemon.
+
+    The series take turns in `rounds` rounds, so a noisy moment on the machine is shared out
+    among them instead of landing on one.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in series}
+    cpu = {name: [0.0, 0.0] for name in series}  # client, daemon
+    for call in series.values():
+        time_calls(call, warmup)
+    for round_ in range(rounds):
+        share = calls // rounds + (round_ < calls % rounds)
+        for name, call in series.items():
+            client_cpu, daemon_cpu = time.process_time(), daemon.cpu_seconds()
+            samples[name] += time_calls(call, share)
+            cpu[name][0] += time.process_time() - client_cpu
+            cpu[name][1] += daemon.cpu_seconds() - daemon_cpu
+    return {name: {**Latency.of(samples[name])._asdict(), "client_cpu_us_per_call": client / calls * 1e6,
+                   "daemon_cpu_us_per_call": daemon_ / calls * 1e6}
+            for name, (client, daemon_) in cpu.items()}
+
+
+# -- 1. Lookup latency -------------------------------------------------------
+
+
+def bench_lookup(daemon: Daemon, args: argparse.Namespace) -> dict[str, Any]:
+    spec = lookup_spec()
+    max_chunks = max(LOOKUP_SIZES)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 128_000, (max_chunks * CHUNK_TOKENS,), generator=generator)
+    num_blocks = len(tokens) // BLOCK_SIZE
+    with KVStoreClient.connect(daemon.address, spec) as client:
+        stored = client.store(tokens, kv_caches(spec, num_blocks, random=True), torch.arange(num_blocks))
+        if stored != max_chunks or client.lookup(tokens) != len(tokens):
+            raise RuntimeError(f"lookup prefix: stored {stored} of {max_chunks} chunks, "
+                               f"lookup found {client.lookup(tokens)} of {len(tokens)} tokens")
+        # The client's own stub call (`_rpc`: timeout, metadata, error mapping), as in `lookup()`.
+        rpc, ns = client._rpc, client.namespace
+        rpc_series: dict[str, Callable[[], object]] = {}
+        client_series: dict[str, Callable[[], object]] = {}
+        for n in LOOKUP_SIZES:
+            packed = pack_keys(client.keys(tokens[: n * CHUNK_TOKENS]))
+            if lookup_rpc(rpc, ns, packed).hit_chunks != n:
+                raise RuntimeError(f"Lookup of {n} stored keys did not hit all of them")
+            rpc_series[f"rpc_{n}"] = functools.partial(lookup_rpc, rpc, ns, packed)
+            client_series[f"client_lookup_{n}"] = functools.partial(client.lookup, tokens[: n * CHUNK_TOKENS])
+        packed = pack_keys(client.keys(tokens))
+
+        def lease_release() -> None:
+            reply = rpc("Lookup", pb.LookupRequest(namespace=ns, keys=packed, lease=True))
+            rpc("Release", pb.LeaseRequest(namespace=ns, lease_id=reply.lease_id))
+
+        def lease_acquire_release() -> None:
+            reply = rpc("Lookup", pb.LookupRequest(namespace=ns, keys=packed, lease=True))
+            lease = pb.LeaseRequest(namespace=ns, lease_id=reply.lease_id)
+            rpc("Acquire", lease)
+            rpc("Release", lease)
+
+        health = health_pb2_grpc.HealthStub(client._channel)
+        rpc_series["health_check"] = functools.partial(health.Check, health_pb2.HealthCheckRequest(),
+                                                       timeout=client.timeout_s)
+        results = measure(rpc_series, args.lookup_calls, args.warmup, daemon)
+        results |= measure(client_series, max(args.lookup_calls // 4, 50), args.warmup // 4, daemon)
+        leased = {"lease_release_512": lease_release, "lease_acquire_release_512": lease_acquire_release}
+        results |= measure(leased, max(args.lookup_calls // 2, 50), args.warmup // 2, daemon)
+        counters = client.stats()["counters"]
+        if counters.get("active_load_leases", 0):
+            raise RuntimeError(f"{counters['active_load_leases']} load leases left pinned after Release")
+        results["server_breakdown_512"] = server_breakdown(spec.page, client.keys(tokens), args.lookup_calls)
+    return results
+
+
+def lookup_rpc(rpc: Callable[[str, Any], Any], namespace: bytes, packed: bytes) -> Any:
+    """What `KVStoreClient.lookup` does once it has the keys: build the request, call the stub."""
+    return rpc("Lookup", pb.LookupRequest(namespace=namespace, keys=packed))
+
+
+def _run(awaitable: Awaitable[Any]) -> Any:
+    """Drive a coroutine that never suspends (the servicer's unary methods) without an event loop."""
+    coroutine = cast(Coroutine[Any, Any, Any], awaitable)
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("the servicer method suspended; time it on an event loop instead")
+
+
+def server_breakdown(page: PageSpec, keys: list[bytes], calls: int) -> dict[str, float]:
+    """The daemon's Python work for one Lookup of `keys`, step by step, in this process (p50 µs)."""
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
+        arena = Arena(Path(tmp) / "arena", 16 << 20, prefault=False)
+        try:
+            store = Store(CpuTier(arena, 16 << 20), make_policy("lru"), 60.0, 600.0)
+            ns = store.connect(page).id
+            store.commit(ns, store.reserve(ns, keys).lease_id)
+            servicer = KVStoreServicer(store, CHUNK_TOKENS, 4 << 20, str(arena.path), None)
+            wire = pb.LookupRequest(namespace=ns, keys=pack_keys(keys)).SerializeToString()
+            request = pb.LookupRequest.FromString(wire)
+            unpacked = unpack_keys(request.keys)
+            result = store.lookup(ns, unpacked)
+            hits = [store.namespaces[ns].entries[key] for key in keys]
+            response = pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=[TIERS[t] for t in result.tiers])
+            steps: dict[str, Callable[[], object]] = {
+                "parse_request": lambda: pb.LookupRequest.FromString(wire),
+                "unpack_keys": lambda: unpack_keys(request.keys),
+                "store_lookup": lambda: store.lookup(ns, unpacked),
+                "of_which_policy_touch": lambda: store.policy.touch(reversed(hits)),
+                "build_response": lambda: pb.LookupResponse(hit_chunks=result.hit_chunks,
+                                                            tiers=[TIERS[t] for t in result.tiers]),
+                "serialize_response": lambda: response.SerializeToString(),
+                "servicer_lookup_total": lambda: _run(servicer.Lookup(request, None)),
+            }
+            breakdown = {name: Latency.of(time_calls(step, calls)).p50_us for name, step in steps.items()}
+        finally:
+            arena.close(unlink=True)
+    breakdown["keys"] = len(keys)
+    return breakdown
+
+
+# -- 2. Store / load throughput ------------------------------------------------
+
+
+def bench_throughput(daemon: Daemon, args: argparse.Namespace) -> dict[str, Any]:
+    spec = throughput_spec(args)
+    num_blocks = args.tokens // BLOCK_SIZE
+    chunks = args.tokens // CHUNK_TOKENS
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 128_000, (args.tokens,), generator=generator)
+    block_ids = torch.randperm(num_blocks, generator=generator)  # scattered, as an engine allocates them
+    source = kv_caches(spec, num_blocks, random=True)
+    target = kv_caches(spec, num_blocks, random=False)
+    moved = chunks * spec.page.page_bytes
+    results: dict[str, Any] = {"page_bytes": spec.page.page_bytes, "chunks_per_call": chunks,
+                               "bytes_per_call": moved}
+    for path, shared in (("shm", True), ("bytes", False)):
+        with KVStoreClient.connect(daemon.address, spec, shared_memory=shared) as client:
+            if client.shared_memory != shared:
+                raise RuntimeError(f"{path}: connected with shared_memory={client.shared_memory}")
+            store_s = []
+            for repeat in range(1 + args.repeats):  # the first, untimed, maps and faults in memory
+                client.clear()
+                started = time.perf_counter()
+                new = client.store(tokens, source, block_ids)
+                elapsed = time.perf_counter() - started
+                if new != chunks:
+                    raise RuntimeError(f"{path} store wrote {new} of {chunks} chunks after clear()")
+                if repeat:
+                    store_s.append(elapsed)
+            load_s = []
+            for repeat in range(1 + args.repeats):
+                for cache in target:
+                    cache.zero_()
+                started = time.perf_counter()
+                loaded = client.load(tokens, target, block_ids)
+                elapsed = time.perf_counter() - started
+                if loaded != args.tokens:
+                    raise RuntimeError(f"{path} load returned {loaded} of {args.tokens} tokens")
+                if repeat in (0, args.repeats):  # the first and the last load
+                    verify(source, target, path)
+                if repeat:
+                    load_s.append(elapsed)
+            results[path] = {op: throughput(samples, moved) for op, samples in
+                             (("store", store_s), ("load", load_s))}
+    results["verified"] = True
+    results["shm_over_bytes"] = {op: results["shm"][op]["gb_s"] / results["bytes"][op]["gb_s"]
+                                 for op in ("store", "load")}
+    return results
+
+
+def verify(source: list[torch.Tensor], target: list[torch.Tensor], path: str) -> None:
+    for layer, (expected, got) in enumerate(zip(source, target, strict=True)):
+        if not torch.equal(expected.view(torch.int16), got.view(torch.int16)):
+            raise RuntimeError(f"{path} load: layer {layer} differs from the stored KV cache")
+
+
+def throughput(samples_s: list[float], moved: int) -> dict[str, Any]:
+    median = statistics.median(samples_s)
+    return {"gb_s": moved / median / 1e9, "best_gb_s": moved / min(samples_s) / 1e9,
+            "median_ms": median * 1e3, "calls": len(samples_s), "samples_ms": [s * 1e3 for s in samples_s]}
+
+
+# -- report --------------------------------------------------------------------
+
+
+def targets(lookup: dict[str, Any] | None, moved: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    def check(value: float | None, target: float, at_most: bool) -> dict[str, Any]:
+        passed = None if value is None else (value <= target if at_most else value >= target)
+        return {"value": value, "target": target, "at_most": at_most, "pass": passed}
+
+    rpc = lookup["rpc_512"] if lookup else None
+    ratio = moved["shm_over_bytes"] if moved else None
+    return {
+        "lookup_512_p50_us": check(rpc["p50_us"] if rpc else None, TARGET_LOOKUP_P50_US, True),
+        "lookup_512_p99_us": check(rpc["p99_us"] if rpc else None, TARGET_LOOKUP_P99_US, True),
+        "store_shm_over_bytes": check(ratio["store"] if ratio else None, TARGET_SHM_SPEEDUP, False),
+        "load_shm_over_bytes": check(ratio["load"] if ratio else None, TARGET_SHM_SPEEDUP, False),
+    }
+
+
+def report(lookup: dict[str, Any] | None, moved: dict[str, Any] | None, goals: dict[str, Any]) -> None:
+    if lookup:
+        labels = [(f"rpc_{n}", "Lookup RPC", n) for n in LOOKUP_SIZES]
+        labels += [(f"client_lookup_{n}", "client.lookup (+key hashing)", n) for n in LOOKUP_SIZES]
+        labels += [("lease_release_512", "Lookup(lease)+Release", 512),
+                   ("lease_acquire_release_512", "Lookup(lease)+Acquire+Release", 512),
+                   ("health_check", "Health.Check (gRPC floor)", 0)]
+        rows: list[list[Any]] = []
+        for key, label, keys in labels:
+            f = lookup[key]
+            rows.append([label, keys, f["p50_us"], f["p99_us"], f["mean_us"], f["client_cpu_us_per_call"],
+                         f["daemon_cpu_us_per_call"], f["calls"]])
+        print("\nControl-plane latency (µs), unix socket, sync stub")
+        print_table(["call", "keys", "p50", "p99", "mean", "client CPU", "daemon CPU", "calls"], rows)
+        breakdown = lookup["server_breakdown_512"]
+        print(f"\nDaemon-side work for one Lookup of {breakdown['keys']} keys, in-process (p50 µs)")
+        print_table(["step", "µs"], [[k, v] for k, v in breakdown.items() if k != "keys"])
+    if moved:
+        rows = [[path, op, *(moved[path][op][k] for k in ("gb_s", "best_gb_s", "median_ms"))]
+                for path in ("shm", "bytes") for op in ("store", "load")]
+        print(f"\nThroughput: {moved['chunks_per_call']} pages of {format_size(moved['page_bytes'])} "
+              f"= {format_size(moved['bytes_per_call'])} per call (loads verified)")
+        print_table(["path", "op", "GB/s", "best GB/s", "median ms"], rows)
+    print("\nTargets")
+    print_table(["target", "value", "goal", "result"], [
+        [name, "-" if g["value"] is None else g["value"], f"{'<=' if g['at_most'] else '>='} {g['target']}",
+         "skipped" if g["pass"] is None else g["pass"]] for name, g in goals.items()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import kvstore_kernels  # both parts store pages through the client, which copies with it
+
+    if not hasattr(kvstore_kernels, "gather"):
+        raise SystemExit("kvstore_kernels has no gather(): the client cannot copy pages. If "
+                         "kernels/__init__.py exists, reinstall the package (pip install -e .): an "
+                         "editable install made before it existed maps kvstore_kernels to a namespace")
+    config = daemon_config(args)
+    started = time.perf_counter()
+    with running_daemon(config) as daemon:
+        lookup = bench_lookup(daemon, args) if "lookup" in args.parts else None
+        moved = bench_throughput(daemon, args) if "throughput" in args.parts else None
+    goals = targets(lookup, moved)
+    report(lookup, moved, goals)
+    parameters = {key: getattr(args, key) for key in
+                  ("quick", "tokens", "layers", "kv_heads", "head_dim", "arena", "repeats", "lookup_calls",
+                   "warmup", "parts")}
+    parameters |= {"chunk_tokens": CHUNK_TOKENS, "block_size": BLOCK_SIZE, "dtype": "bfloat16",
+                   "layout": "flash_attn", "daemon_config": config}
+    path = write_results(args.name, {
+        "benchmark": "control_plane", "parameters": parameters, "lookup": lookup, "throughput": moved,
+        "targets": goals, "elapsed_s": time.perf_counter() - started,
+        "note": "KV caches on the CPU: pages move with kvstore_kernels' torch reference, not Triton",
+    })
+    print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

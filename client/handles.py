@@ -1,0 +1,80 @@
+"""Handles of transfers in flight: what `store_async` and `load_async` return.
+
+A handle holds the daemon lease and a completion event recorded after the
+transfer was enqueued on its stream. `wait()` blocks until the bytes moved,
+then finishes the protocol (Commit for a store, Release for a load) and returns
+the result; an error raised by the transfer, or by that last RPC, surfaces
+there. `done()` asks without blocking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class TransferHandle:
+    def __init__(
+        self, event: torch.cuda.Event | None, finish: Callable[[], int], fail: Callable[[BaseException], None]
+    ) -> None:
+        self.event = event  # None: the transfer already completed on the CPU
+        self._finish = finish
+        self._fail = fail
+        self._result: int | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None or self.event is None or self.event.query()
+
+    def wait(self) -> int:
+        """Blocks until the transfer completed; returns its result or raises its error."""
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            try:
+                if self.event is not None:
+                    self.event.synchronize()
+                self._result = self._finish()
+            except BaseException as exc:
+                self._error = exc
+                self._fail(exc)
+                raise
+        return self._result
+
+    def wait_stream(self, stream: Any) -> None:
+        """Makes `stream` wait for the transfer on the device, without blocking the host.
+
+        The protocol still needs `wait()` (Commit or Release) once the caller is done.
+        """
+        if self.event is not None:
+            stream.wait_event(self.event)
+
+
+class StoreHandle(TransferHandle):
+    """`wait()` commits the pages and returns how many chunks were newly stored."""
+
+    def __init__(
+        self,
+        event: torch.cuda.Event | None,
+        finish: Callable[[], int],
+        fail: Callable[[BaseException], None],
+        chunks: int,
+    ) -> None:
+        super().__init__(event, finish, fail)
+        self.chunks = chunks  # chunks being written (not yet stored)
+
+
+class LoadHandle(TransferHandle):
+    """`wait()` releases the lease and returns how many leading tokens are valid in the KV cache."""
+
+    def __init__(
+        self,
+        event: torch.cuda.Event | None,
+        finish: Callable[[], int],
+        fail: Callable[[BaseException], None],
+        tokens: int,
+    ) -> None:
+        super().__init__(event, finish, fail)
+        self.tokens = tokens  # tokens being loaded, if every chunk arrives
