@@ -25,9 +25,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` w
 
 from bench.common import Daemon, Latency, print_table, running_daemon, write_results  # noqa: E402
 from kvstore.config import format_size, parse_size  # noqa: E402
+from kvstore.handlers import Handlers  # noqa: E402
 from kvstore.keys import pack_keys, unpack_keys  # noqa: E402
 from kvstore.policy import make_policy  # noqa: E402
 from kvstore.proto import kvstore_pb2 as pb  # noqa: E402
-from kvstore.server import TIERS, KVStoreServicer  # noqa: E402
 from kvstore.spec import PageSpec  # noqa: E402
 from kvstore.store import Store  # noqa: E402
 from kvstore.tiers.cpu import Arena, CpuTier  # noqa: E402
@@ -175,28 +175,32 @@ def bench_lookup(daemon: Daemon, args: argparse.Namespace) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128_000, (max_chunks * CHUNK_TOKENS,), generator=generator)
     num_blocks = len(tokens) // BLOCK_SIZE
-    with KVStoreClient.connect(daemon.address, spec) as client:
+    with KVStoreClient.connect(daemon.address, spec) as client, \
+            KVStoreClient.connect(daemon.address, spec, local_channel=False) as grpc_client:
+        if client._local is None:
+            raise RuntimeError("the client did not open the daemon's local channel")
         stored = client.store(tokens, kv_caches(spec, num_blocks, random=True), torch.arange(num_blocks))
         if stored != max_chunks or client.lookup(tokens) != len(tokens):
             raise RuntimeError(f"lookup prefix: stored {stored} of {max_chunks} chunks, "
                                f"lookup found {client.lookup(tokens)} of {len(tokens)} tokens")
-        # The client's own stub call (`_rpc`: timeout, metadata, error mapping), as in `lookup()`.
-        rpc, ns = client._rpc, client.namespace
+        # The client's own call (`_rpc`: local channel by default, or the gRPC stub), as in `lookup()`.
+        ns = client.namespace
         rpc_series: dict[str, Callable[[], object]] = {}
         client_series: dict[str, Callable[[], object]] = {}
         for n in LOOKUP_SIZES:
             packed = pack_keys(client.keys(tokens[: n * CHUNK_TOKENS]))
-            if lookup_rpc(rpc, ns, packed).hit_chunks != n:
-                raise RuntimeError(f"Lookup of {n} stored keys did not hit all of them")
-            rpc_series[f"rpc_{n}"] = functools.partial(lookup_rpc, rpc, ns, packed)
+            for name, rpc in (("rpc", client._rpc), ("grpc", grpc_client._rpc)):
+                if lookup_rpc(rpc, ns, packed).hit_chunks != n:
+                    raise RuntimeError(f"Lookup of {n} stored keys did not hit all of them")
+                rpc_series[f"{name}_{n}"] = functools.partial(lookup_rpc, rpc, ns, packed)
             client_series[f"client_lookup_{n}"] = functools.partial(client.lookup, tokens[: n * CHUNK_TOKENS])
         packed = pack_keys(client.keys(tokens))
 
-        def lease_release() -> None:
+        def lease_release(rpc: Callable[[str, Any], Any]) -> None:
             reply = rpc("Lookup", pb.LookupRequest(namespace=ns, keys=packed, lease=True))
             rpc("Release", pb.LeaseRequest(namespace=ns, lease_id=reply.lease_id))
 
-        def lease_acquire_release() -> None:
+        def lease_acquire_release(rpc: Callable[[str, Any], Any]) -> None:
             reply = rpc("Lookup", pb.LookupRequest(namespace=ns, keys=packed, lease=True))
             lease = pb.LeaseRequest(namespace=ns, lease_id=reply.lease_id)
             rpc("Acquire", lease)
@@ -207,7 +211,11 @@ def bench_lookup(daemon: Daemon, args: argparse.Namespace) -> dict[str, Any]:
                                                        timeout=client.timeout_s)
         results = measure(rpc_series, args.lookup_calls, args.warmup, daemon)
         results |= measure(client_series, max(args.lookup_calls // 4, 50), args.warmup // 4, daemon)
-        leased = {"lease_release_512": lease_release, "lease_acquire_release_512": lease_acquire_release}
+        leased = {
+            "lease_release_512": functools.partial(lease_release, client._rpc),
+            "lease_acquire_release_512": functools.partial(lease_acquire_release, client._rpc),
+            "grpc_lease_acquire_release_512": functools.partial(lease_acquire_release, grpc_client._rpc),
+        }
         results |= measure(leased, max(args.lookup_calls // 2, 50), args.warmup // 2, daemon)
         counters = client.stats()["counters"]
         if counters.get("active_load_leases", 0):
@@ -221,16 +229,6 @@ def lookup_rpc(rpc: Callable[[str, Any], Any], namespace: bytes, packed: bytes) 
     return rpc("Lookup", pb.LookupRequest(namespace=namespace, keys=packed))
 
 
-def _run(awaitable: Awaitable[Any]) -> Any:
-    """Drive a coroutine that never suspends (the servicer's unary methods) without an event loop."""
-    coroutine = cast(Coroutine[Any, Any, Any], awaitable)
-    try:
-        coroutine.send(None)
-    except StopIteration as done:
-        return done.value
-    raise RuntimeError("the servicer method suspended; time it on an event loop instead")
-
-
 def server_breakdown(page: PageSpec, keys: list[bytes], calls: int) -> dict[str, float]:
     """The daemon's Python work for one Lookup of `keys`, step by step, in this process (p50 µs)."""
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
@@ -239,22 +237,22 @@ def server_breakdown(page: PageSpec, keys: list[bytes], calls: int) -> dict[str,
             store = Store(CpuTier(arena, 16 << 20), make_policy("lru"), 60.0, 600.0)
             ns = store.connect(page).id
             store.commit(ns, store.reserve(ns, keys).lease_id)
-            servicer = KVStoreServicer(store, CHUNK_TOKENS, 4 << 20, str(arena.path), None)
+            handlers = Handlers(store, CHUNK_TOKENS, 4 << 20, str(arena.path))
             wire = pb.LookupRequest(namespace=ns, keys=pack_keys(keys)).SerializeToString()
             request = pb.LookupRequest.FromString(wire)
             unpacked = unpack_keys(request.keys)
             result = store.lookup(ns, unpacked)
             hits = [store.namespaces[ns].entries[key] for key in keys]
-            response = pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=[TIERS[t] for t in result.tiers])
+            response = pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=result.tiers)
             steps: dict[str, Callable[[], object]] = {
                 "parse_request": lambda: pb.LookupRequest.FromString(wire),
                 "unpack_keys": lambda: unpack_keys(request.keys),
                 "store_lookup": lambda: store.lookup(ns, unpacked),
                 "of_which_policy_touch": lambda: store.policy.touch(reversed(hits)),
                 "build_response": lambda: pb.LookupResponse(hit_chunks=result.hit_chunks,
-                                                            tiers=[TIERS[t] for t in result.tiers]),
+                                                            tiers=result.tiers),
                 "serialize_response": lambda: response.SerializeToString(),
-                "servicer_lookup_total": lambda: _run(servicer.Lookup(request, None)),
+                "handler_lookup_total": lambda: handlers.Lookup(request),
             }
             breakdown = {name: Latency.of(time_calls(step, calls)).p50_us for name, step in steps.items()}
         finally:
@@ -345,17 +343,19 @@ def targets(lookup: dict[str, Any] | None, moved: dict[str, Any] | None) -> dict
 
 def report(lookup: dict[str, Any] | None, moved: dict[str, Any] | None, goals: dict[str, Any]) -> None:
     if lookup:
-        labels = [(f"rpc_{n}", "Lookup RPC", n) for n in LOOKUP_SIZES]
+        labels = [(f"rpc_{n}", "Lookup, local channel", n) for n in LOOKUP_SIZES]
+        labels += [(f"grpc_{n}", "Lookup, gRPC", n) for n in LOOKUP_SIZES]
         labels += [(f"client_lookup_{n}", "client.lookup (+key hashing)", n) for n in LOOKUP_SIZES]
         labels += [("lease_release_512", "Lookup(lease)+Release", 512),
                    ("lease_acquire_release_512", "Lookup(lease)+Acquire+Release", 512),
+                   ("grpc_lease_acquire_release_512", "same, gRPC", 512),
                    ("health_check", "Health.Check (gRPC floor)", 0)]
         rows: list[list[Any]] = []
         for key, label, keys in labels:
             f = lookup[key]
             rows.append([label, keys, f["p50_us"], f["p99_us"], f["mean_us"], f["client_cpu_us_per_call"],
                          f["daemon_cpu_us_per_call"], f["calls"]])
-        print("\nControl-plane latency (µs), unix socket, sync stub")
+        print("\nControl-plane latency (µs): the client's local channel vs gRPC, unix sockets")
         print_table(["call", "keys", "p50", "p99", "mean", "client CPU", "daemon CPU", "calls"], rows)
         breakdown = lookup["server_breakdown_512"]
         print(f"\nDaemon-side work for one Lookup of {breakdown['keys']} keys, in-process (p50 µs)")

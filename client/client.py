@@ -22,13 +22,14 @@ import grpc
 import torch
 
 import kvstore_kernels
-from kvstore.errors import NotFound, from_rpc_error
+from kvstore.errors import NotFound, Unavailable, from_rpc_error
 from kvstore.keys import chunk_keys, pack_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.spec import KVSpec
 from kvstore.stats import stats_to_dict
 from kvstore_client.handles import LoadHandle, StoreHandle
+from kvstore_client.local import LocalChannel
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,14 @@ class KVStoreClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         name: str = "",
         pin_arena: bool | None = None,
+        local_channel: bool | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.name = name or f"pid-{os.getpid()}"
         self._want_shared_memory = shared_memory
+        self._want_local_channel = local_channel
+        self._local: LocalChannel | None = None
         self._pin_arena = pin_arena
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [
@@ -100,20 +104,34 @@ class KVStoreClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         name: str = "",
         pin_arena: bool | None = None,
+        local_channel: bool | None = None,
     ) -> KVStoreClient:
         """Connect to kvstored at `address` (default: the default config's unix socket).
 
         `shared_memory`: None maps the arena when the daemon's is reachable on this host,
         True requires it, False always sends page bytes inline. `pin_arena`: None registers the
         mapped arena with CUDA when a GPU is present (the kernels then move pages at PCIe speed).
+        `local_channel`: None sends control calls over the daemon's local channel when the arena is
+        mapped (same host), False always uses gRPC.
         """
         if spec is None:
             raise ValueError("spec: a KVSpec describing this worker's KV cache is required")
-        return cls(address or default_address(), spec, shared_memory, token, timeout_s, name, pin_arena)
+        return cls(
+            address or default_address(),
+            spec,
+            shared_memory,
+            token,
+            timeout_s,
+            name,
+            pin_arena,
+            local_channel,
+        )
 
     # -- connection ---------------------------------------------------------
 
     def _rpc(self, method: str, request: Any) -> Any:
+        if self._local is not None:
+            return self._local.call(method, request)
         try:
             return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
@@ -154,6 +172,22 @@ class KVStoreClient:
                 "client and daemon run incompatible kvstore versions"
             )
         self._map_arena(reply.arena.shm_path, reply.arena.size)
+        self._open_local_channel(reply.local_socket)
+
+    def _open_local_channel(self, path: str) -> None:
+        """Unary calls go over the daemon's local channel when it is reachable (a same-host client)."""
+        self._close_local_channel()
+        if not path or self._want_local_channel is False or self.arena is None:
+            return
+        try:
+            self._local = LocalChannel(path, self.timeout_s)
+        except OSError as exc:
+            log.info("local channel %s not reachable (%s): control calls use gRPC", path, exc)
+
+    def _close_local_channel(self) -> None:
+        if self._local is not None:
+            self._local.close()
+            self._local = None
 
     def _map_arena(self, path: str, size: int) -> None:
         self._unmap_arena()
@@ -214,17 +248,20 @@ class KVStoreClient:
         return self.arena is not None
 
     def _first_rpc(self, method: str, make_request: Any) -> Any:
-        """Call `method`, reconnecting once if the daemon restarted and forgot our namespace."""
+        """Call `method`, connecting again once if the daemon restarted (it forgot our namespace,
+        or the local channel closed)."""
         try:
             return self._rpc(method, make_request())
-        except NotFound as exc:
-            if _NOT_REGISTERED not in str(exc):
+        except (NotFound, Unavailable) as exc:
+            if isinstance(exc, NotFound) and _NOT_REGISTERED not in str(exc):
                 raise
-            log.warning("kvstored restarted: connecting again")
+            self._close_local_channel()
+            log.warning("kvstored restarted (%s): connecting again", exc)
             self._handshake()
             return self._rpc(method, make_request())
 
     def close(self) -> None:
+        self._close_local_channel()
         self._unmap_arena()
         self._channel.close()
 

@@ -129,12 +129,17 @@ class ServerConfig:
     auth_token_file: str | None = _setting(None, non_empty=True)
     max_message_bytes: Size = _setting(4 * MiB, ge=64 * KiB, le=64 * MiB)
     grace_s: float = _setting(5.0, ge=0)  # drain time on SIGTERM
+    local_channel: bool = True  # same-host clients' unary calls on <socket>.local, without HTTP/2
 
     @property
     def socket_path(self) -> Path:
         if self.unix_socket == "auto":
             return default_socket_path()
         return Path(self.unix_socket)
+
+    @property
+    def local_socket_path(self) -> Path:
+        return self.socket_path.with_name(self.socket_path.name + ".local")
 
     @property
     def token(self) -> str | None:

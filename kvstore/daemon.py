@@ -24,6 +24,8 @@ from grpc_health.v1 import health, health_pb2
 
 from kvstore import __version__
 from kvstore.config import Config, ConfigError, load_config, parse_config
+from kvstore.handlers import Handlers
+from kvstore.local import LocalChannelServer
 from kvstore.policy import make_policy
 from kvstore.server import SERVICE_NAME, KVStoreServicer, create_server
 from kvstore.store import Store
@@ -74,6 +76,7 @@ async def serve(config: Config) -> None:
     socket_path = config.server.socket_path
     claim = SocketClaim(socket_path)
     arena = None
+    local: LocalChannelServer | None = None
     try:
         cpu_config = config.tiers.cpu
         arena = Arena(
@@ -88,9 +91,15 @@ async def serve(config: Config) -> None:
             config.leases.ttl_s,
             config.leases.max_ttl_s,
         )
-        servicer = KVStoreServicer(
-            store, config.chunk_tokens, config.server.max_message_bytes, str(arena.path), config.server.token
+        local_path = config.server.local_socket_path if config.server.local_channel else None
+        handlers = Handlers(
+            store,
+            config.chunk_tokens,
+            config.server.max_message_bytes,
+            str(arena.path),
+            str(local_path or ""),
         )
+        servicer = KVStoreServicer(handlers, config.server.token)
         health_servicer = health.aio.HealthServicer()
         server = create_server(servicer, health_servicer)
         server.add_insecure_port(f"unix://{socket_path}")
@@ -98,6 +107,9 @@ async def serve(config: Config) -> None:
             server.add_insecure_port(config.server.tcp)
         await server.start()
         os.chmod(socket_path, config.server.socket_mode)
+        if local_path is not None:
+            local = LocalChannelServer(handlers, local_path)
+            await local.start(config.server.socket_mode)
         gc.freeze()  # the objects built at start never die: keep them out of every collection
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -118,6 +130,8 @@ async def serve(config: Config) -> None:
         await stop.wait()
         log.info("stopping: draining in-flight calls for up to %.1f s", config.server.grace_s)
         await health_servicer.enter_graceful_shutdown()
+        if local is not None:
+            await local.stop()
         await server.stop(config.server.grace_s)
         reaper.cancel()
     finally:

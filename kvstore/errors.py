@@ -54,10 +54,28 @@ STATUS_CODES: dict[type[KVStoreError], grpc.StatusCode] = {
 _ERRORS = {code: cls for cls, code in STATUS_CODES.items()}
 
 
-def from_rpc_error(exc: grpc.RpcError, method: str) -> KVStoreError:
+_CODES_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
+    """The status a handler's error maps to; None for an unexpected (internal) error."""
+    if type(exc) is ValueError:  # validation in shared modules (keys, spec) raises ValueError
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, KVStoreError):
+        return STATUS_CODES.get(type(exc), grpc.StatusCode.UNKNOWN), str(exc)
+    return None
+
+
+def error_for(code: grpc.StatusCode | int, method: str, details: str) -> KVStoreError:
     """The KVStoreError a failed call stands for, its message prefixed with the RPC's name."""
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if isinstance(code, int):
+        code = _CODES_BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)
     error = _ERRORS.get(code, KVStoreError)(f"{method}: {details} ({code.name})")
     error.code = code  # type: ignore[attr-defined]
     return error
+
+
+def from_rpc_error(exc: grpc.RpcError, method: str) -> KVStoreError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return error_for(code, method, details or "")

@@ -1,6 +1,6 @@
-"""gRPC servicer: converts messages, calls the store, converts results. Nothing else.
+"""gRPC servicer: authorizes, calls the shared handlers (`handlers.py`), maps errors. Nothing else.
 
-`_abort` is the one place where errors become status codes (`errors.STATUS_CODES`). Inline page
+`_abort` is where errors become gRPC statuses (through `errors.status_of`). Inline page
 bytes (Put/Get) go through the CPU tier's read/write, checked against the lease
 before every write so a lease that expired mid-stream can never write a slot
 that has been handed to someone else.
@@ -8,90 +8,60 @@ that has been handed to someone else.
 
 from __future__ import annotations
 
-import functools
 import hmac
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore import __version__
-from kvstore.errors import STATUS_CODES, InvalidArgument, KVStoreError, NotFound, Unauthenticated
-from kvstore.keys import unpack_keys
+from kvstore.errors import InvalidArgument, NotFound, Unauthenticated, status_of
+from kvstore.handlers import Handlers
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.spec import PageSpec
-from kvstore.stats import stats_message
-from kvstore.store import Store
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-R = TypeVar("R")
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """Ends the call with the status code for `exc`: the one place errors become statuses."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
-    if type(exc) is ValueError:  # validation in shared modules (keys, spec) raises ValueError
-        exc = InvalidArgument(str(exc))
-    if isinstance(exc, KVStoreError):
-        await context.abort(STATUS_CODES[type(exc)], str(exc))
+    status = status_of(exc)
+    if status is not None:
+        await context.abort(*status)
     log.error("internal error", exc_info=exc)
     await context.abort(
         grpc.StatusCode.INTERNAL, f"internal error in kvstored: {exc!r} (see the daemon's log)"
     )
 
 
-def _unary(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
-    @functools.wraps(method)
-    async def wrapper(self: KVStoreServicer, request: Any, context: grpc.aio.ServicerContext) -> R:
+def _unary(name: str) -> Callable[..., Awaitable[Any]]:
+    """The gRPC method `name`: authorize, call the shared handler, map any error to a status."""
+
+    async def rpc(self: KVStoreServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             self._authorize(context)
-            return await method(self, request, context)
+            return getattr(self.handlers, name)(request)
         except Exception as exc:
             await _abort(context, exc)
             raise  # unreachable: _abort always raises
 
-    return wrapper
-
-
-def _ttl(ms: int) -> float | None:
-    return ms / 1000 if ms else None
-
-
-def page_spec(msg: pb.PageSpec, default_chunk_tokens: int) -> PageSpec:
-    return PageSpec(
-        model=msg.model,
-        num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads,
-        head_dim=msg.head_dim,
-        dtype=msg.dtype,
-        chunk_tokens=msg.chunk_tokens or default_chunk_tokens,
-        latent=msg.latent,
-        kv_sharing=tuple(msg.kv_sharing.items()),
-        tp_rank=msg.tp_rank,
-        tp_size=msg.tp_size or 1,
-        salt=msg.salt,
-    )
+    rpc.__name__ = name
+    return rpc
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    def __init__(
-        self, store: Store, chunk_tokens: int, max_message_bytes: int, shm_path: str, auth_token: str | None
-    ) -> None:
-        self.store = store
-        self.chunk_tokens = chunk_tokens
-        self.max_message_bytes = max_message_bytes
-        self.data_bytes = max_message_bytes - 1024  # room for the message's own framing
-        self.shm_path = shm_path
+    def __init__(self, handlers: Handlers, auth_token: str | None) -> None:
+        self.handlers = handlers
+        self.store = handlers.store
+        self.max_message_bytes = handlers.max_message_bytes
+        self.data_bytes = handlers.max_message_bytes - 1024  # room for the message's own framing
         self.auth_token = auth_token
-        self.started = time.monotonic()
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         if self.auth_token is None or context.peer().startswith("unix:"):
@@ -103,53 +73,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 "with the daemon's server.auth_token"
             )
 
-    @_unary
-    async def Connect(self, request: pb.ConnectRequest, context: Any) -> pb.ConnectResponse:
-        ns = self.store.connect(page_spec(request.spec, self.chunk_tokens))
-        return pb.ConnectResponse(
-            namespace=ns.id,
-            chunk_tokens=ns.spec.chunk_tokens,
-            page_bytes=ns.spec.page_bytes,
-            arena=pb.Arena(shm_path=self.shm_path, size=self.store.cpu.arena.size),
-            lease_ttl_ms=int(self.store.lease_ttl_s * 1000),
-            max_message_bytes=self.max_message_bytes,
-        )
+    Connect = _unary("Connect")
+    Lookup = _unary("Lookup")
+    Reserve = _unary("Reserve")
+    Commit = _unary("Commit")
+    Abort = _unary("Abort")
+    Acquire = _unary("Acquire")
+    Release = _unary("Release")
+    Stats = _unary("Stats")
+    Clear = _unary("Clear")
 
-    @_unary
-    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        result = self.store.lookup(
-            request.namespace, unpack_keys(request.keys), request.lease, _ttl(request.lease_ttl_ms)
-        )
-        return pb.LookupResponse(
-            hit_chunks=result.hit_chunks, tiers=result.tiers, lease_id=result.lease_id
-        )
-
-    @_unary
-    async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
-        result = self.store.reserve(request.namespace, unpack_keys(request.keys), _ttl(request.lease_ttl_ms))
-        return pb.ReserveResponse(lease_id=result.lease_id, offsets=result.offsets)
-
-    @_unary
-    async def Commit(self, request: pb.LeaseRequest, context: Any) -> pb.CommitResponse:
-        return pb.CommitResponse(committed=self.store.commit(request.namespace, request.lease_id))
-
-    @_unary
-    async def Abort(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
-        return pb.LeaseResponse(pages=self.store.abort(request.namespace, request.lease_id))
-
-    @_unary
-    async def Acquire(self, request: pb.LeaseRequest, context: Any) -> pb.AcquireResponse:
-        result = self.store.acquire(request.namespace, request.lease_id)
-        return pb.AcquireResponse(
-            ready_chunks=len(result.offsets), offsets=result.offsets, page_bytes=result.page_bytes
-        )
-
-    @_unary
-    async def Release(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseResponse:
-        return pb.LeaseResponse(pages=self.store.release(request.namespace, request.lease_id))
-
-    @_unary
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutResponse:
+        try:
+            self._authorize(context)
+            return await self._put(request_iterator)
+        except Exception as exc:
+            await _abort(context, exc)
+            raise  # unreachable: _abort always raises
+
+    async def _put(self, request_iterator: AsyncIterator[pb.PutRequest]) -> pb.PutResponse:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidArgument("Put: the first message must be a PutHeader naming the store lease")
@@ -205,14 +147,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     )
         except Exception as exc:
             await _abort(context, exc)
-
-    @_unary
-    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
-        return stats_message(self.store.stats(), __version__, time.monotonic() - self.started)
-
-    @_unary
-    async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
-        return pb.ClearResponse(pages=self.store.clear(request.namespace or None))
 
 
 def create_server(servicer: KVStoreServicer, health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:

@@ -123,6 +123,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
             code = daemon.stop()
             assert code == 0, daemon.log()
             assert not daemon.socket_path.exists()
+            assert not daemon.socket_path.with_name(daemon.socket_path.name + ".local").exists()
             assert not daemon.arena_path.exists()
 
 

@@ -1,0 +1,106 @@
+"""Unary requests -> store calls -> replies: the conversions every transport shares.
+
+Each method takes a request message and returns the reply message, raising a
+`KVStoreError` (or `ValueError`) for a request that cannot be served. The gRPC
+servicer and the local channel call these and nothing else; neither adds
+behaviour of its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvstore import __version__
+from kvstore.keys import unpack_keys
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.spec import PageSpec
+from kvstore.stats import stats_message
+from kvstore.store import Store
+
+# name: (request type, reply type), in wire order: the local channel numbers methods by position.
+UNARY_METHODS: dict[str, tuple[type, type]] = {
+    "Connect": (pb.ConnectRequest, pb.ConnectResponse),
+    "Lookup": (pb.LookupRequest, pb.LookupResponse),
+    "Reserve": (pb.ReserveRequest, pb.ReserveResponse),
+    "Commit": (pb.LeaseRequest, pb.CommitResponse),
+    "Abort": (pb.LeaseRequest, pb.LeaseResponse),
+    "Acquire": (pb.LeaseRequest, pb.AcquireResponse),
+    "Release": (pb.LeaseRequest, pb.LeaseResponse),
+    "Stats": (pb.StatsRequest, pb.StatsResponse),
+    "Clear": (pb.ClearRequest, pb.ClearResponse),
+}
+
+
+def _ttl(ms: int) -> float | None:
+    return ms / 1000 if ms else None
+
+
+def page_spec(msg: pb.PageSpec, default_chunk_tokens: int) -> PageSpec:
+    return PageSpec(
+        model=msg.model,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        dtype=msg.dtype,
+        chunk_tokens=msg.chunk_tokens or default_chunk_tokens,
+        latent=msg.latent,
+        kv_sharing=tuple(msg.kv_sharing.items()),
+        tp_rank=msg.tp_rank,
+        tp_size=msg.tp_size or 1,
+        salt=msg.salt,
+    )
+
+
+class Handlers:
+    def __init__(
+        self, store: Store, chunk_tokens: int, max_message_bytes: int, shm_path: str, local_socket: str = ""
+    ) -> None:
+        self.store = store
+        self.chunk_tokens = chunk_tokens
+        self.max_message_bytes = max_message_bytes
+        self.shm_path = shm_path
+        self.local_socket = local_socket
+        self.started = time.monotonic()
+
+    def Connect(self, request: pb.ConnectRequest) -> pb.ConnectResponse:
+        ns = self.store.connect(page_spec(request.spec, self.chunk_tokens))
+        return pb.ConnectResponse(
+            namespace=ns.id,
+            chunk_tokens=ns.spec.chunk_tokens,
+            page_bytes=ns.spec.page_bytes,
+            arena=pb.Arena(shm_path=self.shm_path, size=self.store.cpu.arena.size),
+            lease_ttl_ms=int(self.store.lease_ttl_s * 1000),
+            max_message_bytes=self.max_message_bytes,
+            local_socket=self.local_socket,
+        )
+
+    def Lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        result = self.store.lookup(
+            request.namespace, unpack_keys(request.keys), request.lease, _ttl(request.lease_ttl_ms)
+        )
+        return pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=result.tiers, lease_id=result.lease_id)
+
+    def Reserve(self, request: pb.ReserveRequest) -> pb.ReserveResponse:
+        result = self.store.reserve(request.namespace, unpack_keys(request.keys), _ttl(request.lease_ttl_ms))
+        return pb.ReserveResponse(lease_id=result.lease_id, offsets=result.offsets)
+
+    def Commit(self, request: pb.LeaseRequest) -> pb.CommitResponse:
+        return pb.CommitResponse(committed=self.store.commit(request.namespace, request.lease_id))
+
+    def Abort(self, request: pb.LeaseRequest) -> pb.LeaseResponse:
+        return pb.LeaseResponse(pages=self.store.abort(request.namespace, request.lease_id))
+
+    def Acquire(self, request: pb.LeaseRequest) -> pb.AcquireResponse:
+        result = self.store.acquire(request.namespace, request.lease_id)
+        return pb.AcquireResponse(
+            ready_chunks=len(result.offsets), offsets=result.offsets, page_bytes=result.page_bytes
+        )
+
+    def Release(self, request: pb.LeaseRequest) -> pb.LeaseResponse:
+        return pb.LeaseResponse(pages=self.store.release(request.namespace, request.lease_id))
+
+    def Stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
+        return stats_message(self.store.stats(), __version__, time.monotonic() - self.started)
+
+    def Clear(self, request: pb.ClearRequest) -> pb.ClearResponse:
+        return pb.ClearResponse(pages=self.store.clear(request.namespace or None))

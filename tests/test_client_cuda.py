@@ -1,0 +1,75 @@
+"""The client's CUDA path against the real daemon: registered arena, Triton kernels, async handles.
+
+Skipped without a CUDA device (CI has none); run on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore_client import KVSpec, KVStoreClient
+from tests.conftest import Daemon
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)"),
+]
+
+
+def make_spec(layout: str) -> KVSpec:
+    return KVSpec(model="cuda-test", num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                  block_size=16, layout=layout)
+
+
+def cuda_cache(spec: KVSpec, num_blocks: int, fill: float | None = None) -> list[torch.Tensor] | torch.Tensor:
+    if spec.layout == "cross_layer":
+        shape: tuple[int, ...] = (num_blocks, spec.num_layers, 2, 16, spec.num_kv_heads, spec.head_dim)
+        return torch.randn(shape, device="cuda").bfloat16() if fill is None else \
+            torch.full(shape, fill, device="cuda", dtype=torch.bfloat16)
+    shape = (2, num_blocks, 16, spec.num_kv_heads, spec.head_dim)
+    return [torch.randn(shape, device="cuda").bfloat16() if fill is None else
+            torch.full(shape, fill, device="cuda", dtype=torch.bfloat16) for _ in range(spec.num_layers)]
+
+
+def blocks_of(cache: list[torch.Tensor] | torch.Tensor, blocks: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "cross_layer":
+        assert isinstance(cache, torch.Tensor)
+        return cache[blocks.cuda()].view(torch.uint8).cpu()
+    return torch.stack([t[:, blocks.cuda()].view(torch.uint8) for t in cache]).cpu()
+
+
+@pytest.mark.parametrize("layout", ["flash_attn", "cross_layer"])
+def test_cuda_store_and_load_through_the_registered_arena(daemon: Daemon, layout: str) -> None:
+    spec = make_spec(layout)
+    tokens = torch.randint(0, 50_000, (2048,)).tolist()
+    source_blocks = torch.randperm(512)[:128]
+    source = cuda_cache(spec, 512)
+    with KVStoreClient.connect(daemon.address, spec) as client:
+        assert client.shared_memory and client._registered
+        handle = client.store_async(tokens, source, source_blocks)
+        assert handle.chunks == 8 and handle.wait() == 8
+        target = cuda_cache(spec, 256, fill=-3.0)
+        target_blocks = torch.randperm(256)[:128]
+        load = client.load_async(tokens, target, target_blocks)
+        assert load.tokens == 2048
+        load.wait_stream(torch.cuda.current_stream())
+        assert load.wait() == 2048
+        assert torch.equal(blocks_of(target, target_blocks, layout), blocks_of(source, source_blocks, layout))
+        untouched = torch.ones(256, dtype=torch.bool)
+        untouched[target_blocks] = False
+        rest = blocks_of(target, torch.nonzero(untouched).flatten(), layout)
+        assert torch.equal(rest, torch.full_like(rest.view(torch.bfloat16), -3.0).view(torch.uint8))
+
+
+def test_cuda_bytes_path_matches_shared_memory(daemon: Daemon) -> None:
+    spec = make_spec("flash_attn")
+    tokens = torch.randint(0, 50_000, (1024,)).tolist()
+    source = cuda_cache(spec, 64)
+    blocks = torch.arange(64)
+    with KVStoreClient.connect(daemon.address, spec) as writer, \
+            KVStoreClient.connect(daemon.address, spec, shared_memory=False) as reader:
+        assert writer.store(tokens, source, blocks) == 4
+        target = cuda_cache(spec, 64, fill=0.5)
+        assert reader.load(tokens, target, blocks) == 1024
+        assert torch.equal(blocks_of(target, blocks, "flash_attn"), blocks_of(source, blocks, "flash_attn"))

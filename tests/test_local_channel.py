@@ -1,0 +1,105 @@
+"""The local channel: same messages and handlers as gRPC, one frame each way on a unix socket."""
+
+from __future__ import annotations
+
+import socket
+import stat
+import struct
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvstore.errors import InvalidArgument, NotFound
+from kvstore.keys import pack_keys
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore_client import KVSpec, KVStoreClient
+from kvstore_client.local import LocalChannel
+from tests.conftest import Daemon, start_daemon
+
+SPEC = KVSpec(
+    model="local-test", num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, block_size=16
+)
+
+
+def local_path(daemon: Daemon) -> str:
+    return str(daemon.socket_path.with_name(daemon.socket_path.name + ".local"))
+
+
+def raw_call(path: str, method: int, payload: bytes) -> tuple[int, bytes]:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendall(struct.pack("<IB", len(payload), method) + payload)
+        length, status = struct.unpack("<IB", sock.recv(5, socket.MSG_WAITALL))
+        return status, sock.recv(length, socket.MSG_WAITALL)
+
+
+def test_clients_on_the_host_use_it_and_agree_with_grpc(daemon: Daemon) -> None:
+    path = local_path(daemon)
+    assert (
+        stat.S_IMODE(daemon.socket_path.with_name(daemon.socket_path.name + ".local").stat().st_mode) == 0o660
+    )
+    tokens = list(range(512))
+    cache = [torch.randn(2, 32, 16, 2, 16).half() for _ in range(2)]
+    with (
+        KVStoreClient.connect(daemon.address, SPEC) as fast,
+        KVStoreClient.connect(daemon.address, SPEC, local_channel=False) as slow,
+    ):
+        assert fast._local is not None and fast._local.path == path
+        assert slow._local is None
+        assert fast.store(tokens, cache, torch.arange(32)) == 2
+        assert slow.lookup(tokens) == fast.lookup(tokens) == 512
+        target = [torch.zeros_like(t) for t in cache]
+        assert slow.load(tokens, target, torch.arange(32)) == 512
+        assert all(torch.equal(a, b) for a, b in zip(target, cache, strict=True))
+        assert fast.stats()["counters"] == slow.stats()["counters"] | {}
+
+
+def test_errors_carry_the_same_status_and_message(daemon: Daemon) -> None:
+    channel = LocalChannel(local_path(daemon), timeout_s=10)
+    try:
+        with pytest.raises(
+            InvalidArgument,
+            match=r"Lookup: keys: expected a concatenation of 16-byte keys.*"
+            r"\(INVALID_ARGUMENT\)",
+        ):
+            channel.call("Lookup", pb.LookupRequest(namespace=b"\1" * 16, keys=b"x" * 17))
+        with pytest.raises(NotFound, match="call Connect"):
+            channel.call("Lookup", pb.LookupRequest(namespace=b"\1" * 16, keys=pack_keys([b"k" * 16])))
+        reply = channel.call(
+            "Connect",
+            pb.ConnectRequest(
+                spec=pb.PageSpec(
+                    model="m", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", chunk_tokens=16
+                )
+            ),
+        )
+        assert reply.page_bytes == 2 * 16 * 8 * 2 and reply.local_socket == local_path(daemon)
+    finally:
+        channel.close()
+    status, body = raw_call(local_path(daemon), 200, b"")
+    assert (status, body) == (3, b"unknown local-channel method 200")
+    status, body = raw_call(local_path(daemon), 1, b"\xff\xff\xff")
+    assert status == 3 and body.startswith(b"Lookup: the request is not a LookupRequest")
+
+
+def test_a_restarted_daemon_is_found_again(tmp_path, daemon_factory: Callable[..., Daemon]) -> None:  # type: ignore[no-untyped-def]
+    first = start_daemon(tmp_path)
+    tokens = list(range(256))
+    cache = [torch.randn(2, 16, 16, 2, 16).half() for _ in range(2)]
+    client = KVStoreClient.connect(first.address, SPEC)
+    try:
+        assert client.store(tokens, cache, torch.arange(16)) == 1
+        assert first.stop() == 0
+        second = start_daemon(tmp_path)
+        try:
+            assert client.lookup(tokens) == 0  # the new daemon starts empty; the client reconnected
+            assert client._local is not None
+            assert client.store(tokens, cache, torch.arange(16)) == 1
+            assert client.lookup(tokens) == 256
+        finally:
+            client.close()
+            assert second.stop() == 0
+    finally:
+        client.close()
