@@ -1,27 +1,32 @@
 """Page transfer between an engine's KV cache and pages in a flat uint8 buffer.
 
-- `gather(spec, kv_caches, block_ids, chunks, buffer, offsets, layers=None, *, batch_index=0)`:
-  engine KV cache -> one page per chunk at `buffer[offsets[j]:]`.
+- `gather(spec, kv_caches, block_ids, chunks, buffer, offsets, layers=None, *, batch_index=0,
+  stream=None, options=None)`: engine KV cache -> one page per chunk at `buffer[offsets[j]:]`.
 - `scatter(...)`: pages -> engine KV cache, the exact inverse.
+- `TransferOptions(max_programs=None, engine="auto")`: SM cap and engine choice (`routing`).
 - `reference` (`reference_gather`, `reference_scatter`): the torch implementation.
 
 A page is layer-major, `[stored_layer][k|v][token][kv_head][head_dim]` (MLA:
 `[stored_layer][token][latent]`), whatever the engine's layout (`spec.layout`).
 
-Backend: the Triton kernels when the KV cache is on CUDA and the buffer is on that
-device or in pinned host memory; the torch reference otherwise (a pageable host buffer
-included: correct, but at pageable-memory speed). `KVSTORE_KERNELS=triton` or `=torch`
-forces one; forced Triton on CPU tensors needs `TRITON_INTERPRET=1` set before import.
+Engines: the Triton kernel (`triton_copy`), the GPU's copy engines (`copy_engine`), or the
+torch reference; `routing` documents the auto rule. `KVSTORE_KERNELS=triton` or `=torch`
+forces the kernel or the reference under engine="auto"; forced Triton on CPU tensors needs
+`TRITON_INTERPRET=1` set before import.
 
-Triton launches are asynchronous on the current CUDA stream. Validation reads the block
-table on the host (a CUDA `block_ids` is copied back, which waits for the stream), and
-costs a few microseconds of Python per moved layer: move many chunks per call.
+Work is enqueued on `stream` (default: the current stream) and the call returns without
+waiting for the GPU, except on the reference path (a CPU cache or a pageable buffer). The
+caller keeps the cache and the buffer alive, and unchanged by other streams, until the
+stream has run the copy (record an event after the call). Pass the block table on the
+host (list, numpy, CPU tensor) to have it checked; a CUDA block table is not read back:
+see `validate`. Validation costs a few microseconds of Python per moved layer: move many
+chunks per call.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -29,15 +34,23 @@ import torch
 from kvstore.spec import KVSpec
 
 from . import reference
+from .geometry import Geometry
 from .layouts import KVCaches
+from .routing import TransferOptions, backend_name, choose
 from .validate import Transfer, plan_transfer
 
-__all__ = ["gather", "scatter", "reference", "reference_gather", "reference_scatter", "backend_name"]
+__all__ = [
+    "gather",
+    "scatter",
+    "TransferOptions",
+    "reference",
+    "reference_gather",
+    "reference_scatter",
+    "backend_name",
+]
 
 reference_gather = reference.gather
 reference_scatter = reference.scatter
-
-BACKENDS = ("auto", "triton", "torch")
 
 
 def gather(
@@ -50,21 +63,15 @@ def gather(
     layers: range | None = None,
     *,
     batch_index: int = 0,
+    stream: torch.cuda.Stream | None = None,
+    options: TransferOptions | None = None,
 ) -> None:
     """Engine KV cache -> pages: chunk `chunks[j]` becomes the page at `buffer[offsets[j]:]`.
 
     With `layers`, only the spans of those engine layers are written; layers that reuse
     another's KV (`spec.kv_sharing`) are not stored and are skipped.
     """
-    plan = plan_transfer(
-        spec, kv_caches, block_ids, chunks, buffer, offsets, layers, batch_index, writes_cache=False
-    )
-    if _use_triton(plan):
-        from . import triton_copy
-
-        triton_copy.launch(spec, plan, to_page=True)
-    else:
-        reference.gather_plan(plan)
+    _transfer(spec, kv_caches, block_ids, chunks, buffer, offsets, layers, batch_index, stream, options, True)
 
 
 def scatter(
@@ -77,33 +84,55 @@ def scatter(
     layers: range | None = None,
     *,
     batch_index: int = 0,
+    stream: torch.cuda.Stream | None = None,
+    options: TransferOptions | None = None,
 ) -> None:
     """Pages -> engine KV cache: the page at `buffer[offsets[j]:]` fills chunk `chunks[j]`'s blocks.
 
     With `layers`, only those engine layers are written; shared layers are never written.
     """
-    plan = plan_transfer(
-        spec, kv_caches, block_ids, chunks, buffer, offsets, layers, batch_index, writes_cache=True
+    _transfer(
+        spec, kv_caches, block_ids, chunks, buffer, offsets, layers, batch_index, stream, options, False
     )
-    if _use_triton(plan):
+
+
+def _transfer(
+    spec: KVSpec,
+    kv_caches: KVCaches,
+    block_ids: Any,
+    chunks: Sequence[int],
+    buffer: torch.Tensor,
+    offsets: Sequence[int],
+    layers: range | None,
+    batch_index: int,
+    stream: torch.cuda.Stream | None,
+    options: TransferOptions | None,
+    to_page: bool,
+) -> None:
+    options = options or TransferOptions()
+    if not isinstance(options, TransferOptions):
+        raise ValueError(f"options: expected a TransferOptions, got {type(options).__name__}")
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        plan = plan_transfer(
+            spec, kv_caches, block_ids, chunks, buffer, offsets, layers, batch_index, writes_cache=not to_page
+        )
+        if stream is not None and plan.device != stream.device:
+            raise ValueError(f"stream: on {stream.device}, but the KV cache is on {plan.device}")
+        _run(spec, plan, options, to_page)
+
+
+def _run(spec: KVSpec, plan: Transfer, options: TransferOptions, to_page: bool) -> None:
+    geometry = Geometry(spec, plan)  # once: the rule and both GPU paths read it
+    route = choose(spec, plan, options, to_page=to_page, geometry=geometry)
+    if route.engine == "kernel":
         from . import triton_copy
 
-        triton_copy.launch(spec, plan, to_page=False)
+        triton_copy.launch(spec, plan, to_page=to_page, max_programs=options.max_programs, geometry=geometry)
+    elif route.engine == "copy_engine":
+        from . import copy_engine
+
+        copy_engine.launch(spec, plan, to_page=to_page, geometry=geometry)
+    elif to_page:
+        reference.gather_plan(plan)
     else:
         reference.scatter_plan(plan)
-
-
-def backend_name() -> str:
-    """The backend `KVSTORE_KERNELS` asks for: 'auto' (unset), 'triton' or 'torch'."""
-    name = os.environ.get("KVSTORE_KERNELS", "").strip().lower() or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"KVSTORE_KERNELS: expected one of {', '.join(BACKENDS)}, got {name!r}")
-    return name
-
-
-def _use_triton(plan: Transfer) -> bool:
-    name = backend_name()
-    if name != "auto":
-        return name == "triton"
-    on_cuda = plan.device.type == "cuda"
-    return on_cuda and (plan.buffer.device == plan.device or plan.buffer.is_pinned())

@@ -5,7 +5,8 @@
 
 Both take the arguments of `kvstore_kernels.gather`/`scatter`, validate them, and move
 each layer with one `index_select` (or `index_copy_`) over the blocks of all chunks per
-K/V view, plus one over the buffer's rows. Data is handled as integers of the dtype's
+K/V view, plus one over the buffer's rows. A block table on a CUDA device is read back
+and checked first (this path waits for the stream anyway). Data is handled as integers of the dtype's
 width, so no float value (fp8, NaN payloads) is ever converted.
 """
 
@@ -15,12 +16,14 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvstore.spec import KVSpec
 
+from . import staging
 from .layouts import KVCaches
-from .validate import Transfer, plan_transfer
+from .validate import Transfer, host_blocks, plan_transfer
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -67,7 +70,7 @@ def gather_plan(plan: Transfer) -> None:
     if not num_pages or not plan.layers:
         return
     rows, unit = _buffer_rows(plan)
-    blocks = torch.from_numpy(plan.blocks).flatten().to(plan.device)
+    blocks = _on(host_blocks(plan, writes_cache=False).ravel(), plan.device)
     for position, views in zip(plan.positions, plan.views, strict=True):
         parts = [_as_int(view).index_select(0, blocks).reshape(num_pages, -1) for view in views]
         span = torch.stack(parts, dim=1).view(torch.uint8)  # [num_pages, k|v, T * token_bytes]
@@ -80,7 +83,7 @@ def scatter_plan(plan: Transfer) -> None:
     if not num_pages or not plan.layers:
         return
     rows, unit = _buffer_rows(plan)
-    blocks = torch.from_numpy(plan.blocks).flatten().to(plan.device)
+    blocks = _on(host_blocks(plan, writes_cache=True).ravel(), plan.device)
     for position, views in zip(plan.positions, plan.views, strict=True):
         span = rows.index_select(0, _row_index(plan, position, unit)).to(plan.device)
         elements = span.view(num_pages, len(views), -1).view(_int_dtype(views[0]))
@@ -112,4 +115,9 @@ def _row_index(plan: Transfer, position: int, unit: int) -> torch.Tensor:
         .div_(unit, rounding_mode="floor")
     )
     index = starts.reshape(-1, 1) + torch.arange(layer_bytes // unit, dtype=torch.int64)
-    return index.flatten().to(plan.buffer.device)
+    return _on(index.flatten().numpy(), plan.buffer.device)
+
+
+def _on(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """int64 indices on `device`; to CUDA through the pinned ring, so the host does not wait."""
+    return staging.to_device(np.ascontiguousarray(values, dtype=np.int64), device)

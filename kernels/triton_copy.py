@@ -1,27 +1,28 @@
 """Triton page gather and scatter: one persistent launch moves every layer of every page.
 
-- `gather` / `scatter`: the public signatures plus `max_programs`.
-- `_copy_pages`: the kernel. Its unit of work is a segment: one (page, layer, k|v,
-  block) pair of runs, `block_size * kv_heads * head_dim` elements contiguous in the
-  page and, for ordinary caches, contiguous in the engine's cache too. At most
-  `max_programs` programs stride over all segments, moving each in tiles of up to
-  16 KiB (host reads need many bytes in flight; few programs leave the SMs to the model).
+- `gather` / `scatter`: the public signatures plus `max_programs` and `tuning`.
+- `launch(spec, plan, to_page=..., max_programs=..., tuning=...)`: run a validated transfer.
+- `Tuning`: the kernel's shape (bytes per load, segments per step, warps, cache hints);
+  `DEFAULT_TUNING` is the measured choice, other values are for benchmarks.
+- `_copy_pages`: the kernel. Its unit of work is a segment (see `geometry`). At most
+  `max_programs` programs stride over steps of `segments_per_step` segments, moving each in
+  tiles of up to `tile_bytes`: host reads need many bytes in flight per program, and few
+  programs leave the SMs to the model.
 
 Addresses travel as int64 tables (layer base pointers, page addresses), so the cache's
 layers and a pinned host buffer need no single base tensor; the kernel casts them with
 `.to(tl.pointer_type(...))`. Data moves as integer words of 1-8 bytes, the widest that
 every address and stride allows, so no dtype (fp8, bf16) needs special casing. A cache
-whose views are not contiguous within a block is honoured through its strides.
+whose views are not contiguous within a block is honoured through its strides. A block id
+outside `0..num_blocks-1` (possible only with a device block table) moves nothing.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import os
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -31,29 +32,50 @@ import triton.language as tl
 from kvstore.spec import KVSpec
 
 from . import staging
+from .geometry import Geometry
 from .layouts import KVCaches
 from .validate import Transfer, plan_transfer
 
-# Measured on an H100 (PCIe Gen5), 32 KiB segments: 8 programs move 51 GB/s GPU->host and
-# 50 GB/s host->GPU (4 programs: 51 and 35; 2: 43 and 18), so more only take SMs from the model.
-HOST_MAX_PROGRAMS = 8
+# Programs (so at most that many SMs) when the buffer is in host memory, per direction. On the
+# H100 with DEFAULT_TUNING, 2 programs move 49-50 GB/s GPU->host and 45-47 GB/s host->GPU (4
+# programs: 49-50 and 47-49), and each program held for a whole transfer slows the model's
+# matrix products more (GPU->host: 1.1x at 2 programs, 1.2-1.35x at 4, 1.7-2.1x at 8, 10-16x
+# with one per SM): see bench/NOTES-transfer.md.
+HOST_PROGRAMS = {"gather": 2, "scatter": 2}
 DEVICE_MAX_PROGRAMS = 64  # buffer in device memory: ~0.7 TB/s each way, half the SMs left free
-TILE_BYTES = 16384  # per load: host reads need many bytes in flight
 _WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
+
+
+class Tuning(NamedTuple):
+    """How the kernel moves a segment; each field is a compile-time constant."""
+
+    tile_bytes: int = 16384  # bytes per load per segment, at most
+    segments_per_step: int = 4  # segments loaded together: bytes in flight = this * tile
+    num_warps: int | None = None  # None: from the bytes in flight
+    load_cache: str = ""  # tl.load cache_modifier: "", ".cg", ".ca", ".cv"
+    store_cache: str = ""  # tl.store cache_modifier: "", ".wb", ".cg", ".cs", ".wt"
+    eviction: str = ""  # eviction_policy of both: "", "evict_first", "evict_last"
+
+
+# 64 KiB in flight per program: host reads need it (one 16 KiB load per step: 16 GB/s at 2
+# programs, against 46 GB/s with four).
+DEFAULT_TUNING = Tuning()
 
 
 @triton.jit
 def _copy_pages(
     tables,  # int64: page addresses, then the parts that start at the *_at offsets
-    blocks_at,
+    blocks,  # int64 [pages, blocks_per_chunk]: a part of `tables`, or a device tensor
     layer_addrs_at,
     layer_strides_at,  # per (layer, k|v): block stride in bytes; token, head, dim strides in elements
     layer_page_offsets_at,
     num_segments,
     num_layer_kv,  # runtime, not constexpr: a new layer range must not recompile
     blocks_per_chunk,
+    num_blocks,
     SEGMENT_WORDS: tl.constexpr,
     TILE: tl.constexpr,
+    SEGMENTS: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
     HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -62,48 +84,70 @@ def _copy_pages(
     WORD_BYTES: tl.constexpr,
     ALIGN: tl.constexpr,
     TO_PAGE: tl.constexpr,
+    LOAD_CACHE: tl.constexpr,
+    STORE_CACHE: tl.constexpr,
+    EVICTION: tl.constexpr,
 ):
-    blocks = tables + blocks_at
     layer_addrs = tables + layer_addrs_at
     layer_strides = tables + layer_strides_at
     layer_page_offsets = tables + layer_page_offsets_at
+    num_steps = tl.cdiv(num_segments, SEGMENTS)
     # A while loop, not range(program_id, ...): the interpreter cannot index with a traced scalar.
-    segment = tl.program_id(0)
-    while segment < num_segments:
+    step = tl.program_id(0)
+    while step < num_steps:
+        segment = step * SEGMENTS + tl.arange(0, SEGMENTS)
+        live = segment < num_segments
         block_in_chunk = segment % blocks_per_chunk
         layer_kv = (segment // blocks_per_chunk) % num_layer_kv
         page = segment // (blocks_per_chunk * num_layer_kv)
-        block = tl.load(blocks + page * blocks_per_chunk + block_in_chunk)
-        cache_addr = tl.load(layer_addrs + layer_kv) + block * tl.load(layer_strides + layer_kv * 4)
+        block = tl.load(blocks + page * blocks_per_chunk + block_in_chunk, mask=live, other=0)
+        live = live & (block >= 0) & (block < num_blocks)
+        cache_addr = tl.load(layer_addrs + layer_kv, mask=live, other=0) + block * tl.load(
+            layer_strides + layer_kv * 4, mask=live, other=0
+        )
         page_addr = (
-            tl.load(tables + page)
-            + tl.load(layer_page_offsets + layer_kv)
+            tl.load(tables + page, mask=live, other=0)
+            + tl.load(layer_page_offsets + layer_kv, mask=live, other=0)
             + block_in_chunk.to(tl.int64) * (SEGMENT_WORDS * WORD_BYTES)
         )
         # Loaded addresses carry no alignment facts; the host checked ALIGN, so say it (vector loads).
-        cache_ptr = tl.multiple_of(cache_addr, ALIGN).to(tl.pointer_type(WORD))
-        page_ptr = tl.multiple_of(page_addr, ALIGN).to(tl.pointer_type(WORD))
+        cache_ptr = tl.multiple_of(cache_addr, ALIGN).to(tl.pointer_type(WORD))[:, None]
+        page_ptr = tl.multiple_of(page_addr, ALIGN).to(tl.pointer_type(WORD))[:, None]
+        if not CONTIGUOUS:  # strides in elements: token, head, dim
+            token_stride = tl.load(layer_strides + layer_kv * 4 + 1, mask=live, other=0)[:, None]
+            head_stride = tl.load(layer_strides + layer_kv * 4 + 2, mask=live, other=0)[:, None]
+            dim_stride = tl.load(layer_strides + layer_kv * 4 + 3, mask=live, other=0)[:, None]
         for start in range(0, SEGMENT_WORDS, TILE):
-            words = start + tl.arange(0, TILE)
-            mask = words < SEGMENT_WORDS if SEGMENT_WORDS % TILE else None
+            words = (start + tl.arange(0, TILE))[None, :]
+            mask = live[:, None] & (words < SEGMENT_WORDS) if SEGMENT_WORDS % TILE else live[:, None]
             if CONTIGUOUS:
                 cache_words = words.to(tl.int64)
-            else:  # strides in elements: token, head, dim
+            else:
                 element = words // WORDS_PER_ELEMENT
                 token = element // (HEADS * HEAD_DIM)
                 head = (element // HEAD_DIM) % HEADS
                 dim = element % HEAD_DIM
-                cache_elements = (
-                    token * tl.load(layer_strides + layer_kv * 4 + 1)
-                    + head * tl.load(layer_strides + layer_kv * 4 + 2)
-                    + dim * tl.load(layer_strides + layer_kv * 4 + 3)
-                )
+                cache_elements = token * token_stride + head * head_stride + dim * dim_stride
                 cache_words = cache_elements * WORDS_PER_ELEMENT + words % WORDS_PER_ELEMENT
             if TO_PAGE:
-                tl.store(page_ptr + words, tl.load(cache_ptr + cache_words, mask=mask), mask=mask)
+                data = tl.load(
+                    cache_ptr + cache_words, mask=mask, cache_modifier=LOAD_CACHE, eviction_policy=EVICTION
+                )
+                tl.store(
+                    page_ptr + words, data, mask=mask, cache_modifier=STORE_CACHE, eviction_policy=EVICTION
+                )
             else:
-                tl.store(cache_ptr + cache_words, tl.load(page_ptr + words, mask=mask), mask=mask)
-        segment += tl.num_programs(0)
+                data = tl.load(
+                    page_ptr + words, mask=mask, cache_modifier=LOAD_CACHE, eviction_policy=EVICTION
+                )
+                tl.store(
+                    cache_ptr + cache_words,
+                    data,
+                    mask=mask,
+                    cache_modifier=STORE_CACHE,
+                    eviction_policy=EVICTION,
+                )
+        step += tl.num_programs(0)
 
 
 def gather(
@@ -117,12 +161,13 @@ def gather(
     *,
     batch_index: int = 0,
     max_programs: int | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> None:
     """Engine KV cache -> pages at `buffer[offsets[j]:]`, one launch for all layers and pages."""
     plan = plan_transfer(
         spec, kv_caches, block_ids, chunks, buffer, offsets, layers, batch_index, writes_cache=False
     )
-    launch(spec, plan, to_page=True, max_programs=max_programs)
+    launch(spec, plan, to_page=True, max_programs=max_programs, tuning=tuning)
 
 
 def scatter(
@@ -136,12 +181,13 @@ def scatter(
     *,
     batch_index: int = 0,
     max_programs: int | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> None:
     """Pages at `buffer[offsets[j]:]` -> the engine KV cache, one launch for all layers and pages."""
     plan = plan_transfer(
         spec, kv_caches, block_ids, chunks, buffer, offsets, layers, batch_index, writes_cache=True
     )
-    launch(spec, plan, to_page=False, max_programs=max_programs)
+    launch(spec, plan, to_page=False, max_programs=max_programs, tuning=tuning)
 
 
 def is_interpreted() -> bool:
@@ -158,8 +204,25 @@ def can_reach(plan: Transfer) -> bool:
     return plan.buffer.device == plan.device or plan.buffer.is_pinned()
 
 
-def launch(spec: KVSpec, plan: Transfer, *, to_page: bool, max_programs: int | None = None) -> None:
-    """Run a validated transfer in one kernel launch."""
+def default_programs(plan: Transfer, *, to_page: bool) -> int:
+    """The measured program count for this buffer's memory and direction."""
+    if plan.buffer.device.type == "cuda":
+        return DEVICE_MAX_PROGRAMS
+    return HOST_PROGRAMS["gather" if to_page else "scatter"]
+
+
+def launch(
+    spec: KVSpec,
+    plan: Transfer,
+    *,
+    to_page: bool,
+    max_programs: int | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
+    geometry: Geometry | None = None,
+) -> Any:
+    """Run a validated transfer in one kernel launch on the current stream; returns Triton's
+    compiled kernel (its `asm`, `n_regs`, `n_spills`), or None when nothing moves."""
+    _check_tuning(tuning)
     if not can_reach(plan):
         raise ValueError(
             f"buffer: the Triton kernels need the KV cache on CUDA and the buffer on that device or in "
@@ -167,88 +230,57 @@ def launch(spec: KVSpec, plan: Transfer, *, to_page: bool, max_programs: int | N
             f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!r}); got the cache on "
             f"{plan.device}, the buffer on {plan.buffer.device}"
         )
-    num_layer_kv = sum(len(views) for views in plan.views)
-    blocks_per_chunk = plan.blocks.shape[1]
-    num_segments = len(plan.offsets) * num_layer_kv * blocks_per_chunk
-    if not num_segments:
-        return
     if max_programs is None:
-        max_programs = DEVICE_MAX_PROGRAMS if plan.buffer.device.type == "cuda" else HOST_MAX_PROGRAMS
+        max_programs = default_programs(plan, to_page=to_page)
     if max_programs < 1:
         raise ValueError(f"max_programs: expected a positive integer, got {max_programs}")
-    geometry = _Geometry(spec, plan)
-    tile = min(triton.next_power_of_2(geometry.segment_words), TILE_BYTES // geometry.word_bytes)
-    tile_bytes = tile * geometry.word_bytes
-    num_warps = 8 if tile_bytes >= 8192 else 4 if tile_bytes >= 2048 else 1
-    grid = (min(num_segments, max_programs),)
+    geometry = geometry or Geometry(spec, plan)
+    num_segments = geometry.num_segments
+    if not num_segments:
+        return None
+    segments = max(1, min(tuning.segments_per_step, triton.next_power_of_2(num_segments)))
+    tile = min(triton.next_power_of_2(geometry.segment_words), tuning.tile_bytes // geometry.word_bytes)
+    step_bytes = segments * tile * geometry.word_bytes
+    num_warps = tuning.num_warps or (8 if step_bytes >= 8192 else 4 if step_bytes >= 2048 else 1)
+    grid = (min(triton.cdiv(num_segments, segments), max_programs),)
+    host_blocks = plan.blocks if isinstance(plan.blocks, np.ndarray) else None
+    values, starts = geometry.table_values(host_blocks)
     with torch.cuda.device(plan.device) if plan.device.type == "cuda" else nullcontext():
-        tables = staging.to_device(geometry.table_values(plan), plan.device)
-        _copy_pages[grid](
+        tables = staging.to_device(values, plan.device)
+        blocks = tables[starts[0] :] if host_blocks is not None else plan.blocks
+        return _copy_pages[grid](
             tables,
-            *geometry.table_starts,
+            blocks,
+            *starts[1:],
             num_segments,
-            num_layer_kv=num_layer_kv,
-            blocks_per_chunk=blocks_per_chunk,
+            num_layer_kv=geometry.num_layer_kv,
+            blocks_per_chunk=geometry.blocks_per_chunk,
+            num_blocks=plan.num_blocks,
             SEGMENT_WORDS=geometry.segment_words,
             TILE=tile,
+            SEGMENTS=segments,
             CONTIGUOUS=geometry.contiguous,
             HEADS=spec.num_kv_heads,
             HEAD_DIM=spec.head_dim,
-            WORDS_PER_ELEMENT=plan.page.itemsize // geometry.word_bytes,
+            WORDS_PER_ELEMENT=geometry.words_per_element,
             WORD=_WORDS[geometry.word_bytes],
             WORD_BYTES=geometry.word_bytes,
             ALIGN=geometry.align,
             TO_PAGE=to_page,
+            LOAD_CACHE=tuning.load_cache,
+            STORE_CACHE=tuning.store_cache,
+            EVICTION=tuning.eviction,
             num_warps=num_warps,
         )
 
 
-class _Geometry:
-    """Addresses, strides and the word width of one validated transfer."""
-
-    def __init__(self, spec: KVSpec, plan: Transfer) -> None:
-        page = plan.page
-        views = [view for layer_views in plan.views for view in layer_views]
-        itemsize = page.itemsize
-        self.contiguous = all(_is_packed(view) for view in views)
-        self.layer_addrs = [view.data_ptr() for view in views]
-        self.block_strides = [view.stride(0) * itemsize for view in views]
-        self.inner_strides = [list(view.stride()[1:]) for view in views]
-        segment_bytes = spec.block_size * page.token_bytes
-        kv_bytes, layer_bytes = page.chunk_tokens * page.token_bytes, page.layer_bytes
-        self.page_offsets = [
-            position * layer_bytes + kv * kv_bytes
-            for position, layer_views in zip(plan.positions, plan.views, strict=True)
-            for kv in range(len(layer_views))
-        ]
-        self.page_addrs = [plan.buffer.data_ptr() + offset for offset in plan.offsets]
-        # Every address and step is a multiple of `alignment`: words (and vector loads) of that width.
-        alignment = math.gcd(
-            segment_bytes, *self.layer_addrs, *self.block_strides, *self.page_offsets, *self.page_addrs
+def _check_tuning(tuning: Tuning) -> None:
+    for name in ("tile_bytes", "segments_per_step"):
+        value = getattr(tuning, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"tuning.{name}: expected a power of two, got {value}")
+    if tuning.eviction and (tuning.load_cache or tuning.store_cache):
+        raise ValueError(
+            "tuning: a cache modifier (load_cache, store_cache) cannot be combined with an eviction "
+            "policy (ptxas refuses it)"
         )
-        widest = 8 if self.contiguous else itemsize
-        self.word_bytes = next(w for w in (8, 4, 2, 1) if w <= widest and alignment % w == 0)
-        self.align = 16 if self.contiguous and alignment % 16 == 0 else self.word_bytes
-        self.segment_words = segment_bytes // self.word_bytes
-        sizes = [len(self.page_addrs), plan.blocks.size, len(views), 4 * len(views)]
-        self.table_starts = list(itertools.accumulate(sizes))  # of blocks, layer addrs, strides, offsets
-
-    def table_values(self, plan: Transfer) -> np.ndarray:
-        """All int64 tables, one after the other, so they reach the device in one copy."""
-        strides = [
-            value
-            for block, inner in zip(self.block_strides, self.inner_strides, strict=True)
-            for value in (block, *inner)
-        ]
-        parts = [self.page_addrs, plan.blocks.ravel(), self.layer_addrs, strides, self.page_offsets]
-        return np.concatenate([np.asarray(part, dtype=np.int64) for part in parts])
-
-
-def _is_packed(view: torch.Tensor) -> bool:
-    """Whether one block of `view` ([blocks, block_size, heads, dim]) is one contiguous run."""
-    expected = 1
-    for size, stride in zip(reversed(view.shape[1:]), reversed(view.stride()[1:]), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True

@@ -5,6 +5,11 @@ returns a `Transfer`: the engine layers to move with their page positions, their
 canonical views (see `layouts`), the block ids of every page and the page offsets.
 Every problem is a `ValueError` that names the argument, the layer or the index at
 fault, and what was expected.
+
+A block table on the host (list, numpy array, CPU tensor) is checked entry by entry. A
+block table on a CUDA device is not read back (that would wait for the stream): its
+entries are looked up on the device, the kernel skips (moves nothing for) a block id
+outside the cache, and scatter cannot refuse a block id that appears twice.
 """
 
 from __future__ import annotations
@@ -28,10 +33,16 @@ class Transfer(NamedTuple):
     layers: tuple[int, ...]  # engine layers moved: the stored ones among `layers`
     positions: tuple[int, ...]  # their stored-layer index within a page
     views: tuple[tuple[torch.Tensor, ...], ...]  # per moved layer: K, V (or latent) views
-    blocks: np.ndarray  # int64, [num_pages, blocks_per_chunk]
+    blocks: np.ndarray | torch.Tensor  # int64 [num_pages, blocks_per_chunk]; a tensor: on the device
     offsets: tuple[int, ...]  # byte offset of each page in the buffer
     buffer: torch.Tensor
     device: torch.device  # where the KV cache lives
+    num_blocks: int  # blocks in the smallest moved cache tensor: valid ids are 0..num_blocks-1
+
+    @property
+    def blocks_on_device(self) -> bool:
+        """Whether the block ids are a device tensor, unchecked on the host."""
+        return isinstance(self.blocks, torch.Tensor)
 
 
 def plan_transfer(
@@ -61,7 +72,7 @@ def plan_transfer(
         )
     _check_buffer(buffer, device, offset_list, page.page_bytes, overlap_ok=writes_cache)
     views = {layer: kv_views(spec, kv_caches, layer, batch_index) for layer in moved}
-    blocks = _block_table(spec, page, block_ids, chunk_list, num_blocks, smallest)
+    blocks = _block_table(spec, page, block_ids, chunk_list, num_blocks, smallest, device)
     if writes_cache:
         _check_writable(blocks, views)
     return Transfer(
@@ -73,7 +84,25 @@ def plan_transfer(
         offsets=tuple(offset_list),
         buffer=buffer,
         device=device,
+        num_blocks=num_blocks,
     )
+
+
+def host_blocks(plan: Transfer, *, writes_cache: bool) -> np.ndarray:
+    """The plan's block ids on the host, checked: a device table is read back (the stream waits)."""
+    if isinstance(plan.blocks, np.ndarray):
+        return plan.blocks
+    blocks = plan.blocks.cpu().numpy()
+    bad = np.argwhere((blocks < 0) | (blocks >= plan.num_blocks))
+    if bad.size:
+        row, column = (int(i) for i in bad[0])
+        raise ValueError(
+            f"block_ids: block {int(blocks[row, column])} (page {row}, block {column} of its chunk) "
+            f"is outside 0..{plan.num_blocks - 1}"
+        )
+    if writes_cache:
+        _check_writable(blocks, {})
+    return blocks
 
 
 def _check_layers(spec: KVSpec, layers: range | None) -> range:
@@ -187,8 +216,14 @@ def _check_buffer(
 
 
 def _block_table(
-    spec: KVSpec, page: PageSpec, block_ids: Any, chunks: list[int], num_blocks: int, layer: int
-) -> np.ndarray:
+    spec: KVSpec,
+    page: PageSpec,
+    block_ids: Any,
+    chunks: list[int],
+    num_blocks: int,
+    layer: int,
+    device: torch.device,
+) -> np.ndarray | torch.Tensor:
     per_chunk = page.chunk_tokens // spec.block_size
     # numpy, not torch: these arrays are small and torch's per-op cost dominates a call.
     slots = np.asarray(chunks, dtype=np.int64).reshape(-1, 1) * per_chunk + np.arange(per_chunk)
@@ -202,11 +237,21 @@ def _block_table(
             )
         return slots
     table = _table_array(block_ids)
-    if slots.size and int(slots.max()) >= table.size:
+    entries = table.numel() if isinstance(table, torch.Tensor) else table.size
+    if slots.size and int(slots.max()) >= entries:
         raise ValueError(
-            f"block_ids: the block table has {table.size} entries; chunk {max(chunks)} needs "
+            f"block_ids: the block table has {entries} entries; chunk {max(chunks)} needs "
             f"{(max(chunks) + 1) * per_chunk} ({per_chunk} blocks per chunk)"
         )
+    if isinstance(table, torch.Tensor):  # on the device: looked up there, range-checked by the kernel
+        from . import staging
+
+        if table.device != device:
+            raise ValueError(
+                f"block_ids: on {table.device}; a device block table must be on the KV cache's device "
+                f"{device} (or pass it on the host)"
+            )
+        return table.to(torch.int64)[staging.to_device(slots.ravel(), table.device)].view(slots.shape)
     blocks = table[slots]
     bad = np.argwhere((blocks < 0) | (blocks >= num_blocks))
     if bad.size:
@@ -218,7 +263,7 @@ def _block_table(
     return blocks
 
 
-def _table_array(block_ids: Any) -> np.ndarray:
+def _table_array(block_ids: Any) -> np.ndarray | torch.Tensor:
     if block_ids is None:
         return np.empty(0, dtype=np.int64)
     if isinstance(block_ids, torch.Tensor):
@@ -227,6 +272,10 @@ def _table_array(block_ids: Any) -> np.ndarray:
             raise ValueError(
                 f"block_ids: expected integer block ids, got {str(dtype).removeprefix('torch.')}"
             )
+        if block_ids.dim() != 1:
+            raise ValueError(f"block_ids: expected a 1-D block table, got shape {list(block_ids.shape)}")
+        if block_ids.device.type == "cuda":
+            return block_ids.detach()
         table = block_ids.detach().cpu().numpy()
     else:
         table = np.asarray(block_ids)
@@ -237,14 +286,15 @@ def _table_array(block_ids: Any) -> np.ndarray:
     return table.astype(np.int64, copy=False)
 
 
-def _check_writable(blocks: np.ndarray, views: dict[int, tuple[torch.Tensor, ...]]) -> None:
+def _check_writable(blocks: np.ndarray | torch.Tensor, views: dict[int, tuple[torch.Tensor, ...]]) -> None:
     """Scatter writes each cache element once; refuse what would write one place twice."""
-    values, counts = np.unique(blocks, return_counts=True)
-    if values.size != blocks.size:
-        raise ValueError(
-            f"block_ids: block {int(values[counts > 1][0])} appears twice among the chunks' blocks; "
-            "scatter would write it twice"
-        )
+    if isinstance(blocks, np.ndarray):  # a device table is not read back: see the module docstring
+        values, counts = np.unique(blocks, return_counts=True)
+        if values.size != blocks.size:
+            raise ValueError(
+                f"block_ids: block {int(values[counts > 1][0])} appears twice among the chunks' blocks; "
+                "scatter would write it twice"
+            )
     seen: dict[int, int] = {}
     for layer, kv in views.items():
         for view in kv:

@@ -1,10 +1,12 @@
-"""Page gather/scatter: every layout, dtype and direction, for the torch reference and Triton.
+"""Page gather/scatter: every layout, dtype and direction, for the torch reference, Triton
+and the copy engines.
 
 Each scenario builds a small random KV cache, poisons the destination twice (0xA5, then
 0x5A), runs one implementation and checks every destination byte against an oracle that
 indexes the cache token by token: a byte the oracle writes must hold the same value under
 both poisons, and every other byte must still hold the poison. Without CUDA the Triton
-kernels run in Triton's interpreter on CPU tensors; with CUDA they run on the GPU.
+kernels run in Triton's interpreter on CPU tensors and the copy-engine copy list runs with
+memmove; with CUDA both run on the GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from kvstore_kernels import reference  # noqa: E402
 
 LAYOUTS = ["flash_attn", "flashinfer", "cross_layer", "mla", "hf"]
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn"]
-IMPLS = ["torch", "triton"]
+IMPLS = ["torch", "triton", "copy_engine"]
 POISONS = (0xA5, 0x5A)
 BATCH = 2
 gpu = pytest.mark.gpu
@@ -49,12 +51,32 @@ def triton_module() -> ModuleType:
 
 
 def run(impl: str, direction: str, *args: Any, **kwargs: Any) -> None:
+    if impl == "copy_engine":
+        options = kvstore_kernels.TransferOptions(engine="copy_engine")
+        getattr(kvstore_kernels, direction)(*args, options=options, **kwargs)
+        if CUDA:
+            torch.cuda.synchronize()
+        return
     module = reference if impl == "torch" else triton_module()
     getattr(module, direction)(*args, **kwargs)
 
 
 def device_of(impl: str) -> str:
-    return "cuda" if impl == "triton" and CUDA else "cpu"
+    return "cuda" if impl != "torch" and CUDA else "cpu"
+
+
+def copy_engine_refuses(impl: str, spec: KVSpec, strided: bool = False) -> bool:
+    """The copy engines move blocks that are contiguous runs only (not hf's, heads apart)."""
+    if impl != "copy_engine":
+        return False
+    from kvstore_kernels.geometry import is_packed
+    from kvstore_kernels.layouts import kv_views
+
+    caches = build(spec, "cpu", num_blocks=2, strided=strided)[1]
+    return not all(is_packed(view) for view in kv_views(spec, caches, 0))
+
+
+REFUSAL = "engine='copy_engine': the KV cache's blocks are not contiguous runs"
 
 
 def make_spec(
@@ -299,6 +321,10 @@ def scenario(spec: KVSpec) -> tuple[Any, list[int], list[int], int]:
 def test_every_layout_and_dtype(direction: str, layout: str, dtype: str, impl: str) -> None:
     spec = make_spec(layout, dtype, sharing={1: 0})  # layer 1 is shared: never stored, never written
     table, chunks, offsets, size = scenario(spec)
+    if copy_engine_refuses(impl, spec):
+        with pytest.raises(ValueError, match=REFUSAL):
+            check_gather(impl, spec, build(spec, device_of(impl))[1], table, chunks, offsets, size)
+        return
     if direction == "gather":
         _, caches = build(spec, device_of(impl))
         check_gather(impl, spec, caches, table, chunks, offsets, size, batch_index=1)
@@ -320,6 +346,8 @@ def test_layer_subsets_skip_shared_layers(layers: range, impl: str) -> None:
 @pytest.mark.parametrize("layout", ["flash_attn", "hf"])
 def test_shared_layers_that_alias_their_source(layout: str, impl: str) -> None:
     spec = make_spec(layout, num_layers=4, sharing={1: 0, 3: 2})
+    if copy_engine_refuses(impl, spec):
+        return  # refusal: test_every_layout_and_dtype
     table, chunks, offsets, size = scenario(spec)
     _, caches = build(spec, device_of(impl), alias_shared=True)
     check_gather(impl, spec, caches, table, chunks, offsets, size)
@@ -352,6 +380,10 @@ def test_page_offsets_on_odd_bytes(impl: str) -> None:
 def test_strided_views_are_honoured(direction: str, layout: str, impl: str) -> None:
     spec = make_spec(layout, "bfloat16")
     table, chunks, offsets, size = scenario(spec)
+    if copy_engine_refuses(impl, spec, strided=True):
+        with pytest.raises(ValueError, match=REFUSAL):
+            check_scatter(impl, spec, table, chunks, offsets, size, strided=True)
+        return
     if direction == "gather":
         _, caches = build(spec, device_of(impl), strided=True)
         check_gather(impl, spec, caches, table, chunks, offsets, size)
@@ -363,6 +395,8 @@ def test_strided_views_are_honoured(direction: str, layout: str, impl: str) -> N
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_restores_the_blocks(layout: str, impl: str) -> None:
     spec = make_spec(layout, "float8_e4m3fn", sharing={2: 1})
+    if copy_engine_refuses(impl, spec):
+        return  # refusal: test_every_layout_and_dtype
     table, chunks, offsets, size = scenario(spec)
     _, original = build(spec, device_of(impl), seed=3)
     buffer = torch.zeros(size, dtype=torch.uint8, device=device_of(impl))
@@ -605,7 +639,7 @@ def test_forced_triton_on_cpu_runs_the_interpreter(monkeypatch: pytest.MonkeyPat
 @needs_cuda
 @pytest.mark.parametrize("buffer_on", ["pinned", "cuda", "pageable"])
 def test_cuda_cache_with_each_buffer(monkeypatch: pytest.MonkeyPatch, buffer_on: str) -> None:
-    """Auto dispatch: Triton for a pinned or device buffer, the reference for pageable memory."""
+    """Auto dispatch: a GPU path for a pinned or device buffer, the reference for pageable memory."""
     spec = KVSpec(
         model="m",
         num_layers=4,
@@ -624,15 +658,17 @@ def test_cuda_cache_with_each_buffer(monkeypatch: pytest.MonkeyPatch, buffer_on:
     )
     _, caches = build(spec, "cuda", num_blocks=40)
     size = 7 * spec.page.page_bytes
+    from kvstore_kernels import copy_engine
+
     launches: list[int] = []
-    triton_copy = triton_module()
-    real_launch = triton_copy.launch
+    for module in (triton_module(), copy_engine):  # the kernel, or the copy engines where they fit
+        real_launch = module.launch
 
-    def counting_launch(*args: Any, **kwargs: Any) -> None:
-        launches.append(1)
-        real_launch(*args, **kwargs)
+        def counting_launch(*args: Any, _real: Any = real_launch, **kwargs: Any) -> None:
+            launches.append(1)
+            _real(*args, **kwargs)
 
-    monkeypatch.setattr(triton_copy, "launch", counting_launch)
+        monkeypatch.setattr(module, "launch", counting_launch)
     expected = expected_buffer(spec, caches, table, chunks, offsets, size)
     for poison in POISONS:
         buffer = torch.full(
@@ -684,3 +720,286 @@ def test_cuda_many_calls_in_flight_reuse_the_table_slots() -> None:
     torch.cuda.synchronize()
     expected = expected_buffer(spec, caches, table, chunks, offsets, size)
     assert torch.equal(buffer, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+
+
+# -- options, the auto rule, copy lists and kernel tunings -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"engine": "dma"}, "engine: expected one of auto, kernel, copy_engine, got 'dma'"),
+        ({"max_programs": 0}, "max_programs: expected a positive integer or None, got 0"),
+        ({"max_programs": 2.5}, "max_programs: expected a positive integer or None, got 2.5"),
+    ],
+)
+def test_bad_options_are_refused(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        kvstore_kernels.TransferOptions(**fields)
+
+
+def test_options_must_be_transfer_options() -> None:
+    spec, caches, table, buffer = _small_call()
+    with pytest.raises(ValueError, match="options: expected a TransferOptions, got dict"):
+        kvstore_kernels.gather(spec, caches, table, [0], buffer, [0], options={"engine": "kernel"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"), [("auto", "torch"), ("kernel", "triton"), ("copy_engine", "ce")]
+)
+def test_explicit_engine_wins_over_auto(monkeypatch: pytest.MonkeyPatch, engine: str, expected: str) -> None:
+    from kvstore_kernels import copy_engine
+
+    calls: list[str] = []
+    monkeypatch.setattr(triton_module(), "launch", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr(copy_engine, "launch", lambda *a, **k: calls.append("ce"))
+    monkeypatch.setattr(reference, "gather_plan", lambda *a, **k: calls.append("torch"))
+    monkeypatch.setenv("KVSTORE_KERNELS", "torch")  # applies to engine="auto" only
+    spec, caches, table, buffer = _small_call()
+    options = kvstore_kernels.TransferOptions(engine=engine)
+    kvstore_kernels.gather(spec, caches, table, [0], buffer, [0], options=options)
+    assert calls == [expected]
+
+
+@pytest.mark.parametrize(
+    ("layout", "sharing", "rows"),
+    [("cross_layer", {}, 6), ("cross_layer", {1: 0}, 1), ("flash_attn", {}, 1), ("flashinfer", {}, 1)],
+)
+def test_copy_lists(layout: str, sharing: dict[int, int], rows: int) -> None:
+    """cross_layer blocks move as one 2-D copy of all their (layer, k|v) rows; the rest as 1-D runs."""
+    from kvstore_kernels import copy_engine
+    from kvstore_kernels.validate import plan_transfer
+
+    spec = make_spec(layout, "float16", sharing=sharing)
+    table, chunks, offsets, size = scenario(spec)
+    _, caches = build(spec, "cpu")
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    plan = plan_transfer(spec, caches, table, chunks, buffer, offsets, None, 0, writes_cache=False)
+    copies = copy_engine.plan_copies(spec, plan, to_page=True)
+    segment = spec.block_size * spec.page.token_bytes
+    assert copies.rows == rows
+    assert int(copies.sizes.sum()) * rows == len(chunks) * len(spec.page.stored_layers) * 2 * 2 * segment
+    if rows > 1:
+        assert len(copies.dsts) == len(chunks) * spec.blocks_per_chunk
+        assert copies.dst_pitch == spec.page.chunk_tokens * spec.page.token_bytes  # K span to V span
+        assert copies.src_pitch == segment
+    one_d = copy_engine.plan_copies(spec, plan, to_page=True, shape="1d")
+    assert one_d.rows == 1 and int(one_d.sizes.sum()) == int(copies.sizes.sum()) * rows
+    _, caches = build(spec, device_of("copy_engine"))
+    check_gather("copy_engine", spec, caches, table, chunks, offsets, size)
+    check_scatter("copy_engine", spec, table, chunks, offsets, size)
+
+
+def test_copy_list_merges_runs_contiguous_on_both_sides() -> None:
+    from kvstore_kernels import copy_engine
+    from kvstore_kernels.validate import plan_transfer
+
+    spec = make_spec("flash_attn", "float16", num_layers=1)
+    _, caches = build(spec, "cpu")
+    table = [4, 5, 9, 2]  # chunk 0: blocks 4, 5 adjacent; chunk 1: 9, 2 apart
+    buffer = torch.zeros(2 * spec.page.page_bytes, dtype=torch.uint8)
+    offsets = [0, spec.page.page_bytes]
+    plan = plan_transfer(spec, caches, table, [0, 1], buffer, offsets, None, 0, writes_cache=False)
+    copies = copy_engine.plan_copies(spec, plan, to_page=True, shape="1d")
+    segment = spec.block_size * spec.page.token_bytes
+    # chunk 0: K (2 blocks) and V (2 blocks) each one run; chunk 1: four single blocks.
+    assert copies.sizes.tolist() == [2 * segment, 2 * segment] + [segment] * 4
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        {"segments_per_step": 2},
+        {"segments_per_step": 4, "tile_bytes": 16},
+        {"tile_bytes": 32, "eviction": "evict_first"},
+        {"segments_per_step": 8, "num_warps": 2, "load_cache": ".cg", "store_cache": ".cs"},
+    ],
+)
+@pytest.mark.parametrize("strided", [False, True])
+def test_kernel_tunings_move_the_same_bytes(tuning: dict[str, Any], strided: bool) -> None:
+    """Segments per step that do not divide the segment count, tiles that do not divide a segment."""
+    from kvstore_kernels.triton_copy import Tuning
+
+    spec = make_spec("flash_attn", "float16", block_size=5, chunk_tokens=10, sharing={1: 0})
+    table, chunks, offsets, size = scenario(spec)
+    device = device_of("triton")
+    _, caches = build(spec, device, strided=strided)
+    expected = expected_buffer(spec, caches, table, chunks, offsets, size)
+    buffer = torch.full((size,), 0xA5, dtype=torch.uint8, device=device)
+    triton_module().gather(
+        spec, caches, table, chunks, buffer, offsets, max_programs=3, tuning=Tuning(**tuning)
+    )
+    assert torch.equal(buffer.cpu(), torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+    bases, restored = build(spec, device, fill=0x5A, strided=strided)
+    triton_module().scatter(
+        spec, restored, table, chunks, buffer, offsets, max_programs=3, tuning=Tuning(**tuning)
+    )
+    again = torch.full((size,), 0xA5, dtype=torch.uint8, device=device)
+    triton_module().gather(spec, restored, table, chunks, again, offsets)
+    assert torch.equal(again.cpu(), buffer.cpu())
+
+
+def expected_with_skipped(
+    spec: KVSpec, caches: Any, table: Any, chunks: list[int], offsets: list[int], size: int, skipped: list
+) -> torch.Tensor:
+    """`expected_buffer`, less the segments of the (page index, block of its chunk) in `skipped`."""
+    expected = expected_buffer(spec, caches, table, chunks, offsets, size)
+    segment = spec.block_size * spec.page.token_bytes
+    span = spec.page.chunk_tokens * spec.page.token_bytes
+    for page, block in skipped:  # every (layer, k|v) segment of that block
+        for start in range(0, spec.page.page_bytes, span):
+            at = offsets[page] + start + block * segment
+            expected[at : at + segment] = -1
+    return expected
+
+
+def test_cache_modifiers_refuse_an_eviction_policy() -> None:
+    from kvstore_kernels.triton_copy import Tuning
+
+    spec, caches, table, buffer = _small_call()
+    with pytest.raises(ValueError, match="tuning: a cache modifier .* cannot be combined with an eviction"):
+        triton_module().gather(
+            spec, caches, table, [0], buffer, [0], tuning=Tuning(store_cache=".cs", eviction="evict_first")
+        )
+
+
+def test_kernel_skips_block_ids_outside_the_cache() -> None:
+    """A device block table is not checked on the host: the kernel moves nothing for a bad id."""
+    from kvstore_kernels.validate import plan_transfer
+
+    spec = make_spec("flash_attn", "float16", sharing={1: 0})
+    table, chunks, offsets, size = scenario(spec)
+    device = device_of("triton")
+    _, caches = build(spec, device)
+    buffer = torch.full((size,), 0xA5, dtype=torch.uint8, device=device)
+    plan = plan_transfer(spec, caches, table, chunks, buffer, offsets, None, 0, writes_cache=False)
+    blocks = torch.as_tensor(plan.blocks).to(device)
+    blocks[1, 0], blocks[2, 1] = 12, -3  # chunk 0's first block, chunk 2's second block
+    triton_module().launch(spec, plan._replace(blocks=blocks), to_page=True)
+    expected = expected_with_skipped(spec, caches, table, chunks, offsets, size, [(1, 0), (2, 1)])
+    assert torch.equal(buffer.cpu(), torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+
+
+def _gpu_call(layout: str) -> tuple[KVSpec, Any, torch.Tensor, list[int], list[int], int]:
+    spec = KVSpec(
+        model="m",
+        num_layers=4,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        block_size=16,
+        layout=layout,
+        chunk_tokens=64,
+    )
+    _, caches = build(spec, "cuda", num_blocks=40)
+    page_bytes = spec.page.page_bytes
+    chunks, offsets = [5, 1, 7, 0], [0, 3 * page_bytes, page_bytes, 6 * page_bytes]
+    return spec, caches, block_table(40, 32), chunks, offsets, 7 * page_bytes
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    ("layout", "table_on", "expected"),
+    [
+        ("cross_layer", "host", "copy_engine"),
+        ("flash_attn", "host", "kernel"),
+        ("cross_layer", "cuda", "kernel"),
+    ],
+)
+def test_cuda_auto_rule(monkeypatch: pytest.MonkeyPatch, layout: str, table_on: str, expected: str) -> None:
+    from kvstore_kernels import copy_engine, routing
+    from kvstore_kernels.validate import plan_transfer
+
+    spec, caches, table, chunks, offsets, size = _gpu_call(layout)
+    table = table.cuda() if table_on == "cuda" else table
+    calls: list[str] = []
+    for name, module in (("kernel", triton_module()), ("copy_engine", copy_engine)):
+        real = module.launch
+        monkeypatch.setattr(
+            module, "launch", lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))
+        )
+    buffer = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
+    plan = plan_transfer(spec, caches, table, chunks, buffer, offsets, None, 0, writes_cache=False)
+    shape = "2d" if copy_engine.can_copy_2d(spec, plan) else "1d"
+    if table_on == "host":  # flash_attn layers that happen to sit at one pitch move as 2-D copies too
+        in_rule = shape in routing.AUTO_COPY_ENGINE_SHAPES["gather"]
+        expected = "copy_engine" if in_rule else "kernel"
+    kvstore_kernels.gather(spec, caches, table, chunks, buffer, offsets)
+    torch.cuda.synchronize()
+    expected_bytes = expected_buffer(spec, caches, table.cpu(), chunks, offsets, size)
+    assert torch.equal(buffer, torch.where(expected_bytes < 0, 0xA5, expected_bytes).to(torch.uint8))
+    assert calls == [expected]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("engine", ["kernel", "copy_engine"])
+def test_cuda_side_stream(engine: str) -> None:
+    """The copy is enqueued on `stream` behind its earlier work; an event after the call orders it."""
+    spec, caches, table, chunks, offsets, size = _gpu_call("cross_layer")
+    expected = expected_buffer(spec, caches, table, chunks, offsets, size)
+    buffer = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
+    side = torch.cuda.Stream()
+    busy = torch.randn(4096, 4096, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(8):
+            busy = busy @ busy / 64  # keep the side stream busy
+    options = kvstore_kernels.TransferOptions(engine=engine)
+    kvstore_kernels.gather(spec, caches, table, chunks, buffer, offsets, stream=side, options=options)
+    done = torch.cuda.Event()
+    done.record(side)
+    done.synchronize()
+    assert torch.equal(buffer, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+
+
+@gpu
+@needs_cuda
+def test_cuda_device_block_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA block table is never read back: looked up on the GPU, bad ids move nothing."""
+    spec, caches, table, chunks, offsets, size = _gpu_call("flash_attn")
+    reads: list[int] = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(
+        torch.Tensor, "cpu", lambda self, *a, **k: (reads.append(1), real_cpu(self, *a, **k))[1]
+    )
+    buffer = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
+    kvstore_kernels.gather(spec, caches, table.cuda(), chunks, buffer, offsets)
+    _, restored = build(spec, "cuda", num_blocks=40, fill=0x5A)
+    kvstore_kernels.scatter(spec, restored, table.cuda(), chunks, buffer, offsets)
+    assert not reads
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    expected = expected_buffer(spec, caches, table, chunks, offsets, size)
+    assert torch.equal(buffer, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+    again = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
+    kvstore_kernels.gather(spec, restored, table, chunks, again, offsets)
+    torch.cuda.synchronize()
+    assert torch.equal(again, buffer)
+    bad = table.cuda()
+    bad[chunks[0] * spec.blocks_per_chunk + 1] = 40  # outside the cache: that block moves nothing
+    again.fill_(0xA5)
+    kvstore_kernels.gather(spec, caches, bad, chunks, again, offsets)
+    torch.cuda.synchronize()
+    expected = expected_with_skipped(spec, caches, table, chunks, offsets, size, [(0, 1)])
+    assert torch.equal(again, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("cuda table", "the block table is on the device"),
+        ("pageable", "the buffer is pageable host memory"),
+    ],
+)
+def test_cuda_copy_engine_refusals(change: str, message: str) -> None:
+    spec, caches, table, chunks, offsets, size = _gpu_call("cross_layer")
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    if change == "cuda table":
+        table, buffer = table.cuda(), buffer.pin_memory()
+    options = kvstore_kernels.TransferOptions(engine="copy_engine")
+    with pytest.raises(ValueError, match=f"engine='copy_engine': {message}"):
+        kvstore_kernels.gather(spec, caches, table, chunks, buffer, offsets, options=options)

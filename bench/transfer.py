@@ -1,0 +1,473 @@
+"""Page transfer benchmark: gather/scatter GB/s against the PCIe link, and the model's slowdown.
+
+Llama-3.1-8B geometry (32 layers, 8 KV heads, head_dim 128, bf16), block_size 16, pages of
+256 tokens, 8k tokens (1 GiB) on a random block table, into and out of anonymous shared
+memory pinned with cudaHostRegister (as the client pins the daemon's arena). Per layout and
+direction, in one run:
+
+- memcpy: one cudaMemcpyAsync of the same bytes (contiguous GPU tensor <-> the pinned
+  buffer), the PCIe limit; "both ways" runs one each way on two streams.
+- per_block_cuda: one cudaMemcpyAsync per (block, layer, k|v) segment from a tight Python
+  loop (vLLM's swap_blocks); per_block_torch: the same through torch `copy_` on views made
+  once; per_block_python: the plain loop that indexes cache and buffer for every copy.
+- staging: torch index_select into a GPU staging buffer, then one copy (and the reverse).
+- kernel@N: the Triton kernel capped at N programs (N SMs at most); kernel: its default;
+  kernel@2/seg1: 2 programs with one 16 KiB load per step (a quarter of the default's bytes
+  in flight).
+- copy_engine: the copy engines (2-D copy per block for cross_layer, else one batch);
+  copy_engine_1d: one batch of 1-D copies where a 2-D copy was possible.
+- auto: `kvstore_kernels`' default choice.
+- both directions at once: a gather and a scatter on two streams (disjoint blocks).
+- interference: a stream of bf16 8192³ products beside each variant (`interference`).
+
+`--sweep` instead measures kernel shapes (bytes per load, segments per step, warps,
+programs, cache hints) and the copy-engine paths' issue cost, for choosing the defaults.
+
+    python bench/transfer.py            # the table above; bench/results/transfer.json
+    python bench/transfer.py --sweep    # bench/results/transfer-sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.*` when run as a script
+
+from bench.common import print_table, write_results  # noqa: E402
+from bench.interference import MatmulStream  # noqa: E402
+from bench.transfer_cases import (  # noqa: E402
+    CAPS,
+    Enqueue,
+    Setup,
+    copy_engines,
+    kernel,
+    memcpy,
+    per_block_cuda,
+    per_block_python,
+    per_block_torch,
+    staging,
+    timed,
+    timed_pair,
+    verify,
+)
+from kvstore_kernels import copy_engine, cudart, triton_copy  # noqa: E402
+
+
+def interference(matmul: MatmulStream, enqueues: list[Enqueue], row: dict[str, Any]) -> dict[str, Any]:
+    """The products' slowdown beside `enqueues` (each on its own side stream), timed as in `row`."""
+    return matmul.beside(enqueues, row["ms"], row["issue_ms"])._asdict()
+
+
+def guarded(log: list[str], name: str, function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)`; a failure is logged and gives None, so the rest of the run goes on."""
+    try:
+        return function(*args)
+    except Exception:
+        log.append(f"{name}:\n{traceback.format_exc()}")
+        print(f"FAILED {name}", file=sys.stderr, flush=True)
+        return None
+
+
+def with_interference(
+    log: list[str],
+    name: str,
+    row: dict[str, Any],
+    matmul: MatmulStream,
+    enqueues: list[Enqueue],
+    repeats: int,
+) -> None:
+    """Add `row["interference"]`: `repeats` measurements of the products beside `enqueues`."""
+    runs = [guarded(log, f"interference {name}", interference, matmul, enqueues, row) for _ in range(repeats)]
+    row["interference"] = [run for run in runs if run is not None]
+
+
+# -- the full run ---------------------------------------------------------------------------------
+
+
+def throughput_variants(setup: Setup, to_page: bool, num_sms: int) -> dict[str, Enqueue]:
+    variants = {
+        "memcpy": memcpy(setup, to_page),
+        "per_block_python": per_block_python(setup, to_page),
+        "per_block_torch": per_block_torch(setup, to_page),
+        "per_block_cuda": per_block_cuda(setup, to_page),
+        "staging": staging(setup, to_page),
+        "kernel@1": kernel(setup, to_page, 1),
+        "kernel@2": kernel(setup, to_page, 2),
+        "kernel@2/seg1": kernel(setup, to_page, 2, triton_copy.Tuning(segments_per_step=1)),
+        **{f"kernel@{cap or 'all'}": kernel(setup, to_page, cap or num_sms) for cap in CAPS},
+        "kernel": kernel(setup, to_page, None),
+        "copy_engine": copy_engines(setup, to_page),
+        "auto": setup.call(to_page, None),
+    }
+    if copy_engine.can_copy_2d(setup.spec, setup.plan(to_page=to_page)):
+        variants["copy_engine_1d"] = copy_engines(setup, to_page, "1d")
+    return variants
+
+
+def pair_variants(setup: Setup) -> dict[str, tuple[Enqueue, Enqueue]]:
+    """(gather, scatter) pairs for both directions at once; the scatter uses the second table."""
+    g_kernel, s_kernel = kernel(setup, True, None), kernel(setup, False, None, second=True)
+    g_ce, s_ce = copy_engines(setup, True), copy_engines(setup, False, second=True)
+    return {
+        "memcpy": (memcpy(setup, True), memcpy(setup, False, second=True)),
+        "kernel+kernel": (g_kernel, s_kernel),
+        "kernel@16+kernel@16": (kernel(setup, True, 16), kernel(setup, False, 16, second=True)),
+        "copy_engine+copy_engine": (g_ce, s_ce),
+        "kernel+copy_engine": (g_kernel, s_ce),
+        "copy_engine+kernel": (g_ce, s_kernel),
+        "auto+auto": (setup.call(True, None), setup.call(False, None, second=True)),
+    }
+
+
+INTERFERENCE_VARIANTS = (
+    "memcpy",
+    "staging",
+    "kernel@1",
+    "kernel@2",
+    "kernel@2/seg1",
+    "kernel@4",
+    "kernel@8",
+    "kernel@16",
+    "kernel@all",
+    "copy_engine",
+    "auto",
+)
+INTERFERENCE_PAIRS = ("memcpy", "kernel+kernel", "copy_engine+copy_engine", "auto+auto")
+VERIFIED = ("kernel", "kernel@all", "copy_engine", "auto")
+
+
+def full_layout(
+    args: argparse.Namespace, log: list[str], setup: Setup, matmul: MatmulStream, num_sms: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One layout's rows: each direction's variants, then both directions at once."""
+    layout, rows, pairs = setup.layout, [], []
+    measure_interference = layout in args.interference_layouts
+    for to_page in (True, False):
+        direction = "gather" if to_page else "scatter"
+        variants = throughput_variants(setup, to_page, num_sms)
+        checks = {
+            name: guarded(log, f"verify {layout} {direction} {name}", verify, setup, to_page, variants[name])
+            for name in VERIFIED
+        }
+        for name, enqueue in variants.items():
+            reps = 1 if name.startswith("per_block") else args.reps
+            row = guarded(log, f"{layout} {direction} {name}", timed, enqueue, reps)
+            if row is None:
+                continue
+            row.update(layout=layout, direction=direction, variant=name, ok=checks.get(name))
+            if measure_interference and name in INTERFERENCE_VARIANTS:
+                with_interference(log, f"{layout} {direction} {name}", row, matmul, [enqueue], args.repeats)
+            rows.append(row)
+            print(
+                f"{layout:12} {direction:8} {name:18} {row['gbps']:7.2f} GB/s "
+                f"slowdown {median_slowdown(row)}",
+                flush=True,
+            )
+    for name, (first, second) in pair_variants(setup).items():
+        row = guarded(log, f"{layout} both {name}", timed_pair, first, second, args.reps)
+        if row is None:
+            continue
+        row.update(layout=layout, variant=name)
+        if measure_interference and name in INTERFERENCE_PAIRS:
+            with_interference(log, f"{layout} both {name}", row, matmul, [first, second], args.repeats)
+        pairs.append(row)
+        print(
+            f"{layout:12} both     {name:24} {row['gbps']:7.2f} GB/s slowdown {median_slowdown(row)}",
+            flush=True,
+        )
+    return rows, pairs
+
+
+def run_full(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    matmul = MatmulStream(8192)
+    rows: list[dict[str, Any]] = []
+    pairs: list[dict[str, Any]] = []
+    for layout in args.layouts:
+        setup = Setup(layout, args.tokens)
+        layout_rows, layout_pairs = full_layout(args, log, setup, matmul, num_sms)
+        setup.release()
+        rows += layout_rows
+        pairs += layout_pairs
+        torch.cuda.empty_cache()
+    return {"rows": rows, "both_ways": pairs}
+
+
+def median_slowdown(row: dict[str, Any] | None) -> float | None:
+    runs = (row or {}).get("interference") or []
+    values = [r["slowdown"] for r in runs if r["products"] >= 5]
+    return statistics.median(values) if values else None
+
+
+def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]], list[list[Any]]]:
+    """(throughput table, both-ways table, acceptance table)."""
+    rows = {(r["layout"], r["direction"], r["variant"]): r for r in result["rows"]}
+    pairs = {(r["layout"], r["variant"]): r for r in result["both_ways"]}
+
+    def ratio(row: dict[str, Any] | None, base: dict[str, Any] | None) -> float | None:
+        return row["gbps"] / base["gbps"] if row and base else None
+
+    def cell(value: float | None, digits: int = 3) -> Any:
+        return "-" if value is None else round(value, digits)
+
+    table = [
+        [layout, direction, variant, round(row["gbps"], 2),
+         cell(ratio(row, rows.get((layout, direction, "memcpy")))),
+         cell(ratio(row, rows.get((layout, direction, "per_block_cuda"))), 1),
+         cell(median_slowdown(row)), "-" if row.get("ok") is None else row["ok"]]
+        for (layout, direction, variant), row in rows.items()
+    ]  # fmt: skip
+    pair_table = [
+        [layout, variant, round(row["gbps"], 2), cell(ratio(row, pairs.get((layout, "memcpy")))),
+         cell(median_slowdown(row))]
+        for (layout, variant), row in pairs.items()
+    ]  # fmt: skip
+    accept: list[list[Any]] = []
+
+    def item(what: str, value: float | None, limit: float, above: bool = True) -> None:
+        ok = value is not None and (value >= limit if above else value <= limit)
+        shown = "-" if value is None else f"{value:.3f}"
+        accept.append([what, shown, f"{'>=' if above else '<='} {limit}", ok])
+
+    for layout in ("flash_attn", "cross_layer"):
+        for direction, no_cap, capped in (("gather", 0.93, 0.93), ("scatter", 0.90, 0.88)):
+
+            def of(
+                variant: str, base: str = "memcpy", key: tuple[str, str] = (layout, direction)
+            ) -> float | None:
+                return ratio(rows.get((*key, variant)), rows.get((*key, base)))
+
+            item(f"{layout} {direction} no cap / memcpy", of("kernel@all"), no_cap)
+            capped_ratios = [r for r in (of(f"kernel@{c}") for c in (4, 8, 16)) if r is not None]
+            item(f"{layout} {direction} <=16 SMs / memcpy", max(capped_ratios, default=None), capped)
+            item(f"{layout} {direction} auto / per_block_cuda", of("auto", "per_block_cuda"), 20)
+            item(f"{layout} {direction} auto / per_block_python", of("auto", "per_block_python"), 20)
+            slow = median_slowdown(rows.get((layout, direction, "auto")))
+            item(f"{layout} {direction} slowdown at default", slow, 1.10, above=False)
+        auto_pair = pairs.get((layout, "auto+auto"))
+        item(f"{layout} both ways auto / memcpy", ratio(auto_pair, pairs.get((layout, "memcpy"))), 0.85)
+        item(f"{layout} both ways slowdown at default", median_slowdown(auto_pair), 1.10, above=False)
+    return table, pair_table, accept
+
+
+# -- the sweep: kernel shapes and copy-engine paths ---------------------------------------------------
+
+SWEEP_SHAPES = [  # (tile_bytes, segments_per_step, num_warps)
+    (16384, 1, 8),
+    (32768, 1, 8),
+    (16384, 2, 8),
+    (32768, 2, 8),
+    (16384, 4, 8),
+    (32768, 4, 8),
+    (16384, 1, 4),
+    (32768, 1, 4),
+    (16384, 2, 4),
+]
+SWEEP_PROGRAMS = (2, 4, 8, 16)
+SWEEP_HINTS = [
+    {"load_cache": ".cg"},
+    {"store_cache": ".cs"},
+    {"eviction": "evict_first"},
+    {"load_cache": ".cg", "store_cache": ".cs"},
+]
+
+
+def compile_report(compiled: Any) -> dict[str, Any]:
+    """Registers, spills and how wide the global loads and stores are, from Triton's compiled kernel."""
+    ptx = compiled.asm.get("ptx", "") if compiled is not None else ""
+    loads = [line for line in ptx.splitlines() if "ld.global" in line]
+    stores = [line for line in ptx.splitlines() if "st.global" in line]
+    return {
+        "n_regs": getattr(compiled, "n_regs", None),
+        "n_spills": getattr(compiled, "n_spills", None),
+        "ld_global_16B": sum(".v4.b32" in line or ".v2.b64" in line for line in loads),
+        "ld_global": len(loads),
+        "st_global_16B": sum(".v4.b32" in line or ".v2.b64" in line for line in stores),
+        "st_global": len(stores),
+    }
+
+
+def sweep_shapes(layout: str) -> list[tuple[triton_copy.Tuning, str]]:
+    shapes = [
+        (triton_copy.Tuning(tile, segments, warps), f"tile={tile // 1024}K seg={segments} warps={warps}")
+        for tile, segments, warps in SWEEP_SHAPES
+    ]
+    if layout != "flash_attn":  # the kernel's shape matters the same way on every layout
+        return shapes[:2]
+    return shapes + [
+        (triton_copy.Tuning(**hints), ",".join(f"{k}={v}" for k, v in hints.items())) for hints in SWEEP_HINTS
+    ]
+
+
+def sweep_layout(
+    args: argparse.Namespace, log: list[str], setup: Setup, matmul: MatmulStream
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Kernel shapes x program counts, and the copy-engine paths, of one layout."""
+    layout, kernels, engines = setup.layout, [], []
+    for to_page in (True, False):
+        direction = "gather" if to_page else "scatter"
+        plan = setup.plan(to_page=to_page)
+        for tuning, label in sweep_shapes(layout):
+            compiled = guarded(log, f"compile {label}", _launch_once, setup, plan, to_page, tuning)
+            report = compile_report(compiled)
+            for programs in SWEEP_PROGRAMS:
+                row = guarded(
+                    log,
+                    f"{layout} {direction} {label} @{programs}",
+                    timed,
+                    kernel(setup, to_page, programs, tuning),
+                    3,
+                )
+                if row is None:
+                    continue
+                row.update(
+                    layout=layout,
+                    direction=direction,
+                    shape=label,
+                    programs=programs,
+                    tuning=tuning._asdict(),
+                    **report,
+                )
+                kernels.append(row)
+                print(
+                    f"{layout:12} {direction:8} {label:44} @{programs:<3} {row['gbps']:7.2f} GB/s "
+                    f"regs={report['n_regs']} 16B={report['ld_global_16B']}/{report['ld_global']}",
+                    flush=True,
+                )
+        paths = [("memcpy", memcpy(setup, to_page)), ("copy_engine_1d", copy_engines(setup, to_page, "1d"))]
+        if copy_engine.can_copy_2d(setup.spec, plan):
+            paths.append(("copy_engine_2d", copy_engines(setup, to_page, "2d")))
+        for name, enqueue in paths:
+            row = guarded(log, f"{layout} {direction} {name}", timed, enqueue, args.reps)
+            if row is None:
+                continue
+            row.update(layout=layout, direction=direction, variant=name)
+            with_interference(log, f"{layout} {direction} {name}", row, matmul, [enqueue], args.repeats)
+            engines.append(row)
+            print(
+                f"{layout:12} {direction:8} {name:20} {row['gbps']:7.2f} GB/s issue {row['issue_ms']:.2f} ms "
+                f"slowdown {median_slowdown(row)}",
+                flush=True,
+            )
+        for programs in (2, 4, 8):  # the kernel's interference: the fastest shape at each program count
+            mine = [r for r in kernels if (r["direction"], r["programs"]) == (direction, programs)]
+            if not mine:
+                continue
+            best = max(mine, key=lambda r: r["gbps"])
+            enqueue = kernel(setup, to_page, programs, triton_copy.Tuning(**best["tuning"]))
+            with_interference(
+                log, f"kernel {best['shape']}@{programs}", best, matmul, [enqueue], args.repeats
+            )
+            print(
+                f"{layout:12} {direction:8} best@{programs} {best['shape']:40} "
+                f"slowdown {median_slowdown(best)}",
+                flush=True,
+            )
+    return kernels, engines
+
+
+def _launch_once(setup: Setup, plan: Any, to_page: bool, tuning: triton_copy.Tuning) -> Any:
+    compiled = triton_copy.launch(setup.spec, plan, to_page=to_page, max_programs=2, tuning=tuning)
+    torch.cuda.synchronize()
+    return compiled
+
+
+def run_sweep(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
+    matmul = MatmulStream(8192)
+    kernels: list[dict[str, Any]] = []
+    engines: list[dict[str, Any]] = []
+    for layout in args.layouts:
+        setup = Setup(layout, args.tokens)
+        layout_kernels, layout_engines = sweep_layout(args, log, setup, matmul)
+        setup.release()
+        kernels += layout_kernels
+        engines += layout_engines
+        torch.cuda.empty_cache()
+    return {"kernels": kernels, "engines": engines}
+
+
+def environment() -> dict[str, Any]:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    info: dict[str, Any] = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "host_programs": dict(triton_copy.HOST_PROGRAMS),
+        "tuning": triton_copy.DEFAULT_TUNING._asdict(),
+    }
+    try:
+        runtime = cudart.runtime()
+        info.update(cudart=runtime.path, cudart_version=runtime.version, can_batch=runtime.can_batch)
+    except RuntimeError as exc:
+        info["cudart"] = str(exc)
+    return info
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sweep", action="store_true", help="kernel shapes and copy-engine paths instead")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--layouts", nargs="+", default=["flash_attn", "flashinfer", "cross_layer"])
+    parser.add_argument("--interference-layouts", nargs="+", default=["flash_attn", "cross_layer"])
+    parser.add_argument("--reps", type=int, default=7, help="timed transfers per figure (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="interference measurements per variant")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/transfer.py needs a CUDA GPU (the page buffer is pinned host memory)")
+    log: list[str] = []
+    env = environment()
+    if args.sweep:
+        result = run_sweep(args, log)
+        path = write_results(
+            "transfer-sweep", {"config": vars(args), "environment": env, **result, "errors": log}
+        )
+        best: dict[tuple[str, str, int], dict[str, Any]] = {}
+        for row in result["kernels"]:
+            key = (row["layout"], row["direction"], row["programs"])
+            if key not in best or row["gbps"] > best[key]["gbps"]:
+                best[key] = row
+        print_table(
+            ["layout", "direction", "programs", "best shape", "GB/s", "slowdown"],
+            [
+                [*key, row["shape"], round(row["gbps"], 2), median_slowdown(row) or "-"]
+                for key, row in best.items()
+            ],
+        )
+    else:
+        result = run_full(args, log)
+        path = write_results("transfer", {"config": vars(args), "environment": env, **result, "errors": log})
+        table, pair_table, accept = summarize(result)
+        print(
+            f"\n{env['device']} ({env['sms']} SMs), {args.tokens} tokens, torch {env['torch']}, "
+            f"triton {env['triton']}, cudart {env.get('cudart_version')}"
+        )
+        print_table(["layout", "dir", "variant", "GB/s", "x memcpy", "x per-block", "matmul x", "ok"], table)
+        print()
+        print_table(["layout", "both ways", "GB/s", "x memcpy", "matmul x"], pair_table)
+        print()
+        print_table(["acceptance", "value", "limit", "holds"], accept)
+    if log:
+        print(f"\n{len(log)} measurements failed; tracebacks in {path}", file=sys.stderr)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

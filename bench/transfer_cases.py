@@ -1,0 +1,315 @@
+"""The transfer benchmark's cases: the 8B-geometry setup, each way of moving its pages, timing.
+
+- `Setup(layout, tokens)`: a random KV cache, two disjoint random block tables, two pinned
+  buffers (anonymous shared memory registered with CUDA, like the client's arena).
+- Variants, each a callable that queues one whole transfer on the current stream and
+  returns its bytes: `memcpy`, `per_block_python`, `per_block_torch`, `per_block_cuda`,
+  `staging`, `kernel`, `copy_engines`; `Setup.call` is the public API with options.
+- `timed(enqueue)`, `timed_pair(first, second)`: median wall time, GB/s, host issue time.
+- `verify(setup, to_page, enqueue)`: one transfer checked against the torch reference.
+"""
+
+from __future__ import annotations
+
+import mmap
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+import kvstore_kernels
+from kvstore.spec import KVSpec
+from kvstore_kernels import copy_engine, cudart, reference, triton_copy
+from kvstore_kernels.validate import plan_transfer
+
+CHUNK_TOKENS = 256
+CAPS = (4, 8, 16, None)  # None: one program per SM
+Enqueue = Callable[[], int]  # queues one transfer on the current stream, returns its bytes
+
+
+def make_spec(layout: str) -> KVSpec:
+    return KVSpec(
+        model="llama-3.1-8b",
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        block_size=16,
+        layout=layout,
+        chunk_tokens=CHUNK_TOKENS,
+    )
+
+
+class PinnedBuffer:
+    """Anonymous shared memory registered with CUDA, like the client's view of the arena."""
+
+    def __init__(self, size: int) -> None:
+        self._map = mmap.mmap(-1, size)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        status = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
+        if int(getattr(status, "value", status)) != 0:
+            raise RuntimeError(f"cudaHostRegister failed: {status}")
+
+    def unregister(self) -> None:
+        torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+
+
+class Setup:
+    """One layout's cache, block tables, pinned buffers and baselines' tensors."""
+
+    def __init__(self, layout: str, tokens: int, seed: int = 0) -> None:
+        self.spec = spec = make_spec(layout)
+        self.layout = layout
+        self.num_pages = tokens // CHUNK_TOKENS
+        blocks_needed = self.num_pages * spec.blocks_per_chunk
+        num_blocks = 2 * blocks_needed  # two disjoint tables: gather from one, scatter into the other
+        shape = {
+            "flash_attn": [(2, num_blocks, 16, 8, 128)] * 32,
+            "flashinfer": [(num_blocks, 2, 16, 8, 128)] * 32,
+            "cross_layer": (num_blocks, 32, 2, 16, 8, 128),
+        }[layout]
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+
+        def rand(size: Any) -> torch.Tensor:
+            return torch.randint(-32768, 32767, size, dtype=torch.int16, device="cuda", generator=gen).view(
+                torch.bfloat16
+            )
+
+        self.caches: Any = rand(shape) if isinstance(shape, tuple) else [rand(s) for s in shape]
+        order = np.random.default_rng(seed).permutation(num_blocks)
+        self.table, self.table2 = order[:blocks_needed].tolist(), order[blocks_needed:].tolist()
+        self.page_bytes = spec.page.page_bytes
+        self.bytes = self.num_pages * self.page_bytes
+        self.chunks = list(range(self.num_pages))
+        self.offsets = (
+            np.random.default_rng(seed + 1).permutation(self.num_pages) * self.page_bytes
+        ).tolist()
+        self.pinned = PinnedBuffer(self.bytes)
+        self.pinned2 = PinnedBuffer(self.bytes)
+        self.buffer, self.buffer2 = self.pinned.tensor, self.pinned2.tensor
+        noise = torch.randint(0, 256, (self.bytes,), dtype=torch.uint8, device="cuda", generator=gen)
+        self.buffer.copy_(noise)
+        self.buffer2.copy_(noise)
+        self.flat = noise  # the memcpy baseline's GPU side
+        self.flat2 = torch.empty_like(noise)
+        torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Unpin the buffers (the memory goes when the last view of it does)."""
+        torch.cuda.synchronize()
+        self.pinned.unregister()
+        self.pinned2.unregister()
+
+    def plan(self, *, to_page: bool, buffer: torch.Tensor | None = None, second: bool = False) -> Any:
+        table = self.table2 if second else self.table
+        buf = buffer if buffer is not None else (self.buffer2 if second else self.buffer)
+        return plan_transfer(
+            self.spec, self.caches, table, self.chunks, buf, self.offsets, None, 0, writes_cache=not to_page
+        )
+
+    def call(
+        self, to_page: bool, options: kvstore_kernels.TransferOptions | None, second: bool = False
+    ) -> Enqueue:
+        table = self.table2 if second else self.table
+        buffer = self.buffer2 if second else self.buffer
+        function = kvstore_kernels.gather if to_page else kvstore_kernels.scatter
+
+        def enqueue() -> int:
+            function(self.spec, self.caches, table, self.chunks, buffer, self.offsets, options=options)
+            return self.bytes
+
+        return enqueue
+
+
+# -- variants: each returns an Enqueue ------------------------------------------------------------
+
+
+def memcpy(setup: Setup, to_page: bool, second: bool = False) -> Enqueue:
+    host = setup.buffer2 if second else setup.buffer
+    device = setup.flat2 if second else setup.flat
+
+    def enqueue() -> int:
+        (host.copy_(device, non_blocking=True) if to_page else device.copy_(host, non_blocking=True))
+        return setup.bytes
+
+    return enqueue
+
+
+def per_block_torch(setup: Setup, to_page: bool) -> Enqueue:
+    """One torch copy_ per segment, through tensor views made once."""
+    copies = copy_engine.plan_copies(setup.spec, setup.plan(to_page=to_page), to_page=to_page, shape="1d")
+    segment = int(copies.sizes.min())
+    as_tensor = _address_views(setup, segment)
+    pairs = [
+        (as_tensor(d), as_tensor(s)) for d, s in zip(copies.dsts.tolist(), copies.srcs.tolist(), strict=True)
+    ]
+
+    def enqueue() -> int:
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+        return setup.bytes
+
+    return enqueue
+
+
+def per_block_python(setup: Setup, to_page: bool) -> Enqueue:
+    """The plain Python loop: index the cache and the buffer for every (block, layer, k|v) copy."""
+    spec, page = setup.spec, setup.spec.page
+    per_chunk, segment = spec.blocks_per_chunk, spec.block_size * page.token_bytes
+    span = page.chunk_tokens * page.token_bytes
+    caches = setup.caches
+
+    def block_bytes(layer: int, kv: int, block: int) -> torch.Tensor:
+        if setup.layout == "cross_layer":
+            return caches[block, layer, kv].view(-1).view(torch.uint8)
+        if setup.layout == "flashinfer":
+            return caches[layer][block, kv].view(-1).view(torch.uint8)
+        return caches[layer][kv, block].view(-1).view(torch.uint8)
+
+    def enqueue() -> int:
+        for page_index, offset in enumerate(setup.offsets):
+            for layer in range(spec.num_layers):
+                for kv in range(2):
+                    for b in range(per_chunk):
+                        block = setup.table[page_index * per_chunk + b]
+                        at = offset + (2 * layer + kv) * span + b * segment
+                        host = setup.buffer[at : at + segment]
+                        if to_page:
+                            host.copy_(block_bytes(layer, kv, block), non_blocking=True)
+                        else:
+                            block_bytes(layer, kv, block).copy_(host, non_blocking=True)
+        return setup.bytes
+
+    return enqueue
+
+
+def per_block_cuda(setup: Setup, to_page: bool) -> Enqueue:
+    """One cudaMemcpyAsync per segment (what swap_blocks does in C++), issued from Python."""
+    copies = copy_engine.plan_copies(setup.spec, setup.plan(to_page=to_page), to_page=to_page, shape="1d")
+    runtime = cudart.runtime()
+    rows = list(zip(copies.dsts.tolist(), copies.srcs.tolist(), copies.sizes.tolist(), strict=True))
+
+    def enqueue() -> int:
+        stream = torch.cuda.current_stream().cuda_stream
+        for dst, src, size in rows:
+            runtime.memcpy_async(dst, src, size, stream)
+        return setup.bytes
+
+    return enqueue
+
+
+def staging(setup: Setup, to_page: bool) -> Enqueue:
+    """torch index_select into a GPU staging buffer, then one copy (scatter: the reverse)."""
+    staged = torch.empty(setup.bytes, dtype=torch.uint8, device="cuda")
+    plan = setup.plan(to_page=to_page, buffer=staged)
+
+    def enqueue() -> int:
+        if to_page:
+            reference.gather_plan(plan)
+            setup.buffer.copy_(staged, non_blocking=True)
+        else:
+            staged.copy_(setup.buffer, non_blocking=True)
+            reference.scatter_plan(plan)
+        return setup.bytes
+
+    return enqueue
+
+
+def kernel(
+    setup: Setup, to_page: bool, programs: int | None, tuning: Any = None, second: bool = False
+) -> Enqueue:
+    plan = setup.plan(to_page=to_page, second=second)
+    tuning = tuning or triton_copy.DEFAULT_TUNING
+
+    def enqueue() -> int:
+        triton_copy.launch(setup.spec, plan, to_page=to_page, max_programs=programs, tuning=tuning)
+        return setup.bytes
+
+    return enqueue
+
+
+def copy_engines(setup: Setup, to_page: bool, shape: str | None = None, second: bool = False) -> Enqueue:
+    plan = setup.plan(to_page=to_page, second=second)
+
+    def enqueue() -> int:
+        copy_engine.launch(setup.spec, plan, to_page=to_page, shape=shape)
+        return setup.bytes
+
+    return enqueue
+
+
+def _address_views(setup: Setup, size: int) -> Callable[[int], torch.Tensor]:
+    """A `size`-byte uint8 view at an address inside the cache or a pinned buffer."""
+    bases = [setup.buffer, setup.buffer2, setup.flat]
+    caches = [setup.caches] if isinstance(setup.caches, torch.Tensor) else setup.caches
+    bases += [c.view(-1).view(torch.uint8) for c in caches]
+    spans = sorted((b.data_ptr(), b) for b in bases)
+    starts = [s for s, _ in spans]
+
+    def view(address: int) -> torch.Tensor:
+        index = int(np.searchsorted(starts, address, side="right")) - 1
+        start, base = spans[index]
+        return base[address - start : address - start + size]
+
+    return view
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+def timed(enqueue: Enqueue, reps: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Median wall time of one whole transfer (issue + run), its GB/s, and the host issue time."""
+    for _ in range(warmup):
+        enqueue()
+    torch.cuda.synchronize()
+    walls, issues, moved = [], [], 0
+    for _ in range(reps):
+        start = time.perf_counter()
+        moved = enqueue()
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+        issues.append(issued - start)
+    wall = statistics.median(walls)
+    return {
+        "ms": wall * 1e3,
+        "gbps": moved / wall / 1e9,
+        "issue_ms": statistics.median(issues) * 1e3,
+        "spread": (max(walls) - min(walls)) / wall,
+    }
+
+
+def timed_pair(first: Enqueue, second: Enqueue, reps: int = 5) -> dict[str, float]:
+    """Both transfers at once on two streams: total bytes over the wall time."""
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def both() -> int:
+        moved = 0
+        for stream, enqueue in zip(streams, (first, second), strict=True):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                moved += enqueue()
+        for stream in streams:
+            torch.cuda.current_stream().wait_stream(stream)
+        return moved
+
+    return timed(both, reps)
+
+
+def verify(setup: Setup, to_page: bool, enqueue: Enqueue) -> bool:
+    """One transfer, checked against the torch reference (gather: the page bytes; scatter: the blocks
+    read back by the reference)."""
+    staged = torch.empty(setup.bytes, dtype=torch.uint8, device="cuda")
+    check = setup.plan(to_page=True, buffer=staged)
+    if to_page:
+        setup.buffer.fill_(0xA5)
+    else:  # bytes the cache does not hold yet
+        setup.buffer.copy_(torch.randint(0, 256, (setup.bytes,), dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()
+    enqueue()
+    reference.gather_plan(check)
+    torch.cuda.synchronize()
+    return bool(torch.equal(staged, setup.buffer.to("cuda")))
