@@ -1,9 +1,11 @@
-"""`kvctl`: administer a running kvstored.
+"""`kvctl`: administer a running kvstored, and replay traces without one.
 
     kvctl [--address ADDR] [--token TOKEN] stats [--json]
     kvctl health
     kvctl ls [--json]
     kvctl clear [--namespace NS]
+    kvctl pin NS (--tokens FILE | --keys HEX,...) --ttl SECONDS [--json]
+    kvctl replay TRACE --cpu-pages N [--policy NAME] [--json]     (in-process, no daemon)
 
 Tables for people, `--json` for scripts. The default address is the default
 config's unix socket.
@@ -15,16 +17,21 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.config import default_socket_path
+from kvstore.config import EvictionConfig, default_socket_path
 from kvstore.errors import KVStoreError, from_rpc_error
+from kvstore.keys import KEY_BYTES, pack_keys
+from kvstore.policy import policy_names
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.replay import bounds, replay, report
 from kvstore.stats import stats_to_dict
+from kvstore.trace import TraceError, load_trace
 
 
 def human_bytes(n: float) -> str:
@@ -119,15 +126,18 @@ def cmd_ls(admin: Admin, args: argparse.Namespace) -> int:
     return 0
 
 
+def _hex_bytes(text: str, what: str) -> bytes:
+    try:
+        value = bytes.fromhex(text)
+    except ValueError:
+        value = b""
+    if len(value) != KEY_BYTES:
+        raise KVStoreError(f"{what}: expected {2 * KEY_BYTES} hex digits as `kvctl ls` shows, got {text!r}")
+    return value
+
+
 def cmd_clear(admin: Admin, args: argparse.Namespace) -> int:
-    namespace = b""
-    if args.namespace:
-        try:
-            namespace = bytes.fromhex(args.namespace)
-        except ValueError:
-            raise KVStoreError(
-                f"--namespace: expected 32 hex digits as `kvctl ls` shows, got {args.namespace!r}"
-            ) from None
+    namespace = _hex_bytes(args.namespace, "--namespace") if args.namespace else b""
     pages = admin.call("Clear", pb.ClearRequest(namespace=namespace)).pages
     print(f"cleared {pages} pages" + (f" of namespace {args.namespace}" if args.namespace else ""))
     return 0
@@ -142,6 +152,110 @@ def cmd_health(admin: Admin, args: argparse.Namespace) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(status)
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _tokens(path: str) -> list[int]:
+    """Token ids from a file ("-": stdin): a JSON list, or integers separated by spaces or commas."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise KVStoreError(f"--tokens: cannot read {path}: {err.strerror}") from None
+    try:
+        tokens = json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
+        return [int(token) for token in tokens]
+    except (ValueError, TypeError):
+        raise KVStoreError(f"--tokens: expected token ids in {path}, as a JSON list or integers") from None
+
+
+def cmd_pin(admin: Admin, args: argparse.Namespace) -> int:
+    if (args.tokens is None) == (args.keys is None):
+        raise KVStoreError("pin: give the chain as --tokens FILE or as --keys HEX,..., not both")
+    request = pb.PinRequest(namespace=_hex_bytes(args.namespace, "namespace"), ttl_ms=round(args.ttl * 1000))
+    if args.tokens is not None:
+        request.tokens.extend(_tokens(args.tokens))
+    else:
+        request.keys = pack_keys([_hex_bytes(key, "--keys") for key in args.keys.split(",")])
+    reply = admin.call("Pin", request)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "pinned_chunks": reply.pinned_chunks,
+                    "ttl_s": args.ttl,
+                    "pinned_pages": reply.pinned_pages,
+                    "pinned_bytes": reply.pinned_bytes,
+                }
+            )
+        )
+    else:
+        print(
+            f"pinned {reply.pinned_chunks} chunks for {args.ttl:g} s; the tier holds "
+            f"{reply.pinned_pages} pinned pages ({human_bytes(reply.pinned_bytes)})"
+        )
+    return 0
+
+
+class ProgressBar:
+    """`label [#####.....] done/total` on stderr, redrawn in place; nothing unless stderr is a terminal."""
+
+    def __init__(self, label: str, total: int, width: int = 40) -> None:
+        self.label, self.total, self.width = label, total, width
+        self.shown = sys.stderr.isatty()
+
+    def __call__(self, done: int) -> None:
+        if self.shown:
+            filled = self.width * done // max(self.total, 1)
+            bar = "#" * filled + "." * (self.width - filled)
+            sys.stderr.write(f"\r{self.label} [{bar}] {done}/{self.total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    if args.disk_pages is not None:
+        raise KVStoreError("--disk-pages: the disk tier is not built yet; replay the CPU tier alone")
+    trace = load_trace(args.trace)
+    progress = ProgressBar(f"replay {args.policy}", len(trace.requests))
+    try:
+        result = replay(trace, args.cpu_pages, args.policy, progress)
+    finally:
+        progress.close()
+    data = report(trace, result, bounds(trace, args.cpu_pages))
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    print(
+        f"{trace.path}: {data['requests']} requests, {data['blocks']} blocks ({data['distinct_blocks']} "
+        f"distinct); policy {args.policy}, CPU tier of {args.cpu_pages} pages\n"
+    )
+    rows = [
+        (tier, data["tier_hit_blocks"][tier], f"{100 * ratio:.2f}%") for tier, ratio in data["tiers"].items()
+    ]
+    rows.append(("total", data["hit_blocks"], f"{100 * data['hit_ratio']:.2f}%"))
+    print(table(("tier", "hit blocks", "prefix hits"), rows))
+    print()
+    print(
+        table(
+            (f"bound at {args.cpu_pages} pages", "prefix hits"),
+            [("belady", f"{100 * data['belady']:.2f}%"), ("infinite", f"{100 * data['infinite']:.2f}%")],
+        )
+    )
+    unstored = (
+        f", {data['unstored_requests']} requests not stored (no room)" if data["unstored_requests"] else ""
+    )
+    print(f"\nreplay {data['replay_s']:.1f} s, bounds {data['bounds_s']:.1f} s{unstored}")
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of pages, got {text}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -162,15 +276,38 @@ def _parser() -> argparse.ArgumentParser:
     clear = commands.add_parser("clear", help="drop every stored page (or one namespace's)")
     clear.add_argument("--namespace", help="namespace id in hex, as `kvctl ls` shows")
     clear.set_defaults(run=cmd_clear)
+    pin = commands.add_parser("pin", help="keep a chain (a system prompt) out of eviction for a while")
+    pin.add_argument("namespace", help="namespace id in hex, as `kvctl ls` shows")
+    pin.add_argument(
+        "--tokens",
+        metavar="FILE",
+        help="the prompt's token ids ('-': stdin); the daemon cuts them into the namespace's chunks",
+    )
+    pin.add_argument("--keys", metavar="HEX,...", help="or the chain's chunk keys, in order")
+    pin.add_argument("--ttl", type=float, required=True, metavar="SECONDS", help="how long the pin lasts")
+    pin.add_argument("--json", action="store_true")
+    pin.set_defaults(run=cmd_pin)
+    play = commands.add_parser("replay", help="replay a Mooncake-format trace through the store, in-process")
+    play.add_argument("trace", help="JSONL file, one request a line with `hash_ids` (one id per block)")
+    play.add_argument("--cpu-pages", type=_positive, required=True, help="CPU tier capacity, in pages")
+    play.add_argument("--disk-pages", type=_positive, help="disk tier capacity (not built yet: refused)")
+    play.add_argument("--policy", choices=policy_names(serving=False), default=EvictionConfig().policy)
+    play.add_argument("--json", action="store_true")
+    play.set_defaults(run=cmd_replay, local=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "local", False):  # needs no daemon
+        try:
+            return int(args.run(args))
+        except (KVStoreError, TraceError) as exc:
+            print(f"kvctl: {exc}", file=sys.stderr)
+            return 1
     admin = Admin(args.address or f"unix://{default_socket_path()}", args.token, args.timeout)
     try:
-        code: int = args.run(admin, args)
-        return code
+        return int(args.run(admin, args))
     except KVStoreError as exc:
         print(f"kvctl: {exc}", file=sys.stderr)
         return 1

@@ -225,7 +225,11 @@ class TiersConfig:
 
 @dataclass(frozen=True)
 class EvictionConfig:
-    policy: str = _setting("lru", non_empty=True)  # a name in the policy registry
+    """What leaves a full tier first, and what never does (pinned chains)."""
+
+    policy: str = _setting("lfuda", non_empty=True)  # a name in the policy registry
+    pin_fraction: float = _setting(0.1, gt=0, le=1)  # pinned pages may fill this share of a tier at most
+    max_pin_ttl_s: float = _setting(86400.0, gt=0)  # the longest a Pin may keep pages
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,8 @@ async def serve(config: Config) -> None:
             make_policy(config.eviction.policy),
             config.leases.ttl_s,
             config.leases.max_ttl_s,
+            pin_fraction=config.eviction.pin_fraction,
+            max_pin_ttl_s=config.eviction.max_pin_ttl_s,
         )
         local_path = config.server.local_socket_path if config.server.local_channel else None
         handlers = Handlers(

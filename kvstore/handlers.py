@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from kvstore import __version__
+from kvstore.errors import InvalidArgument
 from kvstore.keys import unpack_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import PageSpec
@@ -28,6 +29,7 @@ UNARY_METHODS: dict[str, tuple[type, type]] = {
     "Release": (pb.LeaseRequest, pb.LeaseResponse),
     "Stats": (pb.StatsRequest, pb.StatsResponse),
     "Clear": (pb.ClearRequest, pb.ClearResponse),
+    "Pin": (pb.PinRequest, pb.PinResponse),
 }
 
 
@@ -104,3 +106,17 @@ class Handlers:
 
     def Clear(self, request: pb.ClearRequest) -> pb.ClearResponse:
         return pb.ClearResponse(pages=self.store.clear(request.namespace or None))
+
+    def Pin(self, request: pb.PinRequest) -> pb.PinResponse:
+        if request.keys and request.tokens:
+            raise InvalidArgument("Pin: send the chain as keys or as tokens, not both")
+        if request.keys:
+            keys = unpack_keys(request.keys)
+        else:
+            keys = self.store.chain_keys(request.namespace, request.tokens)
+        result = self.store.pin(request.namespace, keys, request.ttl_ms / 1000)
+        return pb.PinResponse(
+            pinned_chunks=result.pinned_chunks,
+            pinned_pages=result.pinned_pages,
+            pinned_bytes=result.pinned_bytes,
+        )

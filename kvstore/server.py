@@ -82,6 +82,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     Release = _unary("Release")
     Stats = _unary("Stats")
     Clear = _unary("Clear")
+    Pin = _unary("Pin")
 
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutResponse:
         try:

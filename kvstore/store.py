@@ -5,25 +5,31 @@ Primitives (each a few dict operations; they run on the daemon's event loop):
 - `lookup(ns, keys, lease)`: longest committed prefix; a lease pins the hits.
 - `reserve(ns, keys)` -> `commit` | `abort`: slots for the keys not stored yet.
 - `acquire(ns, lease)` -> `release`: offsets of a load lease's pages.
-- `expire(now)`: leases past their deadline are aborted or released.
+- `pin(ns, keys, ttl)`: keeps the stored prefix of `keys` out of eviction until the TTL ends.
+- `expire(now)`: leases past their deadline are aborted or released; pins end.
 - `clear(ns)`, `stats()`.
 
 An entry being written is never visible to a lookup. Eviction takes committed,
 unpinned pages in policy order, never one the current operation needs, and is
-all or nothing: if the space cannot be made, nothing is evicted.
+all or nothing: if the space cannot be made, nothing is evicted. It never takes
+a page while a page after it in a committed chain is held (a tail without its
+head is never hit), unless the policy is a chain-blind baseline replayed as
+published. The policy hears of every page an operation uses, in chain order; a
+page pinned with `pin` is out of its care until the pin ends.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, cast
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.keys import KEY_BYTES
+from kvstore.keys import KEY_BYTES, chunk_keys
 from kvstore.leases import Lease, LeaseKind, LeaseTable
+from kvstore.pins import PinLimitExceeded, PinTable
 from kvstore.policy import EvictionPolicy
 from kvstore.spec import PageSpec
 from kvstore.tiers import Tier
@@ -35,7 +41,7 @@ _CPU = bytes([Tier.CPU])
 
 
 class Entry:
-    __slots__ = ("namespace", "key", "offset", "committed", "pins", "removed")
+    __slots__ = ("namespace", "key", "offset", "committed", "pins", "removed", "parent", "children")
 
     def __init__(self, namespace: Namespace, key: bytes, offset: int) -> None:
         self.namespace = namespace
@@ -44,6 +50,8 @@ class Entry:
         self.committed = False
         self.pins = 0
         self.removed = False  # dropped from the index while pinned: freed at the last release
+        self.parent: Entry | None = None  # the page before it in a committed chain
+        self.children = 0  # committed pages whose parent it is
 
 
 @dataclass(eq=False)
@@ -74,6 +82,12 @@ class AcquireResult(NamedTuple):
     page_bytes: int
 
 
+class PinResult(NamedTuple):
+    pinned_chunks: int  # the stored prefix of the keys, now pinned
+    pinned_pages: int  # every page pinned in the tier
+    pinned_bytes: int
+
+
 class TierUsage(NamedTuple):
     name: str
     bytes_used: int
@@ -102,12 +116,18 @@ class Store:
         lease_ttl_s: float,
         max_lease_ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
+        pin_fraction: float = 0.1,
+        max_pin_ttl_s: float = 86400.0,
     ) -> None:
         self.cpu = cpu
         self.policy = policy
         self.lease_ttl_s = lease_ttl_s
         self.max_lease_ttl_s = max_lease_ttl_s
         self.clock = clock
+        self.pin_fraction = pin_fraction
+        self.max_pin_ttl_s = max_pin_ttl_s
+        self.pins: PinTable[Entry] = PinTable(int(pin_fraction * cpu.capacity))
+        self.guard_chains = policy.chain_safe
         self.namespaces: dict[bytes, Namespace] = {}
         self.leases = LeaseTable()
         self.counters: Counter[str] = Counter()
@@ -151,7 +171,7 @@ class Store:
             )
         return ns
 
-    def _check_keys(self, keys: list[bytes]) -> None:
+    def _check_keys(self, keys: Sequence[bytes]) -> None:
         if len(keys) > MAX_KEYS_PER_REQUEST:
             raise InvalidArgument(f"keys: {len(keys)} keys in one request; at most {MAX_KEYS_PER_REQUEST}")
 
@@ -181,7 +201,7 @@ class Store:
     # -- load ---------------------------------------------------------------
 
     def lookup(
-        self, ns_id: bytes, keys: list[bytes], lease: bool = False, ttl_s: float | None = None
+        self, ns_id: bytes, keys: Sequence[bytes], lease: bool = False, ttl_s: float | None = None
     ) -> LookupResult:
         ns = self._namespace(ns_id)
         self._check_keys(keys)
@@ -195,7 +215,7 @@ class Store:
         self.counters["lookups"] += 1
         self.counters["hit_chunks"] += len(hits)
         self.counters["missed_chunks"] += len(keys) - len(hits)
-        self.policy.touch(reversed(hits))
+        self.policy.hit(self._policy_pages(hits))
         lease_id = 0
         if lease and hits:
             for entry in hits:
@@ -223,7 +243,7 @@ class Store:
 
     # -- store --------------------------------------------------------------
 
-    def reserve(self, ns_id: bytes, keys: list[bytes], ttl_s: float | None = None) -> ReserveResult:
+    def reserve(self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float | None = None) -> ReserveResult:
         ns = self._namespace(ns_id)
         self._check_keys(keys)
         deadline = self._deadline(ttl_s)
@@ -246,7 +266,8 @@ class Store:
             self._make_room(ns, len(new_keys), protected=present)
         self.counters["reserves"] += 1
         self.counters["skipped_chunks"] += len(present)
-        self.policy.touch(reversed([e for e in present if e.committed]))
+        # Present pages stay recent while the new ones are written; the commit touches them again.
+        self.policy.stored(self._policy_pages([e for e in present if e.committed]))
         if not new_keys:
             return ReserveResult(0, offsets)
         entries = []
@@ -256,7 +277,7 @@ class Store:
             entries.append(entry)
         slots = iter(entries)
         offsets = [offset if offset < 0 else next(slots).offset for offset in offsets]
-        lease = self.leases.add(ns_id, LeaseKind.STORE, entries, deadline, keys)
+        lease = self.leases.add(ns_id, LeaseKind.STORE, entries, deadline, list(keys))
         return ReserveResult(lease.id, offsets)
 
     def store_lease_offsets(self, ns_id: bytes, lease_id: int) -> AcquireResult:
@@ -289,11 +310,7 @@ class Store:
         for entry in lease.entries:
             entry.committed = True
         ns.pages += len(lease.entries)
-        # Insert the new pages and touch the whole chain, tail first, so heads stay the most recent.
-        for key in reversed(lease.keys):
-            entry = ns.entries.get(key)
-            if entry is not None and entry.committed:
-                self.policy.insert(entry)
+        self.policy.stored(self._policy_pages(self._link(ns, lease.keys)))
         self.counters["stored_chunks"] += len(lease.entries)
         return len(lease.entries)
 
@@ -312,11 +329,39 @@ class Store:
 
     # -- space --------------------------------------------------------------
 
+    def _policy_pages(self, entries: list[Entry]) -> list[Entry]:
+        """The entries in the policy's care: all but those pinned with `pin`."""
+        pins = self.pins
+        return [entry for entry in entries if entry not in pins] if pins else entries
+
+    def _link(self, ns: Namespace, keys: Sequence[bytes]) -> list[Entry]:
+        """The committed entries of a chain, in order; each is linked to the one before it."""
+        chain: list[Entry] = []
+        parent: Entry | None = None
+        for key in keys:
+            entry = ns.entries.get(key)
+            if entry is None or not entry.committed:
+                parent = None
+                continue
+            if entry.parent is None and parent is not None:
+                entry.parent = parent
+                parent.children += 1
+            chain.append(entry)
+            parent = entry
+        return chain
+
     def _evictable(self, protected: set[int]) -> Iterator[tuple[int, Entry]]:
+        guard = self.guard_chains
+        planned: Counter[int] = Counter()  # per parent: its children already offered in this plan
         for item in self.policy.candidates():
             entry = cast(Entry, item)
-            if entry.pins == 0 and id(entry) not in protected:
-                yield entry.offset, entry
+            if entry.pins or id(entry) in protected:
+                continue
+            if guard and entry.children and entry.children > planned[id(entry)]:
+                continue  # a later page of its chain is held: tails go first
+            if entry.parent is not None:
+                planned[id(entry.parent)] += 1
+            yield entry.offset, entry
 
     def _make_room(self, ns: Namespace, count: int, protected: list[Entry]) -> None:
         page_bytes = ns.spec.page_bytes
@@ -329,30 +374,78 @@ class Store:
                 f"or raise tiers.cpu.bytes"
             )
         for entry in victims:
-            self._remove(entry)
+            self._remove(entry, evicted=True)
         self.counters["evicted_chunks"] += len(victims)
 
-    def _remove(self, entry: Entry) -> None:
+    def _remove(self, entry: Entry, evicted: bool = False) -> None:
         """Drop a committed entry from the index; its slot is freed now, or at its last release."""
         ns = entry.namespace
         del ns.entries[entry.key]
         ns.pages -= 1
-        self.policy.remove(entry)
+        if entry.parent is not None:
+            entry.parent.children -= 1
+        if evicted:
+            self.policy.evicted(entry)
+        elif not self.pins.unpin(entry):
+            self.policy.remove(entry)
         if entry.pins:
             entry.removed = True
         else:
             self.cpu.slots.free(entry.offset)
 
+    # -- pins ---------------------------------------------------------------
+
+    def chain_keys(self, ns_id: bytes, token_ids: Sequence[int]) -> list[bytes]:
+        """The keys of the full chunks of `token_ids` in this namespace (for a Pin that sends tokens)."""
+        ns = self._namespace(ns_id)
+        return chunk_keys(ns.id, list(token_ids), ns.spec.chunk_tokens)
+
+    def pin(self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float) -> PinResult:
+        """Keeps the stored prefix of `keys` out of eviction for `ttl_s`; pinning again moves the end."""
+        ns = self._namespace(ns_id)
+        self._check_keys(keys)
+        if not 0 < ttl_s <= self.max_pin_ttl_s:
+            raise InvalidArgument(
+                f"ttl_ms: {ttl_s * 1000:.0f} ms is outside 1..{self.max_pin_ttl_s * 1000:.0f} "
+                f"(eviction.max_pin_ttl_s)"
+            )
+        chain: list[Entry] = []
+        for key in keys:
+            entry = ns.entries.get(key)
+            if entry is None or not entry.committed:
+                break
+            chain.append(entry)
+        page_bytes = ns.spec.page_bytes
+        try:
+            fresh = self.pins.pin([(entry, page_bytes) for entry in chain], self.clock() + ttl_s)
+        except PinLimitExceeded as exc:
+            raise ResourceExhausted(
+                f"pinning {len(chain)} page(s) would pin {self.pins.bytes + exc.new_bytes} bytes, over "
+                f"eviction.pin_fraction ({self.pin_fraction:g}) of the CPU tier ({self.pins.limit_bytes} of "
+                f"{self.cpu.capacity} bytes); pin fewer chunks, let other pins expire, or raise "
+                f"eviction.pin_fraction"
+            ) from None
+        for entry in fresh:
+            self.policy.remove(entry)
+        self.counters["pinned_chunks"] += len(fresh)
+        return PinResult(len(chain), len(self.pins), self.pins.bytes)
+
     # -- housekeeping -------------------------------------------------------
 
     def expire(self, now: float | None = None) -> int:
-        expired = self.leases.pop_expired(self.clock() if now is None else now)
+        """Ends leases and pins past their deadline; returns the number of leases."""
+        now = self.clock() if now is None else now
+        expired = self.leases.pop_expired(now)
         for lease in expired:
             if lease.kind is LeaseKind.STORE:
                 self._drop_reservation(lease)
             else:
                 self._unpin(lease)
         self.counters["expired_leases"] += len(expired)
+        unpinned = self.pins.pop_expired(now)
+        if unpinned:
+            self.policy.stored(unpinned)
+            self.counters["expired_pins"] += len(unpinned)
         return len(expired)
 
     def clear(self, ns_id: bytes | None = None) -> int:
@@ -377,5 +470,8 @@ class Store:
         counters["active_store_leases"] = self.leases.count(LeaseKind.STORE)
         counters["active_load_leases"] = self.leases.count(LeaseKind.LOAD)
         counters["active_leases"] = len(self.leases)
+        counters["active_puts"] = sum(1 for lease in self.leases.all() if lease.writer_active)
+        counters["pinned_pages"] = len(self.pins)
+        counters["pinned_bytes"] = self.pins.bytes
         counters["namespaces"] = len(self.namespaces)
         return StoreStats(tiers, namespaces, counters)

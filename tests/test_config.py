@@ -14,6 +14,7 @@ from kvstore.config import (
     Config,
     ConfigError,
     CpuTierConfig,
+    EvictionConfig,
     LeaseConfig,
     ServerConfig,
     default_runtime_dir,
@@ -52,7 +53,7 @@ def test_empty_config_gives_every_default() -> None:
     assert config.tiers.cpu == CpuTierConfig(
         bytes=2**30, slab_bytes=256 * 2**20, shm_dir="/dev/shm", file_mode=0o600, prefault=True
     )
-    assert config.eviction.policy == "lru"
+    assert config.eviction == EvictionConfig(policy="lfuda", pin_fraction=0.1, max_pin_ttl_s=86400.0)
 
 
 def test_shipped_default_file_is_exactly_the_defaults() -> None:

@@ -338,15 +338,11 @@ def test_a_failed_put_cannot_be_committed_and_puts_are_exclusive(daemon: Any) ->
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(stub.Put, slow_stream())
         deadline = time.monotonic() + 10
-        while True:  # wait until the first Put holds the lease
-            try:
-                stub.Put(iter([header(conn, lease)]))
-            except grpc.RpcError as exc:
-                if exc.code() == Code.FAILED_PRECONDITION:
-                    assert "another Put is already writing" in (exc.details() or "")
-                    break
+        while counter(stub, "active_puts") != 1:  # wait until the first Put holds the lease
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        second = iter([header(conn, lease)])
+        rejects(Code.FAILED_PRECONDITION, "another Put is already writing", stub.Put, second)
         rejects(Code.FAILED_PRECONDITION, "a Put is still writing", commit, conn, lease)
         release_first.set()
         assert first.result(timeout=30).bytes_written == 2 * PAGE_BYTES

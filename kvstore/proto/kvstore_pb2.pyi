@@ -256,3 +256,25 @@ class ClearResponse(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     pages: int
     def __init__(self, pages: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "tokens", "ttl_ms")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: bytes
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    ttl_ms: int
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., tokens: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("pinned_chunks", "pinned_pages", "pinned_bytes")
+    PINNED_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    pinned_chunks: int
+    pinned_pages: int
+    pinned_bytes: int
+    def __init__(self, pinned_chunks: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., pinned_bytes: _Optional[int] = ...) -> None: ...

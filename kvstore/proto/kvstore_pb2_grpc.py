@@ -89,6 +89,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.ClearRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ClearResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvstore.v1.KVStore/Pin',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PinResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -169,6 +174,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Keeps the stored prefix of a chain (a system prompt's chunks) out of eviction
+        for ttl_ms; pinning again renews. Capped at eviction.pin_fraction of the tier.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +239,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Clear,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ClearRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.ClearResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PinRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.PinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -525,6 +543,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Clear',
             kvstore_dot_proto_dot_kvstore__pb2.ClearRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.ClearResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Pin',
+            kvstore_dot_proto_dot_kvstore__pb2.PinRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.PinResponse.FromString,
             options,
             channel_credentials,
             insecure,
