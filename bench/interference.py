@@ -5,7 +5,9 @@
   once the first of them are done (enough to cover the host's time to queue the transfers),
   side streams (one per enqueue) run transfers for about as long as 40 products take. Each
   product is timed with events and classed as alone (entirely outside the transfers'
-  window) or beside (entirely inside it); the slowdown is the ratio of their medians.
+  window) or beside (entirely inside it); the slowdown is the ratio of their medians, and
+  `mean_slowdown` the ratio of their means (bursty work, like the staged path's packing,
+  can slow some products and leave the median alone).
 
 Why one unbroken run: a product that follows an idle gap runs faster (clocks recover), so a
 baseline taken in a separate burst, or products queued after the host spent milliseconds
@@ -32,6 +34,7 @@ class Interference(NamedTuple):
     products: int  # products entirely inside the window
     alone_products: int
     transfer_gbps: float  # the transfers' bytes over their window
+    mean_slowdown: float  # mean beside / mean alone
 
 
 class MatmulStream:
@@ -100,8 +103,15 @@ class MatmulStream:
         gbps = moved / start.elapsed_time(end) / 1e6
         if not inside or not alone:
             nan = float("nan")
-            return Interference(nan, nan, nan, nan, len(inside), len(alone), gbps)
+            return Interference(nan, nan, nan, nan, len(inside), len(alone), gbps, nan)
         alone_ms, beside_ms = statistics.median(alone), statistics.median(inside)
         return Interference(
-            alone_ms, beside_ms, beside_ms / alone_ms, max(inside) / alone_ms, len(inside), len(alone), gbps
+            alone_ms,
+            beside_ms,
+            beside_ms / alone_ms,
+            max(inside) / alone_ms,
+            len(inside),
+            len(alone),
+            gbps,
+            statistics.fmean(inside) / statistics.fmean(alone),
         )

@@ -8,15 +8,19 @@ direction, in one run:
 - memcpy: one cudaMemcpyAsync of the same bytes (contiguous GPU tensor <-> the pinned
   buffer), the PCIe limit; "both ways" runs one each way on two streams.
 - per_block_cuda: one cudaMemcpyAsync per (block, layer, k|v) segment from a tight Python
-  loop (vLLM's swap_blocks); per_block_torch: the same through torch `copy_` on views made
-  once; per_block_python: the plain loop that indexes cache and buffer for every copy.
-- staging: torch index_select into a GPU staging buffer, then one copy (and the reverse).
-- kernel@N: the Triton kernel capped at N programs (N SMs at most); kernel: its default;
-  kernel@2/seg1: 2 programs with one 16 KiB load per step (a quarter of the default's bytes
-  in flight).
-- copy_engine: the copy engines (2-D copy per block for cross_layer, else one batch);
-  copy_engine_1d: one batch of 1-D copies where a 2-D copy was possible.
-- auto: `kvstore_kernels`' default choice.
+  loop (vLLM's swap_blocks); per_block_python: the plain loop that indexes cache and buffer
+  for every copy (per_block_torch, torch `copy_` on views made once, is in transfer_cases).
+- kernel@N: the Triton kernel capped at N programs (N SMs at most); kernel: its default.
+- copy_engine: the copy engines (2-D copy per block for cross_layer, else one batch).
+- staged: the kernel packs each piece of a page into a device staging ring (device to
+  device, 32 programs by default), one cudaMemcpyAsync per piece moves it over PCIe
+  (scatter: the reverse); staged@N: N pack programs; staged/serial: packs and copies in one
+  stream (no overlap); staged/<S>MiB: a ring of S MiB per direction (4 slots of S/4 MiB;
+  the default is 128 MiB, 32 MiB slots: one 8B page per copy).
+- d2d@N: the staged path's pack alone (kernel, N programs, cache <-> a device buffer):
+  the page bytes over this rate is how long a pack burst holds its N SMs.
+- auto: `kvstore_kernels`' default choice; auto x4 / memcpy x4: four calls back to back
+  (one synchronisation), so each call's host work overlaps the previous call's copies.
 - both directions at once: a gather and a scatter on two streams (disjoint blocks).
 - interference: a stream of bf16 8192³ products beside each variant (`interference`).
 
@@ -24,12 +28,15 @@ direction, in one run:
 programs, cache hints) and the copy-engine paths' issue cost, for choosing the defaults.
 
     python bench/transfer.py            # the table above; bench/results/transfer.json
+    python bench/transfer.py --partial /tmp/t.json   # also dump the rows after each layout
     python bench/transfer.py --sweep    # bench/results/transfer-sweep.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import statistics
 import sys
 import traceback
@@ -48,17 +55,19 @@ from bench.transfer_cases import (  # noqa: E402
     Enqueue,
     Setup,
     copy_engines,
+    device_pack,
     kernel,
     memcpy,
     per_block_cuda,
     per_block_python,
-    per_block_torch,
-    staging,
+    staged_path,
     timed,
     timed_pair,
     verify,
 )
-from kvstore_kernels import copy_engine, cudart, triton_copy  # noqa: E402
+from kvstore_kernels import copy_engine, cudart, staged, triton_copy  # noqa: E402
+
+MiB = 1 << 20
 
 
 def interference(matmul: MatmulStream, enqueues: list[Enqueue], row: dict[str, Any]) -> dict[str, Any]:
@@ -96,52 +105,76 @@ def throughput_variants(setup: Setup, to_page: bool, num_sms: int) -> dict[str, 
     variants = {
         "memcpy": memcpy(setup, to_page),
         "per_block_python": per_block_python(setup, to_page),
-        "per_block_torch": per_block_torch(setup, to_page),
         "per_block_cuda": per_block_cuda(setup, to_page),
-        "staging": staging(setup, to_page),
-        "kernel@1": kernel(setup, to_page, 1),
         "kernel@2": kernel(setup, to_page, 2),
-        "kernel@2/seg1": kernel(setup, to_page, 2, triton_copy.Tuning(segments_per_step=1)),
         **{f"kernel@{cap or 'all'}": kernel(setup, to_page, cap or num_sms) for cap in CAPS},
         "kernel": kernel(setup, to_page, None),
         "copy_engine": copy_engines(setup, to_page),
+        "staged": staged_path(setup, to_page),
+        "staged/serial": staged_path(setup, to_page, overlap=False),
+        "staged/64MiB": staged_path(setup, to_page, staging_bytes=64 * MiB),
         "auto": setup.call(to_page, None),
+        # Four calls back to back, as a serving engine issues them: each call's host work
+        # (validation, tables) overlaps the copies of the one before.
+        "memcpy x4": repeated(memcpy(setup, to_page), 4),
+        "auto x4": repeated(setup.call(to_page, None), 4),
     }
-    if copy_engine.can_copy_2d(setup.spec, setup.plan(to_page=to_page)):
-        variants["copy_engine_1d"] = copy_engines(setup, to_page, "1d")
+    if setup.layout == "flash_attn":  # the staged path's knobs: pack programs, slot size
+        for programs in STAGED_PROGRAMS:
+            variants[f"staged@{programs}"] = staged_path(setup, to_page, programs)
+        for programs in (16, 32, 64):  # how long a pack burst holds its SMs: bytes / this rate
+            variants[f"d2d@{programs}"] = device_pack(setup, to_page, programs)
     return variants
+
+
+def repeated(enqueue: Enqueue, times: int) -> Enqueue:
+    def enqueue_all() -> int:
+        return sum(enqueue() for _ in range(times))
+
+    return enqueue_all
+
+
+STAGED_PROGRAMS = tuple(n for n in (8, 16, 32, 64) if n != staged.DEFAULT_PROGRAMS)
 
 
 def pair_variants(setup: Setup) -> dict[str, tuple[Enqueue, Enqueue]]:
     """(gather, scatter) pairs for both directions at once; the scatter uses the second table."""
     g_kernel, s_kernel = kernel(setup, True, None), kernel(setup, False, None, second=True)
-    g_ce, s_ce = copy_engines(setup, True), copy_engines(setup, False, second=True)
-    return {
+    pairs = {
         "memcpy": (memcpy(setup, True), memcpy(setup, False, second=True)),
         "kernel+kernel": (g_kernel, s_kernel),
         "kernel@16+kernel@16": (kernel(setup, True, 16), kernel(setup, False, 16, second=True)),
-        "copy_engine+copy_engine": (g_ce, s_ce),
-        "kernel+copy_engine": (g_kernel, s_ce),
-        "copy_engine+kernel": (g_ce, s_kernel),
+        "copy_engine+copy_engine": (copy_engines(setup, True), copy_engines(setup, False, second=True)),
+        "staged+staged": (staged_path(setup, True), staged_path(setup, False, second=True)),
+        "staged/serial+staged/serial": (
+            staged_path(setup, True, overlap=False),
+            staged_path(setup, False, overlap=False, second=True),
+        ),
         "auto+auto": (setup.call(True, None), setup.call(False, None, second=True)),
     }
+    if setup.layout != "cross_layer":  # 1-D copy batches: 23-35 GB/s, measured before
+        del pairs["copy_engine+copy_engine"]
+    return pairs
 
 
 INTERFERENCE_VARIANTS = (
     "memcpy",
-    "staging",
-    "kernel@1",
     "kernel@2",
-    "kernel@2/seg1",
-    "kernel@4",
-    "kernel@8",
-    "kernel@16",
-    "kernel@all",
     "copy_engine",
+    "staged",
+    "staged/serial",
+    "staged/64MiB",
+    *(f"staged@{n}" for n in STAGED_PROGRAMS),
     "auto",
 )
-INTERFERENCE_PAIRS = ("memcpy", "kernel+kernel", "copy_engine+copy_engine", "auto+auto")
-VERIFIED = ("kernel", "kernel@all", "copy_engine", "auto")
+INTERFERENCE_PAIRS = (
+    "memcpy",
+    "kernel+kernel",
+    "copy_engine+copy_engine",
+    "staged/serial+staged/serial",
+    "auto+auto",
+)
+VERIFIED = ("kernel", "kernel@all", "copy_engine", "staged", "staged/serial", "staged/64MiB", "auto")
 
 
 def full_layout(
@@ -153,9 +186,14 @@ def full_layout(
     for to_page in (True, False):
         direction = "gather" if to_page else "scatter"
         variants = throughput_variants(setup, to_page, num_sms)
+        # The per-block variants hold tens of thousands of objects: keep them out of the cyclic
+        # collector's scans, which otherwise land in the timed calls as millisecond pauses.
+        gc.collect()
+        gc.freeze()
         checks = {
             name: guarded(log, f"verify {layout} {direction} {name}", verify, setup, to_page, variants[name])
             for name in VERIFIED
+            if name in variants
         }
         for name, enqueue in variants.items():
             reps = 1 if name.startswith("per_block") else args.reps
@@ -198,13 +236,20 @@ def run_full(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
         rows += layout_rows
         pairs += layout_pairs
         torch.cuda.empty_cache()
+        if args.partial:
+            Path(args.partial).write_text(json.dumps({"rows": rows, "both_ways": pairs, "errors": log}))
     return {"rows": rows, "both_ways": pairs}
 
 
-def median_slowdown(row: dict[str, Any] | None) -> float | None:
+def median_slowdown(row: dict[str, Any] | None, key: str = "slowdown") -> float | None:
     runs = (row or {}).get("interference") or []
-    values = [r["slowdown"] for r in runs if r["products"] >= 5]
+    values = [r[key] for r in runs if r["products"] >= 5 and key in r]
     return statistics.median(values) if values else None
+
+
+def beside_gbps(row: dict[str, Any] | None) -> float | None:
+    """The transfer's own rate while the products ran (median over the measurements)."""
+    return median_slowdown(row, "transfer_gbps")
 
 
 def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]], list[list[Any]]]:
@@ -222,12 +267,13 @@ def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]],
         [layout, direction, variant, round(row["gbps"], 2),
          cell(ratio(row, rows.get((layout, direction, "memcpy")))),
          cell(ratio(row, rows.get((layout, direction, "per_block_cuda"))), 1),
-         cell(median_slowdown(row)), "-" if row.get("ok") is None else row["ok"]]
+         cell(median_slowdown(row)), cell(median_slowdown(row, "mean_slowdown")), cell(beside_gbps(row), 1),
+         "-" if row.get("ok") is None else row["ok"]]
         for (layout, direction, variant), row in rows.items()
     ]  # fmt: skip
     pair_table = [
         [layout, variant, round(row["gbps"], 2), cell(ratio(row, pairs.get((layout, "memcpy")))),
-         cell(median_slowdown(row))]
+         cell(median_slowdown(row)), cell(median_slowdown(row, "mean_slowdown")), cell(beside_gbps(row), 1)]
         for (layout, variant), row in pairs.items()
     ]  # fmt: skip
     accept: list[list[Any]] = []
@@ -237,7 +283,10 @@ def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]],
         shown = "-" if value is None else f"{value:.3f}"
         accept.append([what, shown, f"{'>=' if above else '<='} {limit}", ok])
 
-    for layout in ("flash_attn", "cross_layer"):
+    few_sms = [f"staged@{n}" for n in (4, 8, 16) if n != staged.DEFAULT_PROGRAMS]  # flash_attn only
+    if staged.DEFAULT_PROGRAMS <= 16:
+        few_sms.append("staged")
+    for layout in ("flash_attn", "flashinfer", "cross_layer"):
         for direction, no_cap, capped in (("gather", 0.93, 0.93), ("scatter", 0.90, 0.88)):
 
             def of(
@@ -245,13 +294,18 @@ def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]],
             ) -> float | None:
                 return ratio(rows.get((*key, variant)), rows.get((*key, base)))
 
-            item(f"{layout} {direction} no cap / memcpy", of("kernel@all"), no_cap)
-            capped_ratios = [r for r in (of(f"kernel@{c}") for c in (4, 8, 16)) if r is not None]
-            item(f"{layout} {direction} <=16 SMs / memcpy", max(capped_ratios, default=None), capped)
-            item(f"{layout} {direction} auto / per_block_cuda", of("auto", "per_block_cuda"), 20)
+            item(f"{layout} {direction} auto (no cap) / memcpy", of("auto"), no_cap)
+            item(f"{layout} {direction} auto x4 back to back / memcpy x4", of("auto x4", "memcpy x4"), no_cap)
+            capped_ratios = [r for r in (of(v) for v in few_sms) if r is not None]
+            item(f"{layout} {direction} staged <=16 SMs / memcpy", max(capped_ratios, default=None), capped)
             item(f"{layout} {direction} auto / per_block_python", of("auto", "per_block_python"), 20)
-            slow = median_slowdown(rows.get((layout, direction, "auto")))
-            item(f"{layout} {direction} slowdown at default", slow, 1.10, above=False)
+            item(f"{layout} {direction} auto / per_block_cuda", of("auto", "per_block_cuda"), 20)
+            item(
+                f"{layout} {direction} slowdown at default",
+                median_slowdown(rows.get((layout, direction, "auto"))),
+                1.10,
+                above=False,
+            )
         auto_pair = pairs.get((layout, "auto+auto"))
         item(f"{layout} both ways auto / memcpy", ratio(auto_pair, pairs.get((layout, "memcpy"))), 0.85)
         item(f"{layout} both ways slowdown at default", median_slowdown(auto_pair), 1.10, above=False)
@@ -394,6 +448,27 @@ def run_sweep(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
     return {"kernels": kernels, "engines": engines}
 
 
+def run_profile(args: argparse.Namespace) -> None:
+    """Where the host's time goes while it issues staged transfers (cProfile, 5 gathers + 5 scatters)."""
+    import cProfile
+    import pstats
+
+    setup = Setup(args.layouts[0], args.tokens)
+    for to_page in (True, False):
+        enqueue = staged_path(setup, to_page)
+        enqueue()
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(5):
+            enqueue()
+        profiler.disable()
+        torch.cuda.synchronize()
+        print(f"-- {'gather' if to_page else 'scatter'}: 5 staged transfers")
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(22)
+    setup.release()
+
+
 def environment() -> dict[str, Any]:
     import triton
 
@@ -405,6 +480,12 @@ def environment() -> dict[str, Any]:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "host_programs": dict(triton_copy.HOST_PROGRAMS),
+        "staged": {
+            "programs": staged.DEFAULT_PROGRAMS,
+            "staging_bytes": staged.DEFAULT_STAGING_BYTES,
+            "slots": staged.NUM_SLOTS,
+            "overlap": staged.OVERLAP,
+        },
         "tuning": triton_copy.DEFAULT_TUNING._asdict(),
     }
     try:
@@ -420,11 +501,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sweep", action="store_true", help="kernel shapes and copy-engine paths instead")
+    parser.add_argument("--profile", action="store_true", help="profile the staged path's host time instead")
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--layouts", nargs="+", default=["flash_attn", "flashinfer", "cross_layer"])
+    parser.add_argument("--layouts", nargs="+", default=["flash_attn", "cross_layer", "flashinfer"])
     parser.add_argument("--interference-layouts", nargs="+", default=["flash_attn", "cross_layer"])
     parser.add_argument("--reps", type=int, default=7, help="timed transfers per figure (median)")
     parser.add_argument("--repeats", type=int, default=5, help="interference measurements per variant")
+    parser.add_argument("--partial", default="", help="also write the rows so far here after each layout")
     return parser.parse_args(argv)
 
 
@@ -434,6 +517,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench/transfer.py needs a CUDA GPU (the page buffer is pinned host memory)")
     log: list[str] = []
     env = environment()
+    if args.profile:
+        run_profile(args)
+        return
     if args.sweep:
         result = run_sweep(args, log)
         path = write_results(
@@ -459,9 +545,12 @@ def main(argv: list[str] | None = None) -> None:
             f"\n{env['device']} ({env['sms']} SMs), {args.tokens} tokens, torch {env['torch']}, "
             f"triton {env['triton']}, cudart {env.get('cudart_version')}"
         )
-        print_table(["layout", "dir", "variant", "GB/s", "x memcpy", "x per-block", "matmul x", "ok"], table)
+        headers = ["layout", "dir", "variant", "GB/s", "x memcpy", "x per-block", "matmul x", "mean x"]
+        print_table([*headers, "GB/s beside", "ok"], table)
         print()
-        print_table(["layout", "both ways", "GB/s", "x memcpy", "matmul x"], pair_table)
+        print_table(
+            ["layout", "both ways", "GB/s", "x memcpy", "matmul x", "mean x", "GB/s beside"], pair_table
+        )
         print()
         print_table(["acceptance", "value", "limit", "holds"], accept)
     if log:

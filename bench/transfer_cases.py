@@ -4,7 +4,10 @@
   buffers (anonymous shared memory registered with CUDA, like the client's arena).
 - Variants, each a callable that queues one whole transfer on the current stream and
   returns its bytes: `memcpy`, `per_block_python`, `per_block_torch`, `per_block_cuda`,
-  `staging`, `kernel`, `copy_engines`; `Setup.call` is the public API with options.
+  `staging` (torch index_select into a GPU buffer as large as the transfer), `kernel`,
+  `copy_engines`, `staged` (the kernel packing into the staging ring, copy engines moving
+  it), `device_pack` (its pack alone, into device memory); `Setup.call` is the public API
+  with options.
 - `timed(enqueue)`, `timed_pair(first, second)`: median wall time, GB/s, host issue time.
 - `verify(setup, to_page, enqueue)`: one transfer checked against the torch reference.
 """
@@ -22,7 +25,7 @@ import torch
 
 import kvstore_kernels
 from kvstore.spec import KVSpec
-from kvstore_kernels import copy_engine, cudart, reference, triton_copy
+from kvstore_kernels import copy_engine, cudart, reference, staged, triton_copy
 from kvstore_kernels.validate import plan_transfer
 
 CHUNK_TOKENS = 256
@@ -203,15 +206,15 @@ def per_block_cuda(setup: Setup, to_page: bool) -> Enqueue:
 
 def staging(setup: Setup, to_page: bool) -> Enqueue:
     """torch index_select into a GPU staging buffer, then one copy (scatter: the reverse)."""
-    staged = torch.empty(setup.bytes, dtype=torch.uint8, device="cuda")
-    plan = setup.plan(to_page=to_page, buffer=staged)
+    packed = torch.empty(setup.bytes, dtype=torch.uint8, device="cuda")
+    plan = setup.plan(to_page=to_page, buffer=packed)
 
     def enqueue() -> int:
         if to_page:
             reference.gather_plan(plan)
-            setup.buffer.copy_(staged, non_blocking=True)
+            setup.buffer.copy_(packed, non_blocking=True)
         else:
-            staged.copy_(setup.buffer, non_blocking=True)
+            packed.copy_(setup.buffer, non_blocking=True)
             reference.scatter_plan(plan)
         return setup.bytes
 
@@ -231,11 +234,44 @@ def kernel(
     return enqueue
 
 
+def device_pack(setup: Setup, to_page: bool, programs: int) -> Enqueue:
+    """The staged path's GPU half alone: the kernel between the cache and a device buffer (the
+    pages packed or unpacked device to device), to time a pack burst."""
+    plan = setup.plan(to_page=to_page, buffer=setup.flat2)
+
+    def enqueue() -> int:
+        triton_copy.launch(setup.spec, plan, to_page=to_page, max_programs=programs)
+        return setup.bytes
+
+    return enqueue
+
+
 def copy_engines(setup: Setup, to_page: bool, shape: str | None = None, second: bool = False) -> Enqueue:
     plan = setup.plan(to_page=to_page, second=second)
 
     def enqueue() -> int:
         copy_engine.launch(setup.spec, plan, to_page=to_page, shape=shape)
+        return setup.bytes
+
+    return enqueue
+
+
+def staged_path(
+    setup: Setup,
+    to_page: bool,
+    programs: int | None = None,
+    staging_bytes: int | None = None,
+    overlap: bool = staged.OVERLAP,
+    second: bool = False,
+) -> Enqueue:
+    """The staged path (`kvstore_kernels.staged`) with its knobs; None: the default."""
+    plan = setup.plan(to_page=to_page, second=second)
+    size = staging_bytes or staged.DEFAULT_STAGING_BYTES
+
+    def enqueue() -> int:
+        staged.launch(
+            setup.spec, plan, to_page=to_page, max_programs=programs, staging_bytes=size, overlap=overlap
+        )
         return setup.bytes
 
     return enqueue
@@ -302,8 +338,8 @@ def timed_pair(first: Enqueue, second: Enqueue, reps: int = 5) -> dict[str, floa
 def verify(setup: Setup, to_page: bool, enqueue: Enqueue) -> bool:
     """One transfer, checked against the torch reference (gather: the page bytes; scatter: the blocks
     read back by the reference)."""
-    staged = torch.empty(setup.bytes, dtype=torch.uint8, device="cuda")
-    check = setup.plan(to_page=True, buffer=staged)
+    pages = torch.empty(setup.bytes, dtype=torch.uint8, device="cuda")
+    check = setup.plan(to_page=True, buffer=pages)
     if to_page:
         setup.buffer.fill_(0xA5)
     else:  # bytes the cache does not hold yet
@@ -312,4 +348,4 @@ def verify(setup: Setup, to_page: bool, enqueue: Enqueue) -> bool:
     enqueue()
     reference.gather_plan(check)
     torch.cuda.synchronize()
-    return bool(torch.equal(staged, setup.buffer.to("cuda")))
+    return bool(torch.equal(pages, setup.buffer.to("cuda")))

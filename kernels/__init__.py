@@ -3,14 +3,16 @@
 - `gather(spec, kv_caches, block_ids, chunks, buffer, offsets, layers=None, *, batch_index=0,
   stream=None, options=None)`: engine KV cache -> one page per chunk at `buffer[offsets[j]:]`.
 - `scatter(...)`: pages -> engine KV cache, the exact inverse.
-- `TransferOptions(max_programs=None, engine="auto")`: SM cap and engine choice (`routing`).
+- `TransferOptions(max_programs=None, engine="auto", staging_bytes=128 MiB)`: SM cap, engine
+  choice and the staged path's ring size (`routing`).
 - `reference` (`reference_gather`, `reference_scatter`): the torch implementation.
 
 A page is layer-major, `[stored_layer][k|v][token][kv_head][head_dim]` (MLA:
 `[stored_layer][token][latent]`), whatever the engine's layout (`spec.layout`).
 
-Engines: the Triton kernel (`triton_copy`), the GPU's copy engines (`copy_engine`), or the
-torch reference; `routing` documents the auto rule. `KVSTORE_KERNELS=triton` or `=torch`
+Engines: the Triton kernel (`triton_copy`), the GPU's copy engines (`copy_engine`), the
+kernel packing into a device ring that the copy engines move (`staged`), or the torch
+reference; `routing` documents the auto rule. `KVSTORE_KERNELS=triton` or `=torch`
 forces the kernel or the reference under engine="auto"; forced Triton on CPU tensors needs
 `TRITON_INTERPRET=1` set before import.
 
@@ -34,7 +36,6 @@ import torch
 from kvstore.spec import KVSpec
 
 from . import reference
-from .geometry import Geometry
 from .layouts import KVCaches
 from .routing import TransferOptions, backend_name, choose
 from .validate import Transfer, plan_transfer
@@ -122,8 +123,8 @@ def _transfer(
 
 
 def _run(spec: KVSpec, plan: Transfer, options: TransferOptions, to_page: bool) -> None:
-    geometry = Geometry(spec, plan)  # once: the rule and both GPU paths read it
-    route = choose(spec, plan, options, to_page=to_page, geometry=geometry)
+    route = choose(spec, plan, options, to_page=to_page)
+    geometry = route.geometry  # computed once where the rule needed it; the staged path makes its own
     if route.engine == "kernel":
         from . import triton_copy
 
@@ -132,6 +133,11 @@ def _run(spec: KVSpec, plan: Transfer, options: TransferOptions, to_page: bool) 
         from . import copy_engine
 
         copy_engine.launch(spec, plan, to_page=to_page, geometry=geometry)
+    elif route.engine == "staged":
+        from . import staged
+
+        programs, staging_bytes = options.max_programs, options.staging_bytes
+        staged.launch(spec, plan, to_page=to_page, max_programs=programs, staging_bytes=staging_bytes)
     elif to_page:
         reference.gather_plan(plan)
     else:

@@ -11,7 +11,7 @@
 
 Sources are read in stream order, so work queued before the call is seen. On the H100 a
 2-D copy per block keeps pace with the kernel (48 GB/s each way, ~9 us of host time per
-call); the 1-D batch of 32 KiB copies does not (23-35 GB/s), see `routing`.
+call); the 1-D batch of 32 KiB copies does not (23-35 GB/s, bench/NOTES-transfer.md).
 """
 
 from __future__ import annotations

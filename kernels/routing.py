@@ -1,19 +1,32 @@
 """Transfer options and the rule that picks what moves a validated transfer.
 
-- `TransferOptions(max_programs=None, engine="auto")`: what a caller may ask for.
-- `choose(spec, plan, options, to_page=...)`: a `Route`: "torch" (the reference),
-  "kernel" (Triton) or "copy_engine" (DMA), and why.
+- `TransferOptions(max_programs=None, engine="auto", staging_bytes=128 MiB)`: what a caller
+  may ask for.
+- `choose(spec, plan, options, to_page=...)`: a `Route`: "torch" (the reference), "kernel"
+  (Triton), "copy_engine" (DMA straight from the cache) or "staged" (the kernel packs into
+  a device ring, the copy engines move it), and why.
 
-The auto rule, in order (figures: H100 PCIe Gen5, bench/NOTES-transfer.md):
+The auto rule, in order. Figures: H100 PCIe Gen5, 8k tokens of an 8B model (1 GiB each way,
+32 pages of 32 MiB), three runs with these defaults, bench/NOTES-transfer.md; "x memcpy" is
+against one cudaMemcpyAsync of the same bytes (54-55 GB/s each way), "slowdown" that of a
+stream of bf16 8192^3 matrix products beside the transfer.
 1. `KVSTORE_KERNELS=torch` or `=triton` forces the reference or the kernel.
 2. A CPU cache, or a CUDA cache with a pageable host buffer: the reference.
 3. A buffer in device memory: the kernel (device-to-device; copy engines are slower there).
-4. The copy engines where they can move the transfer (pinned buffer, block table on the
-   host, blocks contiguous) as one 2-D copy per block: every (layer, k|v) segment of a block
-   at one pitch on both sides, as in the cross_layer layout (or per-layer tensors that sit
-   at one stride). They take no SM, so the model's kernels keep the whole GPU, at 0.87x the
-   memcpy rate against the kernel's 0.85-0.9x at the default cap (`AUTO_COPY_ENGINE_SHAPES`).
-5. Otherwise the kernel, with the measured program count per direction (`triton_copy`).
+4. A pinned buffer whose staging slots hold at least one stored layer of a page: the staged
+   path, every layout, host or device block table. 0.93-0.98x memcpy each way with the
+   plan prepared; 0.88-0.94x for one isolated public call, which waits for ~1 ms of Python
+   (validation, tables) before its first copy; 0.96-0.98x for calls back to back. Slowdown
+   1.00-1.03, and the products beside it keep the copy at 51-53 GB/s. Both ways at once:
+   0.91-1.00x the two-way memcpy (0.81-0.98x when one thread issues both public calls). Its
+   32 pack programs hold their SMs ~50 us per 32 MiB page (~9% of the 610 us the page
+   spends on PCIe).
+5. Otherwise the copy engines where one 2-D copy per block moves the transfer (pinned
+   buffer, block table on the host, every (layer, k|v) segment of a block at one pitch on
+   both sides, as in the cross_layer layout): 0.88-0.91x, no SM, both ways 0.86-0.90x.
+6. Otherwise the kernel, with the measured program count per direction (`triton_copy`):
+   0.81-0.93x at 2 programs, but those SMs are held for the whole transfer (slowdown
+   1.09-1.17, both ways 0.57-0.64x).
 """
 
 from __future__ import annotations
@@ -24,22 +37,12 @@ from typing import NamedTuple
 
 from kvstore.spec import KVSpec
 
-from . import copy_engine
+from . import copy_engine, staged
 from .geometry import Geometry
 from .validate import Transfer
 
-ENGINES = ("auto", "kernel", "copy_engine")
+ENGINES = ("auto", "kernel", "copy_engine", "staged")
 BACKENDS = ("auto", "triton", "torch")
-
-# Copy-list shapes that auto sends to the copy engines, per direction (rule 4). Measured on the
-# H100, 8k tokens of an 8B model: 2-D copies (one per block, 64 rows of 32 KiB) move 48 GB/s each
-# way with no SM (matrix products beside them: 0.99-1.02x); the kernel at 2 programs moves 46-50
-# GB/s but slows them 1.09-1.20x. One batch of 32768 1-D copies of 32 KiB moves only 23-35 GB/s
-# and costs 18-43 ms of host time to issue, so 1-D copy lists stay with the kernel.
-AUTO_COPY_ENGINE_SHAPES: dict[str, frozenset[str]] = {
-    "gather": frozenset({"2d"}),
-    "scatter": frozenset({"2d"}),
-}
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,15 @@ class TransferOptions:
     """How one gather or scatter may move its bytes.
 
     `max_programs`: at most this many kernel programs, so at most that many SMs (None: the
-    measured default per direction); it applies when the kernel runs. `engine`: "kernel",
-    "copy_engine", or "auto" (the module's rule).
+    measured default of the path); it applies to the kernel and to the staged path's pack and
+    unpack. `engine`: "kernel", "copy_engine", "staged", or "auto" (the module's rule).
+    `staging_bytes`: the staged path's device ring per direction (`staged.NUM_SLOTS` slots);
+    allocated on the first staged transfer, it grows to the largest slot asked for.
     """
 
     max_programs: int | None = None
     engine: str = "auto"
+    staging_bytes: int = staged.DEFAULT_STAGING_BYTES
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -62,11 +68,15 @@ class TransferOptions:
             not isinstance(programs, int) or isinstance(programs, bool) or programs < 1
         ):
             raise ValueError(f"max_programs: expected a positive integer or None, got {programs!r}")
+        size = self.staging_bytes
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"staging_bytes: expected a positive integer, got {size!r}")
 
 
 class Route(NamedTuple):
-    engine: str  # "torch", "kernel" or "copy_engine"
+    engine: str  # "torch", "kernel", "copy_engine" or "staged"
     reason: str
+    geometry: Geometry | None = None  # where the rule computed it: the engine reuses it
 
 
 def backend_name() -> str:
@@ -77,9 +87,7 @@ def backend_name() -> str:
     return name
 
 
-def choose(
-    spec: KVSpec, plan: Transfer, options: TransferOptions, *, to_page: bool, geometry: Geometry | None = None
-) -> Route:
+def choose(spec: KVSpec, plan: Transfer, options: TransferOptions, *, to_page: bool) -> Route:
     """What moves `plan`: the caller's explicit engine, or the auto rule."""
     if options.engine != "auto":
         return Route(options.engine, "asked for")
@@ -92,10 +100,10 @@ def choose(
         return Route("kernel", "device buffer")
     if not plan.buffer.is_pinned():
         return Route("torch", "pageable host buffer")
-    reason = copy_engine.why_not(plan, geometry)
-    if reason is not None:
-        return Route("kernel", reason)
-    shape = "2d" if copy_engine.can_copy_2d(spec, plan, geometry) else "1d"
-    if shape in AUTO_COPY_ENGINE_SHAPES["gather" if to_page else "scatter"]:
-        return Route("copy_engine", f"{shape} copies")
-    return Route("kernel", f"{shape} copies are slower than the kernel")
+    reason = staged.why_not(spec, plan, options.staging_bytes)
+    if reason is None:
+        return Route("staged", "pinned buffer")
+    geometry = Geometry(spec, plan)
+    if copy_engine.why_not(plan, geometry) is None and copy_engine.can_copy_2d(spec, plan, geometry):
+        return Route("copy_engine", f"{reason}; 2-D copies", geometry)
+    return Route("kernel", reason, geometry)

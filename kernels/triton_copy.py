@@ -2,6 +2,9 @@
 
 - `gather` / `scatter`: the public signatures plus `max_programs` and `tuning`.
 - `launch(spec, plan, to_page=..., max_programs=..., tuning=...)`: run a validated transfer.
+- `Launch(spec, plan, geometry, to_page=..., tuning=..., staged=...)`: the kernel's arguments,
+  tables uploaded once; `Launch.run(first, end, programs, stage_base)` moves segments
+  `first..end-1` (the staged path, `staged`, runs one launch per piece of a page).
 - `Tuning`: the kernel's shape (bytes per load, segments per step, warps, cache hints);
   `DEFAULT_TUNING` is the measured choice, other values are for benchmarks.
 - `_copy_pages`: the kernel. Its unit of work is a segment (see `geometry`). At most
@@ -14,7 +17,8 @@ layers and a pinned host buffer need no single base tensor; the kernel casts the
 `.to(tl.pointer_type(...))`. Data moves as integer words of 1-8 bytes, the widest that
 every address and stride allows, so no dtype (fp8, bf16) needs special casing. A cache
 whose views are not contiguous within a block is honoured through its strides. A block id
-outside `0..num_blocks-1` (possible only with a device block table) moves nothing.
+outside `0..num_blocks-1` (possible only with a device block table) moves nothing (a staged
+gather writes zeros for it in its staging slot instead, so no stale slot bytes reach a page).
 """
 
 from __future__ import annotations
@@ -62,14 +66,17 @@ class Tuning(NamedTuple):
 DEFAULT_TUNING = Tuning()
 
 
-@triton.jit
+# Per-launch values of the staged path: not specialised, so one compiled kernel serves every piece.
+@triton.jit(do_not_specialize=["first_segment", "num_segments", "stage_base"])
 def _copy_pages(
     tables,  # int64: page addresses, then the parts that start at the *_at offsets
     blocks,  # int64 [pages, blocks_per_chunk]: a part of `tables`, or a device tensor
     layer_addrs_at,
     layer_strides_at,  # per (layer, k|v): block stride in bytes; token, head, dim strides in elements
     layer_page_offsets_at,
+    first_segment,  # this launch moves segments first_segment..num_segments-1
     num_segments,
+    stage_base,  # STAGED: every page of this launch starts here (a staging slot, less its offset)
     num_layer_kv,  # runtime, not constexpr: a new layer range must not recompile
     blocks_per_chunk,
     num_blocks,
@@ -84,6 +91,7 @@ def _copy_pages(
     WORD_BYTES: tl.constexpr,
     ALIGN: tl.constexpr,
     TO_PAGE: tl.constexpr,
+    STAGED: tl.constexpr,
     LOAD_CACHE: tl.constexpr,
     STORE_CACHE: tl.constexpr,
     EVICTION: tl.constexpr,
@@ -91,23 +99,26 @@ def _copy_pages(
     layer_addrs = tables + layer_addrs_at
     layer_strides = tables + layer_strides_at
     layer_page_offsets = tables + layer_page_offsets_at
-    num_steps = tl.cdiv(num_segments, SEGMENTS)
+    num_steps = tl.cdiv(num_segments - first_segment, SEGMENTS)
     # A while loop, not range(program_id, ...): the interpreter cannot index with a traced scalar.
     step = tl.program_id(0)
     while step < num_steps:
-        segment = step * SEGMENTS + tl.arange(0, SEGMENTS)
-        live = segment < num_segments
+        segment = first_segment + step * SEGMENTS + tl.arange(0, SEGMENTS)
+        in_range = segment < num_segments
         block_in_chunk = segment % blocks_per_chunk
         layer_kv = (segment // blocks_per_chunk) % num_layer_kv
         page = segment // (blocks_per_chunk * num_layer_kv)
-        block = tl.load(blocks + page * blocks_per_chunk + block_in_chunk, mask=live, other=0)
-        live = live & (block >= 0) & (block < num_blocks)
+        block = tl.load(blocks + page * blocks_per_chunk + block_in_chunk, mask=in_range, other=0)
+        live = in_range & (block >= 0) & (block < num_blocks)
+        # A staged gather writes zeros for a block outside the cache: a slot's stale bytes are another page's.
+        writes = (in_range if TO_PAGE else live) if STAGED else live
         cache_addr = tl.load(layer_addrs + layer_kv, mask=live, other=0) + block * tl.load(
             layer_strides + layer_kv * 4, mask=live, other=0
         )
+        page_base = stage_base.to(tl.int64) if STAGED else tl.load(tables + page, mask=live, other=0)
         page_addr = (
-            tl.load(tables + page, mask=live, other=0)
-            + tl.load(layer_page_offsets + layer_kv, mask=live, other=0)
+            page_base
+            + tl.load(layer_page_offsets + layer_kv, mask=writes, other=0)
             + block_in_chunk.to(tl.int64) * (SEGMENT_WORDS * WORD_BYTES)
         )
         # Loaded addresses carry no alignment facts; the host checked ALIGN, so say it (vector loads).
@@ -120,6 +131,7 @@ def _copy_pages(
         for start in range(0, SEGMENT_WORDS, TILE):
             words = (start + tl.arange(0, TILE))[None, :]
             mask = live[:, None] & (words < SEGMENT_WORDS) if SEGMENT_WORDS % TILE else live[:, None]
+            page_mask = writes[:, None] & (words < SEGMENT_WORDS) if SEGMENT_WORDS % TILE else writes[:, None]
             if CONTIGUOUS:
                 cache_words = words.to(tl.int64)
             else:
@@ -131,10 +143,18 @@ def _copy_pages(
                 cache_words = cache_elements * WORDS_PER_ELEMENT + words % WORDS_PER_ELEMENT
             if TO_PAGE:
                 data = tl.load(
-                    cache_ptr + cache_words, mask=mask, cache_modifier=LOAD_CACHE, eviction_policy=EVICTION
+                    cache_ptr + cache_words,
+                    mask=mask,
+                    other=0,
+                    cache_modifier=LOAD_CACHE,
+                    eviction_policy=EVICTION,
                 )
                 tl.store(
-                    page_ptr + words, data, mask=mask, cache_modifier=STORE_CACHE, eviction_policy=EVICTION
+                    page_ptr + words,
+                    data,
+                    mask=page_mask,
+                    cache_modifier=STORE_CACHE,
+                    eviction_policy=EVICTION,
                 )
             else:
                 data = tl.load(
@@ -223,6 +243,21 @@ def launch(
     """Run a validated transfer in one kernel launch on the current stream; returns Triton's
     compiled kernel (its `asm`, `n_regs`, `n_spills`), or None when nothing moves."""
     _check_tuning(tuning)
+    check_reach(plan)
+    if max_programs is None:
+        max_programs = default_programs(plan, to_page=to_page)
+    if max_programs < 1:
+        raise ValueError(f"max_programs: expected a positive integer, got {max_programs}")
+    geometry = geometry or Geometry(spec, plan)
+    if not geometry.num_segments:
+        return None
+    with torch.cuda.device(plan.device) if plan.device.type == "cuda" else nullcontext():
+        kernel = Launch(spec, plan, geometry, to_page=to_page, tuning=tuning)
+        return kernel.run(0, geometry.num_segments, max_programs)
+
+
+def check_reach(plan: Transfer) -> None:
+    """ValueError unless the kernel can address both the cache and the buffer of `plan`."""
     if not can_reach(plan):
         raise ValueError(
             f"buffer: the Triton kernels need the KV cache on CUDA and the buffer on that device or in "
@@ -230,29 +265,35 @@ def launch(
             f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!r}); got the cache on "
             f"{plan.device}, the buffer on {plan.buffer.device}"
         )
-    if max_programs is None:
-        max_programs = default_programs(plan, to_page=to_page)
-    if max_programs < 1:
-        raise ValueError(f"max_programs: expected a positive integer, got {max_programs}")
-    geometry = geometry or Geometry(spec, plan)
-    num_segments = geometry.num_segments
-    if not num_segments:
-        return None
-    segments = max(1, min(tuning.segments_per_step, triton.next_power_of_2(num_segments)))
-    tile = min(triton.next_power_of_2(geometry.segment_words), tuning.tile_bytes // geometry.word_bytes)
-    step_bytes = segments * tile * geometry.word_bytes
-    num_warps = tuning.num_warps or (8 if step_bytes >= 8192 else 4 if step_bytes >= 2048 else 1)
-    grid = (min(triton.cdiv(num_segments, segments), max_programs),)
-    host_blocks = plan.blocks if isinstance(plan.blocks, np.ndarray) else None
-    values, starts = geometry.table_values(host_blocks)
-    with torch.cuda.device(plan.device) if plan.device.type == "cuda" else nullcontext():
-        tables = staging.to_device(values, plan.device)
-        blocks = tables[starts[0] :] if host_blocks is not None else plan.blocks
-        return _copy_pages[grid](
-            tables,
-            blocks,
-            *starts[1:],
-            num_segments,
+
+
+class Launch:
+    """One validated transfer's kernel arguments; its tables go to the device once, on the current
+    stream, and every `run` on that stream reads them. Make and run it with the cache's device
+    current."""
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        plan: Transfer,
+        geometry: Geometry,
+        *,
+        to_page: bool,
+        tuning: Tuning = DEFAULT_TUNING,
+        staged: bool = False,
+    ) -> None:
+        _check_tuning(tuning)
+        num_segments = max(geometry.num_segments, 1)
+        segments = max(1, min(tuning.segments_per_step, triton.next_power_of_2(num_segments)))
+        tile = min(triton.next_power_of_2(geometry.segment_words), tuning.tile_bytes // geometry.word_bytes)
+        step_bytes = segments * tile * geometry.word_bytes
+        self.segments_per_step = segments
+        host_blocks = plan.blocks if isinstance(plan.blocks, np.ndarray) else None
+        values, starts = geometry.table_values(host_blocks)
+        self.tables = staging.to_device(values, plan.device)
+        blocks = self.tables[starts[0] :] if host_blocks is not None else plan.blocks
+        self._args = (self.tables, blocks, *starts[1:])
+        self._kwargs = dict(
             num_layer_kv=geometry.num_layer_kv,
             blocks_per_chunk=geometry.blocks_per_chunk,
             num_blocks=plan.num_blocks,
@@ -267,11 +308,19 @@ def launch(
             WORD_BYTES=geometry.word_bytes,
             ALIGN=geometry.align,
             TO_PAGE=to_page,
+            STAGED=staged,
             LOAD_CACHE=tuning.load_cache,
             STORE_CACHE=tuning.store_cache,
             EVICTION=tuning.eviction,
-            num_warps=num_warps,
+            num_warps=tuning.num_warps or (8 if step_bytes >= 8192 else 4 if step_bytes >= 2048 else 1),
         )
+
+    def run(self, first: int, end: int, max_programs: int, stage_base: int = 0) -> Any:
+        """Move segments `first..end-1` with at most `max_programs` programs, on the current stream.
+
+        `stage_base` (staged launches only): the address that stands for each page's start."""
+        grid = (max(1, min(triton.cdiv(end - first, self.segments_per_step), max_programs)),)
+        return _copy_pages[grid](*self._args, first, end, stage_base, **self._kwargs)
 
 
 def _check_tuning(tuning: Tuning) -> None:

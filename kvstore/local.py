@@ -16,6 +16,7 @@ travel here (they go through the arena).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import struct
 from pathlib import Path
@@ -58,7 +59,7 @@ class LocalChannelServer:
             writer.close()
         self.path.unlink(missing_ok=True)
 
-    def call(self, method: int, payload: bytes) -> bytes:
+    async def call(self, method: int, payload: bytes) -> bytes:
         """One request frame's reply frame; every outcome is a frame, never an exception."""
         if method >= len(METHOD_NAMES):
             return frame(_INVALID_ARGUMENT, f"unknown local-channel method {method}".encode())
@@ -72,6 +73,8 @@ class LocalChannelServer:
             )
         try:
             reply = getattr(self.handlers, name)(request)
+            if inspect.isawaitable(reply):
+                reply = await reply
         except Exception as exc:
             status = status_of(exc)
             if status is None:
@@ -96,7 +99,7 @@ class LocalChannelServer:
                     writer.write(frame(_INVALID_ARGUMENT, f"frame of {length} bytes is too large".encode()))
                     return
                 payload = await reader.readexactly(length)
-                writer.write(self.call(method, payload))
+                writer.write(await self.call(method, payload))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             return

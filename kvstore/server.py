@@ -9,6 +9,7 @@ that has been handed to someone else.
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -46,7 +47,8 @@ def _unary(name: str) -> Callable[..., Awaitable[Any]]:
     async def rpc(self: KVStoreServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             self._authorize(context)
-            return getattr(self.handlers, name)(request)
+            reply = getattr(self.handlers, name)(request)
+            return await reply if inspect.isawaitable(reply) else reply
         except Exception as exc:
             await _abort(context, exc)
             raise  # unreachable: _abort always raises

@@ -1,12 +1,13 @@
-"""Page gather/scatter: every layout, dtype and direction, for the torch reference, Triton
-and the copy engines.
+"""Page gather/scatter: every layout, dtype and direction, for the torch reference, Triton,
+the copy engines and the staged path (Triton packing into a ring, copy engines moving it).
 
 Each scenario builds a small random KV cache, poisons the destination twice (0xA5, then
 0x5A), runs one implementation and checks every destination byte against an oracle that
 indexes the cache token by token: a byte the oracle writes must hold the same value under
 both poisons, and every other byte must still hold the poison. Without CUDA the Triton
-kernels run in Triton's interpreter on CPU tensors and the copy-engine copy list runs with
-memmove; with CUDA both run on the GPU.
+kernels run in Triton's interpreter on CPU tensors and the copy lists run with memmove (the
+staged path too: same pieces and ring slots, CPU memory); with CUDA they run on the GPU,
+the staged path into pinned host buffers.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from kvstore_kernels import reference  # noqa: E402
 
 LAYOUTS = ["flash_attn", "flashinfer", "cross_layer", "mla", "hf"]
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn"]
-IMPLS = ["torch", "triton", "copy_engine"]
+IMPLS = ["torch", "triton", "copy_engine", "staged"]
 POISONS = (0xA5, 0x5A)
 BATCH = 2
 gpu = pytest.mark.gpu
@@ -50,9 +51,28 @@ def triton_module() -> ModuleType:
     return triton_copy
 
 
-def run(impl: str, direction: str, *args: Any, **kwargs: Any) -> None:
-    if impl == "copy_engine":
-        options = kvstore_kernels.TransferOptions(engine="copy_engine")
+def staged_options(spec: KVSpec, layers_per_slot: int = 2) -> kvstore_kernels.TransferOptions:
+    """The staged path with slots of `layers_per_slot` stored layers: pages split into pieces,
+    more pieces than ring slots."""
+    from kvstore_kernels import staged
+
+    size = staged.NUM_SLOTS * layers_per_slot * spec.page.layer_bytes
+    return kvstore_kernels.TransferOptions(engine="staged", staging_bytes=size)
+
+
+def run(
+    impl: str,
+    direction: str,
+    *args: Any,
+    options: kvstore_kernels.TransferOptions | None = None,
+    **kwargs: Any,
+) -> None:
+    if impl in ("copy_engine", "staged"):
+        if options is None:
+            spec = args[0]
+            options = (
+                staged_options(spec) if impl == "staged" else kvstore_kernels.TransferOptions(engine=impl)
+            )
         getattr(kvstore_kernels, direction)(*args, options=options, **kwargs)
         if CUDA:
             torch.cuda.synchronize()
@@ -63,6 +83,14 @@ def run(impl: str, direction: str, *args: Any, **kwargs: Any) -> None:
 
 def device_of(impl: str) -> str:
     return "cuda" if impl != "torch" and CUDA else "cpu"
+
+
+def buffer_of(impl: str, buffer: torch.Tensor) -> torch.Tensor:
+    """`buffer` (CPU) where `impl` reads and writes pages: pinned host memory for the staged path
+    on CUDA, else `device_of(impl)`."""
+    if impl == "staged" and CUDA:
+        return buffer.pin_memory()
+    return buffer.to(device_of(impl))
 
 
 def copy_engine_refuses(impl: str, spec: KVSpec, strided: bool = False) -> bool:
@@ -258,11 +286,24 @@ def check_gather(
     size: int,
     layers: range | None = None,
     batch_index: int = 0,
+    options: kvstore_kernels.TransferOptions | None = None,
 ) -> None:
     expected = expected_buffer(spec, caches, table, chunks, offsets, size, layers, batch_index)
     for poison in POISONS:
-        buffer = torch.full((size,), poison, dtype=torch.uint8, device=device_of(impl))
-        run(impl, "gather", spec, caches, table, chunks, buffer, offsets, layers, batch_index=batch_index)
+        buffer = buffer_of(impl, torch.full((size,), poison, dtype=torch.uint8))
+        run(
+            impl,
+            "gather",
+            spec,
+            caches,
+            table,
+            chunks,
+            buffer,
+            offsets,
+            layers,
+            batch_index=batch_index,
+            options=options,
+        )
         want = torch.where(expected < 0, poison, expected).to(torch.uint8)
         assert torch.equal(buffer.cpu(), want), (
             f"poison {poison:#x}: {int((buffer.cpu() != want).sum())} bytes differ"
@@ -278,6 +319,7 @@ def check_scatter(
     size: int,
     layers: range | None = None,
     batch_index: int = 0,
+    options: kvstore_kernels.TransferOptions | None = None,
     **build_args: Any,
 ) -> None:
     buffer = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
@@ -291,10 +333,11 @@ def check_scatter(
             caches,
             table,
             chunks,
-            buffer.to(device_of(impl)),
+            buffer_of(impl, buffer),
             offsets,
             layers,
             batch_index=batch_index,
+            options=options,
         )
         write_expected(spec, expected, table, chunks, buffer, offsets, layers, batch_index)
         for index, (got, want) in enumerate(zip(as_bytes(bases), as_bytes(expected_bases), strict=True)):
@@ -399,7 +442,7 @@ def test_round_trip_restores_the_blocks(layout: str, impl: str) -> None:
         return  # refusal: test_every_layout_and_dtype
     table, chunks, offsets, size = scenario(spec)
     _, original = build(spec, device_of(impl), seed=3)
-    buffer = torch.zeros(size, dtype=torch.uint8, device=device_of(impl))
+    buffer = buffer_of(impl, torch.zeros(size, dtype=torch.uint8))
     run(impl, "gather", spec, original, table, chunks, buffer, offsets)
     bases, restored = build(spec, device_of(impl), fill=0xA5)
     run(impl, "scatter", spec, restored, table, chunks, buffer, offsets)
@@ -432,7 +475,7 @@ def test_page_format_by_hand(impl: str) -> None:
                     for dim in range(4):
                         page.append(float(caches[layer][kv, table[token // 2], token % 2, head, dim]))
     device = device_of(impl)
-    buffer = torch.full((spec.page.page_bytes + 8,), 0xA5, dtype=torch.uint8, device=device)
+    buffer = buffer_of(impl, torch.full((spec.page.page_bytes + 8,), 0xA5, dtype=torch.uint8))
     run(impl, "gather", spec, [c.to(device) for c in caches], table, [1], buffer, [8])
     assert torch.equal(buffer[8:].cpu().view(torch.float32), torch.tensor(page))
     assert torch.equal(buffer[:8].cpu(), torch.full((8,), 0xA5, dtype=torch.uint8))
@@ -452,7 +495,7 @@ def test_mla_page_format_by_hand(impl: str) -> None:
         for token in (0, 1)
         for dim in range(4)
     ]
-    buffer = torch.zeros(spec.page.page_bytes, dtype=torch.uint8, device=device_of(impl))
+    buffer = buffer_of(impl, torch.zeros(spec.page.page_bytes, dtype=torch.uint8))
     run(impl, "gather", spec, [c.to(device_of(impl)) for c in caches], table, [0], buffer, [0])
     assert buffer.cpu().view(torch.float32).tolist() == expected
 
@@ -658,10 +701,10 @@ def test_cuda_cache_with_each_buffer(monkeypatch: pytest.MonkeyPatch, buffer_on:
     )
     _, caches = build(spec, "cuda", num_blocks=40)
     size = 7 * spec.page.page_bytes
-    from kvstore_kernels import copy_engine
+    from kvstore_kernels import copy_engine, staged
 
     launches: list[int] = []
-    for module in (triton_module(), copy_engine):  # the kernel, or the copy engines where they fit
+    for module in (triton_module(), copy_engine, staged):  # a GPU path: kernel, copy engines, staged
         real_launch = module.launch
 
         def counting_launch(*args: Any, _real: Any = real_launch, **kwargs: Any) -> None:
@@ -728,9 +771,11 @@ def test_cuda_many_calls_in_flight_reuse_the_table_slots() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"engine": "dma"}, "engine: expected one of auto, kernel, copy_engine, got 'dma'"),
+        ({"engine": "dma"}, "engine: expected one of auto, kernel, copy_engine, staged, got 'dma'"),
         ({"max_programs": 0}, "max_programs: expected a positive integer or None, got 0"),
         ({"max_programs": 2.5}, "max_programs: expected a positive integer or None, got 2.5"),
+        ({"staging_bytes": 0}, "staging_bytes: expected a positive integer, got 0"),
+        ({"staging_bytes": True}, "staging_bytes: expected a positive integer, got True"),
     ],
 )
 def test_bad_options_are_refused(fields: dict[str, Any], message: str) -> None:
@@ -745,14 +790,16 @@ def test_options_must_be_transfer_options() -> None:
 
 
 @pytest.mark.parametrize(
-    ("engine", "expected"), [("auto", "torch"), ("kernel", "triton"), ("copy_engine", "ce")]
+    ("engine", "expected"),
+    [("auto", "torch"), ("kernel", "triton"), ("copy_engine", "ce"), ("staged", "staged")],
 )
 def test_explicit_engine_wins_over_auto(monkeypatch: pytest.MonkeyPatch, engine: str, expected: str) -> None:
-    from kvstore_kernels import copy_engine
+    from kvstore_kernels import copy_engine, staged
 
     calls: list[str] = []
     monkeypatch.setattr(triton_module(), "launch", lambda *a, **k: calls.append("triton"))
     monkeypatch.setattr(copy_engine, "launch", lambda *a, **k: calls.append("ce"))
+    monkeypatch.setattr(staged, "launch", lambda *a, **k: calls.append("staged"))
     monkeypatch.setattr(reference, "gather_plan", lambda *a, **k: calls.append("torch"))
     monkeypatch.setenv("KVSTORE_KERNELS", "torch")  # applies to engine="auto" only
     spec, caches, table, buffer = _small_call()
@@ -842,14 +889,14 @@ def test_kernel_tunings_move_the_same_bytes(tuning: dict[str, Any], strided: boo
 def expected_with_skipped(
     spec: KVSpec, caches: Any, table: Any, chunks: list[int], offsets: list[int], size: int, skipped: list
 ) -> torch.Tensor:
-    """`expected_buffer`, less the segments of the (page index, block of its chunk) in `skipped`."""
+    """`expected_buffer`, with -2 at the segments of the (page index, block of its chunk) in `skipped`."""
     expected = expected_buffer(spec, caches, table, chunks, offsets, size)
     segment = spec.block_size * spec.page.token_bytes
     span = spec.page.chunk_tokens * spec.page.token_bytes
-    for page, block in skipped:  # every (layer, k|v) segment of that block
+    for page, block in skipped:  # every (layer, k|v) segment of that block: -2
         for start in range(0, spec.page.page_bytes, span):
             at = offsets[page] + start + block * segment
-            expected[at : at + segment] = -1
+            expected[at : at + segment] = -2
     return expected
 
 
@@ -863,21 +910,89 @@ def test_cache_modifiers_refuse_an_eviction_policy() -> None:
         )
 
 
-def test_kernel_skips_block_ids_outside_the_cache() -> None:
-    """A device block table is not checked on the host: the kernel moves nothing for a bad id."""
+@pytest.mark.parametrize("impl", ["triton", "staged"])
+def test_kernel_skips_block_ids_outside_the_cache(impl: str) -> None:
+    """A device block table is not checked on the host: the kernel moves nothing for a bad id; the
+    staged gather writes zeros there (never a slot's stale bytes, which belong to another page)."""
+    from kvstore_kernels import staged
     from kvstore_kernels.validate import plan_transfer
 
     spec = make_spec("flash_attn", "float16", sharing={1: 0})
     table, chunks, offsets, size = scenario(spec)
     device = device_of("triton")
     _, caches = build(spec, device)
-    buffer = torch.full((size,), 0xA5, dtype=torch.uint8, device=device)
+    buffer = buffer_of(impl, torch.full((size,), 0xA5, dtype=torch.uint8))
     plan = plan_transfer(spec, caches, table, chunks, buffer, offsets, None, 0, writes_cache=False)
     blocks = torch.as_tensor(plan.blocks).to(device)
     blocks[1, 0], blocks[2, 1] = 12, -3  # chunk 0's first block, chunk 2's second block
-    triton_module().launch(spec, plan._replace(blocks=blocks), to_page=True)
+    if impl == "staged":
+        # Stale bytes in every slot first: a full gather of other pages through the same ring.
+        staged.launch(spec, plan, to_page=True, staging_bytes=staged_options(spec).staging_bytes)
+        if CUDA:
+            torch.cuda.synchronize()
+        buffer.fill_(0xA5)
+        staged.launch(
+            spec, plan._replace(blocks=blocks), to_page=True, staging_bytes=staged_options(spec).staging_bytes
+        )
+    else:
+        triton_module().launch(spec, plan._replace(blocks=blocks), to_page=True)
+    if CUDA:
+        torch.cuda.synchronize()
     expected = expected_with_skipped(spec, caches, table, chunks, offsets, size, [(1, 0), (2, 1)])
-    assert torch.equal(buffer.cpu(), torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+    skipped = 0xA5 if impl == "triton" else 0
+    want = torch.where(expected == -2, skipped, torch.where(expected < 0, 0xA5, expected)).to(torch.uint8)
+    assert torch.equal(buffer.cpu(), want)
+
+
+# -- the staged path: pieces, ring slots, refusals ------------------------------------------------
+
+
+@pytest.mark.parametrize("layers_per_slot", [1, 2, 100])
+@pytest.mark.parametrize("layers", [None, range(1, 4), range(3, 5), range(2, 2)])
+@pytest.mark.parametrize("layout", ["flashinfer", "cross_layer"])
+def test_staged_pieces_outnumber_the_ring_slots(
+    layout: str, layers: range | None, layers_per_slot: int
+) -> None:
+    """Pages cut into runs of layers, more pieces than slots; layer subsets; both directions."""
+    from kvstore_kernels import staged
+    from kvstore_kernels.validate import plan_transfer
+
+    spec = make_spec(layout, "float16", num_layers=5, sharing={1: 0})  # 4 stored layers
+    table, chunks, offsets, size = scenario(spec)
+    options = staged_options(spec, layers_per_slot)
+    _, caches = build(spec, device_of("staged"))
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    plan = plan_transfer(spec, caches, table, chunks, buffer, offsets, layers, 0, writes_cache=False)
+    moved = len(plan.layers)
+    per_piece = min(moved, layers_per_slot)
+    pieces = staged.pieces(spec, plan, options.staging_bytes)
+    assert len(pieces) == (len(chunks) * -(-moved // per_piece) if moved else 0)
+    assert all(0 < piece.stop_layer - piece.first_layer <= per_piece for piece in pieces)
+    check_gather("staged", spec, caches, table, chunks, offsets, size, layers, options=options)
+    check_scatter("staged", spec, table, chunks, offsets, size, layers, options=options)
+
+
+def test_staged_refuses_slots_smaller_than_a_layer() -> None:
+    from kvstore_kernels import staged
+
+    spec, caches, table, buffer = _small_call()
+    buffer = buffer_of("staged", buffer)
+    too_small = staged.NUM_SLOTS * spec.page.layer_bytes - 1
+    options = kvstore_kernels.TransferOptions(engine="staged", staging_bytes=too_small)
+    with pytest.raises(ValueError, match="engine='staged': staging_bytes=.* less than one stored layer"):
+        kvstore_kernels.gather(
+            spec, [c.to(device_of("staged")) for c in caches], table, [0], buffer, [0], options=options
+        )
+
+
+def counted(calls: list[str], name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, noting `name` in `calls` at each call."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return function(*args, **kwargs)
+
+    return call
 
 
 def _gpu_call(layout: str) -> tuple[KVSpec, Any, torch.Tensor, list[int], list[int], int]:
@@ -900,32 +1015,37 @@ def _gpu_call(layout: str) -> tuple[KVSpec, Any, torch.Tensor, list[int], list[i
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(
-    ("layout", "table_on", "expected"),
+    ("layout", "table_on", "staging", "expected"),
     [
-        ("cross_layer", "host", "copy_engine"),
-        ("flash_attn", "host", "kernel"),
-        ("cross_layer", "cuda", "kernel"),
+        ("cross_layer", "host", "default", "staged"),
+        ("flash_attn", "host", "default", "staged"),
+        ("flash_attn", "cuda", "default", "staged"),
+        ("cross_layer", "host", "too small", "copy_engine"),
+        ("flash_attn", "host", "too small", "kernel"),
+        ("cross_layer", "cuda", "too small", "kernel"),
     ],
 )
-def test_cuda_auto_rule(monkeypatch: pytest.MonkeyPatch, layout: str, table_on: str, expected: str) -> None:
-    from kvstore_kernels import copy_engine, routing
+def test_cuda_auto_rule(
+    monkeypatch: pytest.MonkeyPatch, layout: str, table_on: str, staging: str, expected: str
+) -> None:
+    """Pinned buffers go through the staging ring; where its slots cannot hold one stored layer,
+    2-D copies where the blocks allow them, else the kernel."""
+    from kvstore_kernels import copy_engine, staged
     from kvstore_kernels.validate import plan_transfer
 
     spec, caches, table, chunks, offsets, size = _gpu_call(layout)
     table = table.cuda() if table_on == "cuda" else table
     calls: list[str] = []
-    for name, module in (("kernel", triton_module()), ("copy_engine", copy_engine)):
-        real = module.launch
-        monkeypatch.setattr(
-            module, "launch", lambda *a, _r=real, _n=name, **k: (calls.append(_n), _r(*a, **k))
-        )
+    for name, module in (("kernel", triton_module()), ("copy_engine", copy_engine), ("staged", staged)):
+        monkeypatch.setattr(module, "launch", counted(calls, name, module.launch))
     buffer = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
-    plan = plan_transfer(spec, caches, table, chunks, buffer, offsets, None, 0, writes_cache=False)
-    shape = "2d" if copy_engine.can_copy_2d(spec, plan) else "1d"
-    if table_on == "host":  # flash_attn layers that happen to sit at one pitch move as 2-D copies too
-        in_rule = shape in routing.AUTO_COPY_ENGINE_SHAPES["gather"]
-        expected = "copy_engine" if in_rule else "kernel"
-    kvstore_kernels.gather(spec, caches, table, chunks, buffer, offsets)
+    options = kvstore_kernels.TransferOptions()
+    if staging == "too small":
+        options = kvstore_kernels.TransferOptions(staging_bytes=staged.NUM_SLOTS * spec.page.layer_bytes - 1)
+        plan = plan_transfer(spec, caches, table, chunks, buffer, offsets, None, 0, writes_cache=False)
+        if table_on == "host" and copy_engine.can_copy_2d(spec, plan):
+            expected = "copy_engine"  # flash_attn layers that happen to sit at one pitch: 2-D copies too
+    kvstore_kernels.gather(spec, caches, table, chunks, buffer, offsets, options=options)
     torch.cuda.synchronize()
     expected_bytes = expected_buffer(spec, caches, table.cpu(), chunks, offsets, size)
     assert torch.equal(buffer, torch.where(expected_bytes < 0, 0xA5, expected_bytes).to(torch.uint8))
@@ -934,7 +1054,7 @@ def test_cuda_auto_rule(monkeypatch: pytest.MonkeyPatch, layout: str, table_on: 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("engine", ["kernel", "copy_engine"])
+@pytest.mark.parametrize("engine", ["kernel", "copy_engine", "staged"])
 def test_cuda_side_stream(engine: str) -> None:
     """The copy is enqueued on `stream` behind its earlier work; an event after the call orders it."""
     spec, caches, table, chunks, offsets, size = _gpu_call("cross_layer")
@@ -959,11 +1079,8 @@ def test_cuda_side_stream(engine: str) -> None:
 def test_cuda_device_block_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CUDA block table is never read back: looked up on the GPU, bad ids move nothing."""
     spec, caches, table, chunks, offsets, size = _gpu_call("flash_attn")
-    reads: list[int] = []
-    real_cpu = torch.Tensor.cpu
-    monkeypatch.setattr(
-        torch.Tensor, "cpu", lambda self, *a, **k: (reads.append(1), real_cpu(self, *a, **k))[1]
-    )
+    reads: list[str] = []
+    monkeypatch.setattr(torch.Tensor, "cpu", counted(reads, "cpu", torch.Tensor.cpu))
     buffer = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
     kvstore_kernels.gather(spec, caches, table.cuda(), chunks, buffer, offsets)
     _, restored = build(spec, "cuda", num_blocks=40, fill=0x5A)
@@ -978,12 +1095,15 @@ def test_cuda_device_block_table(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.cuda.synchronize()
     assert torch.equal(again, buffer)
     bad = table.cuda()
-    bad[chunks[0] * spec.blocks_per_chunk + 1] = 40  # outside the cache: that block moves nothing
-    again.fill_(0xA5)
-    kvstore_kernels.gather(spec, caches, bad, chunks, again, offsets)
-    torch.cuda.synchronize()
+    bad[chunks[0] * spec.blocks_per_chunk + 1] = 40  # outside the cache: the kernel moves nothing
     expected = expected_with_skipped(spec, caches, table, chunks, offsets, size, [(0, 1)])
-    assert torch.equal(again, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+    for engine, skipped in (("kernel", 0xA5), ("auto", 0)):  # auto: staged, zeros for that block
+        again.fill_(0xA5)
+        options = kvstore_kernels.TransferOptions(engine=engine)
+        kvstore_kernels.gather(spec, caches, bad, chunks, again, offsets, options=options)
+        torch.cuda.synchronize()
+        want = torch.where(expected == -2, skipped, torch.where(expected < 0, 0xA5, expected))
+        assert torch.equal(again, want.to(torch.uint8))
 
 
 @gpu
@@ -1003,3 +1123,120 @@ def test_cuda_copy_engine_refusals(change: str, message: str) -> None:
     options = kvstore_kernels.TransferOptions(engine="copy_engine")
     with pytest.raises(ValueError, match=f"engine='copy_engine': {message}"):
         kvstore_kernels.gather(spec, caches, table, chunks, buffer, offsets, options=options)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    ("change", "message"), [("pageable", "pageable host memory"), ("cuda", "device memory")]
+)
+def test_cuda_staged_refusals(change: str, message: str) -> None:
+    spec, caches, table, chunks, offsets, size = _gpu_call("flash_attn")
+    buffer = torch.zeros(size, dtype=torch.uint8, device="cuda" if change == "cuda" else "cpu")
+    options = kvstore_kernels.TransferOptions(engine="staged")
+    with pytest.raises(ValueError, match=f"engine='staged': the buffer is (in )?{message}"):
+        kvstore_kernels.gather(spec, caches, table, chunks, buffer, offsets, options=options)
+
+
+def _many_pages(num_pages: int) -> tuple[KVSpec, Any, list[int], list[int], list[int], int]:
+    """1 MiB pages (4 layers of 256 KiB), more of them than ring slots, out of order in the buffer."""
+    spec = KVSpec(
+        model="m",
+        num_layers=4,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        block_size=16,
+        layout="flash_attn",
+        chunk_tokens=64,
+    )
+    num_blocks = num_pages * spec.blocks_per_chunk
+    _, caches = build(spec, "cuda", num_blocks=num_blocks, seed=5)
+    table = block_table(num_blocks, num_blocks, seed=6).tolist()
+    chunks = list(range(num_pages))
+    offsets = [(num_pages - 1 - chunk) * spec.page.page_bytes for chunk in chunks]
+    return spec, caches, table, chunks, offsets, num_pages * spec.page.page_bytes
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("layers_per_slot", [1, 4])
+def test_cuda_staged_ring_is_not_overwritten_in_flight(overlap: bool, layers_per_slot: int) -> None:
+    """24 pages through 4 slots, queued behind a busy stream: each slot's copy (or unpack) runs
+    before the slot is refilled, or pages would hold other pages' bytes."""
+    from kvstore_kernels import staged
+    from kvstore_kernels.validate import plan_transfer
+
+    spec, caches, table, chunks, offsets, size = _many_pages(24)
+    staging_bytes = staged_options(spec, layers_per_slot).staging_bytes
+    expected = expected_buffer(spec, caches, table, chunks, offsets, size)
+    buffer = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(4):
+        busy = busy @ busy / 64  # the host queues every piece before the GPU starts
+    plan = plan_transfer(spec, caches, table, chunks, buffer, offsets, None, 0, writes_cache=False)
+    staged.launch(spec, plan, to_page=True, staging_bytes=staging_bytes, overlap=overlap)
+    bases, restored = build(spec, "cuda", num_blocks=len(table), fill=0x5A)
+    for _ in range(4):
+        busy = busy @ busy / 64
+    back = plan_transfer(spec, restored, table, chunks, buffer, offsets, None, 0, writes_cache=True)
+    staged.launch(spec, back, to_page=False, staging_bytes=staging_bytes, overlap=overlap)
+    torch.cuda.synchronize()
+    assert torch.equal(buffer, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+    again = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
+    kvstore_kernels.gather(
+        spec,
+        restored,
+        table,
+        chunks,
+        again,
+        offsets,
+        options=kvstore_kernels.TransferOptions(engine="kernel"),
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(again, buffer)
+
+
+@gpu
+@needs_cuda
+def test_cuda_staged_both_directions_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gather and a scatter on two streams, each through its own ring and copy stream, and a
+    gather whose slots outgrow the ring while the first transfers are still queued."""
+    from kvstore_kernels import staged
+
+    monkeypatch.setattr(staged, "_rings", {})  # fresh rings, sized by this test's first calls
+    spec, caches, table, chunks, offsets, size = _many_pages(16)
+    half = len(table) // 2
+    pages = chunks[:8]
+    stores, loads = table[:half], table[half:]  # disjoint blocks
+    expected = expected_buffer(spec, caches, stores, pages, offsets[:8], size)
+    incoming = torch.randint(0, 256, (size,), dtype=torch.uint8).pin_memory()
+    outgoing = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    small = staged_options(spec, 1)
+    with torch.cuda.stream(first):
+        kvstore_kernels.gather(spec, caches, stores, pages, outgoing, offsets[:8], options=small)
+    with torch.cuda.stream(second):
+        kvstore_kernels.scatter(spec, caches, loads, pages, incoming, offsets[:8], options=small)
+    grown = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
+    with torch.cuda.stream(first):  # slots of 4 layers: the ring is replaced once its slots are free
+        kvstore_kernels.gather(
+            spec, caches, stores, pages, grown, offsets[:8], options=staged_options(spec, 4)
+        )
+    torch.cuda.synchronize()
+    assert torch.equal(outgoing, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+    assert torch.equal(grown, outgoing)
+    loaded = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
+    kvstore_kernels.gather(
+        spec,
+        caches,
+        loads,
+        pages,
+        loaded,
+        offsets[:8],
+        options=kvstore_kernels.TransferOptions(engine="kernel"),
+    )
+    torch.cuda.synchronize()
+    written = expected_buffer(spec, caches, loads, pages, offsets[:8], size) >= 0
+    assert torch.equal(loaded[written], incoming[written])

@@ -1,0 +1,284 @@
+"""Staged copy-engine path: pages packed on the GPU, moved over PCIe by the copy engines.
+
+- `why_not(spec, plan, staging_bytes)`: None when the staged path can move `plan`, else why.
+- `pieces(spec, plan, staging_bytes)`: the transfer cut into `Piece`s, each one contiguous
+  run of a page's stored layers that fits one staging slot (a whole page when it fits).
+- `launch(spec, plan, *, to_page, max_programs, staging_bytes, overlap)`: run a validated
+  transfer. Gather: per piece, the Triton kernel packs the piece from the KV cache into a
+  slot of a device staging ring (device to device, `max_programs` programs for a few tens
+  of microseconds), then one `cudaMemcpyAsync` moves the slot to its place in the pinned
+  buffer on a copy engine. Scatter: the reverse (copy into a slot, then unpack).
+- `StagingRing`, `ring_for(device, to_page)`: the per-device, per-direction ring of
+  `NUM_SLOTS` slots, allocated on first use and reused.
+
+Why: the kernel alone must issue PCIe reads and writes from the SMs, which holds SMs for
+the whole transfer and slows the model's kernels; the copy engines alone move 1-D copies
+of one block slowly (23-35 GB/s, `copy_engine`). Packing first turns any layout into one
+large copy per piece, and SMs are busy only while packing (about a tenth of the time).
+
+A block id outside the cache (possible only with a device block table) is skipped by the
+unpack, as by the kernel; the pack writes zeros for it, so a slot's stale bytes, which
+belong to another page, never reach the buffer.
+
+Ordering: the pack and unpack run on the caller's stream, after its earlier work. With
+`overlap` the copies run on one side stream per device and direction (so a gather and a
+scatter use both copy engines at once), handed over with events; without it everything
+runs on the caller's stream. A slot is refilled only after the last use of its previous
+contents has run (an event per slot, recorded after that use, waited on before the next),
+so the ring is never overwritten while a copy or an unpack still reads it, whichever
+stream the calls come from. The caller's stream waits for the copies before the call
+returns, so an event recorded after the call covers the whole transfer.
+
+With CPU tensors (tests) the kernel runs in Triton's interpreter and the copies are
+`memmove`s, in the same pieces and slots.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import NamedTuple
+
+import torch
+
+from kvstore.spec import KVSpec
+
+from .geometry import Geometry
+from .validate import Transfer
+
+# Measured on the H100 with 8B-geometry pages of 32 MiB (bench/NOTES-transfer.md):
+# - 4 slots of 32 MiB (a page per copy): 0.93-0.98x memcpy; slots of 16 MiB: 0.93-0.97x, but
+#   only 42-43 GB/s beside matrix products (52 with 32 MiB slots). The ring is sized by the
+#   largest piece, so small pages take 4 small slots whatever the cap.
+# - Pack programs: a 32 MiB pack takes ~80 us at 16 programs, ~50 at 32, ~40 at 64. Matrix
+#   products beside the transfer slow 1.00-1.02x at 32 or 64 programs, 1.09-1.17x at 8 or 16:
+#   long bursts hurt more than wide ones.
+# - Overlap (packing the next piece during this piece's copy) is worth 0.04-0.07x memcpy
+#   alone, and keeps the copy at 51-53 GB/s beside matrix products against 22-27 serial.
+NUM_SLOTS = 4
+DEFAULT_STAGING_BYTES = 128 << 20  # per direction and device: 4 slots of 32 MiB, one 8B page each
+DEFAULT_PROGRAMS = 32  # pack/unpack programs, so SMs, for the few tens of microseconds of a burst
+OVERLAP = True  # copies on a side stream, so packing the next piece overlaps the copy of this one
+_SLOT_ALIGN = 4096
+
+
+class Piece(NamedTuple):
+    """Stored layers `first_layer..stop_layer-1` (indices into the plan's moved layers) of page `page`."""
+
+    page: int
+    first_layer: int
+    stop_layer: int
+
+
+def layers_per_piece(spec: KVSpec, plan: Transfer, staging_bytes: int) -> int:
+    """Moved layers one slot holds: all of them when a page fits, else as many as fit (0: none)."""
+    slot_bytes = staging_bytes // NUM_SLOTS
+    return min(len(plan.layers), slot_bytes // spec.page.layer_bytes)
+
+
+def why_not(spec: KVSpec, plan: Transfer, staging_bytes: int) -> str | None:
+    """Why the staged path cannot move `plan` (None: it can)."""
+    if plan.device.type == "cpu":
+        from . import triton_copy
+
+        if plan.buffer.device.type != "cpu":
+            return "the buffer is not on the CPU"
+        if not triton_copy.is_interpreted():
+            return "CPU tensors need TRITON_INTERPRET=1 set before import (the kernel packs the pages)"
+    elif plan.buffer.device.type != "cpu":
+        return "the buffer is in device memory; the copy engines gain nothing there (use the kernel)"
+    elif not plan.buffer.is_pinned():
+        return "the buffer is pageable host memory; the copy engines need pinned (registered) memory"
+    if plan.layers and not layers_per_piece(spec, plan, staging_bytes):
+        return (
+            f"staging_bytes={staging_bytes} gives {NUM_SLOTS} slots of {staging_bytes // NUM_SLOTS} bytes, "
+            f"less than one stored layer of a page ({spec.page.layer_bytes} bytes)"
+        )
+    return None
+
+
+def pieces(spec: KVSpec, plan: Transfer, staging_bytes: int) -> list[Piece]:
+    """Every page's moved layers, in runs of at most `layers_per_piece`, page after page."""
+    per_piece = layers_per_piece(spec, plan, staging_bytes)
+    count = len(plan.layers)
+    if not per_piece:
+        return []
+    return [
+        Piece(page, first, min(first + per_piece, count))
+        for page in range(len(plan.offsets))
+        for first in range(0, count, per_piece)
+    ]
+
+
+class StagingRing:
+    """`NUM_SLOTS` equal slots of device (or, for tests, CPU) memory, handed out in turn.
+
+    Each slot has a `free` event, recorded after the last use of its contents, and a `ready`
+    event that hands a filled slot from one stream to the other. The lock is held while a
+    transfer is issued, so slot uses of concurrent calls never interleave on the host.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.lock = threading.Lock()
+        self.memory = torch.empty(0, dtype=torch.uint8, device=device)
+        self.slot_bytes = 0
+        self._next = 0
+        cuda = device.type == "cuda"
+        self.free = [torch.cuda.Event() for _ in range(NUM_SLOTS)] if cuda else []
+        self.ready = [torch.cuda.Event() for _ in range(NUM_SLOTS)] if cuda else []
+
+    def reserve(self, slot_bytes: int) -> None:
+        """Slots of at least `slot_bytes`; a larger ring replaces the old one once nothing uses it."""
+        if self.slot_bytes >= slot_bytes:
+            return
+        for event in self.free:
+            event.synchronize()  # the old slots' last uses have run (at once if never recorded)
+        size = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        self.memory = torch.empty(0, dtype=torch.uint8, device=self.device)  # the old ring goes first
+        self.memory = torch.empty(NUM_SLOTS * size, dtype=torch.uint8, device=self.device)
+        self.slot_bytes = size
+
+    def take(self) -> int:
+        """The next slot's index."""
+        index = self._next
+        self._next = (index + 1) % NUM_SLOTS
+        return index
+
+    def address(self, slot: int) -> int:
+        return self.memory.data_ptr() + slot * self.slot_bytes
+
+
+_rings: dict[tuple[torch.device, bool], StagingRing] = {}
+_copy_streams: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
+_made = threading.Lock()
+
+
+def ring_for(device: torch.device, to_page: bool) -> StagingRing:
+    """The staging ring of one device and direction, made on first use."""
+    with _made:
+        key = (device, to_page)
+        if key not in _rings:
+            _rings[key] = StagingRing(device)
+        return _rings[key]
+
+
+def _copy_stream(device: torch.device, to_page: bool) -> torch.cuda.Stream:
+    with _made:
+        key = (device, to_page)
+        if key not in _copy_streams:
+            _copy_streams[key] = torch.cuda.Stream(device)
+        return _copy_streams[key]
+
+
+def launch(
+    spec: KVSpec,
+    plan: Transfer,
+    *,
+    to_page: bool,
+    max_programs: int | None = None,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    overlap: bool = OVERLAP,
+) -> None:
+    """Enqueue a validated transfer through the staging ring, ordered on the current stream."""
+    from . import triton_copy
+
+    reason = why_not(spec, plan, staging_bytes)
+    if reason is not None:
+        raise ValueError(f"engine='staged': {reason}")
+    programs = DEFAULT_PROGRAMS if max_programs is None else max_programs
+    if programs < 1:
+        raise ValueError(f"max_programs: expected a positive integer, got {programs}")
+    if not plan.offsets or not plan.layers:
+        return
+    work = pieces(spec, plan, staging_bytes)
+    layer_bytes = spec.page.layer_bytes
+    ring = ring_for(plan.device, to_page)
+    cuda = plan.device.type == "cuda"
+    with ring.lock, torch.cuda.device(plan.device) if cuda else nullcontext():
+        ring.reserve(max(piece.stop_layer - piece.first_layer for piece in work) * layer_bytes)
+        # The kernel's view: every page packed at the ring's start, its first moved layer at 0;
+        # each launch moves one piece and says where that piece's page would start.
+        first_position = plan.positions[0]
+        staged_plan = plan._replace(
+            buffer=ring.memory,
+            offsets=(0,) * len(plan.offsets),
+            positions=tuple(position - first_position for position in plan.positions),
+        )
+        geometry = Geometry(spec, staged_plan)
+        kernel = triton_copy.Launch(spec, staged_plan, geometry, to_page=to_page, staged=True)
+        segments_per_layer = len(plan.views[0]) * geometry.blocks_per_chunk
+        segments_per_page = len(plan.layers) * segments_per_layer
+        host = plan.buffer.data_ptr()
+
+        def pack(piece: Piece, slot: int) -> None:
+            first = piece.page * segments_per_page + piece.first_layer * segments_per_layer
+            end = first + (piece.stop_layer - piece.first_layer) * segments_per_layer
+            kernel.run(first, end, programs, ring.address(slot) - piece.first_layer * layer_bytes)
+
+        def span(piece: Piece) -> tuple[int, int]:
+            """(host address, bytes) of a piece in the buffer."""
+            position = plan.positions[piece.first_layer]
+            at = host + plan.offsets[piece.page] + position * layer_bytes
+            return at, (piece.stop_layer - piece.first_layer) * layer_bytes
+
+        if cuda:
+            _issue_cuda(ring, work, pack, span, to_page=to_page, overlap=overlap)
+        else:
+            for piece in work:
+                slot = ring.take()
+                at, size = span(piece)
+                if to_page:
+                    pack(piece, slot)
+                    ctypes.memmove(at, ring.address(slot), size)
+                else:
+                    ctypes.memmove(ring.address(slot), at, size)
+                    pack(piece, slot)
+
+
+def _issue_cuda(
+    ring: StagingRing,
+    work: list[Piece],
+    pack: Callable[[Piece, int], None],
+    span: Callable[[Piece], tuple[int, int]],
+    *,
+    to_page: bool,
+    overlap: bool,
+) -> None:
+    """Queue every piece: pack then copy (gather) or copy then unpack (scatter), slot by slot."""
+    from . import cudart
+
+    runtime = cudart.runtime()
+    current = torch.cuda.current_stream(ring.device)
+    copies = _copy_stream(ring.device, to_page) if overlap else current
+    copy_handle = copies.cuda_stream
+    if overlap and not to_page:
+        # The copies read pages that work queued earlier on the caller's stream may write.
+        started = torch.cuda.Event()
+        started.record(current)
+        copies.wait_event(started)
+    slot = 0
+    for piece in work:
+        slot = ring.take()
+        free, ready, address = ring.free[slot], ring.ready[slot], ring.address(slot)
+        at, size = span(piece)
+        if to_page:
+            current.wait_event(free)  # the copy out of this slot's last contents has run
+            pack(piece, slot)
+            if overlap:
+                ready.record(current)
+                copies.wait_event(ready)
+            runtime.memcpy_async(at, address, size, copy_handle)
+            free.record(copies)
+        else:
+            copies.wait_event(free)  # the unpack of this slot's last contents has run
+            runtime.memcpy_async(address, at, size, copy_handle)
+            if overlap:
+                ready.record(copies)
+                current.wait_event(ready)
+            pack(piece, slot)
+            free.record(current)
+    if overlap and to_page:
+        current.wait_event(ring.free[slot])  # copies run in order: the last one covers them all
