@@ -35,7 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
 from bench.common import Daemon, Latency, print_table, running_daemon, write_results  # noqa: E402
-from kvstore.config import format_size, parse_size  # noqa: E402
+from kvstore.config import EvictionConfig, format_size, parse_size  # noqa: E402
 from kvstore.handlers import Handlers  # noqa: E402
 from kvstore.keys import pack_keys, unpack_keys  # noqa: E402
 from kvstore.policy import make_policy  # noqa: E402
@@ -234,7 +234,7 @@ def server_breakdown(page: PageSpec, keys: list[bytes], calls: int) -> dict[str,
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
         arena = Arena(Path(tmp) / "arena", 16 << 20, prefault=False)
         try:
-            store = Store(CpuTier(arena, 16 << 20), make_policy("lru"), 60.0, 600.0)
+            store = Store(CpuTier(arena, 16 << 20), make_policy(EvictionConfig().policy), 60.0, 600.0)
             ns = store.connect(page).id
             store.commit(ns, store.reserve(ns, keys).lease_id)
             handlers = Handlers(store, CHUNK_TOKENS, 4 << 20, str(arena.path))
@@ -247,8 +247,9 @@ def server_breakdown(page: PageSpec, keys: list[bytes], calls: int) -> dict[str,
             steps: dict[str, Callable[[], object]] = {
                 "parse_request": lambda: pb.LookupRequest.FromString(wire),
                 "unpack_keys": lambda: unpack_keys(request.keys),
-                "store_lookup": lambda: store.lookup(ns, unpacked),
-                "of_which_policy_touch": lambda: store.policy.touch(reversed(hits)),
+                "store_lookup": lambda: store.lookup(ns, unpacked, touch=False),
+                "store_lookup_counted_as_use": lambda: store.lookup(ns, unpacked),
+                "of_which_policy_hit": lambda: store.policy.hit(hits),
                 "build_response": lambda: pb.LookupResponse(hit_chunks=result.hit_chunks,
                                                             tiers=result.tiers),
                 "serialize_response": lambda: response.SerializeToString(),

@@ -78,7 +78,11 @@ class Handlers:
 
     def Lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
         result = self.store.lookup(
-            request.namespace, unpack_keys(request.keys), request.lease, _ttl(request.lease_ttl_ms)
+            request.namespace,
+            unpack_keys(request.keys),
+            request.lease,
+            _ttl(request.lease_ttl_ms),
+            touch=request.lease,  # a query is not a use: the load's leased lookup is
         )
         return pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=result.tiers, lease_id=result.lease_id)
 

@@ -201,8 +201,19 @@ class Store:
     # -- load ---------------------------------------------------------------
 
     def lookup(
-        self, ns_id: bytes, keys: Sequence[bytes], lease: bool = False, ttl_s: float | None = None
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease: bool = False,
+        ttl_s: float | None = None,
+        touch: bool = True,
     ) -> LookupResult:
+        """The longest committed prefix of `keys`; with `lease`, pins it.
+
+        `touch`: the lookup counts as a use of the hit pages for the eviction policy. The daemon
+        counts the leased lookup of a load (and the store), not the query before it, so a page
+        that is looked up and then loaded counts once.
+        """
         ns = self._namespace(ns_id)
         self._check_keys(keys)
         deadline = self._deadline(ttl_s)
@@ -215,7 +226,8 @@ class Store:
         self.counters["lookups"] += 1
         self.counters["hit_chunks"] += len(hits)
         self.counters["missed_chunks"] += len(keys) - len(hits)
-        self.policy.hit(self._policy_pages(hits))
+        if touch:
+            self.policy.hit(self._policy_pages(hits))
         lease_id = 0
         if lease and hits:
             for entry in hits:

@@ -235,3 +235,14 @@ def test_namespace_table_is_bounded(tmp_path: Path, clock: Clock, monkeypatch: p
     with pytest.raises(ResourceExhausted, match="3 namespaces"):
         store.connect(specs[4])  # all three hold pages or leases
     assert load_chain(store, keys) == [page_bytes(keys[0])]
+
+
+def test_a_query_is_not_a_use(tmp_path: Path, clock: Clock) -> None:
+    """Only lookups that count as uses (the leased lookup of a load) refresh a page for eviction."""
+    store = make_store(tmp_path, clock, 4)
+    ns = SPEC.namespace()
+    a = store_chain(store, list(range(32)))
+    b = store_chain(store, list(range(500, 532)))  # full: a is older than b
+    assert store.lookup(ns, a, touch=False).hit_chunks == 2
+    store_chain(store, list(range(900, 932)))  # evicts a: the query did not refresh it
+    assert store.lookup(ns, a).hit_chunks == 0 and store.lookup(ns, b).hit_chunks == 2
