@@ -219,8 +219,28 @@ class CpuTierConfig:
 
 
 @dataclass(frozen=True)
+class DiskTierConfig:
+    """Checksummed page records under a directory: written behind, read back on a hit, recovered at start."""
+
+    enabled: bool = False
+    path: str = _setting("/var/lib/kvstore/disk", non_empty=True)
+    bytes: Size = _setting(64 * GiB, gt=0)  # records kept at most; the least recently used go first
+    write: str = _setting("behind", choices=("behind", "through"))  # at CPU eviction, or every commit too
+    fsync: str = _setting("batch", choices=("never", "batch", "always"))
+    fsync_interval_s: float = _setting(1.0, gt=0)  # batch: a sync when the queue empties, at least this often
+    codec: str = _setting("lz4", choices=("lz4", "none"))
+    threads: int = _setting(4, gt=0, le=64)  # workers that compress, write and read records
+    queue_bytes: Size = _setting(256 * MiB, gt=0)  # pages waiting to be written; past it, new ones drop
+
+    def validate(self, path: str) -> None:
+        if not os.path.isabs(self.path):
+            raise ConfigError(_join(path, "path"), f"expected an absolute path, got {self.path!r}")
+
+
+@dataclass(frozen=True)
 class TiersConfig:
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,11 @@ from kvstore.config import Config, ConfigError, load_config, parse_config
 from kvstore.handlers import Handlers
 from kvstore.local import LocalChannelServer
 from kvstore.policy import make_policy
+from kvstore.progress import progress_reporter
 from kvstore.server import SERVICE_NAME, KVStoreServicer, create_server
 from kvstore.store import Store
 from kvstore.tiers.cpu import Arena, CpuTier
+from kvstore.tiers.disk import DiskTier
 
 log = logging.getLogger("kvstored")
 
@@ -76,6 +78,7 @@ async def serve(config: Config) -> None:
     socket_path = config.server.socket_path
     claim = SocketClaim(socket_path)
     arena = None
+    disk: DiskTier | None = None
     local: LocalChannelServer | None = None
     try:
         cpu_config = config.tiers.cpu
@@ -85,6 +88,10 @@ async def serve(config: Config) -> None:
             cpu_config.file_mode,
             cpu_config.prefault,
         )
+        if config.tiers.disk.enabled:
+            disk = DiskTier(config.tiers.disk)
+            records = await asyncio.to_thread(disk.recover, progress_reporter("recovering the disk tier"))
+            log.info("disk tier %s: %d pages recovered", config.tiers.disk.path, len(records))
         store = Store(
             CpuTier(arena, cpu_config.slab_bytes),
             make_policy(config.eviction.policy),
@@ -92,6 +99,7 @@ async def serve(config: Config) -> None:
             config.leases.max_ttl_s,
             pin_fraction=config.eviction.pin_fraction,
             max_pin_ttl_s=config.eviction.max_pin_ttl_s,
+            disk=disk,
         )
         local_path = config.server.local_socket_path if config.server.local_channel else None
         handlers = Handlers(
@@ -137,6 +145,8 @@ async def serve(config: Config) -> None:
         await server.stop(config.server.grace_s)
         reaper.cancel()
     finally:
+        if disk is not None:
+            await asyncio.to_thread(disk.close)
         if arena is not None:
             arena.close(unlink=True)
         claim.release()
@@ -201,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         asyncio.run(serve(config))
-    except (AlreadyRunning, OSError, ConfigError) as exc:
+    except (AlreadyRunning, OSError, ConfigError, RuntimeError) as exc:
         log.error("%s", exc)
         return 1
     return 0

@@ -8,7 +8,9 @@ behaviour of its own.
 
 from __future__ import annotations
 
+import inspect
 import time
+from collections.abc import Awaitable
 
 from kvstore import __version__
 from kvstore.errors import InvalidArgument
@@ -16,7 +18,7 @@ from kvstore.keys import unpack_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import PageSpec
 from kvstore.stats import stats_message
-from kvstore.store import Store
+from kvstore.store import AcquireResult, Store
 
 # name: (request type, reply type), in wire order: the local channel numbers methods by position.
 UNARY_METHODS: dict[str, tuple[type, type]] = {
@@ -96,8 +98,17 @@ class Handlers:
     def Abort(self, request: pb.LeaseRequest) -> pb.LeaseResponse:
         return pb.LeaseResponse(pages=self.store.abort(request.namespace, request.lease_id))
 
-    def Acquire(self, request: pb.LeaseRequest) -> pb.AcquireResponse:
+    def Acquire(self, request: pb.LeaseRequest) -> pb.AcquireResponse | Awaitable[pb.AcquireResponse]:
         result = self.store.acquire(request.namespace, request.lease_id)
+        if inspect.isawaitable(result):
+            return self._acquired_later(result)
+        return self._acquired(result)
+
+    async def _acquired_later(self, pending: Awaitable[AcquireResult]) -> pb.AcquireResponse:
+        return self._acquired(await pending)
+
+    @staticmethod
+    def _acquired(result: AcquireResult) -> pb.AcquireResponse:
         return pb.AcquireResponse(
             ready_chunks=len(result.offsets), offsets=result.offsets, page_bytes=result.page_bytes
         )

@@ -139,6 +139,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             self._authorize(context)
             result = self.store.acquire(request.namespace, request.lease_id)
+            if inspect.isawaitable(result):
+                result = await result
             lease = self.store.leases.get(request.lease_id)
             for offset in result.offsets:
                 for start in range(0, result.page_bytes, self.data_bytes):

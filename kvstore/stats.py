@@ -15,7 +15,13 @@ from kvstore.store import StoreStats
 def stats_message(stats: StoreStats, version: str, uptime_s: float) -> pb.StatsResponse:
     return pb.StatsResponse(
         tiers=[
-            pb.TierStats(name=t.name, bytes_used=t.bytes_used, bytes_capacity=t.bytes_capacity, pages=t.pages)
+            pb.TierStats(
+                name=t.name,
+                bytes_used=t.bytes_used,
+                bytes_capacity=t.bytes_capacity,
+                pages=t.pages,
+                extra=t.extra or {},
+            )
             for t in stats.tiers
         ],
         namespaces=[

@@ -20,11 +20,12 @@ page pinned with `pin` is out of its care until the pin ends.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.keys import KEY_BYTES, chunk_keys
@@ -35,13 +36,18 @@ from kvstore.spec import PageSpec
 from kvstore.tiers import Tier
 from kvstore.tiers.cpu import CpuTier
 
+if TYPE_CHECKING:
+    from kvstore.tiers.disk import DiskTier
+
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_NAMESPACES = 4096
 _CPU = bytes([Tier.CPU])
+_DISK = bytes([Tier.DISK])
+PROMOTION_TIMEOUT_S = 10.0
 
 
 class Entry:
-    __slots__ = ("namespace", "key", "offset", "committed", "pins", "removed", "parent", "children")
+    __slots__ = ("namespace", "key", "offset", "committed", "pins", "removed", "parent", "children", "loaded")
 
     def __init__(self, namespace: Namespace, key: bytes, offset: int) -> None:
         self.namespace = namespace
@@ -52,6 +58,7 @@ class Entry:
         self.removed = False  # dropped from the index while pinned: freed at the last release
         self.parent: Entry | None = None  # the page before it in a committed chain
         self.children = 0  # committed pages whose parent it is
+        self.loaded: asyncio.Future[bool] | None = None  # being promoted from disk: done when read
 
 
 @dataclass(eq=False)
@@ -93,6 +100,7 @@ class TierUsage(NamedTuple):
     bytes_used: int
     bytes_capacity: int
     pages: int
+    extra: dict[str, float] | None = None
 
 
 class NamespaceUsage(NamedTuple):
@@ -118,8 +126,10 @@ class Store:
         clock: Callable[[], float] = time.monotonic,
         pin_fraction: float = 0.1,
         max_pin_ttl_s: float = 86400.0,
+        disk: DiskTier | None = None,
     ) -> None:
         self.cpu = cpu
+        self.disk = disk
         self.policy = policy
         self.lease_ttl_s = lease_ttl_s
         self.max_lease_ttl_s = max_lease_ttl_s
@@ -218,28 +228,105 @@ class Store:
         self._check_keys(keys)
         deadline = self._deadline(ttl_s)
         hits: list[Entry] = []
+        on_disk: list[bytes] = []  # keys past the CPU-resident prefix found on disk, in order
+        disk = self.disk
         for key in keys:
             entry = ns.entries.get(key)
-            if entry is None or not entry.committed:
+            if entry is not None and (entry.committed or entry.loaded is not None) and not on_disk:
+                hits.append(entry)
+            elif entry is None and disk is not None and disk.contains(ns.id, key):
+                on_disk.append(key)
+            else:
                 break
-            hits.append(entry)
+        if on_disk and lease and disk is not None:
+            self._promote(disk, ns, on_disk, hits)
+            on_disk = []  # promoted ones joined `hits`; the rest are no longer part of the answer
+        found = len(hits) + len(on_disk)
         self.counters["lookups"] += 1
-        self.counters["hit_chunks"] += len(hits)
-        self.counters["missed_chunks"] += len(keys) - len(hits)
+        self.counters["hit_chunks"] += found
+        self.counters["missed_chunks"] += len(keys) - found
         if touch:
-            self.policy.hit(self._policy_pages(hits))
+            self.policy.hit(self._policy_pages([e for e in hits if e.committed]))
+        if disk is not None and found:
+            disk.touch(ns.id, keys[:found])
+        tiers = bytes(Tier.CPU if e.committed else Tier.DISK for e in hits) + _DISK * len(on_disk)
         lease_id = 0
         if lease and hits:
             for entry in hits:
                 entry.pins += 1
             lease_id = self.leases.add(ns_id, LeaseKind.LOAD, hits, deadline).id
-        return LookupResult(len(hits), _CPU * len(hits), lease_id)
+        return LookupResult(found, tiers, lease_id)
 
-    def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult:
+    def _promote(self, disk: DiskTier, ns: Namespace, keys: list[bytes], hits: list[Entry]) -> None:
+        """Starts reading `keys` from disk into new CPU slots; they join `hits`, the lease's pages.
+
+        Without room for all of them (everything else pinned) none is promoted: the lease covers
+        the CPU-resident prefix only. A page that cannot be read ends the prefix at Acquire.
+        """
+        protected = hits
+        try:
+            self._make_room(ns, len(keys), protected=protected)
+        except ResourceExhausted:
+            self.counters["promotions_refused"] += len(keys)
+            return
+        loop = asyncio.get_running_loop()
+        page_bytes = ns.spec.page_bytes
+        for key in keys:
+            entry = Entry(ns, key, self.cpu.slots.alloc(page_bytes))
+            entry.loaded = loop.create_future()
+            ns.entries[key] = entry
+
+            def done(page: object, entry: Entry = entry) -> None:
+                loop.call_soon_threadsafe(self._promoted, entry, page is not None)
+
+            if not disk.submit_read(ns.id, key, done, into=self.cpu.read(entry.offset, page_bytes)):
+                self._promoted(entry, False)
+            protected.append(entry)
+        self.counters["promotions_started"] += len(keys)
+
+    def _promoted(self, entry: Entry, ok: bool) -> None:
+        """A promotion finished (on the event loop): the page is committed, or dropped as a miss."""
+        ns = entry.namespace
+        if ok and not entry.removed:
+            entry.committed = True
+            ns.pages += 1
+            self.policy.stored(self._policy_pages([entry]))
+            self.counters["promoted_chunks"] += 1
+        else:
+            self.counters["promotion_failures"] += 1
+            if ns.entries.get(entry.key) is entry:
+                del ns.entries[entry.key]
+            entry.removed = True
+            if not entry.pins:
+                self.cpu.slots.free(entry.offset)
+        if entry.loaded is not None and not entry.loaded.done():
+            entry.loaded.set_result(ok)
+
+    def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult | Awaitable[AcquireResult]:
+        """Offsets of the lease's leading pages that are in the CPU tier.
+
+        While some are still being promoted from disk, returns an awaitable that waits for them
+        (up to PROMOTION_TIMEOUT_S); a page that could not be read ends the ready prefix.
+        """
         lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
-        return AcquireResult(
-            [entry.offset for entry in lease.entries], self.namespaces[ns_id].spec.page_bytes
-        )
+        pending = [e.loaded for e in lease.entries if e.loaded is not None and not e.loaded.done()]
+        if not pending:
+            return self._ready(lease)
+        return self._acquire_later(lease, pending)
+
+    async def _acquire_later(self, lease: Lease, pending: list[asyncio.Future[bool]]) -> AcquireResult:
+        await asyncio.wait(pending, timeout=PROMOTION_TIMEOUT_S)
+        if self.leases.get(lease.id) is not lease:
+            raise NotFound(f"lease {lease.id} expired while its pages were read from disk")
+        return self._ready(lease)
+
+    def _ready(self, lease: Lease) -> AcquireResult:
+        offsets = []
+        for entry in lease.entries:
+            if not entry.committed:
+                break
+            offsets.append(entry.offset)
+        return AcquireResult(offsets, self.namespaces[lease.namespace].spec.page_bytes)
 
     def release(self, ns_id: bytes, lease_id: int) -> int:
         lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
@@ -324,6 +411,10 @@ class Store:
         ns.pages += len(lease.entries)
         self.policy.stored(self._policy_pages(self._link(ns, lease.keys)))
         self.counters["stored_chunks"] += len(lease.entries)
+        if self.disk is not None and self.disk.write_through:
+            for entry in lease.entries:
+                page = bytes(self.cpu.read(entry.offset, ns.spec.page_bytes))
+                self.disk.submit_write(ns_id, entry.key, page)
         return len(lease.entries)
 
     def abort(self, ns_id: bytes, lease_id: int) -> int:
@@ -398,12 +489,21 @@ class Store:
             entry.parent.children -= 1
         if evicted:
             self.policy.evicted(entry)
+            self._demote(entry)
         elif not self.pins.unpin(entry):
             self.policy.remove(entry)
         if entry.pins:
             entry.removed = True
         else:
             self.cpu.slots.free(entry.offset)
+
+    def _demote(self, entry: Entry) -> None:
+        """Hands an evicted page to the disk tier (written behind; dropped, counted, if it lags)."""
+        disk, ns = self.disk, entry.namespace
+        if disk is None or not entry.committed or disk.contains(ns.id, entry.key):
+            return
+        if disk.submit_write(ns.id, entry.key, bytes(self.cpu.read(entry.offset, ns.spec.page_bytes))):
+            self.counters["demoted_chunks"] += 1
 
     # -- pins ---------------------------------------------------------------
 
@@ -474,6 +574,13 @@ class Store:
     def stats(self) -> StoreStats:
         pages = sum(ns.pages for ns in self.namespaces.values())
         tiers = [TierUsage(Tier.CPU.name.lower(), self.cpu.bytes_used, self.cpu.capacity, pages)]
+        if self.disk is not None:
+            disk = self.disk.stats()
+            tiers.append(
+                TierUsage(
+                    "disk", int(disk["bytes_used"]), int(disk["bytes_capacity"]), int(disk["pages"]), disk
+                )
+            )
         namespaces = [
             NamespaceUsage(ns.id, ns.spec.model, ns.pages, ns.spec.page_bytes)
             for ns in self.namespaces.values()

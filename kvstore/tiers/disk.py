@@ -1,0 +1,613 @@
+"""Disk tier: pages kept as checksummed records in files, written behind, recovered at start.
+
+The store hands the tier the pages it drops from memory (`tiers.disk.write: behind`) or
+every committed page (`through`); worker threads compress and write them, and read them
+back when a lookup promotes them. No call waits on the disk: each takes the index lock
+for a few dict operations and queues the work. Records: `records.py`; files and
+recovery: `disk_files.py`; why one file per page: bench/NOTES-disk.md.
+
+Primitives (any thread; the store calls them from its event loop):
+- `DiskTier(config)`: creates and locks the directory; reads nothing yet.
+- `recover(progress) -> list[RecordInfo]`: rebuilds the index from the clean-shutdown
+  index, or else from the record headers (torn and corrupt files removed, counted); then
+  starts the workers. Call it once, before anything else.
+- `submit_write(ns, key, page, done) -> bool`: queues a copy of `page` (bytes are kept, not
+  copied). False, counted in `dropped_writes`, when the queue is full or the tier is off.
+  True when queued or already on disk: `done(durable)` then runs once on a tier thread.
+- `submit_read(ns, key, done, into) -> bool`: False (a miss) when the page is not here.
+  True: `done(page | None)` runs once on a worker thread; None when the record could not
+  be read or failed its checksum (counted). With `into` (a writable buffer of the page's
+  size, e.g. its CPU-tier slot) the page is read into it and `done` gets `into` back; it
+  must not be reused before `done` runs. Reads go before queued writes.
+- `read(ns, key)`: the same, blocking; for tests and tools.
+- `contains`, `flushed` (on disk and synced per `tiers.disk.fsync`), `touch(ns, keys)`
+  (marks them used, keys[0] most recent, so a chain's head outlives its tail), `remove`,
+  `clear(ns)`.
+- `take_evicted()`: pages evicted for space since the last call.
+- `stats()`, `close(timeout_s)`: drains the queue, syncs, writes the clean-shutdown index.
+
+Space: a write that does not fit evicts the least recently used records that no read is
+using, all or none. `ENOSPC`/`EIO` (any error writing, syncing or scanning) turns the
+tier off: an error log, `enabled` 0 in stats, queued work dropped; memory tiers go on.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvstore.codec import CODECS, Buffer, compress
+from kvstore.config import DiskTierConfig
+from kvstore.tiers import disk_files as files
+from kvstore.tiers.disk_files import Progress, RecordInfo, record_path
+from kvstore.tiers.disk_index import DiskIndex, Ident, Record
+from kvstore.tiers.disk_io import read_record, write_record
+from kvstore.tiers.disk_jobs import Read, ReadDone, Write, WriteDone
+from kvstore.tiers.records import CorruptRecord, pack_header
+
+log = logging.getLogger(__name__)
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, config: DiskTierConfig) -> None:
+        self.config = config
+        self.root = Path(config.path)
+        self.capacity = config.bytes
+        self.write_through = config.write == "through"
+        self._codec = CODECS[config.codec]
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise OSError(exc.errno, f"tiers.disk.path: cannot use {self.root}: {exc.strerror}") from exc
+        try:
+            fcntl.flock(self._root_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._root_fd)
+            raise RuntimeError(
+                f"tiers.disk.path: {self.root} is in use by another kvstored; give each daemon its own "
+                f"directory"
+            ) from None
+        (self.root / files.LOCK_NAME).touch()  # marks the directory as a disk tier's
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._index = DiskIndex(config.bytes)
+        self._pending: dict[Ident, Write] = {}  # queued or being written
+        self._writes: deque[Write] = deque()
+        self._reads: deque[Read] = deque()
+        self._calls: deque[Callable[[], None]] = deque()  # callbacks due on a tier thread
+        self._busy: Counter[Ident] = Counter()  # file removals in flight: a new write waits to rename
+        self._unsynced: list[tuple[Ident, WriteDone | None]] = []  # fsync: batch
+        self._evicted: list[Ident] = []
+        self._queued_bytes = 0
+        self._serial = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._dirs: set[Path] = set()
+        self._stopping = threading.Event()
+        self._idle = threading.Event()  # fsync: batch; the last queued write is done: sync now
+        self._deadline = float("inf")  # close(): queued writes left after it are dropped
+        self._started = self._closed = self._warned_drop = False
+        self.counters: Counter[str] = Counter()
+        self.enabled = True
+        self.error: str | None = None
+
+    # -- start --------------------------------------------------------------
+
+    def recover(self, progress: Progress | None = None) -> list[RecordInfo]:
+        """Rebuilds the index from the directory and starts the workers; returns the records kept."""
+        if self._started or self._closed:
+            raise RuntimeError("DiskTier.recover() runs once, before any other call")
+        self._started = True
+        began = time.perf_counter()
+        try:
+            records = files.load_index(self.root)
+            source = "clean-shutdown index"
+            if records is None:
+                source = "record scan"
+                result = files.scan(self.root, progress)
+                records = result.records
+                self.counters["torn_records"] += result.torn
+                self.counters["skipped_on_recovery"] += result.torn + result.corrupted
+                self.counters["corrupted_records"] += result.corrupted
+        except OSError as exc:
+            self._turn_off(exc, f"recovering {self.root}")
+            return []
+        with self._lock:
+            for info in records:
+                record = Record(info.codec, info.raw_length, info.stored_bytes, durable=True)
+                self._index.add((info.namespace, info.key), record, reserved=False)
+            over = self._evict_for(0) or []  # tiers.disk.bytes was lowered since
+        for ident in over:
+            self._unlink(ident)
+        self._warn_if_small_filesystem()
+        workers = [self._work] * self.config.threads
+        if self.config.fsync == "batch":
+            workers.append(self._sync_loop)
+        for i, target in enumerate(workers):
+            thread = threading.Thread(target=target, name=f"kvstore-disk-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info(
+            "disk tier %s: %d pages, %d MiB of %d MiB, from the %s in %.2f s (%d torn, %d corrupt removed)",
+            self.root, len(self._index), self._index.bytes_used >> 20, self.capacity >> 20, source,
+            time.perf_counter() - began, self.counters["torn_records"],
+            self.counters["skipped_on_recovery"] - self.counters["torn_records"],
+        )
+        return [info for info in records if (info.namespace, info.key) in self._index]
+
+    def _warn_if_small_filesystem(self) -> None:
+        fs = os.statvfs(self.root)
+        room = fs.f_bavail * fs.f_frsize + self._index.bytes_used
+        if room < self.capacity:
+            log.warning(
+                "tiers.disk.bytes is %d MiB but %s has room for %d MiB of records; the disk tier turns "
+                "off when the filesystem fills up", self.capacity >> 20, self.root, room >> 20,
+            )
+
+    # -- the store's calls --------------------------------------------------
+
+    def submit_write(
+        self, namespace: bytes, key: bytes, page: Buffer, done: WriteDone | None = None
+    ) -> bool:
+        """Queues the page for writing; never waits. False (a drop) when full or off."""
+        size = len(page)
+        if not self._has_room(size):  # a cheap early answer, before the copy
+            return self._drop_write(size)
+        data = page if isinstance(page, bytes) else bytes(page)
+        ident = (namespace, key)
+        with self._lock:
+            self._check_started()
+            present = self._index.get(ident)
+            queued = self._pending.get(ident)
+            if not self.enabled or (present is None and (queued is None or queued.cancelled)
+                                    and not self._has_room(size)):
+                return self._drop_write(size)
+            if present is not None or (queued is not None and not queued.cancelled):
+                self.counters["duplicate_writes"] += 1
+                if done is not None:
+                    self._on_stored(ident, present, queued, done)
+                return True
+            job = Write(namespace, key, data, done)
+            self._pending[ident] = job
+            self._writes.append(job)
+            self._queued_bytes += size
+            self._wake.notify()
+        return True
+
+    def _has_room(self, size: int) -> bool:
+        return self.enabled and self._queued_bytes + size <= self.config.queue_bytes
+
+    def _drop_write(self, size: int) -> bool:
+        self.counters["dropped_writes"] += 1
+        if self.enabled and not self._warned_drop:
+            self._warned_drop = True
+            log.warning(
+                "disk tier: write-behind queue full (%d MiB queued, a %d KiB page dropped): the disk is "
+                "slower than eviction; pages are dropped, never waited for (dropped_writes in stats); "
+                "raise tiers.disk.queue_bytes or tiers.disk.threads",
+                self._queued_bytes >> 20, size >> 10,
+            )
+        return False
+
+    def _on_stored(
+        self, ident: Ident, present: Record | None, queued: Write | None, done: WriteDone
+    ) -> None:
+        """`done` for a page already on disk or queued: when it is durable."""
+        if queued is not None:
+            queued.dones.append(done)
+        elif present is not None and not present.durable:
+            self._unsynced.append((ident, done))
+        else:
+            self._calls.append(lambda: done(True))
+            self._wake.notify()
+
+    def submit_read(
+        self, namespace: bytes, key: bytes, done: ReadDone, into: memoryview | None = None
+    ) -> bool:
+        """Queues a read of the page; False (a miss) when it is not in this tier."""
+        ident = (namespace, key)
+        with self._lock:
+            self._check_started()
+            queued = self._pending.get(ident)
+            if queued is not None and queued.cancelled:
+                queued = None
+            record = None if queued is not None else self._index.get(ident)
+            if not self.enabled or (queued is None and record is None):
+                self.counters["read_misses"] += 1
+                return False
+            raw_length = len(queued.page) if queued is not None else record.raw_length  # type: ignore[union-attr]
+            if into is not None and len(into) != raw_length:
+                raise ValueError(f"into: expected a buffer of the page's {raw_length} bytes, got {len(into)}")
+            if record is not None:
+                record.readers += 1
+            page = queued.page if queued is not None else None
+            self._reads.append(Read(namespace, key, record, page, done, into))
+            self.counters["reads"] += 1
+            self._wake.notify()
+        return True
+
+    def read(self, namespace: bytes, key: bytes) -> bytes | None:
+        """The page, or None (missing, unreadable or corrupt); blocks on the disk."""
+        result: list[Buffer | None] = []
+        finished = threading.Event()
+
+        def done(page: Buffer | None) -> None:
+            result.append(page)
+            finished.set()
+
+        if not self.submit_read(namespace, key, done):
+            return None
+        finished.wait()
+        page = result[0]
+        return None if page is None else bytes(page)
+
+    def contains(self, namespace: bytes, key: bytes) -> bool:
+        ident = (namespace, key)
+        with self._lock:
+            queued = self._pending.get(ident)
+            return self.enabled and (ident in self._index or (queued is not None and not queued.cancelled))
+
+    def flushed(self, namespace: bytes, key: bytes) -> bool:
+        """The page is in its record file, synced as `tiers.disk.fsync` asks."""
+        with self._lock:
+            record = self._index.get((namespace, key))
+            return self.enabled and record is not None and record.durable
+
+    def touch(self, namespace: bytes, keys: Sequence[bytes]) -> None:
+        """Marks the pages used now, keys[0] the most recent (a chain's head is evicted last)."""
+        with self._lock:
+            self._index.touch((namespace, key) for key in reversed(keys))
+
+    def remove(self, namespace: bytes, key: bytes) -> None:
+        ident = (namespace, key)
+        with self._lock:
+            queued = self._pending.get(ident)
+            if queued is not None and not queued.cancelled:
+                queued.cancelled = True
+                if queued.started:
+                    self._busy[ident] += 1  # its writer removes the file it renames
+                else:
+                    self._queued_bytes -= len(queued.page)
+                    del self._pending[ident]
+            elif self._forget(ident) is not None:
+                self._calls.append(lambda: self._unlink(ident))
+                self._wake.notify()
+
+    def clear(self, namespace: bytes | None = None) -> int:
+        """Removes every page of `namespace` (of all namespaces when None); returns how many."""
+        with self._lock:
+            idents = [ident for ident in self._index.idents() if namespace in (None, ident[0])]
+            idents += [ident for ident, write in self._pending.items()
+                       if namespace in (None, ident[0]) and not write.cancelled]
+        for ident in idents:
+            self.remove(*ident)
+        return len(idents)
+
+    def take_evicted(self) -> list[tuple[bytes, bytes]]:
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def _check_started(self) -> None:
+        if not self._started:
+            raise RuntimeError("DiskTier: call recover() before using the tier")
+
+    # -- workers ------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._calls or self._reads or self._writes or self._stopping.is_set()):
+                    self._wake.wait()
+                if self._calls:
+                    job: Callable[[], None] = self._calls.popleft()
+                elif self._reads:
+                    job = functools.partial(self._run_read, self._reads.popleft())
+                elif self._writes:
+                    write = self._writes.popleft()
+                    job = self._take_write(write)
+                else:
+                    return  # closing, and nothing is left
+            try:
+                job()
+            except Exception:  # a bug must not take a worker away
+                self.counters["errors"] += 1
+                log.exception("disk tier: a worker job failed")
+
+    def _take_write(self, write: Write) -> Callable[[], None]:
+        """What a worker does with the next queued write (called under the lock)."""
+        if write.cancelled:  # remove() already took it off the books
+            return lambda: self._complete(write.dones, False)
+        self._queued_bytes -= len(write.page)
+        if time.monotonic() > self._deadline:  # close() ran out of time
+            self._release(write)
+            self.counters["dropped_writes"] += 1
+            return lambda: self._complete(write.dones, False)
+        write.started = True
+        return lambda: self._run_write(write)
+
+    def _release(self, write: Write) -> None:
+        ident = (write.namespace, write.key)
+        if self._pending.get(ident) is write:
+            del self._pending[ident]
+
+    def _complete(self, dones: list[WriteDone], durable: bool) -> None:
+        for done in dones:
+            try:
+                done(durable)
+            except Exception:
+                log.exception("disk tier: a write completion callback failed")
+
+    def _run_write(self, write: Write) -> None:
+        ident = (write.namespace, write.key)
+        codec, payload = compress(self._codec, write.page)
+        header = pack_header(write.namespace, write.key, codec, len(write.page), payload)
+        size = len(header) + len(payload)
+        with self._lock:
+            victims = self._evict_for(size) if self.enabled and not write.cancelled else None
+            if victims is None:
+                self._abandon(write, rejected=self.enabled and not write.cancelled)
+                return self._complete(write.dones, False)
+        for victim in victims:
+            self._unlink(victim)
+        final = record_path(self.root, write.namespace, write.key)
+        temp = files.temp_path(final, next(self._serial))
+        always = self.config.fsync == "always"
+        try:
+            self._make_dir(final.parent)
+            write_record(temp, header, payload, sync=always)
+            with self._lock:
+                while self._busy[ident] and not write.cancelled:  # an old file of this key is going
+                    self._wake.wait()
+                renamed = not write.cancelled
+            if renamed:
+                os.rename(temp, final)
+                if always:
+                    files.fsync_dir(final.parent)
+            else:
+                temp.unlink()
+        except OSError as exc:
+            with self._lock:
+                self._index.unreserve(size)
+                self._abandon(write, rejected=False)
+            self._turn_off(exc, f"writing {final}")
+            return self._complete(write.dones, False)
+        batch = self.config.fsync == "batch"
+        with self._lock:
+            self._release(write)
+            cancelled = write.cancelled  # final: remove() cancels only writes still pending
+            kept = self.enabled and not cancelled
+            if kept:
+                self._index.add(ident, Record(codec, len(write.page), size, durable=not batch))
+                self.counters["written"] += 1
+                self.counters["written_bytes"] += size
+                if batch:
+                    self._unsynced.extend((ident, done) for done in write.dones)
+                    if not self._writes:
+                        self._idle.set()
+            else:
+                self._index.unreserve(size)
+        if cancelled:  # remove() counted this key busy until its file is gone
+            if renamed:
+                self._unlink(ident)
+            else:
+                self._settle(ident)
+        if not kept:
+            self._complete(write.dones, False)
+        elif not batch:
+            self._complete(write.dones, True)
+
+    def _abandon(self, write: Write, rejected: bool) -> None:
+        """A started write that leaves no record (called under the lock)."""
+        self._release(write)
+        if write.cancelled:
+            self._settle_locked((write.namespace, write.key))
+        if rejected:
+            self.counters["rejected_writes"] += 1  # larger than the tier, or all of it is being read
+
+    def _make_dir(self, directory: Path) -> None:
+        if directory in self._dirs:
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.config.fsync == "always":
+            files.fsync_dir(directory.parent)
+            files.fsync_dir(directory.parent.parent)
+        self._dirs.add(directory)
+
+    def _run_read(self, read: Read) -> None:
+        ident = (read.namespace, read.key)
+        page: Buffer | None = read.page
+        try:
+            if page is not None:  # still queued for writing: served from memory
+                if read.into is not None:
+                    read.into[:] = page
+                    page = read.into
+            elif read.record is not None:
+                path = record_path(self.root, read.namespace, read.key)
+                page = read_record(path, read.namespace, read.key, read.record.stored_bytes, read.into)
+        except FileNotFoundError:
+            self._lost(ident, read.record, "missing_records", "its file is gone")
+        except CorruptRecord as exc:
+            self._lost(ident, read.record, "corrupted_records", str(exc))
+        except OSError as exc:
+            self._turn_off(exc, f"reading {record_path(self.root, read.namespace, read.key)}")
+        finally:
+            with self._lock:
+                if read.record is not None:
+                    read.record.readers -= 1
+                self.counters["promotions" if page is not None else "failed_reads"] += 1
+        try:
+            read.done(page)
+        except Exception:
+            log.exception("disk tier: a read completion callback failed")
+
+    def _lost(self, ident: Ident, record: Record | None, counter: str, why: str) -> None:
+        """A record that could not be read: a miss now, gone from the index and the disk.
+
+        A record removed while it was being read is no loss: it just misses.
+        """
+        with self._lock:
+            current = self._index.get(ident) is record
+            if current or counter == "corrupted_records":
+                self.counters[counter] += 1
+            forgotten = current and self._forget(ident) is not None
+        if current:
+            log.warning("disk tier: page %s/%s is a miss: %s", ident[0].hex()[:12], ident[1].hex(), why)
+        if forgotten:
+            self._unlink(ident)
+
+    # -- space --------------------------------------------------------------
+
+    def _evict_for(self, size: int) -> list[Ident] | None:
+        """Room for `size` more bytes (under the lock): the evicted records, whose files must go."""
+        victims = self._index.reserve(size)
+        if victims:
+            self._busy.update(victims)
+            self._evicted.extend(victims)
+            self.counters["evicted"] += len(victims)
+        return victims
+
+    def _forget(self, ident: Ident) -> Record | None:
+        """Drops a record from the index; its file must then go through `_unlink` (under the lock)."""
+        record = self._index.pop(ident)
+        if record is not None:
+            self._busy[ident] += 1
+        return record
+
+    def _unlink(self, ident: Ident) -> None:
+        try:
+            record_path(self.root, *ident).unlink(missing_ok=True)
+        except OSError as exc:
+            self._turn_off(exc, f"removing {record_path(self.root, *ident)}")
+        self._settle(ident)
+
+    def _settle(self, ident: Ident) -> None:
+        with self._lock:
+            self._settle_locked(ident)
+
+    def _settle_locked(self, ident: Ident) -> None:
+        """One file operation on `ident` is over; writers waiting to rename may go on."""
+        self._busy[ident] -= 1
+        if self._busy[ident] <= 0:
+            del self._busy[ident]
+        self._wake.notify_all()
+
+    # -- faults and durability ----------------------------------------------
+
+    def _turn_off(self, exc: OSError, doing: str) -> None:
+        with self._lock:
+            if not self.enabled:
+                return
+            self.enabled = False
+            self.error = f"{doing}: {exc.strerror or exc}"
+            self.counters["errors"] += 1
+            writes = [write for write in self._writes if not write.cancelled]
+            reads = list(self._reads)
+            unsynced, self._unsynced = self._unsynced, []
+            self._writes.clear()
+            self._reads.clear()
+            for write in writes:
+                self._release(write)
+            self._queued_bytes = 0
+            self.counters["dropped_writes"] += len(writes)
+            for read in reads:
+                if read.record is not None:
+                    read.record.readers -= 1
+        log.error(
+            "disk tier turned off: %s; the daemon goes on serving from memory. Free space on or replace "
+            "the disk under %s, then restart kvstored", self.error, self.root,
+        )
+        for write in writes:
+            self._complete(write.dones, False)
+        self._complete([done for _, done in unsynced if done is not None], False)
+        for read in reads:
+            read.done(None)
+
+    def _sync_loop(self) -> None:
+        """Group commit: one sync once the write queue runs dry, and at least every interval."""
+        while not self._stopping.is_set():
+            self._idle.wait(self.config.fsync_interval_s)
+            self._idle.clear()
+            self._sync_batch()
+
+    def _sync_batch(self) -> None:
+        """fsync: batch. One filesystem sync makes every record written before it durable."""
+        with self._lock:
+            batch, self._unsynced = self._unsynced, []
+        if not batch:
+            return
+        try:
+            files.sync_filesystem(self._root_fd)
+        except OSError as exc:
+            self._turn_off(exc, f"syncing {self.root}")
+            return self._complete([done for _, done in batch if done is not None], False)
+        durable: list[tuple[WriteDone, bool]] = []
+        with self._lock:
+            for ident, done in batch:
+                record = self._index.get(ident)
+                if record is not None:
+                    record.durable = True
+                if done is not None:
+                    durable.append((done, record is not None))
+            self.counters["sync_batches"] += 1
+        for done, ok in durable:
+            self._complete([done], ok)
+
+    # -- figures and shutdown -----------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            figures: dict[str, float] = dict(self.counters)
+            figures.update(
+                enabled=float(self.enabled),
+                bytes_used=self._index.bytes_used,
+                bytes_capacity=self.capacity,
+                pages=len(self._index),
+                raw_bytes=self._index.raw_bytes,
+                compression_ratio=self._index.compression_ratio,
+                queue_depth=len(self._writes),
+                queue_bytes=self._queued_bytes,
+                reads_queued=len(self._reads),
+                unsynced=len(self._unsynced),
+            )
+        for name in ("dropped_writes", "written", "promotions", "read_misses", "corrupted_records",
+                     "skipped_on_recovery", "evicted", "errors"):
+            figures.setdefault(name, 0)
+        return figures
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Writes what is queued (for at most `timeout_s`), syncs, and leaves a clean-shutdown index."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._deadline = time.monotonic() + timeout_s
+            self._stopping.set()
+            self._idle.set()
+            self._wake.notify_all()
+        for thread in self._threads:
+            thread.join(max(0.0, self._deadline - time.monotonic()) + 1.0)
+        stuck = [thread.name for thread in self._threads if thread.is_alive()]
+        if self.config.fsync == "batch" and not stuck:
+            self._sync_batch()
+        try:
+            if stuck:
+                log.warning("disk tier: %s still busy at close; the next start scans the records", stuck)
+            elif self.enabled and self._started:
+                with self._lock:
+                    records = self._index.records()
+                files.save_index(self.root, records)
+        except OSError as exc:
+            log.error("disk tier: cannot write the clean-shutdown index: %s; the next start scans", exc)
+        finally:
+            os.close(self._root_fd)
