@@ -93,6 +93,15 @@ def cmd_stats(admin: Admin, args: argparse.Namespace) -> int:
             ],
         )
     )
+    for name, tier in stats["tiers"].items():
+        detail = [
+            (key, _figure(key, value))
+            for key, value in tier.items()
+            if key not in ("bytes_used", "bytes_capacity", "pages")
+        ]
+        if detail:
+            print()
+            print(table((f"{name} tier", "value"), detail))
     counters = stats["counters"]
     looked_up = counters.get("hit_chunks", 0) + counters.get("missed_chunks", 0)
     rows = [(name, value) for name, value in counters.items()]
@@ -103,6 +112,12 @@ def cmd_stats(admin: Admin, args: argparse.Namespace) -> int:
         print()
         print(_namespace_table(stats["namespaces"]))
     return 0
+
+
+def _figure(key: str, value: float) -> str:
+    if key.endswith("bytes") or key.endswith("_bytes_used"):
+        return human_bytes(value)
+    return f"{value:.2f}" if isinstance(value, float) and not value.is_integer() else str(int(value))
 
 
 def _namespace_table(namespaces: list[dict[str, Any]]) -> str:

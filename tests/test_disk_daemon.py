@@ -195,3 +195,24 @@ def test_a_full_disk_leaves_the_cpu_tier_serving(
         assert "disk tier" in daemon.log()
     finally:
         subprocess.run(["umount", "-l", str(disk_path)], capture_output=True)
+
+
+def test_kvctl_stats_shows_the_disk_tier(tmp_path: Path, daemon_factory: Callable[..., Daemon]) -> None:
+    daemon = daemon_factory(**disk_overrides(tmp_path / "disk"))
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        for i in range(15):  # 150 pages: 50 or more go to disk
+            client.store(prompt(i, 10), cache_for(i, 10), torch.arange(10))
+        wait_flushed(client)
+        load_and_compare(client, 0, 10)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "--address", daemon.address, "stats"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    disk_row = next(line for line in lines if line.startswith("disk "))
+    assert int(disk_row.split()[-1]) >= 50  # pages on disk
+    ratio = next(line for line in lines if line.startswith("compression_ratio"))
+    assert float(ratio.split()[-1]) > 0
