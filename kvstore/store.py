@@ -280,7 +280,8 @@ class Store:
                 loop.call_soon_threadsafe(self._promoted, entry, page is not None)
 
             if not disk.submit_read(ns.id, key, done, into=self.cpu.read(entry.offset, page_bytes)):
-                self._promoted(entry, False)
+                self._promoted(entry, False)  # gone from disk meanwhile: the prefix ends before it
+                break
             protected.append(entry)
         self.counters["promotions_started"] += len(keys)
 
@@ -567,6 +568,8 @@ class Store:
             for entry in [e for e in ns.entries.values() if e.committed]:
                 self._remove(entry)
                 cleared += 1
+        if self.disk is not None:
+            cleared += self.disk.clear(ns_id)
 
         self.counters["cleared_chunks"] += cleared
         return cleared

@@ -433,6 +433,15 @@ def test_two_tiers_cannot_share_a_directory(open_tier: Callable[..., DiskTier]) 
         DiskTier(tier.config)
 
 
+def test_a_closed_tier_refuses_work(open_tier: Callable[..., DiskTier]) -> None:
+    tier = open_tier()
+    write_pages(tier, {1: page(1)})
+    tier.close()
+
+    assert not tier.submit_write(NS, key(1), page(1)) and not tier.submit_write(NS, key(2), page(2))
+    assert not tier.submit_read(NS, key(1), lambda page: None)
+
+
 def test_the_tier_must_recover_before_use(tmp_path: Path) -> None:
     tier = DiskTier(DiskTierConfig(enabled=True, path=str(tmp_path / "disk")))
     try:

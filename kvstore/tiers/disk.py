@@ -3,8 +3,9 @@
 The store hands the tier the pages it drops from memory (`tiers.disk.write: behind`) or
 every committed page (`through`); worker threads compress and write them, and read them
 back when a lookup promotes them. No call waits on the disk: each takes the index lock
-for a few dict operations and queues the work. Records: `records.py`; files and
-recovery: `disk_files.py`; why one file per page: bench/NOTES-disk.md.
+for a few dict operations and queues the work. What the threads do: `disk_workers.py`;
+records: `records.py`; files and recovery: `disk_files.py`; the index: `disk_index.py`;
+why one file per page: bench/NOTES-disk.md.
 
 Primitives (any thread; the store calls them from its event loop):
 - `DiskTier(config)`: creates and locks the directory; reads nothing yet.
@@ -34,7 +35,6 @@ tier off: an error log, `enabled` 0 in stats, queued work dropped; memory tiers 
 from __future__ import annotations
 
 import fcntl
-import functools
 import itertools
 import logging
 import os
@@ -44,19 +44,18 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvstore.codec import CODECS, Buffer, compress
+from kvstore.codec import CODECS, Buffer
 from kvstore.config import DiskTierConfig
 from kvstore.tiers import disk_files as files
-from kvstore.tiers.disk_files import Progress, RecordInfo, record_path
+from kvstore.tiers.disk_files import Progress, RecordInfo
 from kvstore.tiers.disk_index import DiskIndex, Ident, Record
-from kvstore.tiers.disk_io import read_record, write_record
 from kvstore.tiers.disk_jobs import Read, ReadDone, Write, WriteDone
-from kvstore.tiers.records import CorruptRecord, pack_header
+from kvstore.tiers.disk_workers import DiskWorkers
 
 log = logging.getLogger(__name__)
 
 
-class DiskTier:
+class DiskTier(DiskWorkers):
     name = "disk"
 
     def __init__(self, config: DiskTierConfig) -> None:
@@ -169,8 +168,9 @@ class DiskTier:
             self._check_started()
             present = self._index.get(ident)
             queued = self._pending.get(ident)
-            if not self.enabled or (present is None and (queued is None or queued.cancelled)
-                                    and not self._has_room(size)):
+            if not self.enabled or self._closed or (
+                present is None and (queued is None or queued.cancelled) and not self._has_room(size)
+            ):
                 return self._drop_write(size)
             if present is not None or (queued is not None and not queued.cancelled):
                 self.counters["duplicate_writes"] += 1
@@ -185,7 +185,7 @@ class DiskTier:
         return True
 
     def _has_room(self, size: int) -> bool:
-        return self.enabled and self._queued_bytes + size <= self.config.queue_bytes
+        return self.enabled and not self._closed and self._queued_bytes + size <= self.config.queue_bytes
 
     def _drop_write(self, size: int) -> bool:
         self.counters["dropped_writes"] += 1
@@ -222,7 +222,7 @@ class DiskTier:
             if queued is not None and queued.cancelled:
                 queued = None
             record = None if queued is not None else self._index.get(ident)
-            if not self.enabled or (queued is None and record is None):
+            if not self.enabled or self._closed or (queued is None and record is None):
                 self.counters["read_misses"] += 1
                 return False
             raw_length = len(queued.page) if queued is not None else record.raw_length  # type: ignore[union-attr]
@@ -301,267 +301,6 @@ class DiskTier:
     def _check_started(self) -> None:
         if not self._started:
             raise RuntimeError("DiskTier: call recover() before using the tier")
-
-    # -- workers ------------------------------------------------------------
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                while not (self._calls or self._reads or self._writes or self._stopping.is_set()):
-                    self._wake.wait()
-                if self._calls:
-                    job: Callable[[], None] = self._calls.popleft()
-                elif self._reads:
-                    job = functools.partial(self._run_read, self._reads.popleft())
-                elif self._writes:
-                    write = self._writes.popleft()
-                    job = self._take_write(write)
-                else:
-                    return  # closing, and nothing is left
-            try:
-                job()
-            except Exception:  # a bug must not take a worker away
-                self.counters["errors"] += 1
-                log.exception("disk tier: a worker job failed")
-
-    def _take_write(self, write: Write) -> Callable[[], None]:
-        """What a worker does with the next queued write (called under the lock)."""
-        if write.cancelled:  # remove() already took it off the books
-            return lambda: self._complete(write.dones, False)
-        self._queued_bytes -= len(write.page)
-        if time.monotonic() > self._deadline:  # close() ran out of time
-            self._release(write)
-            self.counters["dropped_writes"] += 1
-            return lambda: self._complete(write.dones, False)
-        write.started = True
-        return lambda: self._run_write(write)
-
-    def _release(self, write: Write) -> None:
-        ident = (write.namespace, write.key)
-        if self._pending.get(ident) is write:
-            del self._pending[ident]
-
-    def _complete(self, dones: list[WriteDone], durable: bool) -> None:
-        for done in dones:
-            try:
-                done(durable)
-            except Exception:
-                log.exception("disk tier: a write completion callback failed")
-
-    def _run_write(self, write: Write) -> None:
-        ident = (write.namespace, write.key)
-        codec, payload = compress(self._codec, write.page)
-        header = pack_header(write.namespace, write.key, codec, len(write.page), payload)
-        size = len(header) + len(payload)
-        with self._lock:
-            victims = self._evict_for(size) if self.enabled and not write.cancelled else None
-            if victims is None:
-                self._abandon(write, rejected=self.enabled and not write.cancelled)
-                return self._complete(write.dones, False)
-        for victim in victims:
-            self._unlink(victim)
-        final = record_path(self.root, write.namespace, write.key)
-        temp = files.temp_path(final, next(self._serial))
-        always = self.config.fsync == "always"
-        try:
-            self._make_dir(final.parent)
-            write_record(temp, header, payload, sync=always)
-            with self._lock:
-                while self._busy[ident] and not write.cancelled:  # an old file of this key is going
-                    self._wake.wait()
-                renamed = not write.cancelled
-            if renamed:
-                os.rename(temp, final)
-                if always:
-                    files.fsync_dir(final.parent)
-            else:
-                temp.unlink()
-        except OSError as exc:
-            with self._lock:
-                self._index.unreserve(size)
-                self._abandon(write, rejected=False)
-            self._turn_off(exc, f"writing {final}")
-            return self._complete(write.dones, False)
-        batch = self.config.fsync == "batch"
-        with self._lock:
-            self._release(write)
-            cancelled = write.cancelled  # final: remove() cancels only writes still pending
-            kept = self.enabled and not cancelled
-            if kept:
-                self._index.add(ident, Record(codec, len(write.page), size, durable=not batch))
-                self.counters["written"] += 1
-                self.counters["written_bytes"] += size
-                if batch:
-                    self._unsynced.extend((ident, done) for done in write.dones)
-                    if not self._writes:
-                        self._idle.set()
-            else:
-                self._index.unreserve(size)
-        if cancelled:  # remove() counted this key busy until its file is gone
-            if renamed:
-                self._unlink(ident)
-            else:
-                self._settle(ident)
-        if not kept:
-            self._complete(write.dones, False)
-        elif not batch:
-            self._complete(write.dones, True)
-
-    def _abandon(self, write: Write, rejected: bool) -> None:
-        """A started write that leaves no record (called under the lock)."""
-        self._release(write)
-        if write.cancelled:
-            self._settle_locked((write.namespace, write.key))
-        if rejected:
-            self.counters["rejected_writes"] += 1  # larger than the tier, or all of it is being read
-
-    def _make_dir(self, directory: Path) -> None:
-        if directory in self._dirs:
-            return
-        directory.mkdir(parents=True, exist_ok=True)
-        if self.config.fsync == "always":
-            files.fsync_dir(directory.parent)
-            files.fsync_dir(directory.parent.parent)
-        self._dirs.add(directory)
-
-    def _run_read(self, read: Read) -> None:
-        ident = (read.namespace, read.key)
-        page: Buffer | None = read.page
-        try:
-            if page is not None:  # still queued for writing: served from memory
-                if read.into is not None:
-                    read.into[:] = page
-                    page = read.into
-            elif read.record is not None:
-                path = record_path(self.root, read.namespace, read.key)
-                page = read_record(path, read.namespace, read.key, read.record.stored_bytes, read.into)
-        except FileNotFoundError:
-            self._lost(ident, read.record, "missing_records", "its file is gone")
-        except CorruptRecord as exc:
-            self._lost(ident, read.record, "corrupted_records", str(exc))
-        except OSError as exc:
-            self._turn_off(exc, f"reading {record_path(self.root, read.namespace, read.key)}")
-        finally:
-            with self._lock:
-                if read.record is not None:
-                    read.record.readers -= 1
-                self.counters["promotions" if page is not None else "failed_reads"] += 1
-        try:
-            read.done(page)
-        except Exception:
-            log.exception("disk tier: a read completion callback failed")
-
-    def _lost(self, ident: Ident, record: Record | None, counter: str, why: str) -> None:
-        """A record that could not be read: a miss now, gone from the index and the disk.
-
-        A record removed while it was being read is no loss: it just misses.
-        """
-        with self._lock:
-            current = self._index.get(ident) is record
-            if current or counter == "corrupted_records":
-                self.counters[counter] += 1
-            forgotten = current and self._forget(ident) is not None
-        if current:
-            log.warning("disk tier: page %s/%s is a miss: %s", ident[0].hex()[:12], ident[1].hex(), why)
-        if forgotten:
-            self._unlink(ident)
-
-    # -- space --------------------------------------------------------------
-
-    def _evict_for(self, size: int) -> list[Ident] | None:
-        """Room for `size` more bytes (under the lock): the evicted records, whose files must go."""
-        victims = self._index.reserve(size)
-        if victims:
-            self._busy.update(victims)
-            self._evicted.extend(victims)
-            self.counters["evicted"] += len(victims)
-        return victims
-
-    def _forget(self, ident: Ident) -> Record | None:
-        """Drops a record from the index; its file must then go through `_unlink` (under the lock)."""
-        record = self._index.pop(ident)
-        if record is not None:
-            self._busy[ident] += 1
-        return record
-
-    def _unlink(self, ident: Ident) -> None:
-        try:
-            record_path(self.root, *ident).unlink(missing_ok=True)
-        except OSError as exc:
-            self._turn_off(exc, f"removing {record_path(self.root, *ident)}")
-        self._settle(ident)
-
-    def _settle(self, ident: Ident) -> None:
-        with self._lock:
-            self._settle_locked(ident)
-
-    def _settle_locked(self, ident: Ident) -> None:
-        """One file operation on `ident` is over; writers waiting to rename may go on."""
-        self._busy[ident] -= 1
-        if self._busy[ident] <= 0:
-            del self._busy[ident]
-        self._wake.notify_all()
-
-    # -- faults and durability ----------------------------------------------
-
-    def _turn_off(self, exc: OSError, doing: str) -> None:
-        with self._lock:
-            if not self.enabled:
-                return
-            self.enabled = False
-            self.error = f"{doing}: {exc.strerror or exc}"
-            self.counters["errors"] += 1
-            writes = [write for write in self._writes if not write.cancelled]
-            reads = list(self._reads)
-            unsynced, self._unsynced = self._unsynced, []
-            self._writes.clear()
-            self._reads.clear()
-            for write in writes:
-                self._release(write)
-            self._queued_bytes = 0
-            self.counters["dropped_writes"] += len(writes)
-            for read in reads:
-                if read.record is not None:
-                    read.record.readers -= 1
-        log.error(
-            "disk tier turned off: %s; the daemon goes on serving from memory. Free space on or replace "
-            "the disk under %s, then restart kvstored", self.error, self.root,
-        )
-        for write in writes:
-            self._complete(write.dones, False)
-        self._complete([done for _, done in unsynced if done is not None], False)
-        for read in reads:
-            read.done(None)
-
-    def _sync_loop(self) -> None:
-        """Group commit: one sync once the write queue runs dry, and at least every interval."""
-        while not self._stopping.is_set():
-            self._idle.wait(self.config.fsync_interval_s)
-            self._idle.clear()
-            self._sync_batch()
-
-    def _sync_batch(self) -> None:
-        """fsync: batch. One filesystem sync makes every record written before it durable."""
-        with self._lock:
-            batch, self._unsynced = self._unsynced, []
-        if not batch:
-            return
-        try:
-            files.sync_filesystem(self._root_fd)
-        except OSError as exc:
-            self._turn_off(exc, f"syncing {self.root}")
-            return self._complete([done for _, done in batch if done is not None], False)
-        durable: list[tuple[WriteDone, bool]] = []
-        with self._lock:
-            for ident, done in batch:
-                record = self._index.get(ident)
-                if record is not None:
-                    record.durable = True
-                if done is not None:
-                    durable.append((done, record is not None))
-            self.counters["sync_batches"] += 1
-        for done, ok in durable:
-            self._complete([done], ok)
 
     # -- figures and shutdown -----------------------------------------------
 
