@@ -231,12 +231,10 @@ class ProgressBar:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    if args.disk_pages is not None:
-        raise KVStoreError("--disk-pages: the disk tier is not built yet; replay the CPU tier alone")
     trace = load_trace(args.trace)
     progress = ProgressBar(f"replay {args.policy}", len(trace.requests))
     try:
-        result = replay(trace, args.cpu_pages, args.policy, progress)
+        result = replay(trace, args.cpu_pages, args.policy, progress, disk_pages=args.disk_pages or 0)
     finally:
         progress.close()
     data = report(trace, result, bounds(trace, args.cpu_pages))
@@ -245,7 +243,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{trace.path}: {data['requests']} requests, {data['blocks']} blocks ({data['distinct_blocks']} "
-        f"distinct); policy {args.policy}, CPU tier of {args.cpu_pages} pages\n"
+        f"distinct); policy {args.policy}, CPU tier of {args.cpu_pages} pages"
+        + (f", disk tier of {args.disk_pages} pages" if args.disk_pages else "")
+        + "\n"
     )
     rows = [
         (tier, data["tier_hit_blocks"][tier], f"{100 * ratio:.2f}%") for tier, ratio in data["tiers"].items()
@@ -305,7 +305,9 @@ def _parser() -> argparse.ArgumentParser:
     play = commands.add_parser("replay", help="replay a Mooncake-format trace through the store, in-process")
     play.add_argument("trace", help="JSONL file, one request a line with `hash_ids` (one id per block)")
     play.add_argument("--cpu-pages", type=_positive, required=True, help="CPU tier capacity, in pages")
-    play.add_argument("--disk-pages", type=_positive, help="disk tier capacity (not built yet: refused)")
+    play.add_argument(
+        "--disk-pages", type=_positive, help="a disk tier of this many pages behind the CPU tier"
+    )
     play.add_argument("--policy", choices=policy_names(serving=False), default=EvictionConfig().policy)
     play.add_argument("--json", action="store_true")
     play.set_defaults(run=cmd_replay, local=True)

@@ -14,6 +14,8 @@ stored once). Pages are 4 KiB
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import tempfile
 import time
 from collections import Counter
@@ -24,12 +26,15 @@ from typing import Any, NamedTuple
 import xxhash
 
 from kvstore.belady import belady_hits, infinite_hits
+from kvstore.config import DiskTierConfig
 from kvstore.errors import ResourceExhausted
 from kvstore.policy import make_policy
 from kvstore.spec import PageSpec
 from kvstore.store import Store
 from kvstore.tiers import Tier
 from kvstore.tiers.cpu import Arena, CpuTier
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.records import HEADER_BYTES
 from kvstore.trace import Trace
 
 REPLAY_SPEC = PageSpec(
@@ -74,11 +79,21 @@ def request_keys(trace: Trace) -> list[list[bytes]]:
 
 
 def replay(
-    trace: Trace, cpu_pages: int, policy: str, progress: Callable[[int], None] | None = None
+    trace: Trace,
+    cpu_pages: int,
+    policy: str,
+    progress: Callable[[int], None] | None = None,
+    disk_pages: int = 0,
 ) -> ReplayResult:
-    """Replays `trace` with a CPU tier of `cpu_pages` pages; calls `progress(requests done)` now and then."""
+    """Replays `trace` with a CPU tier of `cpu_pages` pages; calls `progress(requests done)` now and then.
+
+    With `disk_pages`, a real disk tier of that many pages (in the temporary directory) sits behind
+    the CPU tier: see `replay_tiers`.
+    """
     if cpu_pages <= 0:
         raise ValueError(f"cpu_pages: expected a positive number of pages, got {cpu_pages}")
+    if disk_pages:
+        return asyncio.run(replay_tiers(trace, cpu_pages, policy, disk_pages, progress))
     every = max(1, len(trace.requests) // 200)
     with tempfile.TemporaryDirectory(prefix="kvstore-replay-") as run_dir:
         store = _store(Path(run_dir), cpu_pages, policy)
@@ -108,7 +123,65 @@ def replay(
     )
 
 
-def _store(run_dir: Path, cpu_pages: int, policy: str) -> Store:
+async def replay_tiers(
+    trace: Trace, cpu_pages: int, policy: str, disk_pages: int, progress: Callable[[int], None] | None = None
+) -> ReplayResult:
+    """The replay with a disk tier behind the CPU tier, as the daemon runs them.
+
+    Evicted CPU pages are written behind to the disk tier; each request loads like a worker: a
+    leased lookup (its disk hits are promoted into the CPU tier), Acquire (waits for them),
+    Release; then the whole request is stored. Hits count per tier as the lookup reports them.
+    """
+    every = max(1, len(trace.requests) // 200)
+    with tempfile.TemporaryDirectory(prefix="kvstore-replay-") as run_dir:
+        record_bytes = REPLAY_SPEC.page_bytes + HEADER_BYTES
+        disk = DiskTier(
+            DiskTierConfig(
+                enabled=True,
+                path=str(Path(run_dir) / "disk"),
+                bytes=disk_pages * record_bytes,
+                fsync="never",
+                codec="none",
+                queue_bytes=1 << 30,
+            )
+        )
+        disk.recover()
+        store = _store(Path(run_dir), cpu_pages, policy, disk)
+        try:
+            started = time.perf_counter()
+            ns = store.connect(REPLAY_SPEC).id
+            hit_blocks, tier_hits, unstored = 0, Counter[int](), 0
+            for done, keys in enumerate(request_keys(trace), 1):
+                found = store.lookup(ns, keys, lease=True)
+                hit_blocks += found.hit_chunks
+                tier_hits.update(found.tiers)
+                if found.lease_id:
+                    acquired = store.acquire(ns, found.lease_id)
+                    if inspect.isawaitable(acquired):
+                        await acquired
+                    store.release(ns, found.lease_id)
+                try:
+                    reserved = store.reserve(ns, list(dict.fromkeys(keys)))
+                except ResourceExhausted:
+                    unstored += 1
+                else:
+                    if reserved.lease_id:
+                        store.commit(ns, reserved.lease_id)
+                if progress is not None and done % every == 0:
+                    progress(done)
+            elapsed = time.perf_counter() - started
+        finally:
+            await asyncio.to_thread(disk.close)
+            store.cpu.close()
+    tiers = {
+        TIER_NAMES[tier]: tier_hits[tier] for tier in sorted({Tier.CPU.value, Tier.DISK.value, *tier_hits})
+    }
+    return ReplayResult(
+        policy, cpu_pages, len(trace.requests), trace.num_blocks, hit_blocks, tiers, unstored, elapsed
+    )
+
+
+def _store(run_dir: Path, cpu_pages: int, policy: str, disk: DiskTier | None = None) -> Store:
     size = cpu_pages * REPLAY_SPEC.page_bytes
     arena = Arena(run_dir / "arena", size, prefault=False)
     # A clock that never moves: no lease of the replay expires.
@@ -118,6 +191,7 @@ def _store(run_dir: Path, cpu_pages: int, policy: str) -> Store:
         lease_ttl_s=60.0,
         max_lease_ttl_s=60.0,
         clock=lambda: 0.0,
+        disk=disk,
     )
 
 
