@@ -16,13 +16,10 @@ from kvstore.history import FrequencyHistory
 from kvstore.keys import chunk_keys, pack_keys
 from kvstore.policy import POLICIES, EvictionPolicy, make_policy, policy_names
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.spec import PageSpec
 from kvstore.store import Store
 from kvstore.tiers.cpu import Arena, CpuTier
 from tests.conftest import Daemon
-
-SPEC = PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
-PAGE = SPEC.page_bytes  # 4 KiB: one slot each
+from tests.test_store import PAGE, SPEC, load_chain, page_bytes, store_chain
 
 
 @dataclass(frozen=True)
@@ -199,32 +196,6 @@ def make_store(tmp_path: Path, pages: int, policy: str = "lfuda", clock: Clock |
         pin_fraction=0.25,
         max_pin_ttl_s=100.0,
     )
-
-
-def page_bytes(key: bytes) -> bytes:
-    return (key * (PAGE // len(key)))[:PAGE]
-
-
-def store_chain(store: Store, tokens: list[int]) -> list[bytes]:
-    ns = store.connect(SPEC).id
-    keys = chunk_keys(ns, tokens, SPEC.chunk_tokens)
-    reserved = store.reserve(ns, keys)
-    for key, offset in zip(keys, reserved.offsets, strict=True):
-        if offset >= 0:
-            store.cpu.write(offset, page_bytes(key))
-    if reserved.lease_id:
-        store.commit(ns, reserved.lease_id)
-    return keys
-
-
-def load_chain(store: Store, keys: list[bytes]) -> list[bytes]:
-    ns = SPEC.namespace()
-    hit = store.lookup(ns, keys, lease=True)
-    if not hit.lease_id:
-        return []
-    data = [bytes(store.cpu.read(o, PAGE)) for o in store.acquire(ns, hit.lease_id).offsets]
-    store.release(ns, hit.lease_id)
-    return data
 
 
 def tokens(chain: int, chunks: int) -> list[int]:
