@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -315,6 +316,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `kvctl stats | head` ends quietly, as other tools do
     args = _parser().parse_args(argv)
     if getattr(args, "local", False):  # needs no daemon
         try:
