@@ -247,8 +247,8 @@ class Store:
         self.counters["missed_chunks"] += len(keys) - found
         if touch:
             self.policy.hit(self._policy_pages([e for e in hits if e.committed]))
-        if disk is not None and found:
-            disk.touch(ns.id, keys[:found])
+            if disk is not None and found:
+                disk.touch(ns.id, keys[:found])
         tiers = bytes(Tier.CPU if e.committed else Tier.DISK for e in hits) + _DISK * len(on_disk)
         lease_id = 0
         if lease and hits:
