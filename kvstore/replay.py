@@ -88,23 +88,39 @@ def replay(
     """Replays `trace` with a CPU tier of `cpu_pages` pages; calls `progress(requests done)` now and then.
 
     With `disk_pages`, a real disk tier of that many pages (in the temporary directory) sits behind
-    the CPU tier: see `replay_tiers`.
+    the CPU tier: see `_replay`.
     """
     if cpu_pages <= 0:
         raise ValueError(f"cpu_pages: expected a positive number of pages, got {cpu_pages}")
-    if disk_pages:
-        return asyncio.run(replay_tiers(trace, cpu_pages, policy, disk_pages, progress))
+    return asyncio.run(_replay(trace, cpu_pages, policy, disk_pages, progress))
+
+
+async def _replay(
+    trace: Trace, cpu_pages: int, policy: str, disk_pages: int, progress: Callable[[int], None] | None
+) -> ReplayResult:
+    """For each request: look up its prefix, then store the whole request.
+
+    With a disk tier, evicted CPU pages are written behind to it and each request loads like a
+    worker: a leased lookup (its disk hits are promoted into the CPU tier), Acquire (waits for
+    them), Release. Hits count per tier as the lookup reports them.
+    """
     every = max(1, len(trace.requests) // 200)
     with tempfile.TemporaryDirectory(prefix="kvstore-replay-") as run_dir:
-        store = _store(Path(run_dir), cpu_pages, policy)
+        disk = _disk(Path(run_dir), disk_pages) if disk_pages else None
+        store = _store(Path(run_dir), cpu_pages, policy, disk)
         try:
             started = time.perf_counter()
             ns = store.connect(REPLAY_SPEC).id
             hit_blocks, tier_hits, unstored = 0, Counter[int](), 0
             for done, keys in enumerate(request_keys(trace), 1):
-                found = store.lookup(ns, keys)
+                found = store.lookup(ns, keys, lease=disk is not None)
                 hit_blocks += found.hit_chunks
                 tier_hits.update(found.tiers)
+                if found.lease_id:
+                    acquired = store.acquire(ns, found.lease_id)
+                    if inspect.isawaitable(acquired):
+                        await acquired
+                    store.release(ns, found.lease_id)
                 try:
                     reserved = store.reserve(ns, list(dict.fromkeys(keys)))  # an id repeated: stored once
                 except ResourceExhausted:
@@ -116,69 +132,29 @@ def replay(
                     progress(done)
             elapsed = time.perf_counter() - started
         finally:
+            if disk is not None:
+                await asyncio.to_thread(disk.close)
             store.cpu.close()
-    tiers = {TIER_NAMES[tier]: tier_hits[tier] for tier in sorted({Tier.CPU.value, *tier_hits})}
+    shown = {Tier.CPU.value, *tier_hits} | ({Tier.DISK.value} if disk_pages else set())
+    tiers = {TIER_NAMES[tier]: tier_hits[tier] for tier in sorted(shown)}
     return ReplayResult(
         policy, cpu_pages, len(trace.requests), trace.num_blocks, hit_blocks, tiers, unstored, elapsed
     )
 
 
-async def replay_tiers(
-    trace: Trace, cpu_pages: int, policy: str, disk_pages: int, progress: Callable[[int], None] | None = None
-) -> ReplayResult:
-    """The replay with a disk tier behind the CPU tier, as the daemon runs them.
-
-    Evicted CPU pages are written behind to the disk tier; each request loads like a worker: a
-    leased lookup (its disk hits are promoted into the CPU tier), Acquire (waits for them),
-    Release; then the whole request is stored. Hits count per tier as the lookup reports them.
-    """
-    every = max(1, len(trace.requests) // 200)
-    with tempfile.TemporaryDirectory(prefix="kvstore-replay-") as run_dir:
-        record_bytes = REPLAY_SPEC.page_bytes + HEADER_BYTES
-        disk = DiskTier(
-            DiskTierConfig(
-                enabled=True,
-                path=str(Path(run_dir) / "disk"),
-                bytes=disk_pages * record_bytes,
-                fsync="never",
-                codec="none",
-                queue_bytes=1 << 30,
-            )
-        )
-        disk.recover()
-        store = _store(Path(run_dir), cpu_pages, policy, disk)
-        try:
-            started = time.perf_counter()
-            ns = store.connect(REPLAY_SPEC).id
-            hit_blocks, tier_hits, unstored = 0, Counter[int](), 0
-            for done, keys in enumerate(request_keys(trace), 1):
-                found = store.lookup(ns, keys, lease=True)
-                hit_blocks += found.hit_chunks
-                tier_hits.update(found.tiers)
-                if found.lease_id:
-                    acquired = store.acquire(ns, found.lease_id)
-                    if inspect.isawaitable(acquired):
-                        await acquired
-                    store.release(ns, found.lease_id)
-                try:
-                    reserved = store.reserve(ns, list(dict.fromkeys(keys)))
-                except ResourceExhausted:
-                    unstored += 1
-                else:
-                    if reserved.lease_id:
-                        store.commit(ns, reserved.lease_id)
-                if progress is not None and done % every == 0:
-                    progress(done)
-            elapsed = time.perf_counter() - started
-        finally:
-            await asyncio.to_thread(disk.close)
-            store.cpu.close()
-    tiers = {
-        TIER_NAMES[tier]: tier_hits[tier] for tier in sorted({Tier.CPU.value, Tier.DISK.value, *tier_hits})
-    }
-    return ReplayResult(
-        policy, cpu_pages, len(trace.requests), trace.num_blocks, hit_blocks, tiers, unstored, elapsed
+def _disk(run_dir: Path, disk_pages: int) -> DiskTier:
+    record_bytes = REPLAY_SPEC.page_bytes + HEADER_BYTES
+    config = DiskTierConfig(
+        enabled=True,
+        path=str(run_dir / "disk"),
+        bytes=disk_pages * record_bytes,
+        fsync="never",
+        codec="none",
+        queue_bytes=1 << 30,
     )
+    disk = DiskTier(config)
+    disk.recover()
+    return disk
 
 
 def _store(run_dir: Path, cpu_pages: int, policy: str, disk: DiskTier | None = None) -> Store:
