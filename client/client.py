@@ -278,14 +278,23 @@ class KVStoreClient:
         return chunk_keys(self.namespace, token_ids, self.spec.page.chunk_tokens)
 
     def lookup(self, token_ids: Any) -> int:
-        """Number of leading tokens whose KV is stored (a multiple of chunk_tokens)."""
+        """Number of leading tokens whose KV is stored (a multiple of chunk_tokens).
+
+        A daemon that cannot be reached counts as a miss (logged), as it does for `load` and
+        `store`: the worker recomputes rather than fails.
+        """
         keys = self.keys(token_ids)
         if not keys:
             return 0
-        reply = self._first_rpc(
-            "Lookup", lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys))
-        )
-        return reply.hit_chunks * self.spec.page.chunk_tokens
+        try:
+            reply = self._first_rpc(
+                "Lookup", lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys))
+            )
+        except Unavailable as exc:
+            log.warning("kvstored unreachable, counting a miss: %s", exc)
+            return 0
+        hit: int = reply.hit_chunks * self.spec.page.chunk_tokens
+        return hit
 
     def store(self, token_ids: Any, kv_caches: Any, block_ids: Any, layers: range | None = None) -> int:
         """Store the whole chunks of `token_ids` from the KV cache; returns how many were new."""
@@ -310,13 +319,17 @@ class KVStoreClient:
         waits for the caller's current stream), so the caller's stream is never blocked.
         """
         keys = self.keys(token_ids)
-        reply = (
-            self._first_rpc(
-                "Reserve", lambda: pb.ReserveRequest(namespace=self.namespace, keys=pack_keys(keys))
+        try:
+            reply = (
+                self._first_rpc(
+                    "Reserve", lambda: pb.ReserveRequest(namespace=self.namespace, keys=pack_keys(keys))
+                )
+                if keys
+                else None
             )
-            if keys
-            else None
-        )
+        except Unavailable as exc:
+            log.warning("kvstored unreachable, storing nothing: %s", exc)
+            reply = None
         chunks = [i for i, offset in enumerate(reply.offsets) if offset >= 0] if reply else []
         if reply is None or not chunks:
             return StoreHandle(None, lambda: 0, _ignore, 0)
@@ -351,45 +364,62 @@ class KVStoreClient:
         *,
         stream: Any = None,
         layers: range | None = None,
+        layerwise: bool = False,
     ) -> LoadHandle:
         """Pin the longest stored prefix and enqueue its scatter; `wait()` releases it.
 
-        `wait()` returns the number of leading tokens that are valid in the KV cache: 0 if the
+        `handle.tokens` is what is being loaded: whole chunks, as many as the daemon could
+        deliver (a chunk that could not be read back from disk ends the prefix). `wait()`
+        returns the number of leading tokens that are valid in the KV cache: that, or 0 if the
         lease lapsed while the pages were read (their slots may have been reused meanwhile).
+        With `layerwise`, each layer is moved and signalled on its own (`wait_layer(i)`), so
+        a forward can start on layer 0 while later layers are still in flight. A daemon that
+        cannot be reached gives an empty load (0 tokens, logged), never an exception.
         """
+        moved = self._layer_range(layers)
         keys = self.keys(token_ids)
-        reply = (
-            self._first_rpc(
-                "Lookup", lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys), lease=True)
+        try:
+            reply = (
+                self._first_rpc(
+                    "Lookup",
+                    lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys), lease=True),
+                )
+                if keys
+                else None
             )
-            if keys
-            else None
-        )
+        except Unavailable as exc:
+            log.warning("kvstored unreachable, loading nothing: %s", exc)
+            reply = None
         if reply is None or reply.hit_chunks == 0:
-            return LoadHandle(None, lambda: 0, _ignore, 0)
+            return LoadHandle(None, lambda: 0, _ignore, 0, moved)
         lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id)
+        layer_events: dict[int, torch.cuda.Event | None] | None = None
         try:
             if self.arena is not None:
                 acquired = self._rpc("Acquire", lease)
                 ready = acquired.ready_chunks
-                event = self._enqueue(
-                    kvstore_kernels.scatter,
-                    kv_caches,
-                    block_ids,
-                    range(ready),
-                    self.arena,
-                    list(acquired.offsets)[:ready],
-                    layers,
-                    stream,
-                )
+                offsets = list(acquired.offsets)[:ready]
+                groups = [range(layer, layer + 1) for layer in moved] if layerwise else [moved]
+                scatter, arena = kvstore_kernels.scatter, self.arena
+                events = [
+                    self._enqueue(scatter, kv_caches, block_ids, range(ready), arena, offsets, group, stream)
+                    for group in groups
+                ]
+                event = events[-1]
+                layer_events = {
+                    layer: ev for group, ev in zip(groups, events, strict=True) for layer in group
+                }
             else:
                 staging = self._get(lease, reply.hit_chunks)
                 ready = len(staging) // self.page_bytes
                 offsets = [i * self.page_bytes for i in range(ready)]
                 kvstore_kernels.scatter(
-                    self.spec, kv_caches, block_ids, range(ready), staging, offsets, layers
+                    self.spec, kv_caches, block_ids, range(ready), staging, offsets, moved
                 )
                 event = None
+        except Unavailable as exc:
+            log.warning("kvstored unreachable during a load, loading nothing: %s", exc)
+            return LoadHandle(None, lambda: 0, _ignore, 0, moved)
         except BaseException:
             self._release_quietly(lease)
             raise
@@ -401,7 +431,17 @@ class KVStoreClient:
             log.warning("load lease %d expired during the copy; reporting no tokens loaded", lease.lease_id)
             return 0
 
-        return LoadHandle(event, release, lambda exc: self._release_quietly(lease), tokens)
+        fail = lambda exc: self._release_quietly(lease)  # noqa: E731
+        return LoadHandle(event, release, fail, tokens, moved, layer_events)
+
+    def _layer_range(self, layers: range | None) -> range:
+        if layers is None:
+            return range(self.spec.num_layers)
+        if not isinstance(layers, range) or layers.step != 1:
+            raise ValueError(f"layers: expected a range with step 1, got {layers!r}")
+        if not 0 <= layers.start <= layers.stop <= self.spec.num_layers:
+            raise ValueError(f"layers: {layers!r} is outside 0..{self.spec.num_layers} engine layers")
+        return layers
 
     def _enqueue(
         self,

@@ -5,6 +5,10 @@ transfer was enqueued on its stream. `wait()` blocks until the bytes moved,
 then finishes the protocol (Commit for a store, Release for a load) and returns
 the result; an error raised by the transfer, or by that last RPC, surfaces
 there. `done()` asks without blocking.
+
+A layer-wise load (`load_async(..., layerwise=True)`) records one event per engine
+layer: `wait_layer(i)` makes the current stream wait for layer i's KV alone, so a
+model's layer i runs while later layers are still crossing PCIe.
 """
 
 from __future__ import annotations
@@ -67,7 +71,12 @@ class StoreHandle(TransferHandle):
 
 
 class LoadHandle(TransferHandle):
-    """`wait()` releases the lease and returns how many leading tokens are valid in the KV cache."""
+    """`wait()` releases the lease and returns how many leading tokens are valid in the KV cache.
+
+    `layers`: the engine layers this load writes. `layer_events[i]`: the event after which
+    layer i's KV is in place (None: already there); without a layer-wise load every layer
+    shares the whole load's event.
+    """
 
     def __init__(
         self,
@@ -75,6 +84,29 @@ class LoadHandle(TransferHandle):
         finish: Callable[[], int],
         fail: Callable[[BaseException], None],
         tokens: int,
+        layers: range = range(0),
+        layer_events: dict[int, torch.cuda.Event | None] | None = None,
     ) -> None:
         super().__init__(event, finish, fail)
         self.tokens = tokens  # tokens being loaded, if every chunk arrives
+        self.layers = layers
+        self.layer_events = layer_events if layer_events is not None else dict.fromkeys(layers, event)
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        """Makes `stream` (default: the current CUDA stream) wait until `layer`'s KV is in place.
+
+        The host does not block; a load with nothing to move returns at once. The lease is
+        still released by `wait()` once the caller has used the KV.
+        """
+        if self.tokens == 0:
+            return
+        if layer not in self.layer_events:
+            raise ValueError(f"layer: {layer} is not among this load's layers {self.layers!r}")
+        event = self.layer_events[layer]
+        if event is not None:
+            (stream if stream is not None else torch.cuda.current_stream()).wait_event(event)
+
+    def layer_done(self, layer: int) -> bool:
+        """Whether `layer`'s KV is in place, without blocking."""
+        event = self.layer_events.get(layer)
+        return event is None or event.query()

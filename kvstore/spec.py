@@ -199,6 +199,45 @@ class KVSpec:
             salt=self.salt,
         )
 
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Any,
+        *,
+        model: str | None = None,
+        dtype: Any = None,
+        block_size: int = 16,
+        chunk_tokens: int | None = None,
+        kv_sharing: Mapping[int, int] | None = None,
+        salt: str = "",
+    ) -> KVSpec:
+        """The spec of a transformers model's DynamicCache (`layout="hf"`), from its config.
+
+        `model` names the weights (default: the config's `name_or_path`); two models with the
+        same name share pages, so give random-weight or fine-tuned models their own name or
+        `salt`. `dtype` defaults to the config's.
+        """
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        name = model or getattr(config, "name_or_path", "") or getattr(text, "name_or_path", "")
+        if not name:
+            raise ValueError("model: the config has no name_or_path; pass model='...' naming these weights")
+        heads = _config_int(text, "num_attention_heads")
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or _config_int(text, "hidden_size") // heads
+        dtype = dtype if dtype is not None else getattr(config, "dtype", None) or "float32"
+        return cls(
+            model=name,
+            num_layers=_config_int(text, "num_hidden_layers"),
+            num_kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            dtype=dtype,
+            block_size=block_size,
+            layout="hf",
+            chunk_tokens=chunk_tokens,
+            kv_sharing=dict(kv_sharing or {}),
+            salt=salt,
+        )
+
     @property
     def page(self) -> PageSpec:
         if self.chunk_tokens is None:
@@ -211,3 +250,10 @@ class KVSpec:
 
     def with_chunk_tokens(self, chunk_tokens: int) -> KVSpec:
         return replace(self, chunk_tokens=chunk_tokens)
+
+
+def _config_int(config: Any, name: str) -> int:
+    value = getattr(config, name, None)
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config.{name}: expected a positive integer, got {value!r}")
+    return value

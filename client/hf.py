@@ -1,0 +1,234 @@
+"""transformers integration: keep a model's prompt KV in kvstored, restore it as a DynamicCache.
+
+    spec = KVSpec.from_hf_config(model.config, dtype=torch.bfloat16, model="my-llama")
+    prefix = HFPrefixCache(KVStoreClient.connect(address, spec))
+    out = model(input_ids, use_cache=True)
+    prefix.save(input_ids, out.past_key_values)
+    hit, cache = prefix.restore(input_ids)  # a DynamicCache holding the first `hit` tokens
+    out = model(input_ids[:, hit:], past_key_values=cache, use_cache=True)
+
+`hit` covers the stored whole chunks of the prompt, at most `len(input_ids) - 1` tokens, so
+the forward always has a token to compute (it needs one for its logits). The KV of token j
+depends on tokens 0..j only, so a chunk that ends past the prompt's last token still serves
+the tokens before it. Batch size 1, full-attention layers.
+
+Layer-wise overlap (opt-in): `HFPrefixCache(client, model=model)` puts a forward pre-hook on
+each decoder layer, and `restore(input_ids, overlap=True)` returns once the copies are
+enqueued, one per layer. Decoder layer i then waits, on the GPU and not on the host, for
+layer i's KV alone, so layer i computes while later layers still cross PCIe. The daemon's
+lease is released when that forward ends (or by `finish()`); if it lapsed meanwhile, the
+bytes were not guaranteed and the forward raises `StaleKV` instead of returning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvstore_client.client import KVStoreClient
+from kvstore_client.handles import LoadHandle, StoreHandle
+
+log = logging.getLogger(__name__)
+
+
+class StaleKV(RuntimeError):
+    """A layer-wise restore's lease lapsed before the forward using it ended: recompute."""
+
+
+class HFPrefixCache:
+    """Saves and restores the KV of prompt prefixes for one transformers model."""
+
+    def __init__(self, client: KVStoreClient, model: Any = None, *, device: Any = None) -> None:
+        if client.spec.layout != "hf":
+            raise ValueError(
+                f"client: its KVSpec has layout={client.spec.layout!r}; HFPrefixCache needs "
+                "layout='hf' (build the spec with KVSpec.from_hf_config)"
+            )
+        self.client = client
+        self.model = model
+        if device is not None:
+            self.device = torch.device(device)
+        elif model is not None:
+            self.device = next(model.parameters()).device
+        else:
+            self.device = torch.device("cpu")
+        self._dtype = getattr(torch, client.spec.dtype)
+        self._pending: tuple[LoadHandle, int] | None = None
+        self._hooks: list[Any] = []
+        if model is not None:
+            self._hooks = _register_hooks(model, client.spec.num_layers, self)
+
+    def close(self) -> None:
+        """Removes the hooks and releases a restore still pending (the client stays open)."""
+        self.finish()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # -- save ---------------------------------------------------------------
+
+    def save_async(self, input_ids: Any, past_key_values: Any) -> StoreHandle:
+        """Starts storing the whole chunks of `input_ids` from a forward's cache; `wait()` commits.
+
+        On CUDA the copy runs on the client's side stream after the work already queued, so the
+        caller may go on (the cache must stay unchanged until `wait()`).
+        """
+        tokens = token_list(input_ids)
+        kv = cache_tensors(past_key_values, self.client.spec.num_layers)
+        held = _held_tokens(kv)
+        if held < len(tokens):
+            raise ValueError(
+                f"past_key_values: holds {held} tokens, fewer than the {len(tokens)} of input_ids; "
+                "pass the cache of a forward over these input_ids"
+            )
+        return self.client.store_async(tokens, kv, None)
+
+    def save(self, input_ids: Any, past_key_values: Any) -> int:
+        """Stores the whole chunks of `input_ids` from a forward's cache; returns how many were new."""
+        return self.save_async(input_ids, past_key_values).wait()
+
+    # -- restore ------------------------------------------------------------
+
+    def restore(self, input_ids: Any, *, overlap: bool = False) -> tuple[int, Any]:
+        """(hit, cache): a DynamicCache holding the KV of the first `hit` tokens of `input_ids`.
+
+        `hit` is 0 (an empty cache) when nothing is stored or the daemon cannot be reached.
+        With `overlap` (needs `model=` at construction) the copies may still be in flight when
+        this returns; the model's decoder layers wait for them one by one.
+        """
+        if overlap and not self._hooks:
+            raise ValueError("overlap: needs HFPrefixCache(client, model=model) to hook the decoder layers")
+        self.finish()
+        tokens = token_list(input_ids)
+        limit = len(tokens) - 1  # leave a token to compute
+        stored = self.client.lookup(tokens) if limit > 0 else 0
+        if stored == 0:
+            return 0, self._dynamic_cache([], 0)
+        spec = self.client.spec
+        heads, dim = spec.num_kv_heads, spec.head_dim
+        shared = dict(spec.kv_sharing)
+        kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for layer in range(spec.num_layers):
+            if layer in shared:
+                kv.append(None)
+                continue
+            pair = torch.empty((2, 1, heads, stored, dim), dtype=self._dtype, device=self.device)
+            kv.append((pair[0], pair[1]))
+        handle = self.client.load_async(tokens[:stored], kv, None, layerwise=overlap)
+        if overlap and handle.tokens and self.device.type == "cuda":
+            hit = min(handle.tokens, limit)
+            self._pending = (handle, hit)
+        else:
+            hit = min(handle.wait(), limit)
+        return hit, self._dynamic_cache(kv, hit)
+
+    def finish(self) -> int:
+        """Releases a pending layer-wise restore once its copies completed; returns its valid tokens.
+
+        The forward's end calls this; call it yourself if you drop a restored cache unused.
+        """
+        if self._pending is None:
+            return 0
+        handle, hit = self._pending
+        self._pending = None
+        valid = handle.wait()
+        if valid < hit:
+            raise StaleKV(
+                f"the restored KV of {hit} tokens could not be confirmed (the daemon's lease lapsed "
+                f"during the copy); restore again or recompute"
+            )
+        return hit
+
+    def _wait_layer(self, layer: int) -> None:
+        if self._pending is not None:
+            self._pending[0].wait_layer(layer)
+
+    def _dynamic_cache(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor] | None], tokens: int) -> Any:
+        """A DynamicCache over the first `tokens` positions of `kv`, without copying them."""
+        from transformers import DynamicCache
+
+        config = getattr(self.model, "config", None)
+        cache = DynamicCache(config=config) if config is not None else DynamicCache()
+        if not kv:
+            return cache
+        from transformers.cache_utils import DynamicLayer
+
+        if not cache.layers:
+            cache.layers = [DynamicLayer() for _ in kv]
+        layers: list[Any] = list(cache.layers)
+        for index, (layer, pair) in enumerate(zip(layers, kv, strict=True)):
+            if pair is None:
+                continue
+            if getattr(layer, "is_sliding", False):
+                raise ValueError(f"model: layer {index} uses sliding-window attention, which is not restored")
+            key, value = (t[:, :, :tokens] for t in pair)
+            # What DynamicLayer.lazy_initialization + update would leave, without update's copy
+            # (torch.cat), which would also wait for a layer-wise copy on the host's stream.
+            layer.dtype, layer.device = key.dtype, key.device
+            layer.keys, layer.values = key, value
+            layer.is_initialized = True
+        return cache
+
+
+def token_list(input_ids: Any) -> list[int]:
+    """Token ids of one sequence: a list, a 1-D tensor, or a `[1, seq]` batch."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"input_ids: batch size {input_ids.shape[0]}; one sequence at a time")
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids: expected [seq] or [1, seq], got shape {list(input_ids.shape)}")
+        return [int(t) for t in input_ids.tolist()]
+    return [int(t) for t in input_ids]
+
+
+def cache_tensors(past_key_values: Any, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """(keys, values) per layer of a DynamicCache (or a legacy tuple of pairs); None: a layer with no KV."""
+    layers = getattr(past_key_values, "layers", None)
+    if layers is not None:
+        pairs: list[Any] = [
+            (layer.keys, layer.values) if getattr(layer, "is_initialized", True) else None for layer in layers
+        ]
+    elif isinstance(past_key_values, (list, tuple)):
+        pairs = [tuple(pair[:2]) if pair is not None else None for pair in past_key_values]
+    else:
+        raise ValueError(
+            f"past_key_values: expected a transformers Cache or a tuple of (key, value) pairs, "
+            f"got {type(past_key_values).__name__}"
+        )
+    if len(pairs) != num_layers:
+        raise ValueError(f"past_key_values: has {len(pairs)} layers, the spec {num_layers}")
+    return pairs
+
+
+def _held_tokens(kv: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> int:
+    held = [pair[0].shape[-2] for pair in kv if pair is not None and pair[0] is not None]
+    return min(held) if held else 0
+
+
+def decoder_layers(model: Any, num_layers: int) -> Any:
+    """The model's decoder layers: the module list of `num_layers` entries it runs in order."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise ValueError(f"model: found no list of {num_layers} decoder layers to hook")
+
+
+def _register_hooks(model: Any, num_layers: int, prefix: HFPrefixCache) -> list[Any]:
+    hooks = []
+    for index, layer in enumerate(decoder_layers(model, num_layers)):
+        hooks.append(layer.register_forward_pre_hook(lambda module, args, i=index: prefix._wait_layer(i)))
+
+    def release(module: Any, args: Any, output: Any) -> None:
+        prefix.finish()
+
+    hooks.append(model.register_forward_hook(release))
+    return hooks
