@@ -284,3 +284,21 @@ def test_layerwise_restore_on_cuda_equals_full_recompute(
         got = last_logits(model, question, cache, hit)
         assert (got - want).abs().max().item() <= TOLERANCE
         assert prefix._pending is None
+
+
+def test_the_example_runs_on_cpu_and_matches_recompute() -> None:
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import python_env
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, str(root / "examples" / "hf_prefix_reuse.py"), "--prompt-tokens", "520"]
+    command += ["--question-tokens", "8", "--device", "cpu"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=python_env())
+    assert result.returncode == 0, result.stderr
+    assert "528 tokens, 512 restored from kvstored" in result.stdout
+    match = re.search(r"largest logit difference: (\S+)", result.stdout)
+    assert match is not None, result.stdout
+    assert float(match.group(1)) <= TOLERANCE
