@@ -13,8 +13,9 @@ warm-up:
   layer i waits on the GPU for layer i's KV only;
 - pure transfer: `client.load` of the same pages into preallocated tensors: the bytes
   alone, with the same lookup and lease.
-Also the forward of that last token with its KV already in place ("decode step"), so
-reuse can be compared with pure transfer + one decode step.
+Also the parts of reuse: `restore` alone ("restore", synchronised) and the forward of the
+last token with its KV already in place ("decode step"), so reuse can be compared with pure
+transfer + one decode step; and how long `restore(overlap=True)` takes to return ("issue").
 
     python bench/ttft.py                       # 2k, 8k, 32k tokens, Llama-3.1-8B geometry
     python bench/ttft.py --preset tiny --lengths 512 2048 --device cpu   # a smoke run anywhere
@@ -38,6 +39,7 @@ from bench.common import print_table, running_daemon, write_results  # noqa: E40
 from examples.hf_prefix_reuse import PRESETS, build_model, page_bytes_per_token  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 from kvstore_client.hf import HFPrefixCache  # noqa: E402
+from kvstore_kernels import TransferOptions  # noqa: E402
 
 SLAB_BYTES = 256 << 20
 
@@ -81,9 +83,14 @@ def measure(
     def recompute() -> None:
         forward(model, prompt)
 
+    issue_samples: list[float] = []
+
     def reuse(overlap: bool) -> Callable[[], None]:
         def run() -> None:
+            started = time.perf_counter()
             hit, cache = prefix.restore(prompt, overlap=overlap)
+            if overlap:
+                issue_samples.append(time.perf_counter() - started)
             logits.append(forward(model, prompt[:, hit:], cache)[0, -1].float())
             hit_seen.append(hit)
 
@@ -100,15 +107,18 @@ def measure(
         loaded = client.load(tokens, targets, None)
         assert loaded == stored * spec.page.chunk_tokens, (loaded, stored)
 
-    decode_samples = []
+    decode_samples, restore_samples = [], []
     for attempt in range(repeats + 1):
-        hit, cache = prefix.restore(prompt)
         sync(device)
         started = time.perf_counter()
+        hit, cache = prefix.restore(prompt)
+        sync(device)
+        restored = time.perf_counter()
         forward(model, prompt[:, hit:], cache)
         sync(device)
         if attempt:
-            decode_samples.append(time.perf_counter() - started)
+            restore_samples.append(restored - started)
+            decode_samples.append(time.perf_counter() - restored)
         del cache
 
     recompute_s, recompute_all = timed(recompute, device, repeats)
@@ -129,6 +139,8 @@ def measure(
         "transfer_ms": transfer_s * 1e3,
         "transfer_gb_s": page_bytes / transfer_s / 1e9,
         "decode_step_ms": decode_s * 1e3,
+        "restore_ms": statistics.median(restore_samples) * 1e3,
+        "overlap_issue_ms": statistics.median(issue_samples[1:] or issue_samples) * 1e3,
         "reuse_vs_recompute": reuse_s / recompute_s,
         "reuse_overlap_vs_recompute": overlap_s / recompute_s,
         "reuse_over_transfer_plus_decode_ms": (min(reuse_s, overlap_s) - transfer_s - decode_s) * 1e3,
@@ -139,6 +151,7 @@ def measure(
             "reuse_overlap": [s * 1e3 for s in overlap_all],
             "transfer": [s * 1e3 for s in transfer_all],
             "decode_step": [s * 1e3 for s in decode_samples],
+            "restore": [s * 1e3 for s in restore_samples],
         },
     }
 
@@ -151,6 +164,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the daemon's arena lives")
+    parser.add_argument(
+        "--layerwise-engine",
+        choices=["kernel", "staged", "auto"],
+        help="how a layer-wise load moves each layer (default: the client's)",
+    )
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -167,6 +185,8 @@ def main() -> None:
     spec = KVSpec.from_hf_config(model.config, dtype=dtype, model=f"random-{args.preset}")
     rows = []
     with running_daemon(config) as daemon, KVStoreClient.connect(daemon.address, spec) as client:
+        if args.layerwise_engine:
+            client.layerwise_options = TransferOptions(engine=args.layerwise_engine)
         prefix = HFPrefixCache(client, model)
         for length in args.lengths:
             row = measure(model, prefix, client, length, args.repeats, device)
@@ -174,35 +194,21 @@ def main() -> None:
             print(f"{length} tokens: done", flush=True)
             torch.cuda.empty_cache() if device.type == "cuda" else None
 
-    print_table(
-        [
-            "tokens",
-            "recompute ms",
-            "reuse ms",
-            "+overlap ms",
-            "transfer ms",
-            "GB/s",
-            "decode ms",
-            "reuse/recompute",
-            "overlap/recompute",
-            "max |dlogit|",
-        ],
-        [
-            [
-                r["tokens"],
-                r["recompute_ms"],
-                r["reuse_ms"],
-                r["reuse_overlap_ms"],
-                r["transfer_ms"],
-                r["transfer_gb_s"],
-                r["decode_step_ms"],
-                r["reuse_vs_recompute"],
-                r["reuse_overlap_vs_recompute"],
-                r["max_logit_difference"],
-            ]
-            for r in rows
-        ],
-    )
+    columns = {
+        "tokens": "tokens",
+        "recompute ms": "recompute_ms",
+        "reuse ms": "reuse_ms",
+        "+overlap ms": "reuse_overlap_ms",
+        "transfer ms": "transfer_ms",
+        "GB/s": "transfer_gb_s",
+        "restore ms": "restore_ms",
+        "decode ms": "decode_step_ms",
+        "issue ms": "overlap_issue_ms",
+        "reuse/recompute": "reuse_vs_recompute",
+        "overlap/recompute": "reuse_overlap_vs_recompute",
+        "max |dlogit|": "max_logit_difference",
+    }
+    print_table(list(columns), [[row[key] for key in columns.values()] for row in rows])
     write_results(
         "ttft",
         {
@@ -212,6 +218,7 @@ def main() -> None:
             "attention": "sdpa",
             "chunk_tokens": client.spec.page.chunk_tokens,
             "repeats": args.repeats,
+            "layerwise_transfer": str(client.layerwise_options),
             "rows": rows,
         },
     )

@@ -11,6 +11,7 @@ remote daemon) page bytes travel inline through Put/Get.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -34,6 +35,10 @@ from kvstore_client.local import LocalChannel
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
+# A layer-wise load issues one call per layer while the model's forward runs on the same
+# host thread: the Triton kernel reading the registered arena costs one launch per call,
+# where the staged path costs a copy and a launch per page (bench/ttft.py, bench/NOTES-ttft.md).
+LAYERWISE_TRANSFER = kvstore_kernels.TransferOptions(engine="kernel", max_programs=4)
 _CHANNEL_LIMIT = 64 << 20
 _NOT_REGISTERED = "is not registered with this daemon"
 
@@ -87,6 +92,8 @@ class KVStoreClient:
         self.arena: torch.Tensor | None = None
         self._registered = False
         self._streams: dict[torch.device, Any] = {}
+        # How a layer-wise load moves each layer (with the arena registered).
+        self.layerwise_options = LAYERWISE_TRANSFER
         try:
             self._handshake()
         except BaseException:
@@ -401,6 +408,8 @@ class KVStoreClient:
                 offsets = list(acquired.offsets)[:ready]
                 groups = [range(layer, layer + 1) for layer in moved] if layerwise else [moved]
                 scatter, arena = kvstore_kernels.scatter, self.arena
+                if layerwise and self._registered:
+                    scatter = functools.partial(scatter, options=self.layerwise_options)
                 events = [
                     self._enqueue(scatter, kv_caches, block_ids, range(ready), arena, offsets, group, stream)
                     for group in groups
