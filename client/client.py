@@ -55,6 +55,24 @@ def cache_device(kv_caches: Any) -> torch.device:
     return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
 
 
+def layer_groups(layers: range) -> list[range]:
+    """`layers` cut into consecutive runs of 1, 1, 2, 4, 8, ... layers.
+
+    A layer-wise load moves and signals each run on its own: the first layers arrive first,
+    so the forward starts at once, and the host issues a handful of calls (6 for 32 layers)
+    instead of one per layer. Copying a layer takes less time than the host spends running
+    it, so the later, larger runs still arrive before the forward needs them.
+    """
+    groups: list[range] = []
+    start, size = layers.start, 1
+    while start < layers.stop:
+        stop = min(start + size, layers.stop)
+        groups.append(range(start, stop))
+        size = size * 2 if len(groups) > 1 else 1
+        start = stop
+    return groups
+
+
 def default_address() -> str:
     from kvstore.config import default_socket_path
 
@@ -379,9 +397,10 @@ class KVStoreClient:
         deliver (a chunk that could not be read back from disk ends the prefix). `wait()`
         returns the number of leading tokens that are valid in the KV cache: that, or 0 if the
         lease lapsed while the pages were read (their slots may have been reused meanwhile).
-        With `layerwise`, each layer is moved and signalled on its own (`wait_layer(i)`), so
-        a forward can start on layer 0 while later layers are still in flight. A daemon that
-        cannot be reached gives an empty load (0 tokens, logged), never an exception.
+        With `layerwise`, runs of layers (`layer_groups`: 1, 1, 2, 4, ... layers) are moved and
+        signalled on their own (`wait_layer(i)`), so a forward can start on layer 0 while
+        later layers are still in flight. A daemon that cannot be reached gives an empty load
+        (0 tokens, logged), never an exception.
         """
         moved = self._layer_range(layers)
         keys = self.keys(token_ids)
@@ -406,9 +425,9 @@ class KVStoreClient:
                 acquired = self._rpc("Acquire", lease)
                 ready = acquired.ready_chunks
                 offsets = list(acquired.offsets)[:ready]
-                groups = [range(layer, layer + 1) for layer in moved] if layerwise else [moved]
+                groups = layer_groups(moved) if layerwise and moved else [moved]
                 scatter, arena = kvstore_kernels.scatter, self.arena
-                if layerwise and self._registered:
+                if layerwise and self._registered and cache_device(kv_caches).type == "cuda":
                     scatter = functools.partial(scatter, options=self.layerwise_options)
                 events = [
                     self._enqueue(scatter, kv_caches, block_ids, range(ready), arena, offsets, group, stream)

@@ -6,9 +6,9 @@ then finishes the protocol (Commit for a store, Release for a load) and returns
 the result; an error raised by the transfer, or by that last RPC, surfaces
 there. `done()` asks without blocking.
 
-A layer-wise load (`load_async(..., layerwise=True)`) records one event per engine
-layer: `wait_layer(i)` makes the current stream wait for layer i's KV alone, so a
-model's layer i runs while later layers are still crossing PCIe.
+A layer-wise load (`load_async(..., layerwise=True)`) records an event after each run of
+layers it moves (1, 1, 2, 4, ... layers): `wait_layer(i)` makes the current stream wait
+for layer i's run alone, so a model's layer i runs while later layers still cross PCIe.
 """
 
 from __future__ import annotations

@@ -280,7 +280,7 @@ def test_layerwise_restore_on_cuda_equals_full_recompute(
         if overlap:
             assert prefix._pending is not None
             events = prefix._pending[0].layer_events
-            assert len({id(event) for event in events.values()}) == 4  # one event per layer
+            assert [events[layer] is events[layer + 1] for layer in range(3)] == [False, False, True]
         got = last_logits(model, question, cache, hit)
         assert (got - want).abs().max().item() <= TOLERANCE
         assert prefix._pending is None
@@ -302,3 +302,13 @@ def test_the_example_runs_on_cpu_and_matches_recompute() -> None:
     match = re.search(r"largest logit difference: (\S+)", result.stdout)
     assert match is not None, result.stdout
     assert float(match.group(1)) <= TOLERANCE
+
+
+def test_layer_groups_double_and_cover_the_range_in_order() -> None:
+    from kvstore_client.client import layer_groups
+
+    assert [len(g) for g in layer_groups(range(32))] == [1, 1, 2, 4, 8, 16]
+    assert layer_groups(range(3, 10)) == [range(3, 4), range(4, 5), range(5, 7), range(7, 10)]
+    assert layer_groups(range(5, 5)) == []
+    for layers in (range(1), range(2, 61), range(0, 80)):
+        assert [layer for group in layer_groups(layers) for layer in group] == list(layers)
