@@ -167,8 +167,9 @@ def main() -> None:
     parser.add_argument(
         "--layerwise-engine",
         choices=["kernel", "staged", "auto"],
-        help="how a layer-wise load moves each layer (default: the client's)",
+        help="how a layer-wise load moves each run of layers (default: the client's)",
     )
+    parser.add_argument("--layerwise-runs", type=int, help="runs a layer-wise load cuts layers into")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -187,6 +188,8 @@ def main() -> None:
     with running_daemon(config) as daemon, KVStoreClient.connect(daemon.address, spec) as client:
         if args.layerwise_engine:
             client.layerwise_options = TransferOptions(engine=args.layerwise_engine)
+        if args.layerwise_runs:
+            client.layerwise_runs = args.layerwise_runs
         prefix = HFPrefixCache(client, model)
         for length in args.lengths:
             row = measure(model, prefix, client, length, args.repeats, device)
@@ -219,6 +222,7 @@ def main() -> None:
             "chunk_tokens": client.spec.page.chunk_tokens,
             "repeats": args.repeats,
             "layerwise_transfer": str(client.layerwise_options),
+            "layerwise_runs": client.layerwise_runs,
             "rows": rows,
         },
     )

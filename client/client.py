@@ -41,6 +41,7 @@ DEFAULT_TIMEOUT_S = 30.0
 # issues faster (one launch per run, against a copy and a launch per page) but moves the
 # hf layout's 4 KiB rows at a fraction of the link's rate.
 LAYERWISE_TRANSFER = kvstore_kernels.TransferOptions()
+LAYERWISE_RUNS = 6
 _CHANNEL_LIMIT = 64 << 20
 _NOT_REGISTERED = "is not registered with this daemon"
 
@@ -57,18 +58,21 @@ def cache_device(kv_caches: Any) -> torch.device:
     return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
 
 
-def layer_groups(layers: range) -> list[range]:
-    """`layers` cut into consecutive runs of 1, 1, 2, 4, 8, ... layers.
+def layer_groups(layers: range, runs: int) -> list[range]:
+    """`layers` cut into at most `runs` consecutive runs of 1, 1, 2, 4, ... layers, the last
+    run taking the rest.
 
     A layer-wise load moves and signals each run on its own: the first layers arrive first,
-    so the forward starts at once, and the host issues a handful of calls (6 for 32 layers)
-    instead of one per layer. Copying a layer takes less time than the host spends running
-    it, so the later, larger runs still arrive before the forward needs them.
+    and the host issues `runs` calls. Each call costs host time that the model's own forward
+    would otherwise use, so few runs are best where the forward is host-bound
+    (`KVStoreClient.layerwise_runs`, measured in bench/NOTES-ttft.md).
     """
+    if runs < 1:
+        raise ValueError(f"runs: expected a positive integer, got {runs}")
     groups: list[range] = []
     start, size = layers.start, 1
     while start < layers.stop:
-        stop = min(start + size, layers.stop)
+        stop = layers.stop if len(groups) == runs - 1 else min(start + size, layers.stop)
         groups.append(range(start, stop))
         size = size * 2 if len(groups) > 1 else 1
         start = stop
@@ -112,8 +116,10 @@ class KVStoreClient:
         self.arena: torch.Tensor | None = None
         self._registered = False
         self._streams: dict[torch.device, Any] = {}
-        # How a layer-wise load moves each layer (with the arena registered).
+        # How a layer-wise load moves each run of layers (with the arena registered), and
+        # into how many runs it cuts the layers (`layer_groups`).
         self.layerwise_options = LAYERWISE_TRANSFER
+        self.layerwise_runs = LAYERWISE_RUNS
         try:
             self._handshake()
         except BaseException:
@@ -399,10 +405,10 @@ class KVStoreClient:
         deliver (a chunk that could not be read back from disk ends the prefix). `wait()`
         returns the number of leading tokens that are valid in the KV cache: that, or 0 if the
         lease lapsed while the pages were read (their slots may have been reused meanwhile).
-        With `layerwise`, runs of layers (`layer_groups`: 1, 1, 2, 4, ... layers) are moved and
-        signalled on their own (`wait_layer(i)`), so a forward can start on layer 0 while
-        later layers are still in flight. A daemon that cannot be reached gives an empty load
-        (0 tokens, logged), never an exception.
+        With `layerwise`, runs of layers (`layer_groups`: 1, 1, 2, 4, ... layers, at most
+        `layerwise_runs` of them) are moved and signalled on their own (`wait_layer(i)`), so a
+        forward can start on layer 0 while later layers are still in flight. A daemon that
+        cannot be reached gives an empty load (0 tokens, logged), never an exception.
         """
         moved = self._layer_range(layers)
         keys = self.keys(token_ids)
@@ -427,7 +433,8 @@ class KVStoreClient:
                 acquired = self._rpc("Acquire", lease)
                 ready = acquired.ready_chunks
                 offsets = list(acquired.offsets)[:ready]
-                groups = layer_groups(moved) if layerwise and moved else [moved]
+                runs = self.layerwise_runs
+                groups = layer_groups(moved, runs) if layerwise and moved else [moved]
                 scatter, arena = kvstore_kernels.scatter, self.arena
                 if layerwise and self._registered and cache_device(kv_caches).type == "cuda":
                     scatter = functools.partial(scatter, options=self.layerwise_options)

@@ -307,8 +307,16 @@ def test_the_example_runs_on_cpu_and_matches_recompute() -> None:
 def test_layer_groups_double_and_cover_the_range_in_order() -> None:
     from kvstore_client.client import layer_groups
 
-    assert [len(g) for g in layer_groups(range(32))] == [1, 1, 2, 4, 8, 16]
-    assert layer_groups(range(3, 10)) == [range(3, 4), range(4, 5), range(5, 7), range(7, 10)]
-    assert layer_groups(range(5, 5)) == []
+    assert [len(g) for g in layer_groups(range(32), 6)] == [1, 1, 2, 4, 8, 16]
+    assert [len(g) for g in layer_groups(range(32), 8)] == [1, 1, 2, 4, 8, 16]
+    assert [len(g) for g in layer_groups(range(32), 3)] == [1, 1, 30]
+    assert layer_groups(range(32), 1) == [range(32)]
+    assert layer_groups(range(3, 10), 6) == [range(3, 4), range(4, 5), range(5, 7), range(7, 10)]
+    assert layer_groups(range(5, 5), 2) == []
     for layers in (range(1), range(2, 61), range(0, 80)):
-        assert [layer for group in layer_groups(layers) for layer in group] == list(layers)
+        for runs in (1, 2, 5, 9):
+            groups = layer_groups(layers, runs)
+            assert len(groups) <= runs
+            assert [layer for group in groups for layer in group] == list(layers)
+    with pytest.raises(ValueError, match="runs: expected a positive integer, got 0"):
+        layer_groups(range(4), 0)
