@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import pytest
 from kvstore.codec import Codec, compress
 from kvstore.config import ConfigError, DiskTierConfig, parse_config
 from kvstore.progress import progress_reporter
+from kvstore.tiers import disk_io
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_files import INDEX_NAME, record_path
 from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, pack_header, unpack_header
@@ -86,6 +88,36 @@ def open_tier(tmp_path: Path) -> Iterator[Callable[..., DiskTier]]:
     yield open_
     for tier in opened:
         tier.close()
+
+
+def drop_cache(root: Path) -> None:
+    """Writes back and drops every cached page of the files under root (cold reads follow)."""
+    os.sync()
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def has_o_direct(directory: Path) -> bool:
+    probe = directory / "o_direct_probe"
+    probe.write_bytes(bytes(4096))
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+def in_page_cache(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return disk_io._cached(fd, path.stat().st_size)
+    finally:
+        os.close(fd)
 
 
 def write_pages(tier: DiskTier, pages: dict[int, bytes]) -> dict[int, bool]:
@@ -217,7 +249,8 @@ def test_after_kill_9_every_flushed_page_reads_back_and_no_bytes_are_wrong(tmp_p
     writer = textwrap.dedent(f"""
         import os, time
         from kvstore.config import DiskTierConfig
-        from kvstore.tiers.disk import DiskTier
+        from kvstore.tiers import disk_io
+from kvstore.tiers.disk import DiskTier
         from tests.test_disk_tier import NS, key, page
         tier = DiskTier(DiskTierConfig(enabled=True, path={str(path)!r}, fsync="never", threads=2))
         tier.recover()
@@ -307,6 +340,109 @@ def test_every_single_bit_flip_in_a_record_is_caught() -> None:
         flipped[position] ^= 0x10
         with pytest.raises(CorruptRecord):
             unpack_header(header).decode(flipped)
+
+
+# --- the read path: page cache, O_DIRECT, buffered ---------------------------------------------
+
+
+@pytest.mark.parametrize("compressible", [False, True])
+@pytest.mark.parametrize(
+    "size", [1, 4096 - HEADER_BYTES, 4096, 4 * MIB - HEADER_BYTES, 4 * MIB, 4 * MIB + 5000, 9 * MIB + 3]
+)
+def test_a_record_reads_back_identical_cold_cached_direct_or_buffered(
+    tmp_path: Path, size: int, compressible: bool
+) -> None:
+    """Sizes around the 4 KiB alignment and the 4 MiB O_DIRECT chunk; into a slot and not."""
+    data = page(size, size=size, compressible=compressible)
+    codec, payload = compress(Codec.LZ4, data)
+    assert codec is (Codec.LZ4 if compressible and size > 1 else Codec.NONE)
+    path = tmp_path / "record.kvr"
+    path.write_bytes(pack_header(NS, key(1), codec, size, payload) + bytes(payload))
+    stored = HEADER_BYTES + len(payload)
+    for direct, cold in itertools.product([True, False], [True, False]):
+        if cold:
+            drop_cache(tmp_path)
+        else:
+            path.read_bytes()
+        tally: Counter[str] = Counter()
+        slot = memoryview(bytearray(b"\xee" * size))
+
+        assert disk_io.read_record(path, NS, key(1), stored, slot, direct, tally) is slot
+        assert bytes(slot) == data
+        assert sum(tally.values()) == stored
+        assert bytes(disk_io.read_record(path, NS, key(1), stored, None, direct)) == data
+        if not direct:
+            assert tally["read_bytes_buffered"] == stored
+        elif cold and has_o_direct(tmp_path):
+            assert tally["read_bytes_direct"] == stored
+
+
+def test_cold_pages_are_read_around_the_page_cache_and_cached_ones_from_it(
+    tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    if not has_o_direct(tmp_path):
+        pytest.skip(f"{tmp_path}: no O_DIRECT on this filesystem")
+    tier = open_tier(codec="none")
+    pages = {i: page(i, size=(i + 1) * 700 * KIB) for i in range(6)}
+    write_pages(tier, pages)
+    records = {i: record_path(tier.root, NS, key(i)) for i in pages}
+    stored = sum(path.stat().st_size for path in records.values())
+    drop_cache(tier.root)
+
+    assert all(tier.read(NS, key(i)) == data for i, data in pages.items())
+    stats = tier.stats()
+    assert stats["read_bytes_direct"] == stored and stats.get("read_bytes_buffered", 0) == 0
+    assert not any(in_page_cache(path) for path in records.values())  # not cached a second time
+
+    for path in records.values():
+        path.read_bytes()  # as a recent write or read leaves them
+    if not in_page_cache(records[0]):
+        pytest.skip("no cachestat(2) on this kernel: every read goes around the page cache")
+    assert all(tier.read(NS, key(i)) == data for i, data in pages.items())
+    assert tier.stats()["read_bytes_cached"] == stored
+    assert tier.stats()["read_bytes_direct"] == stored  # unchanged
+
+
+def test_reads_are_buffered_where_o_direct_is_refused(
+    open_tier: Callable[..., DiskTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem without O_DIRECT refuses it with EINVAL, at fcntl or at the read."""
+    tier = open_tier(codec="none")
+    pages = {i: page(i, size=300 * KIB) for i in range(4)}
+    write_pages(tier, pages)
+    real_fcntl = disk_io.fcntl.fcntl
+
+    def refuse_o_direct(fd: int, command: int, arg: int = 0) -> int:
+        if command == disk_io.fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_fcntl(fd, command, arg)
+
+    monkeypatch.setattr(disk_io.fcntl, "fcntl", refuse_o_direct)
+    drop_cache(tier.root)
+
+    assert all(tier.read(NS, key(i)) == data for i, data in pages.items())
+    stored = sum(record_path(tier.root, NS, key(i)).stat().st_size for i in pages)
+    stats = tier.stats()
+    assert stats["read_bytes_buffered"] == stored and stats["promotions"] == 4
+
+
+def test_a_flipped_byte_in_a_cold_record_is_caught_on_the_direct_path(
+    tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    tier = open_tier(codec="none")
+    pages = {i: page(i, size=5 * MIB + 11) for i in range(2)}
+    write_pages(tier, pages)
+    victim = record_path(tier.root, NS, key(1))
+    with open(victim, "r+b") as file:  # in the second O_DIRECT chunk
+        file.seek(HEADER_BYTES + 4 * MIB + 100)
+        flipped = file.read(1)[0] ^ 0x20
+        file.seek(-1, os.SEEK_CUR)
+        file.write(bytes([flipped]))
+    drop_cache(tier.root)
+
+    assert tier.read(NS, key(0)) == pages[0]
+    assert tier.read(NS, key(1)) is None
+    assert tier.stats()["corrupted_records"] == 1 and not victim.exists()
 
 
 def test_lz4_stores_pages_it_cannot_shrink_raw() -> None:

@@ -7,6 +7,7 @@ thread, or under the lock where its docstring says so.
 - A write: compress, make room (evicting least recently used records, all or nothing),
   write a temp file, wait for any older file of the same key to be gone, rename, index.
 - A read: into the caller's buffer, checked; a corrupt or vanished record becomes a miss.
+  Uncached bytes come through O_DIRECT (`disk_io.py` says why).
 - `_busy` counts file removals in flight per key, so a rename never races an unlink.
 """
 
@@ -184,6 +185,7 @@ class DiskWorkers:
     def _run_read(self, read: Read) -> None:
         ident = (read.namespace, read.key)
         page: Buffer | None = read.page
+        tally: Counter[str] = Counter()
         try:
             if page is not None:  # still queued for writing: served from memory
                 if read.into is not None:
@@ -191,7 +193,9 @@ class DiskWorkers:
                     page = read.into
             elif read.record is not None:
                 path = record_path(self.root, read.namespace, read.key)
-                page = read_record(path, read.namespace, read.key, read.record.stored_bytes, read.into)
+                page = read_record(
+                    path, read.namespace, read.key, read.record.stored_bytes, read.into, tally=tally
+                )
         except FileNotFoundError:
             self._lost(ident, read.record, "missing_records", "its file is gone")
         except CorruptRecord as exc:
@@ -203,6 +207,7 @@ class DiskWorkers:
                 if read.record is not None:
                     read.record.readers -= 1
                 self.counters["promotions" if page is not None else "failed_reads"] += 1
+                self.counters.update(tally)
         try:
             read.done(page)
         except Exception:
@@ -282,7 +287,9 @@ class DiskWorkers:
                     read.record.readers -= 1
         log.error(
             "disk tier turned off: %s; the daemon goes on serving from memory. Free space on or replace "
-            "the disk under %s, then restart kvstored", self.error, self.root,
+            "the disk under %s, then restart kvstored",
+            self.error,
+            self.root,
         )
         for write in writes:
             self._complete(write.dones, False)
