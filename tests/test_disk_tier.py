@@ -249,8 +249,7 @@ def test_after_kill_9_every_flushed_page_reads_back_and_no_bytes_are_wrong(tmp_p
     writer = textwrap.dedent(f"""
         import os, time
         from kvstore.config import DiskTierConfig
-        from kvstore.tiers import disk_io
-from kvstore.tiers.disk import DiskTier
+        from kvstore.tiers.disk import DiskTier
         from tests.test_disk_tier import NS, key, page
         tier = DiskTier(DiskTierConfig(enabled=True, path={str(path)!r}, fsync="never", threads=2))
         tier.recover()
