@@ -115,6 +115,7 @@ class KVStoreClient:
         self._arena: mmap.mmap | None = None
         self.arena: torch.Tensor | None = None
         self._registered = False
+        self._outage = False  # a call found no daemon since the last connect
         self._streams: dict[torch.device, Any] = {}
         # How a layer-wise load moves each run of layers (with the arena registered), and
         # into how many runs it cuts the layers (`layer_groups`).
@@ -170,6 +171,12 @@ class KVStoreClient:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, method) from None
 
+    def _unreachable(self, outcome: str, exc: BaseException) -> None:
+        """Logs a call that found no daemon: a warning once per outage, then at debug level."""
+        level = logging.DEBUG if self._outage else logging.WARNING
+        self._outage = True
+        log.log(level, "kvstored unreachable, %s: %s", outcome, exc)
+
     def _handshake(self) -> None:
         spec = self._requested_spec
         page = spec._page(spec.chunk_tokens or spec.block_size)
@@ -206,6 +213,9 @@ class KVStoreClient:
             )
         self._map_arena(reply.arena.shm_path, reply.arena.size)
         self._open_local_channel(reply.local_socket)
+        if self._outage:
+            log.warning("kvstored reachable again at %s", self.address)
+            self._outage = False
 
     def _open_local_channel(self, path: str) -> None:
         """Unary calls go over the daemon's local channel when it is reachable (a same-host client)."""
@@ -324,7 +334,7 @@ class KVStoreClient:
                 "Lookup", lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys))
             )
         except Unavailable as exc:
-            log.warning("kvstored unreachable, counting a miss: %s", exc)
+            self._unreachable("counting a miss", exc)
             return 0
         hit: int = reply.hit_chunks * self.spec.page.chunk_tokens
         return hit
@@ -361,7 +371,7 @@ class KVStoreClient:
                 else None
             )
         except Unavailable as exc:
-            log.warning("kvstored unreachable, storing nothing: %s", exc)
+            self._unreachable("storing nothing", exc)
             reply = None
         chunks = [i for i, offset in enumerate(reply.offsets) if offset >= 0] if reply else []
         if reply is None or not chunks:
@@ -422,7 +432,7 @@ class KVStoreClient:
                 else None
             )
         except Unavailable as exc:
-            log.warning("kvstored unreachable, loading nothing: %s", exc)
+            self._unreachable("loading nothing", exc)
             reply = None
         if reply is None or reply.hit_chunks == 0:
             return LoadHandle(None, lambda: 0, _ignore, 0, moved)
@@ -455,7 +465,7 @@ class KVStoreClient:
                 )
                 event = None
         except Unavailable as exc:
-            log.warning("kvstored unreachable during a load, loading nothing: %s", exc)
+            self._unreachable("loading nothing", exc)
             return LoadHandle(None, lambda: 0, _ignore, 0, moved)
         except BaseException:
             self._release_quietly(lease)

@@ -125,8 +125,7 @@ CHILD = textwrap.dedent("""
     from kvstore_client import KVStoreClient
     with KVStoreClient.connect(sys.argv[1], SPEC) as client:
         i = 1000
-        while True:
-            client.store(prompt(i, 10), cache_for(i, 10), torch.arange(10))
+        while client.store(prompt(i, 10), cache_for(i, 10), torch.arange(10)):  # 0 once the daemon is gone
             i += 1
 """)
 
@@ -149,7 +148,7 @@ def test_kill_9_mid_stream_loses_nothing_flushed(tmp_path: Path) -> None:
         time.sleep(2.0)  # a heavy store stream is under way
         first.process.send_signal(signal.SIGKILL)
         first.process.wait()
-        writer.wait(30)  # the client sees the daemon die and fails
+        writer.wait(30)  # the client sees the daemon die: a store fails or stores nothing
     finally:
         if first.process.poll() is None:
             first.process.kill()
