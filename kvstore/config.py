@@ -238,7 +238,33 @@ class DiskTierConfig:
 
 
 @dataclass(frozen=True)
+class GpuTierConfig:
+    """Device-memory pools in the daemon that same-host workers open through CUDA IPC."""
+
+    enabled: bool = False  # off (one log line) where there is no CUDA device or runtime
+    devices: tuple[int, ...] = (0,)  # CUDA device indices, as this process sees them (CUDA_VISIBLE_DEVICES)
+    bytes: Size = _setting(4 * GiB, gt=0)  # one pool of this size per device, allocated at start
+    slab_bytes: Size = _setting(256 * MiB, gt=0)  # pages of one size class are carved from slabs this big
+    promote_after_hits: int = _setting(2, ge=1)  # a page's leased hits before it moves up from the CPU tier
+
+    def validate(self, path: str) -> None:
+        devices_key = _join(path, "devices")
+        if not self.devices:
+            raise ConfigError(devices_key, "expected at least one device index, like [0]")
+        for i, device in enumerate(self.devices):
+            if device < 0:
+                raise ConfigError(f"{devices_key}[{i}]", f"expected a device index >= 0, got {device}")
+        if len(set(self.devices)) != len(self.devices):
+            raise ConfigError(devices_key, f"a device is listed twice in {list(self.devices)}")
+        if self.slab_bytes > self.bytes:
+            bytes_key = _join(path, "bytes")
+            expected = f"expected at most {bytes_key} ({format_size(self.bytes)})"
+            raise ConfigError(_join(path, "slab_bytes"), f"{expected}, got {format_size(self.slab_bytes)}")
+
+
+@dataclass(frozen=True)
 class TiersConfig:
+    gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
 
@@ -361,6 +387,8 @@ def _convert(hint: Any, value: object, path: str) -> Any:
         return None if value is None else _convert(others[0], value, path)
     if is_dataclass(hint):
         return _build(hint, value, path)
+    if get_origin(hint) is tuple:
+        return _to_tuple(hint, value, path)
     if hint not in _EXPECTED:
         raise TypeError(f"config field type {hint!r} is not supported")
     if hint is float:
@@ -368,6 +396,16 @@ def _convert(hint: Any, value: object, path: str) -> Any:
     if isinstance(value, hint) and (hint is bool or not isinstance(value, bool)):
         return value
     raise ConfigError(path, f"expected {_EXPECTED[hint]}, got {_describe(value)}")
+
+
+def _to_tuple(hint: Any, value: object, path: str) -> tuple[Any, ...]:
+    """A list of items of one type (`tuple[int, ...]`), each converted and named by its index."""
+    item, *rest = get_args(hint)
+    if rest != [Ellipsis]:
+        raise TypeError(f"config fields support `tuple[X, ...]` only, not {hint}")
+    if not isinstance(value, list | tuple):
+        raise ConfigError(path, f"expected a list, like [0, 1], got {_describe(value)}")
+    return tuple(_convert(item, element, f"{path}[{i}]") for i, element in enumerate(value))
 
 
 def _to_float(value: object, path: str) -> float:

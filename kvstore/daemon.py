@@ -32,6 +32,7 @@ from kvstore.server import SERVICE_NAME, KVStoreServicer, create_server
 from kvstore.store import Store
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.gpu import GpuTier
 
 log = logging.getLogger("kvstored")
 
@@ -79,6 +80,7 @@ async def serve(config: Config) -> None:
     claim = SocketClaim(socket_path)
     arena = None
     disk: DiskTier | None = None
+    gpu: GpuTier | None = None
     local: LocalChannelServer | None = None
     try:
         cpu_config = config.tiers.cpu
@@ -92,6 +94,9 @@ async def serve(config: Config) -> None:
             disk = DiskTier(config.tiers.disk)
             records = await asyncio.to_thread(disk.recover, progress_reporter("recovering the disk tier"))
             log.info("disk tier %s: %d pages recovered", config.tiers.disk.path, len(records))
+        gpu_config = config.tiers.gpu
+        if gpu_config.enabled:
+            gpu = await asyncio.to_thread(GpuTier.start, gpu_config, arena)
         store = Store(
             CpuTier(arena, cpu_config.slab_bytes),
             make_policy(config.eviction.policy),
@@ -100,6 +105,9 @@ async def serve(config: Config) -> None:
             pin_fraction=config.eviction.pin_fraction,
             max_pin_ttl_s=config.eviction.max_pin_ttl_s,
             disk=disk,
+            gpu=gpu,
+            gpu_policy=make_policy(config.eviction.policy),
+            promote_after_hits=gpu_config.promote_after_hits,
         )
         local_path = config.server.local_socket_path if config.server.local_channel else None
         handlers = Handlers(
@@ -124,10 +132,11 @@ async def serve(config: Config) -> None:
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "kvstored %s serving on unix://%s%s (CPU tier %d MiB, chunk_tokens %d)",
+            "kvstored %s serving on unix://%s%s (%sCPU tier %d MiB, chunk_tokens %d)",
             __version__,
             socket_path,
             f" and tcp {config.server.tcp}" if config.server.tcp else "",
+            f"GPU tier {gpu.capacity >> 20} MiB, " if gpu is not None else "",
             cpu_config.bytes >> 20,
             config.chunk_tokens,
         )
@@ -145,6 +154,8 @@ async def serve(config: Config) -> None:
         await server.stop(config.server.grace_s)
         reaper.cancel()
     finally:
+        if gpu is not None:
+            await asyncio.to_thread(gpu.close)
         if disk is not None:
             await asyncio.to_thread(disk.close)
         if arena is not None:

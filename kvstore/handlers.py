@@ -67,8 +67,9 @@ class Handlers:
         self.started = time.monotonic()
 
     def Connect(self, request: pb.ConnectRequest) -> pb.ConnectResponse:
-        ns = self.store.connect(page_spec(request.spec, self.chunk_tokens))
+        ns = self.store.connect(page_spec(request.spec, self.chunk_tokens), request.device_pci_bus_id)
         return pb.ConnectResponse(
+            gpu_pools=self._gpu_pools(),
             namespace=ns.id,
             chunk_tokens=ns.spec.chunk_tokens,
             page_bytes=ns.spec.page_bytes,
@@ -78,6 +79,15 @@ class Handlers:
             local_socket=self.local_socket,
         )
 
+    def _gpu_pools(self) -> list[pb.GpuPool]:
+        placement = self.store.gpu_placement
+        if placement is None:
+            return []
+        return [
+            pb.GpuPool(device=p.device, pci_bus_id=p.pci_bus_id, ipc_handle=p.ipc_handle, size=p.size)
+            for p in placement.gpu.pools
+        ]
+
     def Lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
         result = self.store.lookup(
             request.namespace,
@@ -85,6 +95,7 @@ class Handlers:
             request.lease,
             _ttl(request.lease_ttl_ms),
             touch=request.lease,  # a query is not a use: the load's leased lookup is
+            gpu_pools=request.gpu_pools,
         )
         return pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=result.tiers, lease_id=result.lease_id)
 
@@ -110,7 +121,11 @@ class Handlers:
     @staticmethod
     def _acquired(result: AcquireResult) -> pb.AcquireResponse:
         return pb.AcquireResponse(
-            ready_chunks=len(result.offsets), offsets=result.offsets, page_bytes=result.page_bytes
+            ready_chunks=len(result.offsets),
+            offsets=result.offsets,
+            page_bytes=result.page_bytes,
+            tiers=result.tiers,
+            pools=result.pools,
         )
 
     def Release(self, request: pb.LeaseRequest) -> pb.LeaseResponse:

@@ -33,6 +33,7 @@ class Lease:
     keys: list[bytes] = field(default_factory=list)  # store: every key of the request, in chain order
     writer_active: bool = False  # an inline Put is writing the pages
     broken: str = ""  # why the pages cannot be committed (a Put that failed part-way)
+    gpu_pools: frozenset[int] = frozenset()  # load: the GPU pools its reader opened
 
 
 class LeaseTable:

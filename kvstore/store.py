@@ -6,6 +6,8 @@ Primitives (each a few dict operations; they run on the daemon's event loop):
 - `reserve(ns, keys)` -> `commit` | `abort`: slots for the keys not stored yet.
 - `acquire(ns, lease)` -> `release`: offsets of a load lease's pages.
 - `pin(ns, keys, ttl)`: keeps the stored prefix of `keys` out of eviction until the TTL ends.
+- With a GPU tier (`gpu_placement`): pages move up to it on repeated leased hits or a pin, and
+  back down to the CPU tier when it needs room; a load lease reads each page where it is.
 - `expire(now)`: leases past their deadline are aborted or released; pins end.
 - `clear(ns)`, `stats()`.
 
@@ -15,7 +17,12 @@ all or nothing: if the space cannot be made, nothing is evicted. It never takes
 a page while a page after it in a committed chain is held (a tail without its
 head is never hit), unless the policy is a chain-blind baseline replayed as
 published. The policy hears of every page an operation uses, in chain order; a
-page pinned with `pin` is out of its care until the pin ends.
+page pinned with `pin` is out of its care until the pin ends. Each tier has its
+own policy: a page in the GPU tier is in the GPU tier's policy's care.
+
+A page has an arena slot (`offset`), a GPU slot (`gpu`), or both while it moves
+or while a lease that read one copy still holds it; `_settle` frees the copy it
+no longer needs once no lease holds it and no copy is in flight.
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ from kvstore.tiers import Tier
 from kvstore.tiers.cpu import CpuTier
 
 if TYPE_CHECKING:
+    from kvstore.gpu_placement import GpuPlacement
     from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.gpu import GpuTier
 
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_NAMESPACES = 4096
@@ -47,18 +56,54 @@ PROMOTION_TIMEOUT_S = 10.0
 
 
 class Entry:
-    __slots__ = ("namespace", "key", "offset", "committed", "pins", "removed", "parent", "children", "loaded")
+    __slots__ = (
+        "namespace",
+        "key",
+        "offset",
+        "committed",
+        "pins",
+        "removed",
+        "parent",
+        "children",
+        "loaded",
+        "gpu",
+        "pool",
+        "gpu_pending",
+        "on_gpu",
+        "hits",
+    )
 
     def __init__(self, namespace: Namespace, key: bytes, offset: int) -> None:
         self.namespace = namespace
         self.key = key
-        self.offset = offset
+        self.offset = offset  # arena slot; -1: none (the page is in the GPU tier only)
         self.committed = False
         self.pins = 0
         self.removed = False  # dropped from the index while pinned: freed at the last release
         self.parent: Entry | None = None  # the page before it in a committed chain
         self.children = 0  # committed pages whose parent it is
-        self.loaded: asyncio.Future[bool] | None = None  # being promoted from disk: done when read
+        self.loaded: asyncio.Future[bool] | None = None  # its arena slot is being filled: done when read
+        self.gpu = -1  # slot in GPU pool `pool`; -1: none
+        self.pool = 0
+        self.gpu_pending = False  # its GPU slot is being filled from the arena
+        self.on_gpu = False  # it belongs to the GPU tier (its arena copy goes once nobody reads it)
+        self.hits = 0  # leased hits while in the CPU tier, towards promote_after_hits
+
+    @property
+    def cpu_ready(self) -> bool:
+        """Its arena slot holds the page."""
+        loaded = self.loaded
+        return self.offset >= 0 and (loaded is None or (loaded.done() and loaded.result()))
+
+    @property
+    def gpu_ready(self) -> bool:
+        """Its GPU slot holds the page."""
+        return self.gpu >= 0 and not self.gpu_pending
+
+    @property
+    def busy(self) -> bool:
+        """A copy into or out of one of its slots is in flight."""
+        return self.gpu_pending or (self.loaded is not None and not self.loaded.done())
 
 
 @dataclass(eq=False)
@@ -67,6 +112,7 @@ class Namespace:
     spec: PageSpec
     entries: dict[bytes, Entry] = field(default_factory=dict)
     pages: int = 0  # committed pages
+    gpu_pool: int = -1  # the GPU pool its pages go to (its workers' device); -1: the emptiest
 
     @property
     def label(self) -> str:
@@ -85,8 +131,10 @@ class ReserveResult(NamedTuple):
 
 
 class AcquireResult(NamedTuple):
-    offsets: list[int]
+    offsets: list[int]  # in the arena, or in GPU pool `pools[i]` where tiers[i] is Tier.GPU
     page_bytes: int
+    tiers: bytes = b""  # one Tier per offset (empty: all in the arena)
+    pools: tuple[int, ...] = ()
 
 
 class PinResult(NamedTuple):
@@ -127,6 +175,9 @@ class Store:
         pin_fraction: float = 0.1,
         max_pin_ttl_s: float = 86400.0,
         disk: DiskTier | None = None,
+        gpu: GpuTier | None = None,
+        gpu_policy: EvictionPolicy | None = None,
+        promote_after_hits: int = 2,
     ) -> None:
         self.cpu = cpu
         self.disk = disk
@@ -141,10 +192,15 @@ class Store:
         self.namespaces: dict[bytes, Namespace] = {}
         self.leases = LeaseTable()
         self.counters: Counter[str] = Counter()
+        self.gpu_placement: GpuPlacement | None = None
+        if gpu is not None:
+            from kvstore.gpu_placement import GpuPlacement
+
+            self.gpu_placement = GpuPlacement(self, gpu, gpu_policy or type(policy)(), promote_after_hits)
 
     # -- namespaces ---------------------------------------------------------
 
-    def connect(self, spec: PageSpec) -> Namespace:
+    def connect(self, spec: PageSpec, device_pci_bus_id: str = "") -> Namespace:
         if not self.cpu.slots.can_hold(spec.page_bytes):
             raise InvalidArgument(
                 f"a page of this spec is {spec.page_bytes} bytes, larger than a CPU-tier slab "
@@ -162,6 +218,8 @@ class Store:
                     f"`kvctl clear` some of them"
                 )
             ns = self.namespaces[ns_id] = Namespace(ns_id, spec)
+        if device_pci_bus_id and self.gpu_placement is not None:
+            ns.gpu_pool = self.gpu_placement.gpu.pool_for(device_pci_bus_id)
         return ns
 
     def _forget_empty_namespaces(self) -> None:
@@ -217,12 +275,15 @@ class Store:
         lease: bool = False,
         ttl_s: float | None = None,
         touch: bool = True,
+        gpu_pools: Sequence[int] = (),
     ) -> LookupResult:
         """The longest committed prefix of `keys`; with `lease`, pins it.
 
         `touch`: the lookup counts as a use of the hit pages for the eviction policy. The daemon
         counts the leased lookup of a load (and the store), not the query before it, so a page
         that is looked up and then loaded counts once.
+        `gpu_pools`: the GPU pools the lease's reader has opened; its pages in other pools are
+        copied into the arena for it.
         """
         ns = self._namespace(ns_id)
         self._check_keys(keys)
@@ -246,15 +307,22 @@ class Store:
         self.counters["hit_chunks"] += found
         self.counters["missed_chunks"] += len(keys) - found
         if touch:
-            self.policy.hit(self._policy_pages([e for e in hits if e.committed]))
+            self._tell("hit", self._policy_pages([e for e in hits if e.committed]))
             if disk is not None and found:
                 disk.touch(ns.id, keys[:found])
-        tiers = bytes(Tier.CPU if e.committed else Tier.DISK for e in hits) + _DISK * len(on_disk)
+        tiers = bytes(_tier(e) for e in hits) + _DISK * len(on_disk)
         lease_id = 0
+        placement = self.gpu_placement
+        if lease and hits and placement is not None:
+            hits = placement.readable(hits, gpu_pools)
         if lease and hits:
             for entry in hits:
                 entry.pins += 1
-            lease_id = self.leases.add(ns_id, LeaseKind.LOAD, hits, deadline).id
+            load = self.leases.add(ns_id, LeaseKind.LOAD, hits, deadline)
+            load.gpu_pools = frozenset(gpu_pools)
+            lease_id = load.id
+            if touch and placement is not None:
+                placement.hit(hits)
         return LookupResult(found, tiers, lease_id)
 
     def _promote(self, disk: DiskTier, ns: Namespace, keys: list[bytes], hits: list[Entry]) -> None:
@@ -298,10 +366,9 @@ class Store:
             if ns.entries.get(entry.key) is entry:
                 del ns.entries[entry.key]
             entry.removed = True
-            if not entry.pins:
-                self.cpu.slots.free(entry.offset)
         if entry.loaded is not None and not entry.loaded.done():
             entry.loaded.set_result(ok)
+        self._settle(entry)
 
     def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult | Awaitable[AcquireResult]:
         """Offsets of the lease's leading pages that are in the CPU tier.
@@ -310,7 +377,11 @@ class Store:
         (up to PROMOTION_TIMEOUT_S); a page that could not be read ends the ready prefix.
         """
         lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
-        pending = [e.loaded for e in lease.entries if e.loaded is not None and not e.loaded.done()]
+        pending = [
+            e.loaded
+            for e in lease.entries
+            if e.loaded is not None and not e.loaded.done() and not _in_pools(e, lease.gpu_pools)
+        ]
         if not pending:
             return self._ready(lease)
         return self._acquire_later(lease, pending)
@@ -322,12 +393,22 @@ class Store:
         return self._ready(lease)
 
     def _ready(self, lease: Lease) -> AcquireResult:
-        offsets = []
+        offsets: list[int] = []
+        tiers = bytearray()
+        pools: list[int] = []
         for entry in lease.entries:
-            if not entry.committed:
+            if _in_pools(entry, lease.gpu_pools):
+                offsets.append(entry.gpu)
+                tiers.append(Tier.GPU)
+                pools.append(entry.pool)
+            elif entry.committed and entry.cpu_ready:
+                offsets.append(entry.offset)
+                tiers.append(Tier.CPU)
+                pools.append(0)
+            else:
                 break
-            offsets.append(entry.offset)
-        return AcquireResult(offsets, self.namespaces[lease.namespace].spec.page_bytes)
+        page_bytes = self.namespaces[lease.namespace].spec.page_bytes
+        return AcquireResult(offsets, page_bytes, bytes(tiers), tuple(pools))
 
     def release(self, ns_id: bytes, lease_id: int) -> int:
         lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
@@ -337,9 +418,23 @@ class Store:
     def _unpin(self, lease: Lease) -> int:
         for entry in lease.entries:
             entry.pins -= 1
-            if entry.pins == 0 and entry.removed:
-                self.cpu.slots.free(entry.offset)
+            self._settle(entry)
         return len(lease.entries)
+
+    def _settle(self, entry: Entry) -> None:
+        """Frees the slots an entry no longer needs, once no lease holds it and no copy is in flight:
+        both if it left the index, its arena slot if it belongs to the GPU tier."""
+        if entry.pins or entry.busy:
+            return
+        if entry.removed:
+            if entry.offset >= 0:
+                self.cpu.slots.free(entry.offset)
+                entry.offset = -1
+            if entry.gpu >= 0 and self.gpu_placement is not None:
+                self.gpu_placement.free_slot(entry)
+        elif entry.on_gpu and entry.offset >= 0:
+            self.cpu.slots.free(entry.offset)
+            entry.offset = -1
 
     # -- store --------------------------------------------------------------
 
@@ -367,7 +462,7 @@ class Store:
         self.counters["reserves"] += 1
         self.counters["skipped_chunks"] += len(present)
         # Present pages stay recent while the new ones are written; the commit touches them again.
-        self.policy.stored(self._policy_pages([e for e in present if e.committed]))
+        self._tell("stored", self._policy_pages([e for e in present if e.committed]))
         if not new_keys:
             return ReserveResult(0, offsets)
         entries = []
@@ -410,7 +505,7 @@ class Store:
         for entry in lease.entries:
             entry.committed = True
         ns.pages += len(lease.entries)
-        self.policy.stored(self._policy_pages(self._link(ns, lease.keys)))
+        self._tell("stored", self._policy_pages(self._link(ns, lease.keys)))
         self.counters["stored_chunks"] += len(lease.entries)
         if self.disk is not None and self.disk.write_through:
             for entry in lease.entries:
@@ -434,9 +529,18 @@ class Store:
     # -- space --------------------------------------------------------------
 
     def _policy_pages(self, entries: list[Entry]) -> list[Entry]:
-        """The entries in the policy's care: all but those pinned with `pin`."""
+        """The entries in the policies' care: all but those pinned with `pin`."""
         pins = self.pins
         return [entry for entry in entries if entry not in pins] if pins else entries
+
+    def _tell(self, event: str, entries: list[Entry]) -> None:
+        """Tells each tier's policy `hit` or `stored` about its own pages of `entries`."""
+        placement = self.gpu_placement
+        if placement is None or not placement.pages:
+            getattr(self.policy, event)(entries)
+            return
+        getattr(self.policy, event)([e for e in entries if not e.on_gpu])
+        getattr(placement.policy, event)([e for e in entries if e.on_gpu])
 
     def _link(self, ns: Namespace, keys: Sequence[bytes]) -> list[Entry]:
         """The committed entries of a chain, in order; each is linked to the one before it."""
@@ -459,7 +563,7 @@ class Store:
         planned: Counter[int] = Counter()  # per parent: its children already offered in this plan
         for item in self.policy.candidates():
             entry = cast(Entry, item)
-            if entry.pins or id(entry) in protected:
+            if entry.pins or id(entry) in protected or entry.busy:
                 continue
             if guard and entry.children and entry.children > planned[id(entry)]:
                 continue  # a later page of its chain is held: tails go first
@@ -468,7 +572,10 @@ class Store:
             yield entry.offset, entry
 
     def _make_room(self, ns: Namespace, count: int, protected: list[Entry]) -> None:
-        page_bytes = ns.spec.page_bytes
+        self.make_cpu_room(ns.spec.page_bytes, count, protected)
+
+    def make_cpu_room(self, page_bytes: int, count: int, protected: list[Entry]) -> None:
+        """Evicts CPU-tier pages so that `count` slots of `page_bytes` are free; all or nothing."""
         victims = self.cpu.slots.plan_free(page_bytes, count, self._evictable({id(e) for e in protected}))
         if victims is None:
             raise ResourceExhausted(
@@ -492,11 +599,15 @@ class Store:
             self.policy.evicted(entry)
             self._demote(entry)
         elif not self.pins.unpin(entry):
-            self.policy.remove(entry)
-        if entry.pins:
-            entry.removed = True
-        else:
-            self.cpu.slots.free(entry.offset)
+            self._policy_of(entry).remove(entry)
+        if entry.on_gpu and self.gpu_placement is not None:
+            self.gpu_placement.left(entry)
+        entry.removed = True
+        self._settle(entry)
+
+    def _policy_of(self, entry: Entry) -> EvictionPolicy:
+        placement = self.gpu_placement
+        return placement.policy if placement is not None and entry.on_gpu else self.policy
 
     def _demote(self, entry: Entry) -> None:
         """Hands an evicted page to the disk tier (written behind; dropped, counted, if it lags)."""
@@ -539,8 +650,10 @@ class Store:
                 f"eviction.pin_fraction"
             ) from None
         for entry in fresh:
-            self.policy.remove(entry)
+            self._policy_of(entry).remove(entry)
         self.counters["pinned_chunks"] += len(fresh)
+        if self.gpu_placement is not None:
+            self.gpu_placement.promote(chain, protected=chain)
         return PinResult(len(chain), len(self.pins), self.pins.bytes)
 
     # -- housekeeping -------------------------------------------------------
@@ -557,7 +670,7 @@ class Store:
         self.counters["expired_leases"] += len(expired)
         unpinned = self.pins.pop_expired(now)
         if unpinned:
-            self.policy.stored(unpinned)
+            self._tell("stored", unpinned)
             self.counters["expired_pins"] += len(unpinned)
         return len(expired)
 
@@ -576,7 +689,11 @@ class Store:
 
     def stats(self) -> StoreStats:
         pages = sum(ns.pages for ns in self.namespaces.values())
-        tiers = [TierUsage(Tier.CPU.name.lower(), self.cpu.bytes_used, self.cpu.capacity, pages)]
+        tiers = []
+        if self.gpu_placement is not None:
+            tiers.append(self.gpu_placement.usage())
+            pages -= self.gpu_placement.pages
+        tiers.append(TierUsage(Tier.CPU.name.lower(), self.cpu.bytes_used, self.cpu.capacity, pages))
         if self.disk is not None:
             disk = self.disk.stats()
             tiers.append(
@@ -597,3 +714,15 @@ class Store:
         counters["pinned_bytes"] = self.pins.bytes
         counters["namespaces"] = len(self.namespaces)
         return StoreStats(tiers, namespaces, counters)
+
+
+def _tier(entry: Entry) -> Tier:
+    """Where a hit is read from: the GPU tier, the arena, or the disk (being read into the arena)."""
+    if entry.gpu_ready:
+        return Tier.GPU
+    return Tier.CPU if entry.committed else Tier.DISK
+
+
+def _in_pools(entry: Entry, pools: frozenset[int]) -> bool:
+    """Whether a lease's reader reads this page in place in the GPU tier."""
+    return entry.gpu_ready and entry.pool in pools

@@ -54,12 +54,14 @@ class PageSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., latent: _Optional[bool] = ..., kv_sharing: _Optional[_Mapping[int, int]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., salt: _Optional[str] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("spec", "client_name")
+    __slots__ = ("spec", "client_name", "device_pci_bus_id")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
     spec: PageSpec
     client_name: str
-    def __init__(self, spec: _Optional[_Union[PageSpec, _Mapping]] = ..., client_name: _Optional[str] = ...) -> None: ...
+    device_pci_bus_id: str
+    def __init__(self, spec: _Optional[_Union[PageSpec, _Mapping]] = ..., client_name: _Optional[str] = ..., device_pci_bus_id: _Optional[str] = ...) -> None: ...
 
 class Arena(_message.Message):
     __slots__ = ("shm_path", "size")
@@ -70,7 +72,7 @@ class Arena(_message.Message):
     def __init__(self, shm_path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
-    __slots__ = ("namespace", "chunk_tokens", "page_bytes", "arena", "lease_ttl_ms", "max_message_bytes", "local_socket")
+    __slots__ = ("namespace", "chunk_tokens", "page_bytes", "arena", "lease_ttl_ms", "max_message_bytes", "local_socket", "gpu_pools")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +80,7 @@ class ConnectResponse(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    GPU_POOLS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     chunk_tokens: int
     page_bytes: int
@@ -85,19 +88,34 @@ class ConnectResponse(_message.Message):
     lease_ttl_ms: int
     max_message_bytes: int
     local_socket: str
-    def __init__(self, namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., page_bytes: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ...) -> None: ...
+    gpu_pools: _containers.RepeatedCompositeFieldContainer[GpuPool]
+    def __init__(self, namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., page_bytes: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ...) -> None: ...
+
+class GpuPool(_message.Message):
+    __slots__ = ("device", "pci_bus_id", "ipc_handle", "size")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    pci_bus_id: str
+    ipc_handle: bytes
+    size: int
+    def __init__(self, device: _Optional[int] = ..., pci_bus_id: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms")
+    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms", "gpu_pools")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    GPU_POOLS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: bytes
     lease: bool
     lease_ttl_ms: int
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    gpu_pools: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., gpu_pools: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_chunks", "tiers", "lease_id")
@@ -148,14 +166,18 @@ class CommitResponse(_message.Message):
     def __init__(self, committed: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("ready_chunks", "offsets", "page_bytes")
+    __slots__ = ("ready_chunks", "offsets", "page_bytes", "tiers", "pools")
     READY_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     ready_chunks: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
     page_bytes: int
-    def __init__(self, ready_chunks: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    tiers: bytes
+    pools: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ready_chunks: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[bytes] = ..., pools: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace", "lease_id")

@@ -135,7 +135,7 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Acquire(self, request, context):
-        """Arena offsets of a load lease's pages.
+        """Where to read a load lease's pages: arena offsets, or GPU pool offsets.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

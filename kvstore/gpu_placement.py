@@ -1,0 +1,218 @@
+"""What lives in the GPU tier: pages move up on repeated hits or a pin, and back down for room.
+
+The store calls these on its event loop; the copies run in the GPU tier's worker threads and
+end here, on the loop again (`loop.call_soon_threadsafe`). Nothing here waits for a copy.
+
+- `hit(entries)`: counts a leased hit of each CPU-tier page; one at `promote_after_hits`
+  moves up.
+- `promote(entries, protected)`: moves CPU-tier pages into a GPU pool. Room is made by
+  demoting the GPU tier's policy's first unleased pages into the arena (which may evict
+  CPU-tier pages in turn); without room for the whole batch nothing moves.
+- `readable(entries, pools)`: the pages a load lease can read: those in a pool its reader
+  has not opened are copied into the arena first (Acquire waits for them); without arena
+  room, the lease ends before the first of them.
+- `left(entry)`, `free_slot(entry)`: bookkeeping for a GPU-tier page leaving the index.
+
+While a page moves up it is read from the arena; once it is up, its arena slot is freed as
+soon as no lease holds it (`Store._settle`). A page moving down is read from the arena once
+its copy lands (its `loaded` future); its GPU slot is reused at once, which is safe because
+every copy into and out of a pool runs in order on that pool's one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, cast
+
+from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.policy import EvictionPolicy
+from kvstore.tiers import Tier
+from kvstore.tiers.gpu import Copy, GpuPool, GpuTier
+
+if TYPE_CHECKING:
+    from kvstore.store import Entry, Store, TierUsage
+
+
+class GpuPlacement:
+    def __init__(self, store: Store, gpu: GpuTier, policy: EvictionPolicy, promote_after_hits: int) -> None:
+        self.store = store
+        self.gpu = gpu
+        self.policy = policy  # the GPU tier's own: it orders the pages in the GPU tier only
+        self.promote_after_hits = promote_after_hits
+        self.pages = 0  # pages that belong to the GPU tier
+        self.counters = store.counters
+
+    # -- up -----------------------------------------------------------------
+
+    def hit(self, entries: Sequence[Entry]) -> None:
+        ready: list[Entry] = []
+        for entry in entries:
+            if entry.gpu < 0 and entry.committed:
+                entry.hits += 1
+                if entry.hits >= self.promote_after_hits:
+                    ready.append(entry)
+        if ready:
+            self.promote(ready, protected=list(entries))
+
+    def promote(self, entries: Sequence[Entry], protected: Sequence[Entry]) -> None:
+        batches: dict[tuple[int, int], list[Entry]] = {}
+        for entry in entries:
+            if not _movable_up(entry):
+                continue
+            pool = self._pool_for(entry)
+            page_bytes = entry.namespace.spec.page_bytes
+            if pool.slots.can_hold(page_bytes):
+                batches.setdefault((pool.index, page_bytes), []).append(entry)
+        for (index, page_bytes), batch in batches.items():
+            self._promote(self.gpu.pools[index], page_bytes, batch, [*protected, *batch])
+
+    def _pool_for(self, entry: Entry) -> GpuPool:
+        preferred = entry.namespace.gpu_pool
+        if preferred >= 0:
+            return self.gpu.pools[preferred]
+        page_bytes = entry.namespace.spec.page_bytes
+        return max(self.gpu.pools, key=lambda pool: pool.slots.available(page_bytes))
+
+    def _promote(self, pool: GpuPool, page_bytes: int, batch: list[Entry], protected: list[Entry]) -> None:
+        victims = pool.slots.plan_free(page_bytes, len(batch), self._evictable(pool))
+        if victims is None or not self._arena_room(victims, protected):
+            self.counters["gpu_promotions_refused"] += len(batch)
+            return
+        loop = asyncio.get_running_loop()
+        arena = self.gpu.arena_base
+        copies: list[Copy] = []
+        for victim in victims:  # first out, so that their slots can be filled after them in order
+            size = victim.namespace.spec.page_bytes
+            victim.offset = self.store.cpu.slots.alloc(size)
+            victim.loaded = loop.create_future()
+            copies.append((arena + victim.offset, pool.base + victim.gpu, size))
+            self.policy.evicted(victim)
+            self.left(victim)
+            self.free_slot(victim)
+            if victim not in self.store.pins:
+                self.store.policy.stored([victim])
+        for entry in batch:
+            entry.gpu = pool.slots.alloc(page_bytes)
+            entry.pool = pool.index
+            entry.gpu_pending = True
+            copies.append((pool.base + entry.gpu, arena + entry.offset, page_bytes))
+        self.counters["gpu_demoted_chunks"] += len(victims)
+
+        def done(ok: bool) -> None:
+            loop.call_soon_threadsafe(self._moved, victims, batch, ok)
+
+        self.gpu.copy(pool, copies, done)
+
+    def _evictable(self, pool: GpuPool) -> Iterator[tuple[int, Entry]]:
+        for item in self.policy.candidates():
+            entry = cast("Entry", item)
+            if entry.pool == pool.index and not entry.pins and not entry.busy:
+                yield entry.gpu, entry
+
+    def _arena_room(self, victims: list[Entry], protected: list[Entry]) -> bool:
+        """Frees arena slots for the pages moving down; False if the CPU tier cannot make room."""
+        counts: dict[int, int] = {}
+        for victim in victims:
+            size = victim.namespace.spec.page_bytes
+            counts[size] = counts.get(size, 0) + 1
+        try:
+            for size, count in counts.items():
+                self.store.make_cpu_room(size, count, protected)
+        except ResourceExhausted:
+            return False
+        return True
+
+    def _moved(self, victims: list[Entry], batch: list[Entry], ok: bool) -> None:
+        """A promotion's copies finished (on the event loop)."""
+        store = self.store
+        for victim in victims:
+            assert victim.loaded is not None
+            victim.loaded.set_result(ok)
+            if not ok:
+                self.counters["gpu_copy_failures"] += 1
+                if not victim.removed:
+                    store._remove(victim)  # its bytes are lost: a miss from now on
+            store._settle(victim)
+        for entry in batch:
+            entry.gpu_pending = False
+            if ok and not entry.removed:
+                entry.on_gpu = True
+                self.pages += 1
+                if entry not in store.pins:
+                    store.policy.remove(entry)
+                    self.policy.stored([entry])
+                self.counters["gpu_promoted_chunks"] += 1
+            elif not ok:
+                self.counters["gpu_copy_failures"] += 1
+                self.free_slot(entry)
+            store._settle(entry)
+
+    # -- down, for a reader without the pool --------------------------------
+
+    def readable(self, entries: list[Entry], pools: Sequence[int]) -> list[Entry]:
+        for index in pools:
+            if not 0 <= index < len(self.gpu.pools):
+                count = len(self.gpu.pools)
+                raise InvalidArgument(f"gpu_pools: pool {index} does not exist; this daemon has {count}")
+        need = [e for e in entries if e.gpu_ready and e.pool not in pools and e.offset < 0]
+        if not need:
+            return entries
+        if not self._arena_room(need, entries):
+            self.counters["gpu_copies_down_refused"] += len(need)
+            return entries[: entries.index(need[0])]
+        loop = asyncio.get_running_loop()
+        arena = self.gpu.arena_base
+        by_pool: dict[int, list[Copy]] = {}
+        for entry in need:
+            size = entry.namespace.spec.page_bytes
+            entry.offset = self.store.cpu.slots.alloc(size)
+            entry.loaded = loop.create_future()
+            pool = self.gpu.pools[entry.pool]
+            by_pool.setdefault(pool.index, []).append((arena + entry.offset, pool.base + entry.gpu, size))
+        for index, copies in by_pool.items():
+            moved = [e for e in need if e.pool == index]
+
+            def done(ok: bool, moved: list[Entry] = moved) -> None:
+                loop.call_soon_threadsafe(self._copied_down, moved, ok)
+
+            self.gpu.copy(self.gpu.pools[index], copies, done)
+        self.counters["gpu_copied_down_chunks"] += len(need)
+        return entries
+
+    def _copied_down(self, entries: list[Entry], ok: bool) -> None:
+        for entry in entries:
+            assert entry.loaded is not None
+            entry.loaded.set_result(ok)
+            if not ok:
+                self.counters["gpu_copy_failures"] += 1
+            self.store._settle(entry)
+
+    # -- bookkeeping --------------------------------------------------------
+
+    def left(self, entry: Entry) -> None:
+        """A page leaves the GPU tier (demoted, or dropped from the index)."""
+        if entry.on_gpu:
+            entry.on_gpu = False
+            entry.hits = 0
+            self.pages -= 1
+
+    def free_slot(self, entry: Entry) -> None:
+        self.gpu.pools[entry.pool].slots.free(entry.gpu)
+        entry.gpu = -1
+
+    def usage(self) -> TierUsage:
+        from kvstore.store import TierUsage
+
+        extra: dict[str, float] = {
+            "devices": len(self.gpu.pools),
+            "copies_in_flight": self.gpu.pending_copies,
+            "arena_registered": float(self.gpu.arena_registered),
+        }
+        for name in ("promoted_chunks", "demoted_chunks", "copied_down_chunks", "promotions_refused"):
+            extra[name] = self.counters[f"gpu_{name}"]
+        return TierUsage(Tier.GPU.name.lower(), self.gpu.bytes_used, self.gpu.capacity, self.pages, extra)
+
+
+def _movable_up(entry: Entry) -> bool:
+    return entry.committed and not entry.removed and entry.gpu < 0 and entry.cpu_ready and not entry.busy

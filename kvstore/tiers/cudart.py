@@ -1,0 +1,187 @@
+"""The CUDA runtime calls of the GPU tier, through ctypes on libcudart: the daemon needs no torch.
+
+- `load_runtime()`: the runtime, loaded once (`CudaRuntime`), or `CudaUnavailable` saying why
+  there is none (no library, no driver, no device).
+- devices: `device_count()`, `set_device(d)`, `pci_bus_id(d)`, `device_by_pci_bus_id(bus_id)`.
+- memory: `malloc(size)`, `free(ptr)`, `host_register(ptr, size)`, `host_unregister(ptr)`.
+- CUDA IPC: `ipc_handle(ptr)` (64 bytes), `ipc_open(handle)` (on the current device), `ipc_close(ptr)`.
+- copies: `stream_create()`, `memcpy_async(dst, src, size, stream)`, `stream_synchronize(stream)`.
+
+The library is the one this process already loaded (a worker's torch), else an nvidia wheel's
+(torch's CUDA wheels install one: found as kernels/cudart.py finds it), else the system's.
+Every call's status is checked; a failure is a `CudaError` naming the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+from functools import cache
+
+IPC_HANDLE_BYTES = 64
+_MEMCPY_DEFAULT = 4  # direction from the unified address space
+_IPC_LAZY_ENABLE_PEER_ACCESS = 1
+_STREAM_NON_BLOCKING = 1
+_NO_DEVICE = 100  # cudaErrorNoDevice
+_INSUFFICIENT_DRIVER = 35  # cudaErrorInsufficientDriver
+
+
+_LIBRARY_PATTERNS = ("nvidia/cu*/lib/libcudart.so*", "nvidia/*/lib/libcudart.so*", "torch/lib/libcudart*.so*")
+
+
+class CudaUnavailable(RuntimeError):
+    """No usable CUDA runtime or device in this process."""
+
+
+class CudaError(RuntimeError):
+    """A CUDA runtime call failed."""
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+class CudaRuntime:
+    """libcudart's calls that the GPU tier makes, with their argument types declared."""
+
+    def __init__(self, library: ctypes.CDLL, path: str) -> None:
+        self.path = path
+        self._lib = lib = library
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        size_t, ptr, c_int = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int
+        signatures: dict[str, list[type]] = {
+            "cudaGetDeviceCount": [ctypes.POINTER(c_int)],
+            "cudaSetDevice": [c_int],
+            "cudaDeviceGetPCIBusId": [ctypes.c_char_p, c_int, c_int],
+            "cudaDeviceGetByPCIBusId": [ctypes.POINTER(c_int), ctypes.c_char_p],
+            "cudaMalloc": [ctypes.POINTER(ptr), size_t],
+            "cudaFree": [ptr],
+            "cudaMemset": [ptr, c_int, size_t],
+            "cudaHostRegister": [ptr, size_t, ctypes.c_uint],
+            "cudaHostUnregister": [ptr],
+            "cudaIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), ptr],
+            "cudaIpcOpenMemHandle": [ctypes.POINTER(ptr), _IpcHandle, ctypes.c_uint],
+            "cudaIpcCloseMemHandle": [ptr],
+            "cudaStreamCreateWithFlags": [ctypes.POINTER(ptr), ctypes.c_uint],
+            "cudaStreamDestroy": [ptr],
+            "cudaStreamSynchronize": [ptr],
+            "cudaMemcpyAsync": [ptr, ptr, size_t, c_int, ptr],
+        }
+        for name, argtypes in signatures.items():
+            function = getattr(lib, name)
+            function.argtypes = argtypes
+            function.restype = c_int
+
+    def _check(self, status: int, call: str) -> None:
+        if status:
+            self._lib.cudaGetLastError()  # clear it, or the next unrelated check reports it
+            message = self._lib.cudaGetErrorString(status).decode(errors="replace")
+            raise CudaError(f"{call} failed: {message} (cudaError {status})")
+
+    def device_count(self) -> int:
+        count = ctypes.c_int()
+        status = self._lib.cudaGetDeviceCount(ctypes.byref(count))
+        if status in (_NO_DEVICE, _INSUFFICIENT_DRIVER):
+            self._lib.cudaGetLastError()
+            return 0
+        self._check(status, "cudaGetDeviceCount")
+        return count.value
+
+    def set_device(self, device: int) -> None:
+        self._check(self._lib.cudaSetDevice(device), f"cudaSetDevice({device})")
+
+    def pci_bus_id(self, device: int) -> str:
+        text = ctypes.create_string_buffer(32)
+        self._check(self._lib.cudaDeviceGetPCIBusId(text, len(text), device), "cudaDeviceGetPCIBusId")
+        return text.value.decode().lower()
+
+    def device_by_pci_bus_id(self, bus_id: str) -> int:
+        device = ctypes.c_int()
+        status = self._lib.cudaDeviceGetByPCIBusId(ctypes.byref(device), bus_id.encode())
+        self._check(status, f"cudaDeviceGetByPCIBusId({bus_id})")
+        return device.value
+
+    def malloc(self, size: int) -> int:
+        pointer = ctypes.c_void_p()
+        self._check(self._lib.cudaMalloc(ctypes.byref(pointer), size), f"cudaMalloc({size})")
+        return pointer.value or 0
+
+    def free(self, pointer: int) -> None:
+        self._check(self._lib.cudaFree(pointer), "cudaFree")
+
+    def memset(self, pointer: int, value: int, size: int) -> None:
+        self._check(self._lib.cudaMemset(pointer, value, size), "cudaMemset")
+
+    def host_register(self, pointer: int, size: int) -> None:
+        self._check(self._lib.cudaHostRegister(pointer, size, 0), "cudaHostRegister")
+
+    def host_unregister(self, pointer: int) -> None:
+        self._check(self._lib.cudaHostUnregister(pointer), "cudaHostUnregister")
+
+    def ipc_handle(self, pointer: int) -> bytes:
+        handle = _IpcHandle()
+        self._check(self._lib.cudaIpcGetMemHandle(ctypes.byref(handle), pointer), "cudaIpcGetMemHandle")
+        return ctypes.string_at(ctypes.byref(handle), IPC_HANDLE_BYTES)
+
+    def ipc_open(self, handle: bytes) -> int:
+        """Maps another process's allocation on the current device; returns its address here."""
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise ValueError(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+        raw = _IpcHandle()
+        ctypes.memmove(ctypes.byref(raw), handle, IPC_HANDLE_BYTES)
+        pointer = ctypes.c_void_p()
+        status = self._lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, _IPC_LAZY_ENABLE_PEER_ACCESS)
+        self._check(status, "cudaIpcOpenMemHandle")
+        return pointer.value or 0
+
+    def ipc_close(self, pointer: int) -> None:
+        self._check(self._lib.cudaIpcCloseMemHandle(pointer), "cudaIpcCloseMemHandle")
+
+    def stream_create(self) -> int:
+        stream = ctypes.c_void_p()
+        status = self._lib.cudaStreamCreateWithFlags(ctypes.byref(stream), _STREAM_NON_BLOCKING)
+        self._check(status, "cudaStreamCreateWithFlags")
+        return stream.value or 0
+
+    def stream_destroy(self, stream: int) -> None:
+        self._check(self._lib.cudaStreamDestroy(stream), "cudaStreamDestroy")
+
+    def stream_synchronize(self, stream: int) -> None:
+        self._check(self._lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+    def memcpy_async(self, dst: int, src: int, size: int, stream: int) -> None:
+        self._check(self._lib.cudaMemcpyAsync(dst, src, size, _MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+
+
+@cache
+def load_runtime() -> CudaRuntime:
+    """The CUDA runtime, loaded once; `CudaUnavailable` (saying why) where there is none."""
+    tried: list[str] = []
+    for path in _candidates():
+        try:
+            return CudaRuntime(ctypes.CDLL(path), path)
+        except (OSError, AttributeError) as exc:
+            tried.append(f"{path} ({exc})")
+    raise CudaUnavailable("no CUDA runtime library (libcudart) found; tried: " + "; ".join(tried[-3:]))
+
+
+def _candidates() -> list[str]:
+    loaded: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(maxsplit=1)[-1]
+                if "libcudart.so" in os.path.basename(path) and path not in loaded:
+                    loaded.append(path)
+    except OSError:
+        pass
+    found = [
+        path
+        for root in sys.path
+        for pattern in _LIBRARY_PATTERNS
+        for path in sorted(glob.glob(os.path.join(root, pattern)))
+    ]
+    return list(dict.fromkeys([*loaded, *found, "libcudart.so.13", "libcudart.so.12", "libcudart.so"]))
