@@ -29,6 +29,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.spec import KVSpec
 from kvstore.stats import stats_to_dict
+from kvstore_client.gpu_pools import GpuPools, device_bus_id
 from kvstore_client.handles import LoadHandle, StoreHandle
 from kvstore_client.local import LocalChannel
 
@@ -121,6 +122,7 @@ class KVStoreClient:
         # into how many runs it cuts the layers (`layer_groups`).
         self.layerwise_options = LAYERWISE_TRANSFER
         self.layerwise_runs = LAYERWISE_RUNS
+        self._gpu_pools = GpuPools(None, {})
         try:
             self._handshake()
         except BaseException:
@@ -195,6 +197,7 @@ class KVStoreClient:
                 tp_size=page.tp_size,
                 salt=page.salt,
             ),
+            device_pci_bus_id=device_bus_id(),
         )
         reply = self._rpc("Connect", request)
         self.spec = spec.with_chunk_tokens(reply.chunk_tokens)
@@ -212,6 +215,9 @@ class KVStoreClient:
                 "client and daemon run incompatible kvstore versions"
             )
         self._map_arena(reply.arena.shm_path, reply.arena.size)
+        self._gpu_pools.close()
+        if self.arena is not None:  # same host: the GPU tier's pools can be opened too
+            self._gpu_pools = GpuPools.open(reply.gpu_pools)
         self._open_local_channel(reply.local_socket)
         if self._outage:
             log.warning("kvstored reachable again at %s", self.address)
@@ -305,6 +311,7 @@ class KVStoreClient:
 
     def close(self) -> None:
         self._close_local_channel()
+        self._gpu_pools.close()
         self._unmap_arena()
         self._channel.close()
 
@@ -422,11 +429,14 @@ class KVStoreClient:
         """
         moved = self._layer_range(layers)
         keys = self.keys(token_ids)
+        in_place = self._gpu_pools.readable(cache_device(kv_caches))  # GPU-tier pools read in place
         try:
             reply = (
                 self._first_rpc(
                     "Lookup",
-                    lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys), lease=True),
+                    lambda: pb.LookupRequest(
+                        namespace=self.namespace, keys=pack_keys(keys), lease=True, gpu_pools=in_place
+                    ),
                 )
                 if keys
                 else None
@@ -442,14 +452,20 @@ class KVStoreClient:
             if self.arena is not None:
                 acquired = self._rpc("Acquire", lease)
                 ready = acquired.ready_chunks
-                offsets = list(acquired.offsets)[:ready]
+                pieces = self._gpu_pools.pieces(acquired, self.arena)  # the arena's chunks, each pool's
                 runs = self.layerwise_runs
                 groups = layer_groups(moved, runs) if layerwise and moved else [moved]
-                scatter, arena = kvstore_kernels.scatter, self.arena
+                scatter = kvstore_kernels.scatter
                 if layerwise and self._registered and cache_device(kv_caches).type == "cuda":
                     scatter = functools.partial(scatter, options=self.layerwise_options)
+                scatter_for = functools.partial(self._gpu_pools.scatter_for, arena_scatter=scatter)
                 events = [
-                    self._enqueue(scatter, kv_caches, block_ids, range(ready), arena, offsets, group, stream)
+                    [
+                        self._enqueue(
+                            scatter_for(buf), kv_caches, block_ids, chunks, buf, offsets, group, stream
+                        )
+                        for buf, chunks, offsets in pieces  # one stream: the last event follows them all
+                    ][-1]
                     for group in groups
                 ]
                 event = events[-1]

@@ -1,0 +1,128 @@
+"""The daemon's GPU-tier pools, opened in a worker through CUDA IPC.
+
+- `GpuPools.open(pools)`: opens each pool of a ConnectResponse once, on this process's device
+  with the pool's PCI bus id (device numbers differ between processes), and wraps it as a
+  uint8 tensor on that device. A pool on a device this process cannot see stays closed.
+- `readable(device)`: the indices of the open pools on `device`: a load into a KV cache there
+  reads their pages in place (the daemon copies pages of other pools into the arena for it).
+- `pieces(acquired, arena)`: an Acquire reply cut by buffer: `(buffer, chunks, offsets)` for
+  the arena and for each pool, so one load scatters chunks of both tiers.
+- `scatter_for(buffer, arena_scatter)`: the scatter that reads `buffer`: `arena_scatter` for the
+  arena, for a pool one with `max_programs` kernel programs when set (None: the kernels'
+  default for a device buffer).
+- `close()`: waits for this process's work on those devices, then closes the mappings.
+- `device_bus_id()`: the PCI bus id of this process's current CUDA device ("" without one),
+  which Connect sends so that the namespace's pages go to the pool on that device.
+
+Needs torch with CUDA; the IPC calls go through `kvstore.tiers.cudart` on the CUDA runtime
+library that torch already loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import kvstore_kernels
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.tiers import Tier
+from kvstore.tiers.cudart import CudaError, CudaRuntime, CudaUnavailable, load_runtime
+
+log = logging.getLogger(__name__)
+
+
+def device_bus_id() -> str:
+    if not torch.cuda.is_available():
+        return ""
+    try:
+        return load_runtime().pci_bus_id(torch.cuda.current_device())
+    except RuntimeError:  # CudaError, CudaUnavailable, or torch's own
+        return ""
+
+
+class _DeviceBytes:
+    """`size` bytes at a device address, in the CUDA array interface torch.as_tensor reads."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+class GpuPools:
+    def __init__(self, runtime: CudaRuntime | None, tensors: dict[int, torch.Tensor]) -> None:
+        self._runtime = runtime
+        self.tensors = tensors  # pool index -> its bytes, on this process's device
+        self.max_programs: int | None = None  # kernel programs of a load from a pool
+
+    @classmethod
+    def open(cls, pools: Sequence[pb.GpuPool]) -> GpuPools:
+        if not pools or not torch.cuda.is_available():
+            return cls(None, {})
+        torch.cuda.init()
+        try:
+            runtime = load_runtime()
+        except CudaUnavailable as exc:
+            log.info("GPU-tier pools not opened (%s): their pages come through the arena", exc)
+            return cls(None, {})
+        tensors: dict[int, torch.Tensor] = {}
+        for index, pool in enumerate(pools):
+            try:
+                device = runtime.device_by_pci_bus_id(pool.pci_bus_id)
+                with torch.cuda.device(device):
+                    runtime.set_device(device)
+                    address = runtime.ipc_open(pool.ipc_handle)
+            except CudaError as exc:
+                log.info(
+                    "GPU-tier pool on %s not opened (%s): its pages come through the arena",
+                    pool.pci_bus_id,
+                    exc,
+                )
+                continue
+            tensor = torch.as_tensor(_DeviceBytes(address, pool.size), device=torch.device("cuda", device))
+            tensors[index] = tensor
+        return cls(runtime, tensors)
+
+    def readable(self, device: torch.device) -> list[int]:
+        return [index for index, tensor in self.tensors.items() if tensor.device == device]
+
+    def pieces(self, acquired: Any, arena: torch.Tensor) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+        """`(buffer, chunks, offsets)` per buffer holding some of an AcquireResponse's ready chunks."""
+        ready = acquired.ready_chunks
+        tiers = acquired.tiers or bytes([Tier.CPU]) * ready
+        by_buffer: dict[int, tuple[list[int], list[int]]] = {-1: ([], [])}
+        for chunk in range(ready):
+            key = acquired.pools[chunk] if tiers[chunk] == Tier.GPU else -1
+            chunks, offsets = by_buffer.setdefault(key, ([], []))
+            chunks.append(chunk)
+            offsets.append(acquired.offsets[chunk])
+        return [
+            (arena if key < 0 else self.tensors[key], chunks, offsets)
+            for key, (chunks, offsets) in by_buffer.items()
+            if chunks or key < 0 and len(by_buffer) == 1
+        ]
+
+    def scatter_for(self, buffer: torch.Tensor, arena_scatter: Callable[..., None]) -> Callable[..., None]:
+        if buffer.device.type != "cuda":
+            return arena_scatter
+        if self.max_programs is None:
+            return kvstore_kernels.scatter
+        options = kvstore_kernels.TransferOptions(max_programs=self.max_programs)
+        return functools.partial(kvstore_kernels.scatter, options=options)
+
+    def close(self) -> None:
+        runtime, tensors = self._runtime, self.tensors
+        self.tensors = {}
+        if runtime is None:
+            return
+        for tensor in tensors.values():
+            torch.cuda.synchronize(tensor.device)  # reads of this process still in flight
+            runtime.ipc_close(tensor.data_ptr())
