@@ -145,7 +145,9 @@ def main() -> None:
         client._gpu_pools.max_programs = None
         hit = client._rpc(
             "Lookup",
-            pb.LookupRequest(namespace=client.namespace, keys=pack_keys(client.keys(prompt_b)), lease=True),
+            pb.LookupRequest(
+                namespace=client.namespace, keys=pack_keys(client.keys(prompt_b)), lease=True, gpu_pools=[0]
+            ),
         )
         lease = pb.LeaseRequest(namespace=client.namespace, lease_id=hit.lease_id)
         acquired = client._rpc("Acquire", lease)
