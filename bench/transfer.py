@@ -39,6 +39,7 @@ import gc
 import json
 import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,7 @@ from bench.transfer_cases import (  # noqa: E402
     device_pack,
     kernel,
     memcpy,
+    memcpy_pages,
     per_block_cuda,
     per_block_python,
     staged_path,
@@ -65,7 +67,7 @@ from bench.transfer_cases import (  # noqa: E402
     timed_pair,
     verify,
 )
-from kvstore_kernels import copy_engine, cudart, staged, triton_copy  # noqa: E402
+from kvstore_kernels import TransferOptions, copy_engine, cudart, staged, triton_copy  # noqa: E402
 
 MiB = 1 << 20
 
@@ -104,8 +106,12 @@ def with_interference(
 def throughput_variants(setup: Setup, to_page: bool, num_sms: int) -> dict[str, Enqueue]:
     variants = {
         "memcpy": memcpy(setup, to_page),
+        # The staged path's copies alone: one per 32 MiB page, on one side stream or two in turn.
+        "memcpy/pages": memcpy_pages(setup, to_page),
+        "memcpy/pages x2": memcpy_pages(setup, to_page, streams=2),
         "per_block_python": per_block_python(setup, to_page),
         "per_block_cuda": per_block_cuda(setup, to_page),
+        "per_block_batch": copy_engines(setup, to_page, "1d"),
         "kernel@2": kernel(setup, to_page, 2),
         **{f"kernel@{cap or 'all'}": kernel(setup, to_page, cap or num_sms) for cap in CAPS},
         "kernel": kernel(setup, to_page, None),
@@ -113,7 +119,12 @@ def throughput_variants(setup: Setup, to_page: bool, num_sms: int) -> dict[str, 
         "staged": staged_path(setup, to_page),
         "staged/serial": staged_path(setup, to_page, overlap=False),
         "staged/64MiB": staged_path(setup, to_page, staging_bytes=64 * MiB),
+        "staged/2streams": staged_path(setup, to_page, copy_streams=2),
+        # Public calls, each timed alone (issue + run, synchronised): "auto" on cache tensors
+        # seen before (a serving engine's case), "auto/cold" as the first call on them.
         "auto": setup.call(to_page, None),
+        "auto/cold": setup.call(to_page, None, cold=True),
+        **{f"auto@{n}": setup.call(to_page, TransferOptions(max_programs=n)) for n in AUTO_CAPS},
         # Four calls back to back, as a serving engine issues them: each call's host work
         # (validation, tables) overlaps the copies of the one before.
         "memcpy x4": repeated(memcpy(setup, to_page), 4),
@@ -127,6 +138,11 @@ def throughput_variants(setup: Setup, to_page: bool, num_sms: int) -> dict[str, 
     return variants
 
 
+def picked(variants: dict[str, Any], names: list[str] | None) -> dict[str, Any]:
+    """The variants named in `names` (None: all); the rest are never built into a row."""
+    return variants if names is None else {name: v for name, v in variants.items() if name in names}
+
+
 def repeated(enqueue: Enqueue, times: int) -> Enqueue:
     def enqueue_all() -> int:
         return sum(enqueue() for _ in range(times))
@@ -135,6 +151,7 @@ def repeated(enqueue: Enqueue, times: int) -> Enqueue:
 
 
 STAGED_PROGRAMS = tuple(n for n in (8, 16, 32, 64) if n != staged.DEFAULT_PROGRAMS)
+AUTO_CAPS = (4, 8, 16)  # public calls with max_programs: at most that many SMs
 
 
 def pair_variants(setup: Setup) -> dict[str, tuple[Enqueue, Enqueue]]:
@@ -151,6 +168,14 @@ def pair_variants(setup: Setup) -> dict[str, tuple[Enqueue, Enqueue]]:
             staged_path(setup, False, overlap=False, second=True),
         ),
         "auto+auto": (setup.call(True, None), setup.call(False, None, second=True)),
+        "auto/cold+auto/cold": (
+            setup.call(True, None, cold=True),
+            setup.call(False, None, second=True, cold=True),
+        ),
+        "auto@16+auto@16": (
+            setup.call(True, TransferOptions(max_programs=16)),
+            setup.call(False, TransferOptions(max_programs=16), second=True),
+        ),
     }
     if setup.layout != "cross_layer":  # 1-D copy batches: 23-35 GB/s, measured before
         del pairs["copy_engine+copy_engine"]
@@ -164,8 +189,10 @@ INTERFERENCE_VARIANTS = (
     "staged",
     "staged/serial",
     "staged/64MiB",
+    "staged/2streams",
     *(f"staged@{n}" for n in STAGED_PROGRAMS),
     "auto",
+    "auto@16",
 )
 INTERFERENCE_PAIRS = (
     "memcpy",
@@ -174,7 +201,19 @@ INTERFERENCE_PAIRS = (
     "staged/serial+staged/serial",
     "auto+auto",
 )
-VERIFIED = ("kernel", "kernel@all", "copy_engine", "staged", "staged/serial", "staged/64MiB", "auto")
+VERIFIED = (
+    "kernel",
+    "kernel@all",
+    "copy_engine",
+    "per_block_batch",
+    "staged",
+    "staged/serial",
+    "staged/64MiB",
+    "staged/2streams",
+    "auto",
+    "auto/cold",
+    *(f"auto@{n}" for n in AUTO_CAPS),
+)
 
 
 def full_layout(
@@ -185,7 +224,7 @@ def full_layout(
     measure_interference = layout in args.interference_layouts
     for to_page in (True, False):
         direction = "gather" if to_page else "scatter"
-        variants = throughput_variants(setup, to_page, num_sms)
+        variants = picked(throughput_variants(setup, to_page, num_sms), args.variants)
         # The per-block variants hold tens of thousands of objects: keep them out of the cyclic
         # collector's scans, which otherwise land in the timed calls as millisecond pauses.
         gc.collect()
@@ -209,7 +248,7 @@ def full_layout(
                 f"slowdown {median_slowdown(row)}",
                 flush=True,
             )
-    for name, (first, second) in pair_variants(setup).items():
+    for name, (first, second) in picked(pair_variants(setup), args.pairs).items():
         row = guarded(log, f"{layout} both {name}", timed_pair, first, second, args.reps)
         if row is None:
             continue
@@ -283,9 +322,6 @@ def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]],
         shown = "-" if value is None else f"{value:.3f}"
         accept.append([what, shown, f"{'>=' if above else '<='} {limit}", ok])
 
-    few_sms = [f"staged@{n}" for n in (4, 8, 16) if n != staged.DEFAULT_PROGRAMS]  # flash_attn only
-    if staged.DEFAULT_PROGRAMS <= 16:
-        few_sms.append("staged")
     for layout in ("flash_attn", "flashinfer", "cross_layer"):
         for direction, no_cap, capped in (("gather", 0.93, 0.93), ("scatter", 0.90, 0.88)):
 
@@ -294,12 +330,15 @@ def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]],
             ) -> float | None:
                 return ratio(rows.get((*key, variant)), rows.get((*key, base)))
 
-            item(f"{layout} {direction} auto (no cap) / memcpy", of("auto"), no_cap)
+            item(f"{layout} {direction} auto, one call (no cap) / memcpy", of("auto"), no_cap)
+            item(
+                f"{layout} {direction} auto/cold, first call on the tensors / memcpy", of("auto/cold"), no_cap
+            )
+            item(f"{layout} {direction} auto@16, one call (<=16 SMs) / memcpy", of("auto@16"), capped)
             item(f"{layout} {direction} auto x4 back to back / memcpy x4", of("auto x4", "memcpy x4"), no_cap)
-            capped_ratios = [r for r in (of(v) for v in few_sms) if r is not None]
-            item(f"{layout} {direction} staged <=16 SMs / memcpy", max(capped_ratios, default=None), capped)
             item(f"{layout} {direction} auto / per_block_python", of("auto", "per_block_python"), 20)
             item(f"{layout} {direction} auto / per_block_cuda", of("auto", "per_block_cuda"), 20)
+            item(f"{layout} {direction} auto / per_block_batch", of("auto", "per_block_batch"), 20)
             item(
                 f"{layout} {direction} slowdown at default",
                 median_slowdown(rows.get((layout, direction, "auto"))),
@@ -308,6 +347,8 @@ def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]],
             )
         auto_pair = pairs.get((layout, "auto+auto"))
         item(f"{layout} both ways auto / memcpy", ratio(auto_pair, pairs.get((layout, "memcpy"))), 0.85)
+        cold_pair = pairs.get((layout, "auto/cold+auto/cold"))
+        item(f"{layout} both ways auto/cold / memcpy", ratio(cold_pair, pairs.get((layout, "memcpy"))), 0.85)
         item(f"{layout} both ways slowdown at default", median_slowdown(auto_pair), 1.10, above=False)
     return table, pair_table, accept
 
@@ -449,24 +490,74 @@ def run_sweep(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    """Where the host's time goes while it issues staged transfers (cProfile, 5 gathers + 5 scatters)."""
+    """Where the host's time goes before and while a public call issues its transfer."""
+    setup = Setup(args.layouts[0], args.tokens)
+    for to_page in (True, False):
+        profile_direction(setup, to_page)
+    setup.release()
+
+
+def profile_direction(setup: Setup, to_page: bool) -> None:
+    """Each step's median time alone, then cProfile over 5 public calls."""
     import cProfile
     import pstats
 
-    setup = Setup(args.layouts[0], args.tokens)
-    for to_page in (True, False):
-        enqueue = staged_path(setup, to_page)
+    from kvstore_kernels import cache_facts, routing
+    from kvstore_kernels.geometry import Geometry
+    from kvstore_kernels.validate import plan_transfer
+
+    spec, direction = setup.spec, "gather" if to_page else "scatter"
+
+    def median_us(function: Callable[[], Any], count: int = 200) -> float:
+        samples = []
+        for _ in range(count):
+            start = time.perf_counter()
+            function()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples) * 1e6
+
+    def plan() -> Any:
+        return plan_transfer(
+            spec, setup.caches, setup.table, setup.chunks, setup.buffer, setup.offsets, None, 0,
+            writes_cache=not to_page,
+        )  # fmt: skip
+
+    def cold_plan() -> Any:
+        cache_facts.forget()
+        return plan()
+
+    made = plan()
+    steps = {
+        "plan_transfer (tensors seen before)": plan,
+        "plan_transfer (first call: full checks)": cold_plan,
+        "buffer.is_pinned()": setup.buffer.is_pinned,
+        "routing.choose": lambda: routing.choose(spec, made, TransferOptions(), to_page=to_page),
+        "Geometry": lambda: Geometry(spec, made),
+    }
+    for name, function in steps.items():
+        print(f"{direction:8} {name:44} {median_us(function):8.1f} us", flush=True)
+    call = setup.call(to_page, None)
+    for name, enqueue in (
+        ("public call (issue)", call),
+        ("staged, plan prepared (issue)", staged_path(setup, to_page)),
+    ):
         enqueue()
         torch.cuda.synchronize()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(5):
+        issue = []
+        for _ in range(20):
+            start = time.perf_counter()
             enqueue()
-        profiler.disable()
+            issue.append(time.perf_counter() - start)
+            torch.cuda.synchronize()
+        print(f"{direction:8} {name:44} {statistics.median(issue) * 1e6:8.1f} us", flush=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(5):
+        call()
         torch.cuda.synchronize()
-        print(f"-- {'gather' if to_page else 'scatter'}: 5 staged transfers")
-        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(22)
-    setup.release()
+    profiler.disable()
+    print(f"-- {direction}: 5 public calls")
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
 
 def environment() -> dict[str, Any]:
@@ -508,6 +599,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=7, help="timed transfers per figure (median)")
     parser.add_argument("--repeats", type=int, default=5, help="interference measurements per variant")
     parser.add_argument("--partial", default="", help="also write the rows so far here after each layout")
+    parser.add_argument("--variants", nargs="+", help="only these one-way variants (default: all)")
+    parser.add_argument("--pairs", nargs="+", help="only these both-ways variants (default: all)")
+    parser.add_argument("--name", default="transfer", help="results file name (bench/results/NAME.json)")
     return parser.parse_args(argv)
 
 
@@ -539,7 +633,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         result = run_full(args, log)
-        path = write_results("transfer", {"config": vars(args), "environment": env, **result, "errors": log})
+        path = write_results(args.name, {"config": vars(args), "environment": env, **result, "errors": log})
         table, pair_table, accept = summarize(result)
         print(
             f"\n{env['device']} ({env['sms']} SMs), {args.tokens} tokens, torch {env['torch']}, "

@@ -3,7 +3,7 @@
 - `Setup(layout, tokens)`: a random KV cache, two disjoint random block tables, two pinned
   buffers (anonymous shared memory registered with CUDA, like the client's arena).
 - Variants, each a callable that queues one whole transfer on the current stream and
-  returns its bytes: `memcpy`, `per_block_python`, `per_block_torch`, `per_block_cuda`,
+  returns its bytes: `memcpy`, `memcpy_pages`, `per_block_python`, `per_block_torch`, `per_block_cuda`,
   `staging` (torch index_select into a GPU buffer as large as the transfer), `kernel`,
   `copy_engines`, `staged` (the kernel packing into the staging ring, copy engines moving
   it), `device_pack` (its pack alone, into device memory); `Setup.call` is the public API
@@ -25,7 +25,7 @@ import torch
 
 import kvstore_kernels
 from kvstore.spec import KVSpec
-from kvstore_kernels import copy_engine, cudart, reference, staged, triton_copy
+from kvstore_kernels import cache_facts, copy_engine, cudart, reference, staged, triton_copy
 from kvstore_kernels.validate import plan_transfer
 
 CHUNK_TOKENS = 256
@@ -114,13 +114,21 @@ class Setup:
         )
 
     def call(
-        self, to_page: bool, options: kvstore_kernels.TransferOptions | None, second: bool = False
+        self,
+        to_page: bool,
+        options: kvstore_kernels.TransferOptions | None,
+        second: bool = False,
+        cold: bool = False,
     ) -> Enqueue:
+        """The public call. `cold`: as the first call on these cache tensors (what the checks learnt
+        about them is forgotten first, `cache_facts.forget`)."""
         table = self.table2 if second else self.table
         buffer = self.buffer2 if second else self.buffer
         function = kvstore_kernels.gather if to_page else kvstore_kernels.scatter
 
         def enqueue() -> int:
+            if cold:
+                cache_facts.forget()
             function(self.spec, self.caches, table, self.chunks, buffer, self.offsets, options=options)
             return self.bytes
 
@@ -136,6 +144,31 @@ def memcpy(setup: Setup, to_page: bool, second: bool = False) -> Enqueue:
 
     def enqueue() -> int:
         (host.copy_(device, non_blocking=True) if to_page else device.copy_(host, non_blocking=True))
+        return setup.bytes
+
+    return enqueue
+
+
+def memcpy_pages(setup: Setup, to_page: bool, streams: int = 1) -> Enqueue:
+    """One cudaMemcpyAsync per page (a contiguous GPU buffer <-> the pages at their offsets), the
+    copies alternating between `streams` side streams: what the staged path's copies cost alone."""
+    runtime = cudart.runtime()
+    sides = [torch.cuda.Stream() for _ in range(streams)]
+    device = setup.flat.data_ptr()
+    host = setup.buffer.data_ptr()
+    pairs = [(device + i * setup.page_bytes, host + offset) for i, offset in enumerate(setup.offsets)]
+
+    def enqueue() -> int:
+        current = torch.cuda.current_stream()
+        handles = []
+        for side in sides:
+            side.wait_stream(current)
+            handles.append(side.cuda_stream)
+        for index, (gpu, page) in enumerate(pairs):
+            dst, src = (page, gpu) if to_page else (gpu, page)
+            runtime.memcpy_async(dst, src, setup.page_bytes, handles[index % streams])
+        for side in sides:
+            current.wait_stream(side)
         return setup.bytes
 
     return enqueue
@@ -190,15 +223,21 @@ def per_block_python(setup: Setup, to_page: bool) -> Enqueue:
 
 
 def per_block_cuda(setup: Setup, to_page: bool) -> Enqueue:
-    """One cudaMemcpyAsync per segment (what swap_blocks does in C++), issued from Python."""
+    """One cudaMemcpyAsync per segment (what swap_blocks does in C++), from the tightest Python
+    loop: the copy list made beforehand, libcudart's function called through ctypes with its
+    argument types declared, statuses checked after the loop."""
     copies = copy_engine.plan_copies(setup.spec, setup.plan(to_page=to_page), to_page=to_page, shape="1d")
     runtime = cudart.runtime()
+    memcpy = runtime._memcpy  # the bare ctypes function: no per-call status check
     rows = list(zip(copies.dsts.tolist(), copies.srcs.tolist(), copies.sizes.tolist(), strict=True))
 
     def enqueue() -> int:
         stream = torch.cuda.current_stream().cuda_stream
+        failed = 0
         for dst, src, size in rows:
-            runtime.memcpy_async(dst, src, size, stream)
+            failed |= memcpy(dst, src, size, 4, stream)  # 4: cudaMemcpyDefault
+        if failed:
+            raise RuntimeError("cudaMemcpyAsync failed in the per-block loop")
         return setup.bytes
 
     return enqueue
@@ -263,14 +302,21 @@ def staged_path(
     staging_bytes: int | None = None,
     overlap: bool = staged.OVERLAP,
     second: bool = False,
+    copy_streams: int = staged.COPY_STREAMS,
 ) -> Enqueue:
-    """The staged path (`kvstore_kernels.staged`) with its knobs; None: the default."""
+    """The staged path (`kvstore_kernels.staged`) with its knobs, the plan prepared; None: the default."""
     plan = setup.plan(to_page=to_page, second=second)
     size = staging_bytes or staged.DEFAULT_STAGING_BYTES
 
     def enqueue() -> int:
         staged.launch(
-            setup.spec, plan, to_page=to_page, max_programs=programs, staging_bytes=size, overlap=overlap
+            setup.spec,
+            plan,
+            to_page=to_page,
+            max_programs=programs,
+            staging_bytes=size,
+            overlap=overlap,
+            copy_streams=copy_streams,
         )
         return setup.bytes
 

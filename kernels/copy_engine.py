@@ -25,7 +25,7 @@ import torch
 
 from kvstore.spec import KVSpec
 
-from .geometry import Geometry, is_packed
+from .geometry import Geometry
 from .validate import Transfer, host_blocks
 
 SHAPES = ("2d", "1d")
@@ -44,7 +44,7 @@ class Copies(NamedTuple):
 
 def why_not(plan: Transfer, geometry: Geometry | None = None) -> str | None:
     """Why the copy engines cannot move `plan` (None: they can)."""
-    packed = geometry.contiguous if geometry else all(is_packed(v) for views in plan.views for v in views)
+    packed = geometry.contiguous if geometry else all(v.packed for views in plan.view_facts for v in views)
     if not packed:
         return "the KV cache's blocks are not contiguous runs (strided views); use the kernel"
     if plan.device.type == "cpu":

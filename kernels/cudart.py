@@ -6,6 +6,10 @@
   (cudaMemcpyBatchAsync, CUDA 12.8+; its CUDA 13 form has no `failIdx` argument; it
   refuses the legacy default stream, handle 0).
 - `Runtime.can_batch`: whether that call exists in this runtime.
+- `Runtime.event_create()`, `event_record(event, stream)`, `stream_wait_event(stream, event)`,
+  `event_synchronize(event)`: raw CUDA events (no timing) by handle, a microsecond a call
+  where torch's `Event` wrappers take several; the staged path records and waits on four
+  per piece.
 
 The library is the one torch already loaded (found in /proc/self/maps), so the current
 device and the streams are the ones torch uses; no extra package is needed, and nothing
@@ -25,6 +29,7 @@ import numpy as np
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the unified address space
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
 _FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1  # cudaMemcpyFlagPreferOverlapWithCompute: leave the SMs alone
+_EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming: the cheapest event to record and wait on
 _BATCH_MIN_VERSION = 12080
 _NO_FAIL_INDEX_VERSION = 13000
 
@@ -59,6 +64,14 @@ class Runtime:
         self._memcpy.argtypes = [ptr, ptr, size_t, ctypes.c_int, ptr]
         self._memcpy_2d = library.cudaMemcpy2DAsync
         self._memcpy_2d.argtypes = [ptr, size_t, ptr, size_t, size_t, size_t, ctypes.c_int, ptr]
+        self._event_create = library.cudaEventCreateWithFlags
+        self._event_create.argtypes = [ctypes.POINTER(ptr), ctypes.c_uint]
+        self._event_record = library.cudaEventRecord
+        self._event_record.argtypes = [ptr, ptr]
+        self._stream_wait = library.cudaStreamWaitEvent
+        self._stream_wait.argtypes = [ptr, ptr, ctypes.c_uint]
+        self._event_sync = library.cudaEventSynchronize
+        self._event_sync.argtypes = [ptr]
         self.can_batch = self.version >= _BATCH_MIN_VERSION and hasattr(library, "cudaMemcpyBatchAsync")
         if self.can_batch:
             self._batch = library.cudaMemcpyBatchAsync
@@ -77,6 +90,24 @@ class Runtime:
 
     def memcpy_async(self, dst: int, src: int, size: int, stream: int) -> None:
         self._check(self._memcpy(dst, src, size, _MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+
+    def event_create(self) -> int:
+        """A new event on the current device (never destroyed: the callers keep theirs for good)."""
+        event = ctypes.c_void_p()
+        self._check(
+            self._event_create(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cudaEventCreateWithFlags"
+        )
+        return int(event.value or 0)
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._check(self._event_record(event, stream), "cudaEventRecord")
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """`stream` waits for the event's latest record (none yet: no wait)."""
+        self._check(self._stream_wait(stream, event, 0), "cudaStreamWaitEvent")
+
+    def event_synchronize(self, event: int) -> None:
+        self._check(self._event_sync(event), "cudaEventSynchronize")
 
     def memcpy_2d_async(
         self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int

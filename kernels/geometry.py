@@ -20,6 +20,7 @@ import torch
 
 from kvstore.spec import KVSpec
 
+from .cache_facts import is_packed_run
 from .validate import Transfer
 
 
@@ -28,19 +29,19 @@ class Geometry:
 
     def __init__(self, spec: KVSpec, plan: Transfer) -> None:
         page = plan.page
-        views = [view for layer_views in plan.views for view in layer_views]
+        views = [view for layer_views in plan.view_facts for view in layer_views]
         itemsize = page.itemsize
         self.num_layer_kv = len(views)
-        self.blocks_per_chunk = spec.blocks_per_chunk
-        self.contiguous = all(is_packed(view) for view in views)
-        self.layer_addrs = [view.data_ptr() for view in views]
-        self.block_strides = [view.stride(0) * itemsize for view in views]
-        self.inner_strides = [list(view.stride()[1:]) for view in views]
+        self.blocks_per_chunk = page.chunk_tokens // spec.block_size
+        self.contiguous = all(view.packed for view in views)
+        self.layer_addrs = [view.address for view in views]
+        self.block_strides = [view.strides[0] * itemsize for view in views]
+        self.inner_strides = [list(view.strides[1:]) for view in views]
         self.segment_bytes = spec.block_size * page.token_bytes
         kv_bytes, layer_bytes = page.chunk_tokens * page.token_bytes, page.layer_bytes
         self.page_offsets = [
             position * layer_bytes + kv * kv_bytes
-            for position, layer_views in zip(plan.positions, plan.views, strict=True)
+            for position, layer_views in zip(plan.positions, plan.view_facts, strict=True)
             for kv in range(len(layer_views))
         ]
         self.page_addrs = [plan.buffer.data_ptr() + offset for offset in plan.offsets]
@@ -92,9 +93,4 @@ class Geometry:
 
 def is_packed(view: torch.Tensor) -> bool:
     """Whether one block of `view` ([blocks, block_size, heads, dim]) is one contiguous run."""
-    expected = 1
-    for size, stride in zip(reversed(view.shape[1:]), reversed(view.stride()[1:]), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+    return is_packed_run(view.shape, view.stride())

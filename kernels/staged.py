@@ -61,6 +61,7 @@ NUM_SLOTS = 4
 DEFAULT_STAGING_BYTES = 128 << 20  # per direction and device: 4 slots of 32 MiB, one 8B page each
 DEFAULT_PROGRAMS = 32  # pack/unpack programs, so SMs, for the few tens of microseconds of a burst
 OVERLAP = True  # copies on a side stream, so packing the next piece overlaps the copy of this one
+COPY_STREAMS = 1
 _SLOT_ALIGN = 4096
 
 
@@ -116,8 +117,10 @@ class StagingRing:
     """`NUM_SLOTS` equal slots of device (or, for tests, CPU) memory, handed out in turn.
 
     Each slot has a `free` event, recorded after the last use of its contents, and a `ready`
-    event that hands a filled slot from one stream to the other. The lock is held while a
-    transfer is issued, so slot uses of concurrent calls never interleave on the host.
+    event that hands a filled slot from one stream to the other; `started` orders a scatter's
+    copies after the caller's earlier work. They are raw CUDA events (`cudart`): handles,
+    recorded and waited on through the runtime directly. The lock is held while a transfer is
+    issued, so slot uses of concurrent calls never interleave on the host.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -126,16 +129,28 @@ class StagingRing:
         self.memory = torch.empty(0, dtype=torch.uint8, device=device)
         self.slot_bytes = 0
         self._next = 0
-        cuda = device.type == "cuda"
-        self.free = [torch.cuda.Event() for _ in range(NUM_SLOTS)] if cuda else []
-        self.ready = [torch.cuda.Event() for _ in range(NUM_SLOTS)] if cuda else []
+        self.free: list[int] = []
+        self.ready: list[int] = []
+        self.started = 0
+        if device.type == "cuda":
+            from . import cudart
+
+            runtime = cudart.runtime()
+            with torch.cuda.device(device):
+                self.free = [runtime.event_create() for _ in range(NUM_SLOTS)]
+                self.ready = [runtime.event_create() for _ in range(NUM_SLOTS)]
+                self.started = runtime.event_create()
 
     def reserve(self, slot_bytes: int) -> None:
         """Slots of at least `slot_bytes`; a larger ring replaces the old one once nothing uses it."""
         if self.slot_bytes >= slot_bytes:
             return
-        for event in self.free:
-            event.synchronize()  # the old slots' last uses have run (at once if never recorded)
+        if self.free:
+            from . import cudart
+
+            runtime = cudart.runtime()
+            for event in self.free:
+                runtime.event_synchronize(event)  # the old slots' last uses have run (at once if never)
         size = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
         self.memory = torch.empty(0, dtype=torch.uint8, device=self.device)  # the old ring goes first
         self.memory = torch.empty(NUM_SLOTS * size, dtype=torch.uint8, device=self.device)
@@ -152,7 +167,7 @@ class StagingRing:
 
 
 _rings: dict[tuple[torch.device, bool], StagingRing] = {}
-_copy_streams: dict[tuple[torch.device, bool], torch.cuda.Stream] = {}
+_copy_streams: dict[tuple[torch.device, bool, int], torch.cuda.Stream] = {}
 _made = threading.Lock()
 
 
@@ -165,9 +180,9 @@ def ring_for(device: torch.device, to_page: bool) -> StagingRing:
         return _rings[key]
 
 
-def _copy_stream(device: torch.device, to_page: bool) -> torch.cuda.Stream:
+def _copy_stream(device: torch.device, to_page: bool, index: int = 0) -> torch.cuda.Stream:
     with _made:
-        key = (device, to_page)
+        key = (device, to_page, index)
         if key not in _copy_streams:
             _copy_streams[key] = torch.cuda.Stream(device)
         return _copy_streams[key]
@@ -181,8 +196,12 @@ def launch(
     max_programs: int | None = None,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     overlap: bool = OVERLAP,
+    copy_streams: int = COPY_STREAMS,
 ) -> None:
-    """Enqueue a validated transfer through the staging ring, ordered on the current stream."""
+    """Enqueue a validated transfer through the staging ring, ordered on the current stream.
+
+    `copy_streams` (with `overlap`): side streams the copies alternate between, so one copy
+    is queued while another runs."""
     from . import triton_copy
 
     reason = why_not(spec, plan, staging_bytes)
@@ -209,14 +228,17 @@ def launch(
         )
         geometry = Geometry(spec, staged_plan)
         kernel = triton_copy.Launch(spec, staged_plan, geometry, to_page=to_page, staged=True)
-        segments_per_layer = len(plan.views[0]) * geometry.blocks_per_chunk
+        segments_per_layer = len(plan.view_facts[0]) * geometry.blocks_per_chunk
         segments_per_page = len(plan.layers) * segments_per_layer
         host = plan.buffer.data_ptr()
+        stream = torch.cuda.current_stream(plan.device).cuda_stream if cuda else None
+        ring_base = ring.memory.data_ptr()
 
         def pack(piece: Piece, slot: int) -> None:
             first = piece.page * segments_per_page + piece.first_layer * segments_per_layer
             end = first + (piece.stop_layer - piece.first_layer) * segments_per_layer
-            kernel.run(first, end, programs, ring.address(slot) - piece.first_layer * layer_bytes)
+            base = ring_base + slot * ring.slot_bytes - piece.first_layer * layer_bytes
+            kernel.run(first, end, programs, base, stream)
 
         def span(piece: Piece) -> tuple[int, int]:
             """(host address, bytes) of a piece in the buffer."""
@@ -224,8 +246,9 @@ def launch(
             at = host + plan.offsets[piece.page] + position * layer_bytes
             return at, (piece.stop_layer - piece.first_layer) * layer_bytes
 
-        if cuda:
-            _issue_cuda(ring, work, pack, span, to_page=to_page, overlap=overlap)
+        if stream is not None:
+            streams = max(1, copy_streams) if overlap else 0
+            _issue_cuda(ring, work, pack, span, stream, to_page=to_page, copy_streams=streams)
         else:
             for piece in work:
                 slot = ring.take()
@@ -243,42 +266,49 @@ def _issue_cuda(
     work: list[Piece],
     pack: Callable[[Piece, int], None],
     span: Callable[[Piece], tuple[int, int]],
+    current: int,
     *,
     to_page: bool,
-    overlap: bool,
+    copy_streams: int,
 ) -> None:
-    """Queue every piece: pack then copy (gather) or copy then unpack (scatter), slot by slot."""
+    """Queue every piece: pack then copy (gather) or copy then unpack (scatter), slot by slot.
+
+    `current`: the caller's stream (its handle). `copy_streams`: side streams the copies take
+    in turn, each piece's slot handed over with events; 0: the copies run on `current`."""
     from . import cudart
 
     runtime = cudart.runtime()
-    current = torch.cuda.current_stream(ring.device)
-    copies = _copy_stream(ring.device, to_page) if overlap else current
-    copy_handle = copies.cuda_stream
+    record, wait, memcpy = runtime.event_record, runtime.stream_wait_event, runtime.memcpy_async
+    overlap = copy_streams > 0
+    sides = [_copy_stream(ring.device, to_page, i).cuda_stream for i in range(copy_streams)] or [current]
     if overlap and not to_page:
         # The copies read pages that work queued earlier on the caller's stream may write.
-        started = torch.cuda.Event()
-        started.record(current)
-        copies.wait_event(started)
-    slot = 0
-    for piece in work:
+        record(ring.started, current)
+        for side in sides:
+            wait(side, ring.started)
+    last: dict[int, int] = {}  # per side stream: the slot of its last copy
+    for index, piece in enumerate(work):
         slot = ring.take()
+        copies = sides[index % len(sides)]
         free, ready, address = ring.free[slot], ring.ready[slot], ring.address(slot)
         at, size = span(piece)
         if to_page:
-            current.wait_event(free)  # the copy out of this slot's last contents has run
+            wait(current, free)  # the copy out of this slot's last contents has run
             pack(piece, slot)
             if overlap:
-                ready.record(current)
-                copies.wait_event(ready)
-            runtime.memcpy_async(at, address, size, copy_handle)
-            free.record(copies)
+                record(ready, current)
+                wait(copies, ready)
+            memcpy(at, address, size, copies)
+            record(free, copies)
+            last[copies] = slot
         else:
-            copies.wait_event(free)  # the unpack of this slot's last contents has run
-            runtime.memcpy_async(address, at, size, copy_handle)
+            wait(copies, free)  # the unpack of this slot's last contents has run
+            memcpy(address, at, size, copies)
             if overlap:
-                ready.record(copies)
-                current.wait_event(ready)
+                record(ready, copies)
+                wait(current, ready)
             pack(piece, slot)
-            free.record(current)
+            record(free, current)
     if overlap and to_page:
-        current.wait_event(ring.free[slot])  # copies run in order: the last one covers them all
+        for slot in last.values():  # each side runs its copies in order: its last covers them
+            wait(current, ring.free[slot])

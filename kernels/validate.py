@@ -23,7 +23,8 @@ import torch
 
 from kvstore.spec import KVSpec, PageSpec
 
-from .layouts import KVCaches, expected_shape, kv_views, layer_tensors, num_blocks_of, shape_text
+from .cache_facts import ViewFacts, cache_facts
+from .layouts import KVCaches, kv_views
 
 
 class Transfer(NamedTuple):
@@ -32,17 +33,25 @@ class Transfer(NamedTuple):
     page: PageSpec
     layers: tuple[int, ...]  # engine layers moved: the stored ones among `layers`
     positions: tuple[int, ...]  # their stored-layer index within a page
-    views: tuple[tuple[torch.Tensor, ...], ...]  # per moved layer: K, V (or latent) views
+    view_facts: tuple[tuple[ViewFacts, ...], ...]  # per moved layer: where its K, V (or latent) views lie
     blocks: np.ndarray | torch.Tensor  # int64 [num_pages, blocks_per_chunk]; a tensor: on the device
     offsets: tuple[int, ...]  # byte offset of each page in the buffer
     buffer: torch.Tensor
     device: torch.device  # where the KV cache lives
     num_blocks: int  # blocks in the smallest moved cache tensor: valid ids are 0..num_blocks-1
+    spec: KVSpec
+    kv_caches: KVCaches
+    batch_index: int
 
     @property
     def blocks_on_device(self) -> bool:
         """Whether the block ids are a device tensor, unchecked on the host."""
         return isinstance(self.blocks, torch.Tensor)
+
+    @property
+    def views(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Per moved layer: its K, V (or latent) views (`layouts.kv_views`), made on each access."""
+        return tuple(kv_views(self.spec, self.kv_caches, layer, self.batch_index) for layer in self.layers)
 
 
 def plan_transfer(
@@ -62,29 +71,35 @@ def plan_transfer(
     position = {layer: index for index, layer in enumerate(page.stored_layers)}
     moved = [layer for layer in _check_layers(spec, layers) if layer in position]
     # Only the layers that move are read or written; with none, check them all anyway.
-    device, num_blocks, smallest = _check_caches(spec, kv_caches, moved or page.stored_layers, batch_index)
-    chunk_list = _int_list("chunks", chunks)
-    offset_list = _int_list("offsets", offsets)
-    if len(chunk_list) != len(offset_list):
+    facts = cache_facts(spec, kv_caches, moved, moved or page.stored_layers, batch_index)
+    chunk_array = _int_array("chunks", chunks)
+    offset_array = _int_array("offsets", offsets)
+    if chunk_array.size != offset_array.size:
         raise ValueError(
-            f"chunks and offsets: {len(chunk_list)} chunks but {len(offset_list)} offsets; "
+            f"chunks and offsets: {chunk_array.size} chunks but {offset_array.size} offsets; "
             "give one page offset per chunk"
         )
-    _check_buffer(buffer, device, offset_list, page.page_bytes, overlap_ok=writes_cache)
-    views = {layer: kv_views(spec, kv_caches, layer, batch_index) for layer in moved}
-    blocks = _block_table(spec, page, block_ids, chunk_list, num_blocks, smallest, device)
+    _check_buffer(buffer, facts.device, offset_array, page.page_bytes, overlap_ok=writes_cache)
+    blocks = _block_table(
+        spec, page, block_ids, chunk_array, facts.num_blocks, facts.smallest_layer, facts.device
+    )
     if writes_cache:
-        _check_writable(blocks, views)
+        _check_unique(blocks)
+        if facts.write_error is not None:
+            raise ValueError(facts.write_error)
     return Transfer(
         page=page,
         layers=tuple(moved),
         positions=tuple(position[layer] for layer in moved),
-        views=tuple(views.values()),
+        view_facts=facts.views,
         blocks=blocks,
-        offsets=tuple(offset_list),
+        offsets=tuple(offset_array.tolist()),
         buffer=buffer,
-        device=device,
-        num_blocks=num_blocks,
+        device=facts.device,
+        num_blocks=facts.num_blocks,
+        spec=spec,
+        kv_caches=kv_caches,
+        batch_index=batch_index,
     )
 
 
@@ -101,7 +116,7 @@ def host_blocks(plan: Transfer, *, writes_cache: bool) -> np.ndarray:
             f"is outside 0..{plan.num_blocks - 1}"
         )
     if writes_cache:
-        _check_writable(blocks, {})
+        _check_unique(blocks)
     return blocks
 
 
@@ -115,77 +130,46 @@ def _check_layers(spec: KVSpec, layers: range | None) -> range:
     return layers
 
 
-def _check_caches(
-    spec: KVSpec, kv_caches: KVCaches, layers: Sequence[int], batch_index: int
-) -> tuple[torch.device, int, int]:
-    """Check the tensors of `layers`; return their device and (blocks, layer) of the smallest."""
-    if spec.layout == "cross_layer":
-        if not isinstance(kv_caches, torch.Tensor):
-            raise ValueError(
-                f"kv_caches: the cross_layer layout takes one tensor, got {type(kv_caches).__name__}"
-            )
-    elif not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != spec.num_layers:
-        got = len(kv_caches) if isinstance(kv_caches, (list, tuple)) else type(kv_caches).__name__
-        raise ValueError(
-            f"kv_caches: expected a list of {spec.num_layers} layers (one per engine layer), got {got}"
-        )
-    named = [
-        (layer, name, tensor) for layer in layers for name, tensor in layer_tensors(spec, kv_caches, layer)
-    ]
-    first = named[0][2]
-    device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
-    smallest = (-1, -1)
-    shape = expected_shape(spec)
-    dtype = getattr(torch, spec.dtype)
-    for layer, name, tensor in named:
-        _check_tensor(spec, shape, dtype, name, tensor, device)
-        if spec.layout == "hf" and not 0 <= batch_index < tensor.shape[0]:
-            raise ValueError(f"batch_index: {batch_index} is outside 0..{tensor.shape[0] - 1} for {name}")
-        blocks = num_blocks_of(spec, tensor)
-        if smallest[0] < 0 or blocks < smallest[0]:
-            smallest = (blocks, layer)
-    return device, *smallest
+def _int_array(name: str, values: Sequence[int]) -> np.ndarray:
+    """`values` as an int64 array, every entry an integer and not negative."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    array: np.ndarray | None = None
+    if isinstance(values, (list, tuple, range, np.ndarray)):
+        try:
+            array = np.asarray(values)
+        except (OverflowError, ValueError, TypeError):
+            array = None
+    if array is None or array.ndim != 1 or array.dtype.kind not in "iu" or _too_large(array):
+        array = np.asarray(_int_list(name, values), dtype=np.int64).reshape(-1)
+    negative = np.flatnonzero(array < 0)
+    if negative.size:
+        index = int(negative[0])
+        raise ValueError(f"{name}[{index}]: {int(array[index])} is negative")
+    return array.astype(np.int64, copy=False)
 
 
-def _check_tensor(
-    spec: KVSpec,
-    shape: tuple[tuple[str, int | None], ...],
-    dtype: torch.dtype,
-    name: str,
-    tensor: Any,
-    device: torch.device,
-) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype != dtype:
-        got = str(tensor.dtype).removeprefix("torch.")
-        raise ValueError(f"{name}: dtype {got} does not match the spec's {spec.dtype}")
-    if tensor.dim() != len(shape) or any(
-        size is not None and got != size for got, (_, size) in zip(tensor.shape, shape, strict=True)
-    ):
-        raise ValueError(
-            f"{name}: shape {list(tensor.shape)} does not match the {spec.layout} layout, "
-            f"expected {shape_text(shape)}"
-        )
-    if tensor.device != device:
-        raise ValueError(f"{name}: on {tensor.device}, expected {device} like the other KV tensors")
+_MAX_VALUE = 1 << 62  # page offsets and chunk numbers stay far below; int64 sums cannot overflow
+
+
+def _too_large(array: np.ndarray) -> bool:
+    return bool(array.size) and int(array.max()) >= _MAX_VALUE
 
 
 def _int_list(name: str, values: Sequence[int]) -> list[int]:
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
+    """The per-entry path (anything iterable, bools, numpy scalars), with its messages."""
     try:
         result = [operator.index(value) for value in values]
     except TypeError:
         raise ValueError(f"{name}: expected a sequence of integers, got {values!r}") from None
     for index, value in enumerate(result):
-        if value < 0:
-            raise ValueError(f"{name}[{index}]: {value} is negative")
+        if value >= _MAX_VALUE:
+            raise ValueError(f"{name}[{index}]: {value} is too large")
     return result
 
 
 def _check_buffer(
-    buffer: torch.Tensor, device: torch.device, offsets: list[int], page_bytes: int, *, overlap_ok: bool
+    buffer: torch.Tensor, device: torch.device, offsets: np.ndarray, page_bytes: int, *, overlap_ok: bool
 ) -> None:
     if not isinstance(buffer, torch.Tensor):
         raise ValueError(f"buffer: expected a 1-D uint8 torch.Tensor, got {type(buffer).__name__}")
@@ -199,37 +183,42 @@ def _check_buffer(
     if buffer.device.type != "cpu" and buffer.device != device:
         raise ValueError(f"buffer: on {buffer.device}; expected the CPU or the KV cache's device {device}")
     size = buffer.numel()
-    for index, offset in enumerate(offsets):
-        if offset + page_bytes > size:
+    past = np.flatnonzero(offsets + page_bytes > size)
+    if past.size:
+        index = int(past[0])
+        offset = int(offsets[index])
+        raise ValueError(
+            f"offsets[{index}]: page {offset}..{offset + page_bytes} ({page_bytes} bytes) "
+            f"runs past the end of the {size}-byte buffer"
+        )
+    if not overlap_ok and offsets.size > 1:
+        order = np.argsort(offsets, kind="stable")
+        starts = offsets[order]
+        clash = np.flatnonzero(starts[1:] < starts[:-1] + page_bytes)
+        if clash.size:
+            at = int(clash[0])
+            before, after = int(order[at]), int(order[at + 1])
             raise ValueError(
-                f"offsets[{index}]: page {offset}..{offset + page_bytes} ({page_bytes} bytes) "
-                f"runs past the end of the {size}-byte buffer"
+                f"offsets[{before}] and offsets[{after}]: pages at {int(starts[at])} and "
+                f"{int(starts[at + 1])} overlap ({page_bytes}-byte pages); gather needs one page per chunk"
             )
-    if not overlap_ok:
-        ordered = sorted(enumerate(offsets), key=lambda item: item[1])
-        for (before, start), (after, next_start) in zip(ordered, ordered[1:], strict=False):
-            if next_start < start + page_bytes:
-                raise ValueError(
-                    f"offsets[{before}] and offsets[{after}]: pages at {start} and {next_start} "
-                    f"overlap ({page_bytes}-byte pages); gather needs one page per chunk"
-                )
 
 
 def _block_table(
     spec: KVSpec,
     page: PageSpec,
     block_ids: Any,
-    chunks: list[int],
+    chunks: np.ndarray,
     num_blocks: int,
     layer: int,
     device: torch.device,
 ) -> np.ndarray | torch.Tensor:
     per_chunk = page.chunk_tokens // spec.block_size
     # numpy, not torch: these arrays are small and torch's per-op cost dominates a call.
-    slots = np.asarray(chunks, dtype=np.int64).reshape(-1, 1) * per_chunk + np.arange(per_chunk)
+    slots = chunks.reshape(-1, 1) * per_chunk + np.arange(per_chunk)
     if spec.layout == "hf":
         if slots.size and int(slots.max()) >= num_blocks:
-            chunk = chunks[int(slots.max(axis=1).argmax())]
+            chunk = int(chunks[int(slots.max(axis=1).argmax())])
             seq, chunk_tokens = spec.block_size * num_blocks, page.chunk_tokens
             raise ValueError(
                 f"chunks: chunk {chunk} needs seq positions up to {(chunk + 1) * chunk_tokens - 1}, "
@@ -240,8 +229,8 @@ def _block_table(
     entries = table.numel() if isinstance(table, torch.Tensor) else table.size
     if slots.size and int(slots.max()) >= entries:
         raise ValueError(
-            f"block_ids: the block table has {entries} entries; chunk {max(chunks)} needs "
-            f"{(max(chunks) + 1) * per_chunk} ({per_chunk} blocks per chunk)"
+            f"block_ids: the block table has {entries} entries; chunk {int(chunks.max())} needs "
+            f"{(int(chunks.max()) + 1) * per_chunk} ({per_chunk} blocks per chunk)"
         )
     if isinstance(table, torch.Tensor):  # on the device: looked up there, range-checked by the kernel
         from . import staging
@@ -258,7 +247,7 @@ def _block_table(
         row, column = (int(i) for i in bad[0])
         raise ValueError(
             f"block_ids[{int(slots[row, column])}]: block {int(blocks[row, column])} "
-            f"(chunk {chunks[row]}) is outside 0..{num_blocks - 1}, the blocks of layer {layer}"
+            f"(chunk {int(chunks[row])}) is outside 0..{num_blocks - 1}, the blocks of layer {layer}"
         )
     return blocks
 
@@ -286,25 +275,13 @@ def _table_array(block_ids: Any) -> np.ndarray | torch.Tensor:
     return table.astype(np.int64, copy=False)
 
 
-def _check_writable(blocks: np.ndarray | torch.Tensor, views: dict[int, tuple[torch.Tensor, ...]]) -> None:
-    """Scatter writes each cache element once; refuse what would write one place twice."""
-    if isinstance(blocks, np.ndarray):  # a device table is not read back: see the module docstring
+def _check_unique(blocks: np.ndarray | torch.Tensor) -> None:
+    """Scatter writes each block once: refuse a block id that appears twice (host tables only;
+    a device table is not read back, see the module docstring)."""
+    if isinstance(blocks, np.ndarray):
         values, counts = np.unique(blocks, return_counts=True)
         if values.size != blocks.size:
             raise ValueError(
                 f"block_ids: block {int(values[counts > 1][0])} appears twice among the chunks' blocks; "
                 "scatter would write it twice"
             )
-    seen: dict[int, int] = {}
-    for layer, kv in views.items():
-        for view in kv:
-            if any(stride == 0 and size > 1 for stride, size in zip(view.stride(), view.shape, strict=True)):
-                raise ValueError(
-                    f"kv_caches[{layer}]: has a zero stride (an expanded view); scatter cannot write it"
-                )
-            if view.data_ptr() in seen:
-                raise ValueError(
-                    f"kv_caches[{layer}]: same memory as layer {seen[view.data_ptr()]}; "
-                    "declare it in spec.kv_sharing instead of passing it twice"
-                )
-            seen[view.data_ptr()] = layer

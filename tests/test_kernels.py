@@ -459,6 +459,56 @@ def test_round_trip_restores_the_blocks(layout: str, impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_remembered_cache_facts_follow_the_tensors(impl: str) -> None:
+    """A call on tensors seen before reuses what the checks learnt about them; the same memory
+    seen through other strides is checked afresh and moved by its own strides, and one seen
+    as another dtype is refused, after a call that passed."""
+    spec = make_spec("flash_attn", "bfloat16")
+    table, chunks, offsets, size = scenario(spec)
+    _, caches = build(spec, device_of(impl))
+    for _ in range(2):  # the second call finds the tensors' facts remembered
+        check_gather(impl, spec, caches, table, chunks, offsets, size)
+    layer = caches[1]
+    permuted = list(caches)  # same address and shape: heads and dims swap strides within a block
+    permuted[1] = layer.as_strided(layer.shape, (*layer.stride()[:3], 1, spec.num_kv_heads))
+    assert permuted[1].data_ptr() == layer.data_ptr()
+    if impl == "copy_engine":  # a block is no longer one run: refused, as a fresh check says
+        with pytest.raises(ValueError, match=REFUSAL):
+            check_gather(impl, spec, permuted, table, chunks, offsets, size)
+    else:
+        check_gather(impl, spec, permuted, table, chunks, offsets, size)
+    check_gather(impl, spec, caches, table, chunks, offsets, size)
+    retyped = list(caches)
+    retyped[1] = layer.view(torch.float16)
+    with pytest.raises(ValueError, match=r"kv_caches\[1\]: dtype float16 does not match"):
+        run(
+            impl,
+            "gather",
+            spec,
+            retyped,
+            table,
+            chunks,
+            buffer_of(impl, torch.zeros(size, dtype=torch.uint8)),
+            offsets,
+        )
+
+
+def test_remembered_cache_facts_hold_no_tensor() -> None:
+    """What a call remembers about the cache keeps none of its memory alive."""
+    import gc
+    import weakref
+
+    spec = make_spec("cross_layer")
+    table, chunks, offsets, size = scenario(spec)
+    bases, cache = build(spec, "cpu")
+    kvstore_kernels.gather(spec, cache, table, chunks, torch.zeros(size, dtype=torch.uint8), offsets)
+    gone = weakref.ref(cache)
+    del bases, cache
+    gc.collect()
+    assert gone() is None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_page_format_by_hand(impl: str) -> None:
     """DESIGN.md's page, built with loops: [stored_layer][k|v][token][kv_head][head_dim]."""
     spec = make_spec("flash_attn", "float32", block_size=2, chunk_tokens=4, sharing={1: 0})
@@ -1160,11 +1210,14 @@ def _many_pages(num_pages: int) -> tuple[KVSpec, Any, list[int], list[int], list
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize(("overlap", "copy_streams"), [(True, 1), (True, 2), (False, 1)])
 @pytest.mark.parametrize("layers_per_slot", [1, 4])
-def test_cuda_staged_ring_is_not_overwritten_in_flight(overlap: bool, layers_per_slot: int) -> None:
+def test_cuda_staged_ring_is_not_overwritten_in_flight(
+    overlap: bool, copy_streams: int, layers_per_slot: int
+) -> None:
     """24 pages through 4 slots, queued behind a busy stream: each slot's copy (or unpack) runs
-    before the slot is refilled, or pages would hold other pages' bytes."""
+    before the slot is refilled, or pages would hold other pages' bytes (copies on one side
+    stream, on two in turn, or on the caller's stream)."""
     from kvstore_kernels import staged
     from kvstore_kernels.validate import plan_transfer
 
@@ -1176,12 +1229,16 @@ def test_cuda_staged_ring_is_not_overwritten_in_flight(overlap: bool, layers_per
     for _ in range(4):
         busy = busy @ busy / 64  # the host queues every piece before the GPU starts
     plan = plan_transfer(spec, caches, table, chunks, buffer, offsets, None, 0, writes_cache=False)
-    staged.launch(spec, plan, to_page=True, staging_bytes=staging_bytes, overlap=overlap)
+    staged.launch(
+        spec, plan, to_page=True, staging_bytes=staging_bytes, overlap=overlap, copy_streams=copy_streams
+    )
     bases, restored = build(spec, "cuda", num_blocks=len(table), fill=0x5A)
     for _ in range(4):
         busy = busy @ busy / 64
     back = plan_transfer(spec, restored, table, chunks, buffer, offsets, None, 0, writes_cache=True)
-    staged.launch(spec, back, to_page=False, staging_bytes=staging_bytes, overlap=overlap)
+    staged.launch(
+        spec, back, to_page=False, staging_bytes=staging_bytes, overlap=overlap, copy_streams=copy_streams
+    )
     torch.cuda.synchronize()
     assert torch.equal(buffer, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
     again = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
