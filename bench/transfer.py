@@ -6,21 +6,30 @@ memory pinned with cudaHostRegister (as the client pins the daemon's arena). Per
 direction, in one run:
 
 - memcpy: one cudaMemcpyAsync of the same bytes (contiguous GPU tensor <-> the pinned
-  buffer), the PCIe limit; "both ways" runs one each way on two streams.
-- per_block_cuda: one cudaMemcpyAsync per (block, layer, k|v) segment from a tight Python
-  loop (vLLM's swap_blocks); per_block_python: the plain loop that indexes cache and buffer
-  for every copy (per_block_torch, torch `copy_` on views made once, is in transfer_cases).
+  buffer), the PCIe limit; "both ways" runs one each way on two streams. memcpy/pages: one
+  cudaMemcpyAsync per 32 MiB page (x2: alternating between two streams), the staged path's
+  copies without their packs.
+- The per-block baselines (vLLM's swap_blocks: one cudaMemcpyAsync per block and layer):
+  per_block_cuda issues them from the tightest Python loop (the copy list made beforehand,
+  libcudart's cudaMemcpyAsync called through ctypes, 32768 calls of 32 KiB); per_block_batch
+  hands the same list to one cudaMemcpyBatchAsync; per_block_python is the plain loop that
+  indexes cache and buffer for every copy (per_block_torch, torch `copy_` on views made
+  once, is in transfer_cases).
 - kernel@N: the Triton kernel capped at N programs (N SMs at most); kernel: its default.
 - copy_engine: the copy engines (2-D copy per block for cross_layer, else one batch).
 - staged: the kernel packs each piece of a page into a device staging ring (device to
   device, 32 programs by default), one cudaMemcpyAsync per piece moves it over PCIe
   (scatter: the reverse); staged@N: N pack programs; staged/serial: packs and copies in one
   stream (no overlap); staged/<S>MiB: a ring of S MiB per direction (4 slots of S/4 MiB;
-  the default is 128 MiB, 32 MiB slots: one 8B page per copy).
+  the default is 128 MiB, 32 MiB slots: one 8B page per copy); staged/2streams: the copies
+  alternate between two side streams.
 - d2d@N: the staged path's pack alone (kernel, N programs, cache <-> a device buffer):
   the page bytes over this rate is how long a pack burst holds its N SMs.
-- auto: `kvstore_kernels`' default choice; auto x4 / memcpy x4: four calls back to back
-  (one synchronisation), so each call's host work overlaps the previous call's copies.
+- auto: one public call (`kvstore_kernels.gather`/`scatter`, default options), timed alone:
+  the host's checks and issue included, on cache tensors seen before (what a serving engine
+  does); auto/cold: the same as the first call on those tensors (full checks); auto@N:
+  `max_programs=N`, at most N SMs. auto x4 / memcpy x4: four calls back to back (one
+  synchronisation), so each call's host work overlaps the previous call's copies.
 - both directions at once: a gather and a scatter on two streams (disjoint blocks).
 - interference: a stream of bf16 8192³ products beside each variant (`interference`).
 
@@ -30,6 +39,8 @@ programs, cache hints) and the copy-engine paths' issue cost, for choosing the d
     python bench/transfer.py            # the table above; bench/results/transfer.json
     python bench/transfer.py --partial /tmp/t.json   # also dump the rows after each layout
     python bench/transfer.py --sweep    # bench/results/transfer-sweep.json
+    python bench/transfer.py --profile  # the public call's host time, step by step
+    python bench/transfer.py --variants memcpy auto --pairs memcpy auto+auto --name t  # a subset
 """
 
 from __future__ import annotations
