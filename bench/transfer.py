@@ -120,6 +120,7 @@ def throughput_variants(setup: Setup, to_page: bool, num_sms: int) -> dict[str, 
         # The staged path's copies alone: one per 32 MiB page, on one side stream or two in turn.
         "memcpy/pages": memcpy_pages(setup, to_page),
         "memcpy/pages x2": memcpy_pages(setup, to_page, streams=2),
+        "memcpy/pages+events": memcpy_pages(setup, to_page, handoff=True),
         "per_block_python": per_block_python(setup, to_page),
         "per_block_cuda": per_block_cuda(setup, to_page),
         "per_block_batch": copy_engines(setup, to_page, "1d"),

@@ -149,11 +149,15 @@ def memcpy(setup: Setup, to_page: bool, second: bool = False) -> Enqueue:
     return enqueue
 
 
-def memcpy_pages(setup: Setup, to_page: bool, streams: int = 1) -> Enqueue:
+def memcpy_pages(setup: Setup, to_page: bool, streams: int = 1, handoff: bool = False) -> Enqueue:
     """One cudaMemcpyAsync per page (a contiguous GPU buffer <-> the pages at their offsets), the
-    copies alternating between `streams` side streams: what the staged path's copies cost alone."""
+    copies alternating between `streams` side streams: what the staged path's copies cost alone.
+    `handoff`: with the staged path's events around each copy (the side stream waits for one
+    recorded on the caller's stream, then records one), without its packs."""
     runtime = cudart.runtime()
     sides = [torch.cuda.Stream() for _ in range(streams)]
+    with torch.cuda.device(setup.flat.device):
+        events = [runtime.event_create() for _ in range(2)]
     device = setup.flat.data_ptr()
     host = setup.buffer.data_ptr()
     pairs = [(device + i * setup.page_bytes, host + offset) for i, offset in enumerate(setup.offsets)]
@@ -166,7 +170,13 @@ def memcpy_pages(setup: Setup, to_page: bool, streams: int = 1) -> Enqueue:
             handles.append(side.cuda_stream)
         for index, (gpu, page) in enumerate(pairs):
             dst, src = (page, gpu) if to_page else (gpu, page)
-            runtime.memcpy_async(dst, src, setup.page_bytes, handles[index % streams])
+            side = handles[index % streams]
+            if handoff:
+                runtime.event_record(events[0], current.cuda_stream)
+                runtime.stream_wait_event(side, events[0])
+            runtime.memcpy_async(dst, src, setup.page_bytes, side)
+            if handoff:
+                runtime.event_record(events[1], side)
         for side in sides:
             current.wait_stream(side)
         return setup.bytes

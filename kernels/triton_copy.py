@@ -291,10 +291,8 @@ class Launch:
         host_blocks = plan.blocks if isinstance(plan.blocks, np.ndarray) else None
         values, starts = geometry.table_values(host_blocks)
         self.tables = staging.to_device(values, plan.device)
-        blocks = self.tables[starts[0] :] if host_blocks is not None else plan.blocks
+        blocks = self.tables[starts[0] :] if isinstance(plan.blocks, np.ndarray) else plan.blocks
         self._args = (self.tables, blocks, *starts[1:])
-        self._compiled: Any = None  # after the first run: the compiled kernel, launched directly
-        self._kinds: tuple[str, ...] = ()
         self._kwargs = dict(
             num_layer_kv=geometry.num_layer_kv,
             blocks_per_chunk=geometry.blocks_per_chunk,
@@ -316,9 +314,17 @@ class Launch:
             EVICTION=tuning.eviction,
             num_warps=tuning.num_warps or (8 if step_bytes >= 8192 else 4 if step_bytes >= 2048 else 1),
         )
-        # The launcher takes every kernel argument in order, constexprs included (it skips them).
+        # The launcher takes every kernel argument in order, constexprs included (it skips them),
+        # and pointers as plain addresses (a tensor costs it a driver call to check).
         names = getattr(_copy_pages, "arg_names", [])
         self._constants = tuple(self._kwargs[name] for name in names[8:])
+        self._key: tuple[Any, ...] | None = None
+        self._pointers: tuple[int, ...] = ()
+        if plan.device.type == "cuda":
+            pointers = (self.tables.data_ptr(), blocks.data_ptr())
+            self._pointers = (*pointers, *starts[1:])
+            device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
+            self._key = _specialisation(device, pointers, starts[1:], self._kwargs)
 
     def run(
         self, first: int, end: int, max_programs: int, stage_base: int = 0, stream: int | None = None
@@ -326,32 +332,45 @@ class Launch:
         """Move segments `first..end-1` with at most `max_programs` programs, on the current stream
         (`stream`: its handle, when the caller has it).
 
-        `stage_base` (staged launches only): the address that stands for each page's start. The
-        first run goes through Triton's dispatch, which compiles or finds the kernel for these
-        arguments; later runs of this launch differ only in the three unspecialised arguments, so
-        they call the compiled kernel's launcher directly (the staged path runs one per piece)."""
+        `stage_base` (staged launches only): the address that stands for each page's start.
+        The first launch of a specialisation goes through Triton's dispatch, which compiles or
+        finds the kernel; later ones (every piece of the staged path, and later calls with the
+        same geometry) call its launcher directly: `_specialisation` says when that is the same
+        kernel."""
         grid = max(1, min(triton.cdiv(end - first, self.segments_per_step), max_programs))
-        compiled = self._compiled
-        kinds = (_int_kind(first), _int_kind(end), _int_kind(stage_base))
-        if compiled is not None and kinds == self._kinds and _no_launch_hooks():
+        key = (self._key, _int_kind(first), _int_kind(end), _int_kind(stage_base))
+        compiled = _compiled.get(key) if _FAST_LAUNCH else None
+        if compiled is not None and _no_launch_hooks():
             if stream is None:
                 stream = torch.cuda.current_stream().cuda_stream
             compiled.run(
                 grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                *self._args, first, end, stage_base, *self._constants,
+                *self._pointers, first, end, stage_base, *self._constants,
             )  # fmt: skip
             return compiled
         compiled = _copy_pages[(grid,)](*self._args, first, end, stage_base, **self._kwargs)
-        if compiled is not None and _FAST_LAUNCH and hasattr(compiled, "packed_metadata"):
-            self._compiled, self._kinds = compiled, kinds
+        if _FAST_LAUNCH and self._key is not None and hasattr(compiled, "packed_metadata"):
+            _compiled[key] = compiled
         return compiled
 
 
-# Calling the compiled kernel's launcher directly skips Triton's per-launch argument binding
-# (tens of microseconds of Python per launch); KVSTORE_TRITON_DISPATCH=1 turns it off.
+# Calling a compiled kernel's launcher directly skips Triton's per-launch argument binding and
+# specialisation (~60 us of Python per launch on the H100 host); KVSTORE_TRITON_DISPATCH=1 turns
+# it off.
 _FAST_LAUNCH = os.environ.get("KVSTORE_TRITON_DISPATCH", "") in ("", "0") and list(
     getattr(_copy_pages, "arg_names", [])[5:8]
 ) == ["first_segment", "num_segments", "stage_base"]
+_compiled: dict[tuple[Any, ...], Any] = {}  # specialisation (`Launch._key` + int kinds) -> kernel
+
+
+def _specialisation(
+    device: int, pointers: tuple[int, int], starts: Sequence[int], kwargs: dict[str, Any]
+) -> tuple[Any, ...]:
+    """What Triton may specialise a launch of `_copy_pages` on, beyond the three unspecialised
+    integers: the device, each pointer's 16-byte alignment, the exact value of every other
+    integer (Triton looks at divisibility by 16 and equality to 1 only: a superset), and every
+    compile-time constant and option. Equal keys: the same compiled kernel."""
+    return (device, tuple(pointer % 16 for pointer in pointers), tuple(starts), tuple(kwargs.items()))
 
 
 def _int_kind(value: int) -> str:
@@ -362,12 +381,16 @@ def _int_kind(value: int) -> str:
 
 
 def _no_launch_hooks() -> bool:
-    """Whether no profiler hooks Triton's launches (they need its dispatch)."""
-    knobs = getattr(triton, "knobs", None)
-    runtime = getattr(knobs, "runtime", None)
+    """Whether no profiler hooks Triton's launches (they need its dispatch, which calls them)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None:
         return False
-    return runtime.launch_enter_hook is None and runtime.launch_exit_hook is None
+    return all(_inactive(getattr(runtime, name, None)) for name in ("launch_enter_hook", "launch_exit_hook"))
+
+
+def _inactive(hook: Any) -> bool:
+    """None, or a chain of hooks (Triton 3.5+) holding none."""
+    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
 
 
 def _check_tuning(tuning: Tuning) -> None:
