@@ -549,19 +549,30 @@ def profile_direction(setup: Setup, to_page: bool) -> None:
     for name, function in steps.items():
         print(f"{direction:8} {name:44} {median_us(function):8.1f} us", flush=True)
     call = setup.call(to_page, None)
-    for name, enqueue in (
-        ("public call (issue)", call),
-        ("staged, plan prepared (issue)", staged_path(setup, to_page)),
-    ):
-        enqueue()
-        torch.cuda.synchronize()
-        issue = []
-        for _ in range(20):
-            start = time.perf_counter()
+    issue_pieces = staged._issue_cuda
+    reached: list[float] = []
+
+    def marked(*args: Any, **kwargs: Any) -> None:
+        reached.append(time.perf_counter())  # the host is about to queue the first piece
+        issue_pieces(*args, **kwargs)
+
+    staged._issue_cuda = marked
+    try:
+        for name, enqueue in (("public call", call), ("staged, plan prepared", staged_path(setup, to_page))):
             enqueue()
-            issue.append(time.perf_counter() - start)
             torch.cuda.synchronize()
-        print(f"{direction:8} {name:44} {statistics.median(issue) * 1e6:8.1f} us", flush=True)
+            issue, first = [], []
+            for _ in range(20):
+                start = time.perf_counter()
+                enqueue()
+                issue.append(time.perf_counter() - start)
+                first.append(reached[-1] - start)
+                torch.cuda.synchronize()
+            for what, samples in (("issue", issue), ("until the first piece is queued", first)):
+                label = f"{name}: {what}"
+                print(f"{direction:8} {label:44} {statistics.median(samples) * 1e6:8.1f} us", flush=True)
+    finally:
+        staged._issue_cuda = issue_pieces
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(5):

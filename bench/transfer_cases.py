@@ -170,13 +170,13 @@ def memcpy_pages(setup: Setup, to_page: bool, streams: int = 1, handoff: bool = 
             handles.append(side.cuda_stream)
         for index, (gpu, page) in enumerate(pairs):
             dst, src = (page, gpu) if to_page else (gpu, page)
-            side = handles[index % streams]
+            handle = handles[index % streams]
             if handoff:
                 runtime.event_record(events[0], current.cuda_stream)
-                runtime.stream_wait_event(side, events[0])
-            runtime.memcpy_async(dst, src, setup.page_bytes, side)
+                runtime.stream_wait_event(handle, events[0])
+            runtime.memcpy_async(dst, src, setup.page_bytes, handle)
             if handoff:
-                runtime.event_record(events[1], side)
+                runtime.event_record(events[1], handle)
         for side in sides:
             current.wait_stream(side)
         return setup.bytes

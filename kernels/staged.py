@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from kvstore.spec import KVSpec
+from kvstore.spec import KVSpec, PageSpec
 
 from .geometry import Geometry
 from .validate import Transfer
@@ -102,15 +102,46 @@ def why_not(spec: KVSpec, plan: Transfer, staging_bytes: int) -> str | None:
 
 def pieces(spec: KVSpec, plan: Transfer, staging_bytes: int) -> list[Piece]:
     """Every page's moved layers, in runs of at most `layers_per_piece`, page after page."""
-    per_piece = layers_per_piece(spec, plan, staging_bytes)
+    return list(_pieces(plan, layers_per_piece(spec, plan, staging_bytes)))
+
+
+def _pieces(plan: Transfer, per_piece: int) -> Iterator[Piece]:
     count = len(plan.layers)
     if not per_piece:
-        return []
-    return [
-        Piece(page, first, min(first + per_piece, count))
-        for page in range(len(plan.offsets))
-        for first in range(0, count, per_piece)
-    ]
+        return
+    for page in range(len(plan.offsets)):
+        for first in range(0, count, per_piece):
+            yield Piece(page, first, min(first + per_piece, count))
+
+
+def _staged_geometry(spec: KVSpec, plan: Transfer, ring: StagingRing) -> tuple[Transfer, Geometry]:
+    """The kernel's view of `plan` (every page packed at the ring's start, its first moved layer at
+    0; each launch says where its piece's page would start) and its geometry. A geometry depends
+    on the cache's remembered facts (`plan.view_facts`, the same object while they are
+    remembered), the layers, the page count and the ring only, so it is kept for the next call."""
+    first_position = plan.positions[0]
+    staged_plan = plan._replace(
+        buffer=ring.memory,
+        offsets=(0,) * len(plan.offsets),
+        positions=tuple(position - first_position for position in plan.positions),
+    )
+    key = (
+        id(plan.view_facts),
+        staged_plan.positions,
+        len(plan.offsets),
+        ring.memory.data_ptr(),
+        spec.block_size,
+    )
+    with _made:
+        kept = _geometries.get(key)
+    if kept is not None and kept[0] is plan.view_facts and kept[1] == plan.page:
+        return staged_plan, kept[2]
+    geometry = Geometry(spec, staged_plan)
+    with _made:  # holds the facts (numbers only) so that their id is not reused meanwhile
+        _geometries[key] = (plan.view_facts, plan.page, geometry)
+        while len(_geometries) > _KEPT_GEOMETRIES:
+            del _geometries[next(iter(_geometries))]
+    return staged_plan, geometry
 
 
 class StagingRing:
@@ -167,6 +198,8 @@ class StagingRing:
 
 
 _rings: dict[tuple[torch.device, bool], StagingRing] = {}
+_geometries: dict[tuple[Any, ...], tuple[Any, PageSpec, Geometry]] = {}
+_KEPT_GEOMETRIES = 32
 _copy_streams: dict[tuple[torch.device, bool, int], torch.cuda.Stream] = {}
 _made = threading.Lock()
 
@@ -212,21 +245,14 @@ def launch(
         raise ValueError(f"max_programs: expected a positive integer, got {programs}")
     if not plan.offsets or not plan.layers:
         return
-    work = pieces(spec, plan, staging_bytes)
+    per_piece = layers_per_piece(spec, plan, staging_bytes)
+    work = _pieces(plan, per_piece)
     layer_bytes = spec.page.layer_bytes
     ring = ring_for(plan.device, to_page)
     cuda = plan.device.type == "cuda"
     with ring.lock, torch.cuda.device(plan.device) if cuda else nullcontext():
-        ring.reserve(max(piece.stop_layer - piece.first_layer for piece in work) * layer_bytes)
-        # The kernel's view: every page packed at the ring's start, its first moved layer at 0;
-        # each launch moves one piece and says where that piece's page would start.
-        first_position = plan.positions[0]
-        staged_plan = plan._replace(
-            buffer=ring.memory,
-            offsets=(0,) * len(plan.offsets),
-            positions=tuple(position - first_position for position in plan.positions),
-        )
-        geometry = Geometry(spec, staged_plan)
+        ring.reserve(per_piece * layer_bytes)
+        staged_plan, geometry = _staged_geometry(spec, plan, ring)
         kernel = triton_copy.Launch(spec, staged_plan, geometry, to_page=to_page, staged=True)
         segments_per_layer = len(plan.view_facts[0]) * geometry.blocks_per_chunk
         segments_per_page = len(plan.layers) * segments_per_layer
@@ -263,7 +289,7 @@ def launch(
 
 def _issue_cuda(
     ring: StagingRing,
-    work: list[Piece],
+    work: Iterable[Piece],
     pack: Callable[[Piece, int], None],
     span: Callable[[Piece], tuple[int, int]],
     current: int,

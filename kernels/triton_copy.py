@@ -319,6 +319,7 @@ class Launch:
         names = getattr(_copy_pages, "arg_names", [])
         self._constants = tuple(self._kwargs[name] for name in names[8:])
         self._key: tuple[Any, ...] | None = None
+        self._kernels: dict[tuple[str, ...], Any] = {}  # int kinds -> compiled kernel, for this launch
         self._pointers: tuple[int, ...] = ()
         if plan.device.type == "cuda":
             pointers = (self.tables.data_ptr(), blocks.data_ptr())
@@ -338,8 +339,10 @@ class Launch:
         same geometry) call its launcher directly: `_specialisation` says when that is the same
         kernel."""
         grid = max(1, min(triton.cdiv(end - first, self.segments_per_step), max_programs))
-        key = (self._key, _int_kind(first), _int_kind(end), _int_kind(stage_base))
-        compiled = _compiled.get(key) if _FAST_LAUNCH else None
+        kinds = (_int_kind(first), _int_kind(end), _int_kind(stage_base))
+        compiled = self._kernels.get(kinds)
+        if compiled is None and _FAST_LAUNCH and self._key is not None:
+            compiled = self._kernels[kinds] = _compiled.get((self._key, kinds))
         if compiled is not None and _no_launch_hooks():
             if stream is None:
                 stream = torch.cuda.current_stream().cuda_stream
@@ -350,7 +353,7 @@ class Launch:
             return compiled
         compiled = _copy_pages[(grid,)](*self._args, first, end, stage_base, **self._kwargs)
         if _FAST_LAUNCH and self._key is not None and hasattr(compiled, "packed_metadata"):
-            _compiled[key] = compiled
+            _compiled[(self._key, kinds)] = self._kernels[kinds] = compiled
         return compiled
 
 
