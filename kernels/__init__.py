@@ -21,8 +21,10 @@ waiting for the GPU, except on the reference path (a CPU cache or a pageable buf
 caller keeps the cache and the buffer alive, and unchanged by other streams, until the
 stream has run the copy (record an event after the call). Pass the block table on the
 host (list, numpy, CPU tensor) to have it checked; a CUDA block table is not read back:
-see `validate`. Validation costs a few microseconds of Python per moved layer: move many
-chunks per call.
+see `validate`. The checks of the cache tensors (and the views made of them) are remembered
+per tensor fingerprint (`cache_facts`), so a call on tensors seen before checks only its
+block table, chunks, offsets and buffer: about 0.1-0.2 ms of host time on the H100 host for
+8k tokens of an 8B model, against ~0.6-1.1 ms for the first call on new tensors.
 """
 
 from __future__ import annotations

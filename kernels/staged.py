@@ -76,7 +76,7 @@ class Piece(NamedTuple):
 def layers_per_piece(spec: KVSpec, plan: Transfer, staging_bytes: int) -> int:
     """Moved layers one slot holds: all of them when a page fits, else as many as fit (0: none)."""
     slot_bytes = staging_bytes // NUM_SLOTS
-    return min(len(plan.layers), slot_bytes // spec.page.layer_bytes)
+    return min(len(plan.layers), slot_bytes // plan.page.layer_bytes)
 
 
 def why_not(spec: KVSpec, plan: Transfer, staging_bytes: int) -> str | None:
@@ -95,7 +95,7 @@ def why_not(spec: KVSpec, plan: Transfer, staging_bytes: int) -> str | None:
     if plan.layers and not layers_per_piece(spec, plan, staging_bytes):
         return (
             f"staging_bytes={staging_bytes} gives {NUM_SLOTS} slots of {staging_bytes // NUM_SLOTS} bytes, "
-            f"less than one stored layer of a page ({spec.page.layer_bytes} bytes)"
+            f"less than one stored layer of a page ({plan.page.layer_bytes} bytes)"
         )
     return None
 
@@ -247,7 +247,7 @@ def launch(
         return
     per_piece = layers_per_piece(spec, plan, staging_bytes)
     work = _pieces(plan, per_piece)
-    layer_bytes = spec.page.layer_bytes
+    layer_bytes = plan.page.layer_bytes
     ring = ring_for(plan.device, to_page)
     cuda = plan.device.type == "cuda"
     with ring.lock, torch.cuda.device(plan.device) if cuda else nullcontext():

@@ -22,31 +22,41 @@ MIN_SLOT_VALUES = 4096
 
 
 class TableStaging:
-    """A ring of pinned host slots feeding one CUDA device."""
+    """A ring of pinned host slots feeding one CUDA device; the copies and events go through the
+    runtime directly (`cudart`), a few microseconds less per launch than torch's wrappers."""
 
     def __init__(self, device: torch.device, num_slots: int = NUM_SLOTS) -> None:
+        from . import cudart
+
         self.device = device
-        self._slots: list[torch.Tensor | None] = [None] * num_slots
-        self._events = [torch.cuda.Event() for _ in range(num_slots)]
+        self._runtime = cudart.runtime()
+        self._slots: list[np.ndarray | None] = [None] * num_slots
+        self._pinned: list[torch.Tensor | None] = [None] * num_slots  # keeps each slot's memory
+        with torch.cuda.device(device):
+            self._events = [self._runtime.event_create() for _ in range(num_slots)]
         self._next = 0
         self._lock = threading.Lock()
 
     def to_device(self, values: np.ndarray) -> torch.Tensor:
         """`values` (int64) as a tensor on the device, ordered on the current stream."""
         count = values.size
+        runtime = self._runtime
+        stream = torch.cuda.current_stream(self.device).cuda_stream
         with self._lock:
             index = self._next
             self._next = (index + 1) % len(self._slots)
             done = self._events[index]
-            done.synchronize()  # the copy out of this slot has run (at once if never recorded)
+            runtime.event_synchronize(done)  # the copy out of this slot has run (at once if never)
             slot = self._slots[index]
-            if slot is None or slot.numel() < count:
-                slot = torch.empty(max(count, MIN_SLOT_VALUES), dtype=torch.int64, pin_memory=True)
+            if slot is None or slot.size < count:
+                pinned = torch.empty(max(count, MIN_SLOT_VALUES), dtype=torch.int64, pin_memory=True)
+                self._pinned[index], slot = pinned, pinned.numpy()
                 self._slots[index] = slot
-            slot.numpy()[:count] = values
+            slot[:count] = values
             result = torch.empty(count, dtype=torch.int64, device=self.device)
-            result.copy_(slot[:count], non_blocking=True)
-            done.record()
+            if count:
+                runtime.memcpy_async(result.data_ptr(), slot.ctypes.data, count * 8, stream)
+            runtime.event_record(done, stream)
         return result
 
 

@@ -1,10 +1,12 @@
 """Input checks shared by every backend, and the validated plan they execute.
 
 `plan_transfer` checks a gather or scatter call completely before any byte moves and
-returns a `Transfer`: the engine layers to move with their page positions, their
-canonical views (see `layouts`), the block ids of every page and the page offsets.
-Every problem is a `ValueError` that names the argument, the layer or the index at
-fault, and what was expected.
+returns a `Transfer`: the engine layers to move with their page positions, where their
+canonical views lie (see `layouts`; the views themselves are made on demand), the block
+ids of every page and the page offsets. Every problem is a `ValueError` that names the
+argument, the layer or the index at fault, and what was expected. What the checks learn
+about the cache tensors is remembered per tensor fingerprint (`cache_facts`); chunks,
+offsets, the buffer and the block table are checked on every call, with numpy.
 
 A block table on the host (list, numpy array, CPU tensor) is checked entry by entry. A
 block table on a CUDA device is not read back (that would wait for the stream): its
