@@ -371,6 +371,7 @@ def timed(enqueue: Enqueue, reps: int = 5, warmup: int = 1) -> dict[str, float]:
         "gbps": moved / wall / 1e9,
         "issue_ms": statistics.median(issues) * 1e3,
         "spread": (max(walls) - min(walls)) / wall,
+        "walls_ms": [round(w * 1e3, 3) for w in walls],
     }
 
 
