@@ -352,7 +352,7 @@ def _address_views(setup: Setup, size: int) -> Callable[[int], torch.Tensor]:
 # -- timing ---------------------------------------------------------------------------------------
 
 
-def timed(enqueue: Enqueue, reps: int = 5, warmup: int = 1) -> dict[str, float]:
+def timed(enqueue: Enqueue, reps: int = 5, warmup: int = 1) -> dict[str, Any]:
     """Median wall time of one whole transfer (issue + run), its GB/s, and the host issue time."""
     for _ in range(warmup):
         enqueue()
@@ -375,7 +375,7 @@ def timed(enqueue: Enqueue, reps: int = 5, warmup: int = 1) -> dict[str, float]:
     }
 
 
-def timed_pair(first: Enqueue, second: Enqueue, reps: int = 5) -> dict[str, float]:
+def timed_pair(first: Enqueue, second: Enqueue, reps: int = 5) -> dict[str, Any]:
     """Both transfers at once on two streams: total bytes over the wall time."""
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
 
