@@ -66,6 +66,7 @@ from bench.transfer_cases import (  # noqa: E402
     CAPS,
     Enqueue,
     Setup,
+    both_ways,
     copy_engines,
     device_pack,
     kernel,
@@ -75,6 +76,7 @@ from bench.transfer_cases import (  # noqa: E402
     per_block_python,
     staged_path,
     timed,
+    timed_against,
     timed_pair,
     verify,
 )
@@ -164,6 +166,8 @@ def repeated(enqueue: Enqueue, times: int) -> Enqueue:
 
 STAGED_PROGRAMS = tuple(n for n in (8, 16, 32, 64) if n != staged.DEFAULT_PROGRAMS)
 AUTO_CAPS = (4, 8, 16)  # public calls with max_programs: at most that many SMs
+INTERLEAVED = ("auto", "auto@16", "auto/cold")  # also timed in turn with memcpy (`timed_against`)
+INTERLEAVED_PAIRS = ("auto+auto", "auto/cold+auto/cold")
 
 
 def pair_variants(setup: Setup) -> dict[str, tuple[Enqueue, Enqueue]]:
@@ -230,9 +234,9 @@ VERIFIED = (
 
 def full_layout(
     args: argparse.Namespace, log: list[str], setup: Setup, matmul: MatmulStream, num_sms: int
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """One layout's rows: each direction's variants, then both directions at once."""
-    layout, rows, pairs = setup.layout, [], []
+    layout, rows, pairs, interleaved = setup.layout, [], [], []
     measure_interference = layout in args.interference_layouts
     for to_page in (True, False):
         direction = "gather" if to_page else "scatter"
@@ -260,6 +264,15 @@ def full_layout(
                 f"slowdown {median_slowdown(row)}",
                 flush=True,
             )
+        for name in INTERLEAVED:  # the acceptance ratios, each in turn with memcpy
+            if name in variants and "memcpy" in variants:
+                turns = guarded(
+                    log, f"{layout} {direction} {name} vs memcpy", timed_against,
+                    variants[name], variants["memcpy"], args.reps,
+                )  # fmt: skip
+                if turns is not None:
+                    interleaved.append({"layout": layout, "direction": direction, "variant": name, **turns})
+                    print(f"{layout:12} {direction:8} {name:18} in turn with memcpy: {turns['ratio']:.3f}")
     for name, (first, second) in picked(pair_variants(setup), args.pairs).items():
         row = guarded(log, f"{layout} both {name}", timed_pair, first, second, args.reps)
         if row is None:
@@ -272,7 +285,17 @@ def full_layout(
             f"{layout:12} both     {name:24} {row['gbps']:7.2f} GB/s slowdown {median_slowdown(row)}",
             flush=True,
         )
-    return rows, pairs
+    chosen = picked(pair_variants(setup), args.pairs)
+    for name in INTERLEAVED_PAIRS:
+        if name in chosen and "memcpy" in chosen:
+            turns = guarded(
+                log, f"{layout} both {name} vs memcpy", timed_against,
+                both_ways(*chosen[name]), both_ways(*chosen["memcpy"]), args.reps,
+            )  # fmt: skip
+            if turns is not None:
+                interleaved.append({"layout": layout, "direction": "both", "variant": name, **turns})
+                print(f"{layout:12} both     {name:18} in turn with memcpy: {turns['ratio']:.3f}")
+    return rows, pairs, interleaved
 
 
 def run_full(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
@@ -280,16 +303,18 @@ def run_full(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
     matmul = MatmulStream(8192)
     rows: list[dict[str, Any]] = []
     pairs: list[dict[str, Any]] = []
+    interleaved: list[dict[str, Any]] = []
     for layout in args.layouts:
         setup = Setup(layout, args.tokens)
-        layout_rows, layout_pairs = full_layout(args, log, setup, matmul, num_sms)
+        layout_rows, layout_pairs, layout_turns = full_layout(args, log, setup, matmul, num_sms)
         setup.release()
         rows += layout_rows
         pairs += layout_pairs
+        interleaved += layout_turns
         torch.cuda.empty_cache()
         if args.partial:
             Path(args.partial).write_text(json.dumps({"rows": rows, "both_ways": pairs, "errors": log}))
-    return {"rows": rows, "both_ways": pairs}
+    return {"rows": rows, "both_ways": pairs, "interleaved": interleaved}
 
 
 def median_slowdown(row: dict[str, Any] | None, key: str = "slowdown") -> float | None:
@@ -307,6 +332,7 @@ def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]],
     """(throughput table, both-ways table, acceptance table)."""
     rows = {(r["layout"], r["direction"], r["variant"]): r for r in result["rows"]}
     pairs = {(r["layout"], r["variant"]): r for r in result["both_ways"]}
+    turns = {(r["layout"], r["direction"], r["variant"]): r["ratio"] for r in result.get("interleaved", [])}
 
     def ratio(row: dict[str, Any] | None, base: dict[str, Any] | None) -> float | None:
         return row["gbps"] / base["gbps"] if row and base else None
@@ -342,11 +368,14 @@ def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]],
             ) -> float | None:
                 return ratio(rows.get((*key, variant)), rows.get((*key, base)))
 
-            item(f"{layout} {direction} auto, one call (no cap) / memcpy", of("auto"), no_cap)
-            item(
-                f"{layout} {direction} auto/cold, first call on the tensors / memcpy", of("auto/cold"), no_cap
-            )
-            item(f"{layout} {direction} auto@16, one call (<=16 SMs) / memcpy", of("auto@16"), capped)
+            for variant, what, limit in (
+                ("auto", "one call (no cap)", no_cap),
+                ("auto/cold", "first call on the tensors", no_cap),
+                ("auto@16", "one call (<=16 SMs)", capped),
+            ):
+                item(f"{layout} {direction} {variant}, {what} / memcpy", of(variant), limit)
+                turn = turns.get((layout, direction, variant))
+                item(f"{layout} {direction} {variant}, {what} / memcpy, in turn", turn, limit)
             item(f"{layout} {direction} auto x4 back to back / memcpy x4", of("auto x4", "memcpy x4"), no_cap)
             item(f"{layout} {direction} auto / per_block_python", of("auto", "per_block_python"), 20)
             item(f"{layout} {direction} auto / per_block_cuda", of("auto", "per_block_cuda"), 20)
@@ -361,6 +390,12 @@ def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]],
         item(f"{layout} both ways auto / memcpy", ratio(auto_pair, pairs.get((layout, "memcpy"))), 0.85)
         cold_pair = pairs.get((layout, "auto/cold+auto/cold"))
         item(f"{layout} both ways auto/cold / memcpy", ratio(cold_pair, pairs.get((layout, "memcpy"))), 0.85)
+        item(f"{layout} both ways auto / memcpy, in turn", turns.get((layout, "both", "auto+auto")), 0.85)
+        item(
+            f"{layout} both ways auto/cold / memcpy, in turn",
+            turns.get((layout, "both", "auto/cold+auto/cold")),
+            0.85,
+        )
         item(f"{layout} both ways slowdown at default", median_slowdown(auto_pair), 1.10, above=False)
     return table, pair_table, accept
 

@@ -8,7 +8,8 @@
   `copy_engines`, `staged` (the kernel packing into the staging ring, copy engines moving
   it), `device_pack` (its pack alone, into device memory); `Setup.call` is the public API
   with options.
-- `timed(enqueue)`, `timed_pair(first, second)`: median wall time, GB/s, host issue time.
+- `timed(enqueue)`, `timed_pair(first, second)`: median wall time, GB/s, host issue time;
+  `timed_against(enqueue, baseline)`: the two in turn, the median per-round ratio.
 - `verify(setup, to_page, enqueue)`: one transfer checked against the torch reference.
 """
 
@@ -377,6 +378,11 @@ def timed(enqueue: Enqueue, reps: int = 5, warmup: int = 1) -> dict[str, Any]:
 
 def timed_pair(first: Enqueue, second: Enqueue, reps: int = 5) -> dict[str, Any]:
     """Both transfers at once on two streams: total bytes over the wall time."""
+    return timed(both_ways(first, second), reps)
+
+
+def both_ways(first: Enqueue, second: Enqueue) -> Enqueue:
+    """`first` and `second` on two side streams, after the current stream's work and before its next."""
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
 
     def both() -> int:
@@ -389,7 +395,32 @@ def timed_pair(first: Enqueue, second: Enqueue, reps: int = 5) -> dict[str, Any]
             torch.cuda.current_stream().wait_stream(stream)
         return moved
 
-    return timed(both, reps)
+    return both
+
+
+def timed_against(enqueue: Enqueue, baseline: Enqueue, reps: int = 7, warmup: int = 1) -> dict[str, Any]:
+    """`baseline` and `enqueue` in turn, each timed alone (issue + run, synchronised): the median of
+    the per-round ratios of their rates (baseline wall / wall). Slow stretches of the link (seen on
+    the H100: one memcpy's seven walls wandering from 19.5 to 22.4 ms) then hit both alike, where
+    two medians taken seconds apart can differ by 10%."""
+    for _ in range(warmup):
+        baseline()
+        enqueue()
+    torch.cuda.synchronize()
+    walls: dict[str, list[float]] = {"baseline": [], "variant": []}
+    for _ in range(reps):
+        for key, function in (("baseline", baseline), ("variant", enqueue)):
+            start = time.perf_counter()
+            function()
+            torch.cuda.synchronize()
+            walls[key].append(time.perf_counter() - start)
+    ratios = [b / v for b, v in zip(walls["baseline"], walls["variant"], strict=True)]
+    return {
+        "ratio": statistics.median(ratios),
+        "ratios": [round(r, 4) for r in ratios],
+        "ms": statistics.median(walls["variant"]) * 1e3,
+        "baseline_ms": statistics.median(walls["baseline"]) * 1e3,
+    }
 
 
 def verify(setup: Setup, to_page: bool, enqueue: Enqueue) -> bool:
