@@ -7,20 +7,22 @@
   a device ring, the copy engines move it), and why.
 
 The auto rule, in order. Figures: H100 PCIe Gen5, 8k tokens of an 8B model (1 GiB each way,
-32 pages of 32 MiB), three runs with these defaults, bench/NOTES-transfer.md; "x memcpy" is
-against one cudaMemcpyAsync of the same bytes (54-55 GB/s each way), "slowdown" that of a
+32 pages of 32 MiB), bench/NOTES-transfer.md (runs of 2026-11-22 09:51Z-10:06Z); "x memcpy"
+is against one cudaMemcpyAsync of the same bytes (54-55 GB/s each way), "slowdown" that of a
 stream of bf16 8192^3 matrix products beside the transfer.
 1. `KVSTORE_KERNELS=torch` or `=triton` forces the reference or the kernel.
 2. A CPU cache, or a CUDA cache with a pageable host buffer: the reference.
 3. A buffer in device memory: the kernel (device-to-device; copy engines are slower there).
 4. A pinned buffer whose staging slots hold at least one stored layer of a page: the staged
-   path, every layout, host or device block table. 0.93-0.98x memcpy each way with the
-   plan prepared; 0.88-0.94x for one isolated public call, which waits for ~1 ms of Python
-   (validation, tables) before its first copy; 0.96-0.98x for calls back to back. Slowdown
-   1.00-1.03, and the products beside it keep the copy at 51-53 GB/s. Both ways at once:
-   0.91-1.00x the two-way memcpy (0.81-0.98x when one thread issues both public calls). Its
-   32 pack programs hold their SMs ~50 us per 32 MiB page (~9% of the 610 us the page
-   spends on PCIe).
+   path, every layout, host or device block table. One isolated public call on cache
+   tensors seen before: 0.93-0.95x memcpy each way (timed in turn with memcpy, 10:06Z:
+   gather 0.946 / 0.934, scatter 0.933 / 0.933 for flash_attn / cross_layer), the gap mostly
+   host time before the first piece; the first call on new tensors 0.89-0.91x; calls back
+   to back 0.97-1.00x; the plan prepared 0.94-0.97x. `max_programs=16`: 0.93-0.95x too, but
+   slowdown 1.10-1.15. Default slowdown 0.99-1.01 (products keep the copy at 52-53 GB/s).
+   Both ways at once, two public calls from one thread: 0.96-0.97x the two-way memcpy
+   (slowdown 1.02-1.03). Its 32 pack programs hold their SMs ~50 us per 32 MiB page (~9% of
+   the 610 us the page spends on PCIe).
 5. Otherwise the copy engines where one 2-D copy per block moves the transfer (pinned
    buffer, block table on the host, every (layer, k|v) segment of a block at one pitch on
    both sides, as in the cross_layer layout): 0.88-0.91x, no SM, both ways 0.86-0.90x.
