@@ -2,17 +2,19 @@
 
 A Llama of Llama-3.1-8B's geometry with random bf16 weights (sdpa attention) on the GPU;
 for each prompt length, the whole prompt's KV is stored in the CPU tier of a kvstored
-this benchmark starts, then the same prompt is answered four ways, each timed from the
-request to the first token's logits (GPU synchronised), median of `--repeats` after a
-warm-up:
+this benchmark starts, then the same prompt is answered several ways, each timed from the
+request to the first token's logits (GPU synchronised). Every variant runs once per round,
+in turn, so a drift of the host's speed hits them all; one warm-up round, then `--repeats`
+timed rounds; medians, and ratios to recompute as the median of the per-round ratios.
 
 - recompute: one forward over the whole prompt (`logits_to_keep=1`);
 - reuse: `HFPrefixCache.restore` (lookup, lease, copy of every layer's KV from the arena)
   and a forward over the one token left;
-- reuse + overlap: the same with `restore(overlap=True)`: one copy per layer, and decoder
-  layer i waits on the GPU for layer i's KV only;
-- pure transfer: `client.load` of the same pages into preallocated tensors: the bytes
-  alone, with the same lookup and lease.
+- overlap/R: the same with `restore(overlap=True)` and the client's `layerwise_runs = R`:
+  the layers are copied in R runs (1, 1, 2, 4, ... layers) without the host waiting, and
+  decoder layer i waits on the GPU for its run only;
+- transfer: `client.load` of the same pages into preallocated tensors: the bytes alone,
+  with the same lookup and lease.
 Also the parts of reuse: `restore` alone ("restore", synchronised) and the forward of the
 last token with its KV already in place ("decode step"), so reuse can be compared with pure
 transfer + one decode step; and how long `restore(overlap=True)` takes to return ("issue").
@@ -44,19 +46,6 @@ from kvstore_kernels import TransferOptions  # noqa: E402
 SLAB_BYTES = 256 << 20
 
 
-def timed(run: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, list[float]]:
-    """Median seconds of `run` (GPU synchronised), after one untimed warm-up; and every sample."""
-    samples = []
-    for attempt in range(repeats + 1):
-        sync(device)
-        started = time.perf_counter()
-        run()
-        sync(device)
-        if attempt:
-            samples.append(time.perf_counter() - started)
-    return statistics.median(samples), samples
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -68,8 +57,15 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None) -> torch.Ten
 
 
 def measure(
-    model: Any, prefix: HFPrefixCache, client: KVStoreClient, length: int, repeats: int, device: torch.device
+    model: Any,
+    prefix: HFPrefixCache,
+    client: KVStoreClient,
+    length: int,
+    repeats: int,
+    runs_list: list[int],
+    device: torch.device,
 ) -> dict[str, Any]:
+    """Every variant once per round, in turn, for a warm-up round and `repeats` timed rounds."""
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
     with torch.no_grad():
@@ -77,82 +73,98 @@ def measure(
     stored = prefix.save(prompt, out.past_key_values)
     want = out.logits[0, -1].float()
     del out
-    hit_seen: list[int] = []
+    hits: list[int] = []
     logits: list[torch.Tensor] = []
+    parts: dict[str, list[float]] = {"restore": [], "decode_step": []}
+    parts.update({f"issue_runs{runs}": [] for runs in runs_list})
 
     def recompute() -> None:
         forward(model, prompt)
 
-    issue_samples: list[float] = []
-
-    def reuse(overlap: bool) -> Callable[[], None]:
+    def reuse(runs: int | None) -> Callable[[], None]:
         def run() -> None:
             started = time.perf_counter()
-            hit, cache = prefix.restore(prompt, overlap=overlap)
-            if overlap:
-                issue_samples.append(time.perf_counter() - started)
+            if runs is None:
+                hit, cache = prefix.restore(prompt)
+            else:
+                client.layerwise_runs = runs
+                hit, cache = prefix.restore(prompt, overlap=True)
+                parts[f"issue_runs{runs}"].append(time.perf_counter() - started)
             logits.append(forward(model, prompt[:, hit:], cache)[0, -1].float())
-            hit_seen.append(hit)
+            hits.append(hit)
 
         return run
 
-    spec = client.spec
-    tokens = prompt[0].tolist()
-    shape = (2, 1, spec.num_kv_heads, length, spec.head_dim)
-    dtype = getattr(torch, spec.dtype)
-    buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-    targets = [(pair[0], pair[1]) for pair in buffers]
-
-    def transfer() -> None:
-        loaded = client.load(tokens, targets, None)
-        assert loaded == stored * spec.page.chunk_tokens, (loaded, stored)
-
-    decode_samples, restore_samples = [], []
-    for attempt in range(repeats + 1):
-        sync(device)
+    def reuse_parts() -> None:
         started = time.perf_counter()
         hit, cache = prefix.restore(prompt)
         sync(device)
         restored = time.perf_counter()
         forward(model, prompt[:, hit:], cache)
         sync(device)
-        if attempt:
-            restore_samples.append(restored - started)
-            decode_samples.append(time.perf_counter() - restored)
-        del cache
+        parts["restore"].append(restored - started)
+        parts["decode_step"].append(time.perf_counter() - restored)
 
-    recompute_s, recompute_all = timed(recompute, device, repeats)
-    reuse_s, reuse_all = timed(reuse(False), device, repeats)
-    overlap_s, overlap_all = timed(reuse(True), device, repeats)
-    transfer_s, transfer_all = timed(transfer, device, repeats)
-    decode_s = statistics.median(decode_samples)
-    difference = max((got - want).abs().max().item() for got in logits)
+    spec = client.spec
+    tokens = prompt[0].tolist()
+    shape = (2, 1, spec.num_kv_heads, length, spec.head_dim)
+    buffers = [
+        torch.empty(shape, dtype=getattr(torch, spec.dtype), device=device) for _ in range(spec.num_layers)
+    ]
+    targets = [(pair[0], pair[1]) for pair in buffers]
+
+    def transfer() -> None:
+        loaded = client.load(tokens, targets, None)
+        assert loaded == stored * spec.page.chunk_tokens, (loaded, stored)
+
+    variants: dict[str, Callable[[], None]] = {"recompute": recompute, "reuse": reuse(None)}
+    variants.update({f"overlap_runs{runs}": reuse(runs) for runs in runs_list})
+    variants.update({"transfer": transfer, "parts": reuse_parts})
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(repeats + 1):
+        for name, run in variants.items():
+            sync(device)
+            started = time.perf_counter()
+            run()
+            sync(device)
+            samples[name].append(time.perf_counter() - started)
+        if round_index == 0:  # warm-up
+            for values in (*samples.values(), *parts.values()):
+                values.clear()
+    del samples["parts"]
+
+    def median_ms(values: list[float]) -> float:
+        return statistics.median(values) * 1e3
+
+    def ratio(name: str) -> float:
+        """Median over rounds of `name` / recompute in the same round."""
+        return statistics.median(a / b for a, b in zip(samples[name], samples["recompute"], strict=True))
+
     page_bytes = stored * client.page_bytes
+    overlap = {runs: median_ms(samples[f"overlap_runs{runs}"]) for runs in runs_list}
+    best_runs = min(overlap, key=lambda runs: overlap[runs])
+    transfer_ms, decode_ms = median_ms(samples["transfer"]), median_ms(parts["decode_step"])
     return {
         "tokens": length,
-        "hit_tokens": hit_seen[-1],
+        "hit_tokens": hits[-1],
         "chunks": stored,
         "bytes": page_bytes,
-        "recompute_ms": recompute_s * 1e3,
-        "reuse_ms": reuse_s * 1e3,
-        "reuse_overlap_ms": overlap_s * 1e3,
-        "transfer_ms": transfer_s * 1e3,
-        "transfer_gb_s": page_bytes / transfer_s / 1e9,
-        "decode_step_ms": decode_s * 1e3,
-        "restore_ms": statistics.median(restore_samples) * 1e3,
-        "overlap_issue_ms": statistics.median(issue_samples[1:] or issue_samples) * 1e3,
-        "reuse_vs_recompute": reuse_s / recompute_s,
-        "reuse_overlap_vs_recompute": overlap_s / recompute_s,
-        "reuse_over_transfer_plus_decode_ms": (min(reuse_s, overlap_s) - transfer_s - decode_s) * 1e3,
-        "max_logit_difference": difference,
-        "samples_ms": {
-            "recompute": [s * 1e3 for s in recompute_all],
-            "reuse": [s * 1e3 for s in reuse_all],
-            "reuse_overlap": [s * 1e3 for s in overlap_all],
-            "transfer": [s * 1e3 for s in transfer_all],
-            "decode_step": [s * 1e3 for s in decode_samples],
-            "restore": [s * 1e3 for s in restore_samples],
-        },
+        "recompute_ms": median_ms(samples["recompute"]),
+        "reuse_ms": median_ms(samples["reuse"]),
+        "reuse_overlap_ms": overlap,
+        "transfer_ms": transfer_ms,
+        "transfer_gb_s": page_bytes / transfer_ms / 1e6,
+        "restore_ms": median_ms(parts["restore"]),
+        "decode_step_ms": decode_ms,
+        "overlap_issue_ms": {runs: median_ms(parts[f"issue_runs{runs}"]) for runs in runs_list},
+        "reuse_vs_recompute": ratio("reuse"),
+        "reuse_overlap_vs_recompute": {runs: ratio(f"overlap_runs{runs}") for runs in runs_list},
+        "best_overlap_runs": best_runs,
+        "best_reuse_over_transfer_plus_decode_ms": min(median_ms(samples["reuse"]), overlap[best_runs])
+        - transfer_ms
+        - decode_ms,
+        "max_logit_difference": max((got - want).abs().max().item() for got in logits),
+        "samples_ms": {name: [v * 1e3 for v in values] for name, values in {**samples, **parts}.items()},
     }
 
 
@@ -161,7 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.1-8b")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds, each variant once per round")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the daemon's arena lives")
     parser.add_argument(
@@ -169,7 +181,9 @@ def main() -> None:
         choices=["kernel", "staged", "auto"],
         help="how a layer-wise load moves each run of layers (default: the client's)",
     )
-    parser.add_argument("--layerwise-runs", type=int, help="runs a layer-wise load cuts layers into")
+    parser.add_argument(
+        "--layerwise-runs", type=int, nargs="+", default=[1, 6], help="runs of layers a layer-wise load uses"
+    )
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -188,30 +202,29 @@ def main() -> None:
     with running_daemon(config) as daemon, KVStoreClient.connect(daemon.address, spec) as client:
         if args.layerwise_engine:
             client.layerwise_options = TransferOptions(engine=args.layerwise_engine)
-        if args.layerwise_runs:
-            client.layerwise_runs = args.layerwise_runs
         prefix = HFPrefixCache(client, model)
         for length in args.lengths:
-            row = measure(model, prefix, client, length, args.repeats, device)
+            row = measure(model, prefix, client, length, args.repeats, args.layerwise_runs, device)
             rows.append(row)
             print(f"{length} tokens: done", flush=True)
             torch.cuda.empty_cache() if device.type == "cuda" else None
 
-    columns = {
-        "tokens": "tokens",
-        "recompute ms": "recompute_ms",
-        "reuse ms": "reuse_ms",
-        "+overlap ms": "reuse_overlap_ms",
-        "transfer ms": "transfer_ms",
-        "GB/s": "transfer_gb_s",
-        "restore ms": "restore_ms",
-        "decode ms": "decode_step_ms",
-        "issue ms": "overlap_issue_ms",
-        "reuse/recompute": "reuse_vs_recompute",
-        "overlap/recompute": "reuse_overlap_vs_recompute",
-        "max |dlogit|": "max_logit_difference",
-    }
-    print_table(list(columns), [[row[key] for key in columns.values()] for row in rows])
+    runs_list = args.layerwise_runs
+    headers = ["tokens", "recompute ms", "reuse ms", *[f"overlap/{r} ms" for r in runs_list], "transfer ms"]
+    headers += [
+        "GB/s",
+        "restore ms",
+        "decode ms",
+        "reuse/recomp",
+        *[f"overlap/{r}/recomp" for r in runs_list],
+    ]
+    table = [
+        [row["tokens"], row["recompute_ms"], row["reuse_ms"], *row["reuse_overlap_ms"].values()]
+        + [row["transfer_ms"], row["transfer_gb_s"], row["restore_ms"], row["decode_step_ms"]]
+        + [row["reuse_vs_recompute"], *row["reuse_overlap_vs_recompute"].values()]
+        for row in rows
+    ]
+    print_table(headers, table)
     write_results(
         "ttft",
         {
@@ -222,7 +235,7 @@ def main() -> None:
             "chunk_tokens": client.spec.page.chunk_tokens,
             "repeats": args.repeats,
             "layerwise_transfer": str(client.layerwise_options),
-            "layerwise_runs": client.layerwise_runs,
+            "layerwise_runs": runs_list,
             "rows": rows,
         },
     )
