@@ -327,13 +327,23 @@ class KVStoreClient:
         """Keys of the whole chunks of `token_ids`."""
         return chunk_keys(self.namespace, token_ids, self.spec.page.chunk_tokens)
 
-    def lookup(self, token_ids: Any) -> int:
+    def _keys_of(self, token_ids: Any, keys: Sequence[bytes] | None) -> Sequence[bytes]:
+        """The whole chunks' keys: `keys` (the caller's, the first ones when it has more), or hashed."""
+        if keys is None:
+            return self.keys(token_ids)
+        chunks = len(token_ids) // self.spec.page.chunk_tokens
+        if len(keys) < chunks:
+            raise ValueError(f"keys: {len(keys)} keys for {chunks} whole chunks of token_ids")
+        return keys[:chunks]
+
+    def lookup(self, token_ids: Any, *, keys: Sequence[bytes] | None = None) -> int:
         """Number of leading tokens whose KV is stored (a multiple of chunk_tokens).
 
         A daemon that cannot be reached counts as a miss (logged), as it does for `load` and
-        `store`: the worker recomputes rather than fails.
+        `store`: the worker recomputes rather than fails. `keys`: `self.keys(token_ids)` where
+        the caller already has them (here and in `store_async` and `load_async`).
         """
-        keys = self.keys(token_ids)
+        keys = self._keys_of(token_ids, keys)
         if not keys:
             return 0
         try:
@@ -362,13 +372,14 @@ class KVStoreClient:
         *,
         stream: Any = None,
         layers: range | None = None,
+        keys: Sequence[bytes] | None = None,
     ) -> StoreHandle:
         """Reserve the new chunks and enqueue their gather; `wait()` commits them.
 
         On CUDA the gather runs on `stream` (default: this client's side stream, which first
         waits for the caller's current stream), so the caller's stream is never blocked.
         """
-        keys = self.keys(token_ids)
+        keys = self._keys_of(token_ids, keys)
         try:
             reply = (
                 self._first_rpc(
@@ -415,6 +426,7 @@ class KVStoreClient:
         stream: Any = None,
         layers: range | None = None,
         layerwise: bool = False,
+        keys: Sequence[bytes] | None = None,
     ) -> LoadHandle:
         """Pin the longest stored prefix and enqueue its scatter; `wait()` releases it.
 
@@ -428,7 +440,7 @@ class KVStoreClient:
         cannot be reached gives an empty load (0 tokens, logged), never an exception.
         """
         moved = self._layer_range(layers)
-        keys = self.keys(token_ids)
+        keys = self._keys_of(token_ids, keys)
         in_place = self._gpu_pools.readable(cache_device(kv_caches))  # GPU-tier pools read in place
         try:
             reply = (

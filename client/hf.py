@@ -26,6 +26,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvstore_client.client import KVStoreClient
@@ -104,7 +105,8 @@ class HFPrefixCache:
         self.finish()
         tokens = token_list(input_ids)
         limit = len(tokens) - 1  # leave a token to compute
-        stored = self.client.lookup(tokens) if limit > 0 else 0
+        keys = self.client.keys(tokens) if limit > 0 else []
+        stored = self.client.lookup(tokens, keys=keys) if keys else 0
         if stored == 0:
             return 0, self._dynamic_cache([], 0)
         spec = self.client.spec
@@ -117,7 +119,7 @@ class HFPrefixCache:
                 continue
             pair = torch.empty((2, 1, heads, stored, dim), dtype=self._dtype, device=self.device)
             kv.append((pair[0], pair[1]))
-        handle = self.client.load_async(tokens[:stored], kv, None, layerwise=overlap)
+        handle = self.client.load_async(tokens[:stored], kv, None, layerwise=overlap, keys=keys)
         if overlap and handle.tokens and self.device.type == "cuda":
             hit = min(handle.tokens, limit)
             self._pending = (handle, hit)
@@ -173,8 +175,8 @@ class HFPrefixCache:
         return cache
 
 
-def token_list(input_ids: Any) -> list[int]:
-    """Token ids of one sequence: a list, a 1-D tensor, or a `[1, seq]` batch."""
+def token_list(input_ids: Any) -> np.ndarray:
+    """Token ids of one sequence (a list, a 1-D tensor, or a `[1, seq]` batch) as an int64 array."""
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
@@ -182,8 +184,11 @@ def token_list(input_ids: Any) -> list[int]:
             input_ids = input_ids[0]
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids: expected [seq] or [1, seq], got shape {list(input_ids.shape)}")
-        return [int(t) for t in input_ids.tolist()]
-    return [int(t) for t in input_ids]
+        return input_ids.detach().cpu().numpy().astype(np.int64, copy=False)
+    tokens = np.asarray(input_ids)
+    if tokens.ndim != 1:
+        raise ValueError(f"input_ids: expected [seq] or [1, seq], got shape {list(tokens.shape)}")
+    return tokens.astype(np.int64, copy=False)
 
 
 def cache_tensors(past_key_values: Any, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:

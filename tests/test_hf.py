@@ -239,6 +239,9 @@ def test_bad_input_is_a_clear_error(connect: Callable[..., HFPrefixCache], model
         HFPrefixCache(_FakeSpecClient(flash))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="model: the config has no name_or_path"):
         KVSpec.from_hf_config(model.config)
+    tokens = prompt(40, seed=1)[0]
+    with pytest.raises(ValueError, match="keys: 1 keys for 2 whole chunks of token_ids"):
+        prefix.client.lookup(tokens, keys=prefix.client.keys(tokens)[:1])
 
 
 class _FakeSpecClient:
