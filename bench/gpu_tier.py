@@ -16,12 +16,25 @@ synchronised, GB/s of KV bytes landed in the cache:
 
 Acceptance (issue 7): GPU-tier load >= 10x the CPU-tier load and >= 0.5x the d2d copy.
 
+`--profile` adds where one GPU-tier load spends its time: each step of `client.load` taken
+one by one (keys, Lookup with lease, Acquire unless the Lookup answered it, cutting the reply
+into pieces, the public scatter call's host time, the wait for the GPU, Release), the GPU
+span of the scatter (events), the scatter call's own steps (checks, geometry, kernel
+arguments and table upload, launch), and cProfile's top functions over a run of loads.
+`--sweep` times the kernel's shapes and program counts reading the pool (GPU time of calls
+back to back), and the copy engines moving the same segments in one batched call.
+
     python bench/gpu_tier.py            # writes bench/results/gpu_tier.json
+    python bench/gpu_tier.py --profile --sweep
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import functools
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -29,7 +42,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
@@ -38,7 +53,10 @@ from kvstore.keys import pack_keys  # noqa: E402
 from kvstore.proto import kvstore_pb2 as pb  # noqa: E402
 from kvstore.tiers import Tier  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
-from kvstore_kernels import TransferOptions, scatter  # noqa: E402
+from kvstore_kernels import TransferOptions, scatter, triton_copy  # noqa: E402
+from kvstore_kernels.geometry import Geometry  # noqa: E402
+from kvstore_kernels.routing import choose  # noqa: E402
+from kvstore_kernels.validate import plan_transfer  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, CHUNK = 32, 8, 128, 16, 256
 SPEC = KVSpec(
@@ -78,10 +96,232 @@ def tiers_of(client: KVStoreClient, tokens: list[int]) -> bytes:
     return bytes(reply.tiers)
 
 
+def gpu_ms(run: Callable[[], Any], repeats: int) -> float:
+    """GPU time per call of `repeats` calls issued back to back, after one warm-up call."""
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        run()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / repeats
+
+
+def profile_load(
+    client: KVStoreClient, prompt: list[int], target: list[torch.Tensor], block_ids: list[int], repeats: int
+) -> dict[str, float]:
+    """Median milliseconds of each step of a GPU-tier `client.load`, taken one by one as it takes them."""
+    steps: dict[str, list[float]] = {}
+    device = target[0].device
+    stream = client._side_stream(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for attempt in range(repeats + 1):
+        torch.cuda.synchronize()
+        marks = [("start", time.perf_counter())]
+        keys = client.keys(prompt)
+        marks.append(("keys", time.perf_counter()))
+        reply = client._rpc(
+            "Lookup",
+            pb.LookupRequest(
+                namespace=client.namespace, keys=pack_keys(keys), lease=True, gpu_pools=[0], acquire=True
+            ),
+        )
+        marks.append(("Lookup(lease)", time.perf_counter()))
+        lease = pb.LeaseRequest(namespace=client.namespace, lease_id=reply.lease_id)
+        acquired = reply.acquired if reply.HasField("acquired") else client._rpc("Acquire", lease)
+        marks.append(("Acquire (if asked)", time.perf_counter()))
+        pieces = client._gpu_pools.pieces(acquired, client.arena)
+        marks.append(("pieces", time.perf_counter()))
+        stream.wait_stream(torch.cuda.current_stream(device))
+        start.record(stream)
+        with torch.cuda.stream(stream):
+            for buf, chunks, offsets in pieces:
+                client._gpu_pools.scatter_for(buf, scatter)(
+                    SPEC, target, block_ids, chunks, buf, offsets, range(LAYERS)
+                )
+        end.record(stream)
+        marks.append(("scatter call (host)", time.perf_counter()))
+        end.synchronize()
+        marks.append(("wait for the GPU", time.perf_counter()))
+        client._rpc("Release", lease)
+        marks.append(("Release", time.perf_counter()))
+        if attempt:
+            for (_, before), (name, after) in zip(marks, marks[1:], strict=False):
+                steps.setdefault(name, []).append((after - before) * 1e3)
+            steps.setdefault("total (host)", []).append((marks[-1][1] - marks[0][1]) * 1e3)
+            steps.setdefault("GPU span of the scatter", []).append(float(start.elapsed_time(end)))
+    return {name: statistics.median(values) for name, values in steps.items()}
+
+
+def profile_scatter(
+    target: list[torch.Tensor],
+    block_ids: list[int],
+    chunks: int,
+    pool: torch.Tensor,
+    offsets: list[int],
+    repeats: int,
+) -> dict[str, float]:
+    """Median milliseconds of the public scatter call's own steps, on the host."""
+    steps: dict[str, list[float]] = {}
+    for attempt in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plan = plan_transfer(
+            SPEC, target, block_ids, range(chunks), pool, offsets, None, 0, writes_cache=True
+        )
+        t1 = time.perf_counter()
+        route = choose(SPEC, plan, TransferOptions(), to_page=False)
+        geometry = route.geometry or Geometry(SPEC, plan)
+        t2 = time.perf_counter()
+        launch = triton_copy.Launch(
+            SPEC, plan, geometry, to_page=False, tuning=triton_copy.default_tuning(plan)
+        )
+        t3 = time.perf_counter()
+        launch.run(0, geometry.num_segments, triton_copy.default_programs(plan, to_page=False))
+        t4 = time.perf_counter()
+        if attempt:
+            for name, value in (
+                ("plan_transfer (checks)", t1 - t0),
+                ("route + Geometry", t2 - t1),
+                ("Launch (arguments, table upload)", t3 - t2),
+                ("run (launch)", t4 - t3),
+            ):
+                steps.setdefault(name, []).append(value * 1e3)
+    torch.cuda.synchronize()
+    return {name: statistics.median(values) for name, values in steps.items()}
+
+
+def cprofile_loads(run: Callable[[], Any], repeats: int, top: int = 18) -> str:
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(repeats):
+        run()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    return "\n".join(lines[: top + 8])
+
+
+SWEEP_SHAPES = [  # (tile_bytes, segments_per_step, num_warps, word_bytes)
+    (16384, 4, 8, 8),  # DEFAULT_TUNING
+    (4096, 1, 4, 8),
+    (8192, 1, 4, 8),
+    (8192, 1, 8, 8),
+    (16384, 1, 8, 8),
+    (32768, 1, 8, 8),
+    (32768, 1, 16, 8),
+    (8192, 2, 8, 8),
+    (16384, 2, 8, 8),
+    (4096, 4, 4, 8),
+    (8192, 4, 8, 8),
+    (8192, 1, 4, 4),
+    (16384, 1, 8, 4),
+    (16384, 4, 8, 4),
+]
+SWEEP_HINTS = [{"load_cache": ".cg", "store_cache": ".cs"}, {"eviction": "evict_first"}]
+SWEEP_PROGRAMS_PER_SM = (1, 2, 4, 8, 16, 0)  # 0: one program per step (no persistent loop)
+
+
+def sweep_tunings() -> list[triton_copy.Tuning]:
+    shapes = [
+        triton_copy.Tuning(tile, segments, warps, word_bytes=word)
+        for tile, segments, warps, word in SWEEP_SHAPES
+    ]
+    return shapes + [triton_copy.Tuning(8192, 1, 4, **hints) for hints in SWEEP_HINTS]  # type: ignore[arg-type]
+
+
+def sweep_label(tuning: triton_copy.Tuning) -> str:
+    label = f"tile={tuning.tile_bytes // 1024}K seg={tuning.segments_per_step} warps={tuning.num_warps}"
+    hints = ("load_cache", "store_cache", "eviction")
+    return (
+        label
+        + f" word={tuning.word_bytes}"
+        + "".join(f" {h}={getattr(tuning, h)}" for h in hints if getattr(tuning, h))
+    )
+
+
+def ptx_counts(compiled: Any) -> str:
+    ptx = getattr(compiled, "asm", {}).get("ptx", "")
+    kinds = ("ld.global.v4", "ld.global.v2", "ld.global.", "st.global.v4", "st.global.v2", "st.global.")
+    counts = {kind: ptx.count(kind) for kind in kinds}
+    regs = getattr(compiled, "n_regs", "?")
+    return f"regs={regs} " + " ".join(f"{k.removesuffix('.')}={v}" for k, v in counts.items())
+
+
+def sweep_kernel(
+    target: list[torch.Tensor],
+    source: list[torch.Tensor],
+    block_ids: list[int],
+    chunks: int,
+    pool: torch.Tensor,
+    offsets: list[int],
+    total: int,
+    repeats: int,
+) -> list[dict[str, Any]]:
+    """GPU time of the kernel's shapes and program counts reading the pool, and of the copy engines."""
+    plan = plan_transfer(SPEC, target, block_ids, range(chunks), pool, offsets, None, 0, writes_cache=True)
+    geometry = Geometry(SPEC, plan)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows: list[dict[str, Any]] = []
+    for tuning in sweep_tunings():
+        label = sweep_label(tuning)
+        try:
+            launch = triton_copy.Launch(SPEC, plan, geometry, to_page=False, tuning=tuning)
+            steps = triton.cdiv(geometry.num_segments, launch.segments_per_step)
+            for t in target:
+                t.fill_(-1.0)
+            compiled = launch.run(0, geometry.num_segments, steps)
+            torch.cuda.synchronize()
+            exact = all(torch.equal(a, b) for a, b in zip(target, source, strict=True))
+            print(f"sweep {label}: {ptx_counts(compiled)} exact={exact}", flush=True)
+            for per_sm in SWEEP_PROGRAMS_PER_SM:
+                programs = per_sm * sms or steps
+                ms = gpu_ms(functools.partial(launch.run, 0, geometry.num_segments, programs), repeats)
+                rows.append(
+                    {"shape": label, "programs": programs, "ms": ms, "gb_s": total / ms / 1e6, "exact": exact}
+                )
+        except Exception as exc:  # a shape that does not compile is reported, the sweep goes on
+            print(f"sweep {label}: failed: {exc!r}"[:300], flush=True)
+    try:
+        from kvstore_kernels import cudart
+
+        runtime = cudart.runtime()
+        cache_addrs, page_addrs = geometry.segment_addresses(np.asarray(plan.blocks))
+        sizes = np.full(cache_addrs.size, geometry.segment_bytes, dtype=np.uint64)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+
+            def batch() -> None:
+                runtime.memcpy_batch_async(cache_addrs.ravel(), page_addrs.ravel(), sizes, stream.cuda_stream)
+
+            started = time.perf_counter()
+            batch()
+            host_ms = (time.perf_counter() - started) * 1e3
+            ms = gpu_ms(batch, max(2, repeats // 4))
+        rows.append(
+            {
+                "shape": f"copy engines, one batched call (host {host_ms:.2f} ms)",
+                "programs": 0,
+                "ms": ms,
+                "gb_s": total / ms / 1e6,
+                "exact": None,
+            }
+        )
+    except Exception as exc:
+        print(f"sweep copy engines: failed: {exc!r}"[:300], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="time each step of a GPU-tier load")
+    parser.add_argument("--sweep", action="store_true", help="time the kernel's shapes reading the pool")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gpu_tier.py needs a CUDA device")
@@ -157,13 +397,36 @@ def main() -> None:
         for programs in (None, sms):
             options = TransferOptions(max_programs=programs)
             label = f"scatter only, {programs or 'default'} programs"
-            timings[label] = median_s(
-                lambda options=options: scatter(
-                    SPEC, target, block_ids, range(chunks), pool, offsets, options=options
-                ),
-                args.repeats,
+            run = functools.partial(
+                scatter, SPEC, target, block_ids, range(chunks), pool, offsets, options=options
             )
-        client._rpc("Release", lease)
+            timings[label] = median_s(run, args.repeats)
+        client._rpc("Release", lease)  # the Pin keeps the pages in the pool for what follows
+        if args.sweep:
+            sweep = sweep_kernel(target, source_b, block_ids, chunks, pool, offsets, total, args.repeats)
+            best = min((row for row in sweep if row["exact"]), key=lambda row: row["ms"])
+            results["sweep"] = sweep
+            print_table(
+                ("kernel shape (reading the pool)", "programs", "ms", "GB/s"),
+                [
+                    [r["shape"], r["programs"], r["ms"], r["gb_s"]]
+                    for r in sorted(sweep, key=lambda r: r["ms"])[:25]
+                ],
+            )
+            print(f"best: {best}")
+            shape = next(t for t in sweep_tunings() if sweep_label(t) == best["shape"])
+            triton_copy.DEVICE_TUNING, triton_copy.DEVICE_MAX_PROGRAMS = shape, best["programs"]
+            timings["load, GPU tier, swept best"] = median_s(load(prompt_b, source_b), args.repeats)
+            timings["scatter only, swept best"] = median_s(
+                lambda: scatter(SPEC, target, block_ids, range(chunks), pool, offsets), args.repeats
+            )
+        if args.profile:
+            steps = profile_load(client, prompt_b, target, block_ids, args.repeats)
+            print_table(("GPU-tier load, step by step", "ms (median)"), list(steps.items()))
+            inner = profile_scatter(target, block_ids, chunks, pool, offsets, args.repeats)
+            print_table(("public scatter call, host", "ms (median)"), list(inner.items()))
+            print(cprofile_loads(load(prompt_b, source_b), args.repeats))
+            results["profile"] = {"load_steps_ms": steps, "scatter_steps_ms": inner}
         stats = client.stats()
     d2d = total / timings["d2d copy"] / 1e9
     for name, seconds in timings.items():

@@ -2,7 +2,8 @@
 
 - `lookup(tokens)`: tokens in the longest stored prefix.
 - `store(tokens, kv_caches, block_ids)`: Reserve -> gather pages -> Commit.
-- `load(tokens, kv_caches, block_ids)`: Lookup(lease) -> Acquire -> scatter -> Release.
+- `load(tokens, kv_caches, block_ids)`: Lookup(lease) -> Acquire -> scatter -> Release (on the
+  daemon's host the Lookup also answers the Acquire when no page must be waited for).
 
 On the daemon's host the client maps the daemon's shared-memory arena and the
 kernels read and write pages in place; otherwise (`shared_memory=False`, or a
@@ -209,6 +210,7 @@ class KVStoreClient:
         self.namespace: bytes = reply.namespace
         self.page_bytes: int = reply.page_bytes
         self.max_message_bytes: int = reply.max_message_bytes
+        self.lease_ttl_s: float = reply.lease_ttl_ms / 1000  # a lease's life when the request names none
         if self.spec.page.namespace() != self.namespace or self.spec.page.page_bytes != self.page_bytes:
             raise RuntimeError(
                 "the daemon computed another namespace or page size for this spec: "
@@ -442,12 +444,17 @@ class KVStoreClient:
         moved = self._layer_range(layers)
         keys = self._keys_of(token_ids, keys)
         in_place = self._gpu_pools.readable(cache_device(kv_caches))  # GPU-tier pools read in place
+        asked = time.monotonic()  # the daemon's lease deadline is at least this + lease_ttl_s
         try:
             reply = (
                 self._first_rpc(
                     "Lookup",
                     lambda: pb.LookupRequest(
-                        namespace=self.namespace, keys=pack_keys(keys), lease=True, gpu_pools=in_place
+                        namespace=self.namespace,
+                        keys=pack_keys(keys),
+                        lease=True,
+                        gpu_pools=in_place,
+                        acquire=self.arena is not None,
                     ),
                 )
                 if keys
@@ -462,7 +469,8 @@ class KVStoreClient:
         layer_events: dict[int, torch.cuda.Event | None] | None = None
         try:
             if self.arena is not None:
-                acquired = self._rpc("Acquire", lease)
+                # A daemon that answered the Acquire with the Lookup saves a round trip (older ones never do).
+                acquired = reply.acquired if reply.HasField("acquired") else self._rpc("Acquire", lease)
                 ready = acquired.ready_chunks
                 pieces = self._gpu_pools.pieces(acquired, self.arena)  # the arena's chunks, each pool's
                 runs = self.layerwise_runs
@@ -501,6 +509,15 @@ class KVStoreClient:
         tokens = ready * self.spec.page.chunk_tokens
 
         def release() -> int:
+            local = self._local
+            if local is not None and time.monotonic() < asked + self.lease_ttl_s:
+                # The copy ended while the lease held its pages (same host, same monotonic clock):
+                # the tokens are valid whatever the Release answers, so it is sent without waiting.
+                try:
+                    local.send("Release", lease)
+                except Unavailable as exc:  # the lease expires on its own
+                    log.warning("release of lease %d failed: %s", lease.lease_id, exc)
+                return tokens
             if self._release_quietly(lease):
                 return tokens
             log.warning("load lease %d expired during the copy; reporting no tokens loaded", lease.lease_id)

@@ -1,7 +1,14 @@
-"""Client end of the daemon's local channel (see `kvstore.local`): one blocking socket, one frame each way."""
+"""Client end of the daemon's local channel (see `kvstore.local`): one blocking socket, one frame each way.
+
+- `call(method, request)`: send a request, wait for its reply.
+- `send(method, request)`: send a request without waiting: its reply is read with the next
+  call's (the daemon answers in order), and an error in it is logged then. For calls whose
+  outcome the caller does not need (a load's Release once the copy is known to be valid).
+"""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from typing import Any
@@ -9,6 +16,8 @@ from typing import Any
 from kvstore.errors import Unavailable, error_for
 from kvstore.handlers import UNARY_METHODS
 from kvstore.local import HEADER, METHOD_NAMES
+
+log = logging.getLogger(__name__)
 
 _METHOD_IDS = {name: i for i, name in enumerate(METHOD_NAMES)}
 
@@ -20,14 +29,15 @@ class LocalChannel:
         self._sock.settimeout(timeout_s)
         self._sock.connect(path)
         self._lock = threading.Lock()
+        self._unread: list[str] = []  # methods sent without waiting whose replies are still unread
 
     def call(self, method: str, request: Any) -> Any:
         payload = request.SerializeToString()
         try:
             with self._lock:
                 self._sock.sendall(HEADER.pack(len(payload), _METHOD_IDS[method]) + payload)
-                length, status = HEADER.unpack(self._recv(HEADER.size))
-                body = self._recv(length)
+                self._read_unread()  # the daemon works on this request meanwhile
+                status, body = self._reply()
         except OSError as exc:
             self.close()
             raise Unavailable(
@@ -36,6 +46,31 @@ class LocalChannel:
         if status:
             raise error_for(status, method, body.decode(errors="replace"))
         return UNARY_METHODS[method][1].FromString(body)  # type: ignore[attr-defined]
+
+    def send(self, method: str, request: Any) -> None:
+        """Sends `request` without waiting for the reply (read, and an error logged, with the next call's)."""
+        payload = request.SerializeToString()
+        try:
+            with self._lock:
+                self._sock.sendall(HEADER.pack(len(payload), _METHOD_IDS[method]) + payload)
+                self._unread.append(method)
+        except OSError as exc:
+            self.close()
+            raise Unavailable(
+                f"{method}: the daemon's local channel {self.path} closed ({exc}); it stopped or restarted"
+            ) from None
+
+    def _read_unread(self) -> None:
+        for method in self._unread:
+            status, body = self._reply()
+            if status:
+                error = error_for(status, method, body.decode(errors="replace"))
+                log.warning("%s (sent without waiting for its reply) failed: %s", method, error)
+        self._unread.clear()
+
+    def _reply(self) -> tuple[int, bytes]:
+        length, status = HEADER.unpack(self._recv(HEADER.size))
+        return status, self._recv(length)
 
     def _recv(self, size: int) -> bytes:
         data = bytearray()

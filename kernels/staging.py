@@ -6,7 +6,9 @@ asynchronously on the current stream. The copy must not stall the host: a fresh
 (the allocator frees a block only once its copy ran), and a copy from pageable memory can
 wait for the stream. So each device keeps a ring of pinned slots, and a slot is refilled
 only after the copy out of it has run (its event), which also bounds how far the host runs
-ahead of the GPU.
+ahead of the GPU. The slots of the usual size are carved out of one pinned allocation made
+with the ring: a `cudaHostAlloc` per slot on its first use cost the first `NUM_SLOTS`
+calls of a process each a pinned allocation (a larger table still gets its own).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class TableStaging:
 
         self.device = device
         self._runtime = cudart.runtime()
-        self._slots: list[np.ndarray | None] = [None] * num_slots
-        self._pinned: list[torch.Tensor | None] = [None] * num_slots  # keeps each slot's memory
+        ring = torch.empty(num_slots * MIN_SLOT_VALUES, dtype=torch.int64, pin_memory=True)
+        self._slots: list[np.ndarray] = list(ring.numpy().reshape(num_slots, MIN_SLOT_VALUES))
+        self._pinned: list[torch.Tensor] = [ring] * num_slots  # keeps each slot's memory
         with torch.cuda.device(device):
             self._events = [self._runtime.event_create() for _ in range(num_slots)]
         self._next = 0
@@ -48,7 +51,7 @@ class TableStaging:
             done = self._events[index]
             runtime.event_synchronize(done)  # the copy out of this slot has run (at once if never)
             slot = self._slots[index]
-            if slot is None or slot.size < count:
+            if slot.size < count:
                 pinned = torch.empty(max(count, MIN_SLOT_VALUES), dtype=torch.int64, pin_memory=True)
                 self._pinned[index], slot = pinned, pinned.numpy()
                 self._slots[index] = slot

@@ -46,7 +46,12 @@ from .validate import Transfer, plan_transfer
 # matrix products more (GPU->host: 1.1x at 2 programs, 1.2-1.35x at 4, 1.7-2.1x at 8, 10-16x
 # with one per SM): see bench/NOTES-transfer.md.
 HOST_PROGRAMS = {"gather": 2, "scatter": 2}
-DEVICE_MAX_PROGRAMS = 64  # buffer in device memory: ~0.7 TB/s each way, half the SMs left free
+# A buffer in device memory (the GPU tier's pools): one program per 32 KiB step, no persistent
+# loop. bench/gpu_tier.py --sweep (H100, 10:22Z, 1 GiB of 32 KiB segments reading a pool): every
+# shape from 4 to 64 KiB per step moves 1410-1443 GB/s back to back with 132 programs or more
+# (the device copy: 1468), but an isolated load pays the persistent kernel's ramp: scatter alone
+# 1.72 ms at 64 programs, 1.50 at 132, 1.38 with one program per step (32 KiB tiles).
+DEVICE_MAX_PROGRAMS = 1 << 20
 _WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
 
@@ -59,11 +64,14 @@ class Tuning(NamedTuple):
     load_cache: str = ""  # tl.load cache_modifier: "", ".cg", ".ca", ".cv"
     store_cache: str = ""  # tl.store cache_modifier: "", ".wb", ".cg", ".cs", ".wt"
     eviction: str = ""  # eviction_policy of both: "", "evict_first", "evict_last"
+    word_bytes: int = 8  # the widest integer word moved (the addresses may allow less)
 
 
 # 64 KiB in flight per program: host reads need it (one 16 KiB load per step: 16 GB/s at 2
 # programs, against 46 GB/s with four).
 DEFAULT_TUNING = Tuning()
+# A buffer in device memory: see DEVICE_MAX_PROGRAMS.
+DEVICE_TUNING = Tuning(tile_bytes=32768, segments_per_step=1)
 
 
 # Per-launch values of the staged path: not specialised, so one compiled kernel serves every piece.
@@ -181,7 +189,7 @@ def gather(
     *,
     batch_index: int = 0,
     max_programs: int | None = None,
-    tuning: Tuning = DEFAULT_TUNING,
+    tuning: Tuning | None = None,
 ) -> None:
     """Engine KV cache -> pages at `buffer[offsets[j]:]`, one launch for all layers and pages."""
     plan = plan_transfer(
@@ -201,7 +209,7 @@ def scatter(
     *,
     batch_index: int = 0,
     max_programs: int | None = None,
-    tuning: Tuning = DEFAULT_TUNING,
+    tuning: Tuning | None = None,
 ) -> None:
     """Pages at `buffer[offsets[j]:]` -> the engine KV cache, one launch for all layers and pages."""
     plan = plan_transfer(
@@ -231,17 +239,25 @@ def default_programs(plan: Transfer, *, to_page: bool) -> int:
     return HOST_PROGRAMS["gather" if to_page else "scatter"]
 
 
+def default_tuning(plan: Transfer) -> Tuning:
+    """The measured kernel shape for this buffer's memory."""
+    return DEVICE_TUNING if plan.buffer.device.type == "cuda" else DEFAULT_TUNING
+
+
 def launch(
     spec: KVSpec,
     plan: Transfer,
     *,
     to_page: bool,
     max_programs: int | None = None,
-    tuning: Tuning = DEFAULT_TUNING,
+    tuning: Tuning | None = None,
     geometry: Geometry | None = None,
 ) -> Any:
     """Run a validated transfer in one kernel launch on the current stream; returns Triton's
-    compiled kernel (its `asm`, `n_regs`, `n_spills`), or None when nothing moves."""
+    compiled kernel (its `asm`, `n_regs`, `n_spills`), or None when nothing moves.
+
+    `max_programs`, `tuning`: None takes the measured choice for the buffer's memory."""
+    tuning = tuning or default_tuning(plan)
     _check_tuning(tuning)
     check_reach(plan)
     if max_programs is None:
@@ -285,8 +301,10 @@ class Launch:
         _check_tuning(tuning)
         num_segments = max(geometry.num_segments, 1)
         segments = max(1, min(tuning.segments_per_step, triton.next_power_of_2(num_segments)))
-        tile = min(triton.next_power_of_2(geometry.segment_words), tuning.tile_bytes // geometry.word_bytes)
-        step_bytes = segments * tile * geometry.word_bytes
+        word_bytes = min(geometry.word_bytes, tuning.word_bytes)
+        segment_words = geometry.segment_bytes // word_bytes
+        tile = min(triton.next_power_of_2(segment_words), tuning.tile_bytes // word_bytes)
+        step_bytes = segments * tile * word_bytes
         self.segments_per_step = segments
         host_blocks = plan.blocks if isinstance(plan.blocks, np.ndarray) else None
         values, starts = geometry.table_values(host_blocks)
@@ -297,15 +315,15 @@ class Launch:
             num_layer_kv=geometry.num_layer_kv,
             blocks_per_chunk=geometry.blocks_per_chunk,
             num_blocks=plan.num_blocks,
-            SEGMENT_WORDS=geometry.segment_words,
+            SEGMENT_WORDS=segment_words,
             TILE=tile,
             SEGMENTS=segments,
             CONTIGUOUS=geometry.contiguous,
             HEADS=spec.num_kv_heads,
             HEAD_DIM=spec.head_dim,
-            WORDS_PER_ELEMENT=geometry.words_per_element,
-            WORD=_WORDS[geometry.word_bytes],
-            WORD_BYTES=geometry.word_bytes,
+            WORDS_PER_ELEMENT=geometry.words_per_element * geometry.word_bytes // word_bytes,
+            WORD=_WORDS[word_bytes],
+            WORD_BYTES=word_bytes,
             ALIGN=geometry.align,
             TO_PAGE=to_page,
             STAGED=staged,
@@ -397,7 +415,7 @@ def _inactive(hook: Any) -> bool:
 
 
 def _check_tuning(tuning: Tuning) -> None:
-    for name in ("tile_bytes", "segments_per_step"):
+    for name in ("tile_bytes", "segments_per_step", "word_bytes"):
         value = getattr(tuning, name)
         if value < 1 or value & (value - 1):
             raise ValueError(f"tuning.{name}: expected a power of two, got {value}")

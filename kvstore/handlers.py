@@ -97,7 +97,12 @@ class Handlers:
             touch=request.lease,  # a query is not a use: the load's leased lookup is
             gpu_pools=request.gpu_pools,
         )
-        return pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=result.tiers, lease_id=result.lease_id)
+        reply = pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=result.tiers, lease_id=result.lease_id)
+        if request.acquire and result.lease_id:  # the Acquire too, when it needs no waiting
+            ready = self.store.acquire_now(request.namespace, result.lease_id)
+            if ready is not None:
+                reply.acquired.CopyFrom(self._acquired(ready))
+        return reply
 
     def Reserve(self, request: pb.ReserveRequest) -> pb.ReserveResponse:
         result = self.store.reserve(request.namespace, unpack_keys(request.keys), _ttl(request.lease_ttl_ms))

@@ -42,7 +42,7 @@ def chunk_keys(
         raise ValueError(f"namespace: expected {KEY_BYTES} bytes, got {len(namespace)}")
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens: expected a positive integer, got {chunk_tokens}")
-    data = token_array(token_ids).tobytes()
+    data = _token_bytes(token_ids)
     step = chunk_tokens * 4
     stop = len(data) if include_partial else len(data) - len(data) % step
     keys: list[bytes] = []
@@ -51,6 +51,23 @@ def chunk_keys(
         prev = xxhash.xxh3_128_digest(prev + data[start : start + step])
         keys.append(prev)
     return keys
+
+
+def _token_bytes(token_ids: Any) -> bytes:
+    """`token_array(token_ids).tobytes()`; a list of ints is packed without numpy (~5x faster for
+    8k tokens: numpy looks at each int's type first). A list it cannot pack (floats, ids out of
+    int32, a leading bool) goes through `token_array`, which accepts or refuses it as always."""
+    if isinstance(token_ids, list) and token_ids and type(token_ids[0]) is not bool:
+        try:
+            return _int32_struct(len(token_ids)).pack(*token_ids)
+        except struct.error:
+            pass
+    return token_array(token_ids).tobytes()
+
+
+@functools.lru_cache(maxsize=64)
+def _int32_struct(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}i")
 
 
 def pack_keys(keys: Sequence[bytes]) -> bytes:

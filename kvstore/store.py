@@ -4,7 +4,8 @@ Primitives (each a few dict operations; they run on the daemon's event loop):
 - `connect(spec)`: register a page spec, returning its namespace.
 - `lookup(ns, keys, lease)`: longest committed prefix; a lease pins the hits.
 - `reserve(ns, keys)` -> `commit` | `abort`: slots for the keys not stored yet.
-- `acquire(ns, lease)` -> `release`: offsets of a load lease's pages.
+- `acquire(ns, lease)` -> `release`: offsets of a load lease's pages (`acquire_now`: the
+  same when nothing must be waited for, so a Lookup can answer it).
 - `pin(ns, keys, ttl)`: keeps the stored prefix of `keys` out of eviction until the TTL ends.
 - With a GPU tier (`gpu_placement`): pages move up to it on repeated leased hits or a pin, and
   back down to the CPU tier when it needs room; a load lease reads each page where it is.
@@ -377,14 +378,16 @@ class Store:
         (up to PROMOTION_TIMEOUT_S); a page that could not be read ends the ready prefix.
         """
         lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
-        pending = [
-            e.loaded
-            for e in lease.entries
-            if e.loaded is not None and not e.loaded.done() and not _in_pools(e, lease.gpu_pools)
-        ]
+        pending = _pending(lease)
         if not pending:
             return self._ready(lease)
         return self._acquire_later(lease, pending)
+
+    def acquire_now(self, ns_id: bytes, lease_id: int) -> AcquireResult | None:
+        """`acquire`'s answer if it needs no waiting (no page of the lease is still being read from
+        disk or copied into the arena), else None: the reader then calls `acquire`."""
+        lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
+        return None if _pending(lease) else self._ready(lease)
 
     async def _acquire_later(self, lease: Lease, pending: list[asyncio.Future[bool]]) -> AcquireResult:
         await asyncio.wait(pending, timeout=PROMOTION_TIMEOUT_S)
@@ -721,6 +724,15 @@ def _tier(entry: Entry) -> Tier:
     if entry.gpu_ready:
         return Tier.GPU
     return Tier.CPU if entry.committed else Tier.DISK
+
+
+def _pending(lease: Lease) -> list[asyncio.Future[bool]]:
+    """The copies a load lease's reader must wait for: pages on their way into the arena."""
+    return [
+        e.loaded
+        for e in lease.entries
+        if e.loaded is not None and not e.loaded.done() and not _in_pools(e, lease.gpu_pools)
+    ]
 
 
 def _in_pools(entry: Entry, pools: frozenset[int]) -> bool:

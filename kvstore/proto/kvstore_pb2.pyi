@@ -104,28 +104,32 @@ class GpuPool(_message.Message):
     def __init__(self, device: _Optional[int] = ..., pci_bus_id: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms", "gpu_pools")
+    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms", "gpu_pools", "acquire")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     GPU_POOLS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: bytes
     lease: bool
     lease_ttl_ms: int
     gpu_pools: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., gpu_pools: _Optional[_Iterable[int]] = ...) -> None: ...
+    acquire: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., gpu_pools: _Optional[_Iterable[int]] = ..., acquire: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_chunks", "tiers", "lease_id")
+    __slots__ = ("hit_chunks", "tiers", "lease_id", "acquired")
     HIT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     hit_chunks: int
     tiers: bytes
     lease_id: int
-    def __init__(self, hit_chunks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    acquired: AcquireResponse
+    def __init__(self, hit_chunks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., acquired: _Optional[_Union[AcquireResponse, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace", "keys", "lease_ttl_ms")
