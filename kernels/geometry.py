@@ -8,12 +8,19 @@ engine's cache when the views are packed within a block (`contiguous`).
   per page its address, and the widest word every address allows.
 - `Geometry.segment_addresses(blocks)`: cache and page address of every segment, for the
   copy-engine path (`copy_engine`); the Triton kernel computes the same on the GPU.
+- `geometry_of(spec, plan)`: the same as `Geometry(spec, plan)`, but what depends on the cache
+  alone (the views' addresses and strides, the page offsets) is kept from an earlier transfer
+  with the same remembered cache facts and layers: only the page addresses are new (a GPU-tier
+  load of 8k tokens of an 8B model: ~0.1 ms less host time on the H100 host).
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
+import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,16 +51,35 @@ class Geometry:
             for position, layer_views in zip(plan.positions, plan.view_facts, strict=True)
             for kv in range(len(layer_views))
         ]
+        self._itemsize = itemsize
+        self._static_alignment = math.gcd(
+            self.segment_bytes, *self.layer_addrs, *self.block_strides, *self.page_offsets
+        )
+        strides = [
+            value
+            for block, inner in zip(self.block_strides, self.inner_strides, strict=True)
+            for value in (block, *inner)
+        ]
+        static = [self.layer_addrs, strides, self.page_offsets]  # the tables' cache-only part
+        self._static_values = np.concatenate([np.asarray(part, dtype=np.int64) for part in static])
+        self._static_lengths = [len(part) for part in static]
+        self._set_pages(plan)
+
+    def _set_pages(self, plan: Transfer) -> None:
         self.page_addrs = [plan.buffer.data_ptr() + offset for offset in plan.offsets]
         # Every address and step is a multiple of `alignment`: words (and vector loads) of that width.
-        alignment = math.gcd(
-            self.segment_bytes, *self.layer_addrs, *self.block_strides, *self.page_offsets, *self.page_addrs
-        )
-        widest = 8 if self.contiguous else itemsize
+        alignment = math.gcd(self._static_alignment, *self.page_addrs)
+        widest = 8 if self.contiguous else self._itemsize
         self.word_bytes = next(w for w in (8, 4, 2, 1) if w <= widest and alignment % w == 0)
         self.align = 16 if self.contiguous and alignment % 16 == 0 else self.word_bytes
         self.segment_words = self.segment_bytes // self.word_bytes
-        self.words_per_element = itemsize // self.word_bytes
+        self.words_per_element = self._itemsize // self.word_bytes
+
+    def for_pages(self, plan: Transfer) -> Geometry:
+        """This geometry for `plan`, a transfer of the same views, layers and page spec: its pages."""
+        other = copy.copy(self)
+        other._set_pages(plan)
+        return other
 
     @property
     def num_segments(self) -> int:
@@ -66,15 +92,16 @@ class Geometry:
         layer addresses, per-layer strides (block stride in bytes, then token, head, dim strides in
         elements), page offsets.
         """
-        strides = [
-            value
-            for block, inner in zip(self.block_strides, self.inner_strides, strict=True)
-            for value in (block, *inner)
-        ]
-        block_part: np.ndarray | list[int] = [] if blocks is None else blocks.ravel()
-        parts = [self.page_addrs, block_part, self.layer_addrs, strides, self.page_offsets]
-        starts = list(itertools.accumulate(len(part) for part in parts))[:-1]
-        values = np.concatenate([np.asarray(part, dtype=np.int64) for part in parts])
+        block_part = np.empty(0, dtype=np.int64) if blocks is None else blocks.ravel()
+        lengths = [len(self.page_addrs), block_part.size, *self._static_lengths]
+        starts = list(itertools.accumulate(lengths))[:-1]
+        values = np.concatenate(
+            [
+                np.asarray(self.page_addrs, dtype=np.int64),
+                block_part.astype(np.int64, copy=False),
+                self._static_values,
+            ]
+        )
         return values, starts
 
     def segment_addresses(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -89,6 +116,27 @@ class Geometry:
             * np.uint64(self.segment_bytes)
         )
         return cache, page
+
+
+def geometry_of(spec: KVSpec, plan: Transfer) -> Geometry:
+    """`Geometry(spec, plan)`, its cache-only part kept per remembered cache facts (`plan.view_facts`,
+    the same object while they are remembered; the kept entry holds it, so its id is not reused)."""
+    key = (id(plan.view_facts), plan.positions, spec.block_size)
+    with _kept_lock:
+        kept = _kept.get(key)
+    if kept is not None and kept[0] is plan.view_facts and kept[1] == plan.page:
+        return kept[2].for_pages(plan)
+    geometry = Geometry(spec, plan)
+    with _kept_lock:
+        _kept[key] = (plan.view_facts, plan.page, geometry)
+        while len(_kept) > _KEPT:
+            del _kept[next(iter(_kept))]
+    return geometry
+
+
+_kept: dict[tuple[Any, ...], tuple[Any, Any, Geometry]] = {}
+_KEPT = 32
+_kept_lock = threading.Lock()
 
 
 def is_packed(view: torch.Tensor) -> bool:

@@ -40,7 +40,7 @@ from typing import NamedTuple
 from kvstore.spec import KVSpec
 
 from . import copy_engine, staged
-from .geometry import Geometry
+from .geometry import Geometry, geometry_of
 from .validate import Transfer
 
 ENGINES = ("auto", "kernel", "copy_engine", "staged")
@@ -105,7 +105,7 @@ def choose(spec: KVSpec, plan: Transfer, options: TransferOptions, *, to_page: b
     reason = staged.why_not(spec, plan, options.staging_bytes)
     if reason is None:
         return Route("staged", "pinned buffer")
-    geometry = Geometry(spec, plan)
+    geometry = geometry_of(spec, plan)
     if copy_engine.why_not(plan, geometry) is None and copy_engine.can_copy_2d(spec, plan, geometry):
         return Route("copy_engine", f"{reason}; 2-D copies", geometry)
     return Route("kernel", reason, geometry)

@@ -36,7 +36,7 @@ import triton.language as tl
 from kvstore.spec import KVSpec
 
 from . import staging
-from .geometry import Geometry
+from .geometry import Geometry, geometry_of
 from .layouts import KVCaches
 from .validate import Transfer, plan_transfer
 
@@ -264,7 +264,7 @@ def launch(
         max_programs = default_programs(plan, to_page=to_page)
     if max_programs < 1:
         raise ValueError(f"max_programs: expected a positive integer, got {max_programs}")
-    geometry = geometry or Geometry(spec, plan)
+    geometry = geometry or geometry_of(spec, plan)
     if not geometry.num_segments:
         return None
     with torch.cuda.device(plan.device) if plan.device.type == "cuda" else nullcontext():
