@@ -3,8 +3,8 @@
 Llama-3.1-8B geometry (32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks, flash-attn
 layout), 8k tokens = 1 GiB of KV in 32 pages of 256 tokens. One daemon with both tiers; prompt A
 stays in the CPU tier (promote_after_hits is set out of reach), prompt B is moved into the GPU
-tier with a Pin. Each figure is the median of `--repeats` timed calls after a warm-up, GPU
-synchronised, GB/s of KV bytes landed in the cache:
+tier with a Pin. Each figure is the median of `--repeats` timed calls, GPU synchronised, the
+rows timed in turn in each round after an untimed round, GB/s of KV bytes landed in the cache:
 
 - d2d copy: one `copy_` of a 1 GiB device tensor (the same bytes, contiguous): the ceiling;
 - load, CPU tier: `client.load` of A (Lookup with lease, Acquire, scatter from the registered
@@ -54,7 +54,7 @@ from kvstore.proto import kvstore_pb2 as pb  # noqa: E402
 from kvstore.tiers import Tier  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 from kvstore_kernels import TransferOptions, scatter, triton_copy  # noqa: E402
-from kvstore_kernels.geometry import Geometry  # noqa: E402
+from kvstore_kernels.geometry import Geometry, geometry_of  # noqa: E402
 from kvstore_kernels.routing import choose  # noqa: E402
 from kvstore_kernels.validate import plan_transfer  # noqa: E402
 
@@ -80,6 +80,21 @@ def median_s(run: Callable[[], Any], repeats: int) -> float:
         if attempt:
             samples.append(time.perf_counter() - started)
     return statistics.median(samples)
+
+
+def in_turn(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each run, GPU synchronised, the runs timed in turn in each of `repeats`
+    rounds after one untimed round (so that no run's figure depends on its place in the order)."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for attempt in range(repeats + 1):
+        for name, run in runs.items():
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            if attempt:
+                samples[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def cache(blocks: int, fill: float | None = None) -> list[torch.Tensor]:
@@ -145,8 +160,11 @@ def profile_load(
         marks.append(("scatter call (host)", time.perf_counter()))
         end.synchronize()
         marks.append(("wait for the GPU", time.perf_counter()))
-        client._rpc("Release", lease)
-        marks.append(("Release", time.perf_counter()))
+        if client._local is not None:  # as `client.load` does once the copy ended within the lease
+            client._local.send("Release", lease)
+        else:
+            client._rpc("Release", lease)
+        marks.append(("Release (not waited for)", time.perf_counter()))
         if attempt:
             for (_, before), (name, after) in zip(marks, marks[1:], strict=False):
                 steps.setdefault(name, []).append((after - before) * 1e3)
@@ -173,7 +191,7 @@ def profile_scatter(
         )
         t1 = time.perf_counter()
         route = choose(SPEC, plan, TransferOptions(), to_page=False)
-        geometry = route.geometry or Geometry(SPEC, plan)
+        geometry = route.geometry or geometry_of(SPEC, plan)
         t2 = time.perf_counter()
         launch = triton_copy.Launch(
             SPEC, plan, geometry, to_page=False, tuning=triton_copy.default_tuning(plan)
@@ -184,7 +202,7 @@ def profile_scatter(
         if attempt:
             for name, value in (
                 ("plan_transfer (checks)", t1 - t0),
-                ("route + Geometry", t2 - t1),
+                ("route + geometry_of", t2 - t1),
                 ("Launch (arguments, table upload)", t3 - t2),
                 ("run (launch)", t4 - t3),
             ):
@@ -376,13 +394,18 @@ def main() -> None:
             torch.empty(total, dtype=torch.uint8, device="cuda"),
             torch.empty(total, dtype=torch.uint8, device="cuda"),
         )
-        timings = {"d2d copy": median_s(lambda: dst.copy_(src), args.repeats)}
-        timings["load, CPU tier"] = median_s(load(prompt_a, source_a), args.repeats)
-        timings["load, GPU tier"] = median_s(load(prompt_b, source_b), args.repeats)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        client._gpu_pools.max_programs = sms
-        timings[f"load, GPU tier, {sms} programs"] = median_s(load(prompt_b, source_b), args.repeats)
-        client._gpu_pools.max_programs = None
+
+        def with_programs(programs: int | None, run: Callable[[], None]) -> Callable[[], None]:
+            def timed() -> None:
+                client._gpu_pools.max_programs = programs
+                try:
+                    run()
+                finally:
+                    client._gpu_pools.max_programs = None
+
+            return timed
+
         hit = client._rpc(
             "Lookup",
             pb.LookupRequest(
@@ -394,14 +417,22 @@ def main() -> None:
         assert bytes(acquired.tiers) == bytes([Tier.GPU]) * chunks
         pool = client._gpu_pools.tensors[acquired.pools[0]]
         offsets = list(acquired.offsets)
+        client._rpc("Release", lease)  # the Pin keeps the pages in the pool for what follows
+        runs: dict[str, Callable[[], Any]] = {
+            "d2d copy": lambda: dst.copy_(src),
+            "load, CPU tier": load(prompt_a, source_a),
+            "load, GPU tier": load(prompt_b, source_b),
+        }
+        client._gpu_pools.max_programs = sms  # the first call, which checks the bytes, with them too
+        runs[f"load, GPU tier, {sms} programs"] = with_programs(sms, load(prompt_b, source_b))
+        client._gpu_pools.max_programs = None
         for programs in (None, sms):
             options = TransferOptions(max_programs=programs)
             label = f"scatter only, {programs or 'default'} programs"
-            run = functools.partial(
+            runs[label] = functools.partial(
                 scatter, SPEC, target, block_ids, range(chunks), pool, offsets, options=options
             )
-            timings[label] = median_s(run, args.repeats)
-        client._rpc("Release", lease)  # the Pin keeps the pages in the pool for what follows
+        timings = in_turn(runs, args.repeats)
         if args.sweep:
             sweep = sweep_kernel(target, source_b, block_ids, chunks, pool, offsets, total, args.repeats)
             best = min((row for row in sweep if row["exact"]), key=lambda row: row["ms"])

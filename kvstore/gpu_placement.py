@@ -22,7 +22,7 @@ every copy into and out of a pool runs in order on that pool's one stream.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
 from kvstore.errors import InvalidArgument, ResourceExhausted
@@ -100,7 +100,7 @@ class GpuPlacement:
         self.counters["gpu_demoted_chunks"] += len(victims)
 
         def done(ok: bool) -> None:
-            loop.call_soon_threadsafe(self._moved, victims, batch, ok)
+            _on_loop(loop, self._moved, victims, batch, ok)
 
         self.gpu.copy(pool, copies, done)
 
@@ -174,7 +174,7 @@ class GpuPlacement:
             moved = [e for e in need if e.pool == index]
 
             def done(ok: bool, moved: list[Entry] = moved) -> None:
-                loop.call_soon_threadsafe(self._copied_down, moved, ok)
+                _on_loop(loop, self._copied_down, moved, ok)
 
             self.gpu.copy(self.gpu.pools[index], copies, done)
         self.counters["gpu_copied_down_chunks"] += len(need)
@@ -212,6 +212,16 @@ class GpuPlacement:
         for name in ("promoted_chunks", "demoted_chunks", "copied_down_chunks", "promotions_refused"):
             extra[name] = self.counters[f"gpu_{name}"]
         return TierUsage(Tier.GPU.name.lower(), self.gpu.bytes_used, self.gpu.capacity, self.pages, extra)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
+    """Hands a finished copy to the event loop; a copy that ends after the loop closed (the daemon
+    stopped meanwhile) has nothing left to update."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 def _movable_up(entry: Entry) -> bool:
