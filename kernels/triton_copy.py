@@ -48,9 +48,10 @@ from .validate import Transfer, plan_transfer
 HOST_PROGRAMS = {"gather": 2, "scatter": 2}
 # A buffer in device memory (the GPU tier's pools): one program per 32 KiB step, no persistent
 # loop. bench/gpu_tier.py --sweep (H100, 10:22Z, 1 GiB of 32 KiB segments reading a pool): every
-# shape from 4 to 64 KiB per step moves 1410-1443 GB/s back to back with 132 programs or more
-# (the device copy: 1468), but an isolated load pays the persistent kernel's ramp: scatter alone
-# 1.72 ms at 64 programs, 1.50 at 132, 1.38 with one program per step (32 KiB tiles).
+# shape with 8-byte words, 4 to 64 KiB per step, moves 1427-1443 GB/s back to back at its best
+# program count (the device copy: 1468); this one 1440. 132 programs suffice with 32 KiB per
+# program in flight, not with 4-8 KiB (0.79-1.15 TB/s). An isolated scatter from the pool: 1.72 ms
+# at 64 programs (the old default, 16 KiB x 4), 1.50 at 132, 1.38 with one program per step.
 DEVICE_MAX_PROGRAMS = 1 << 20
 _WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
