@@ -12,7 +12,9 @@ rows timed in turn in each round after an untimed round, GB/s of KV bytes landed
 - load, GPU tier: `client.load` of B: the same calls, the scatter reading the daemon's pool
   opened over CUDA IPC; once with the kernels' default program count for a device buffer and
   once with one program per SM;
-- scatter only: the kernel alone from the pool (no control calls), both program counts.
+- scatter only: the kernel alone from the pool (no control calls), both program counts;
+- both loads again with the chunk keys passed in (`keys=`), as an engine does that hashed
+  the prompt once when it looked it up.
 
 Acceptance (issue 7): GPU-tier load >= 10x the CPU-tier load and >= 0.5x the d2d copy.
 
@@ -380,9 +382,9 @@ def main() -> None:
         promote_s = time.perf_counter() - started
         assert tiers_of(client, prompt_a) == bytes([Tier.CPU]) * chunks
 
-        def load(prompt: list[int], source: list[torch.Tensor]) -> Callable[[], None]:
+        def load(prompt: list[int], source: list[torch.Tensor], keys: Any = None) -> Callable[[], None]:
             def run() -> None:
-                assert client.load(prompt, target, block_ids) == args.tokens
+                assert client.load(prompt, target, block_ids, keys=keys) == args.tokens
 
             run()
             for got, want in zip(target, source, strict=True):
@@ -422,6 +424,10 @@ def main() -> None:
             "d2d copy": lambda: dst.copy_(src),
             "load, CPU tier": load(prompt_a, source_a),
             "load, GPU tier": load(prompt_b, source_b),
+            # An engine hashes a prompt's chunks once, when it looks the prompt up, and hands the
+            # keys to the load it schedules next.
+            "load, CPU tier, keys from the lookup": load(prompt_a, source_a, client.keys(prompt_a)),
+            "load, GPU tier, keys from the lookup": load(prompt_b, source_b, client.keys(prompt_b)),
         }
         client._gpu_pools.max_programs = sms  # the first call, which checks the bytes, with them too
         runs[f"load, GPU tier, {sms} programs"] = with_programs(sms, load(prompt_b, source_b))
@@ -466,9 +472,13 @@ def main() -> None:
         results[name] = {"ms": seconds * 1e3, "gb_s": rate, "x_d2d": rate / d2d}
     cpu_rate = results["load, CPU tier"]["gb_s"]
     gpu_rate = results["load, GPU tier"]["gb_s"]
+    keyed_cpu = results["load, CPU tier, keys from the lookup"]["gb_s"]
+    keyed_gpu = results["load, GPU tier, keys from the lookup"]["gb_s"]
     checks = {
         "GPU-tier load >= 10x CPU-tier load": gpu_rate >= 10 * cpu_rate,
         "GPU-tier load >= 0.5x d2d copy": gpu_rate >= 0.5 * d2d,
+        "the same, keys from the lookup: >= 10x": keyed_gpu >= 10 * keyed_cpu,
+        "the same, keys from the lookup: >= 0.5x d2d": keyed_gpu >= 0.5 * d2d,
     }
     size = f"{total / 2**30:.2f} GiB in {chunks} pages"
     print(f"{args.tokens} tokens, {size}; pin -> GPU tier in {promote_s * 1e3:.1f} ms")
