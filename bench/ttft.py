@@ -26,6 +26,7 @@ transfer + one decode step; and how long `restore(overlap=True)` takes to return
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -198,6 +199,11 @@ def main() -> None:
         "tiers": {"cpu": {"bytes": cpu_bytes, "slab_bytes": SLAB_BYTES, "shm_dir": args.shm_dir}},
     }
     spec = KVSpec.from_hf_config(model.config, dtype=dtype, model=f"random-{args.preset}")
+    # As a serving engine does after start-up: the long-lived objects (the model's modules and
+    # parameters) leave the collector's generations, so a collection does not walk them in the
+    # middle of a timed request.
+    gc.collect()
+    gc.freeze()
     rows = []
     with running_daemon(config) as daemon, KVStoreClient.connect(daemon.address, spec) as client:
         if args.layerwise_engine:

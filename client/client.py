@@ -43,7 +43,11 @@ DEFAULT_TIMEOUT_S = 30.0
 # issues faster (one launch per run, against a copy and a launch per page) but moves the
 # hf layout's 4 KiB rows at a fraction of the link's rate.
 LAYERWISE_TRANSFER = kvstore_kernels.TransferOptions()
-LAYERWISE_RUNS = 6
+# Runs of a layer-wise load: the first layer, then the rest. Each run is a call whose host
+# time the forward waits for where the forward is host-bound (HF eager: 8k tokens, runs of
+# 1 / 2 / 6: 51-56 / 54 / 58-62 ms to the first token); at 32k, where the copy outlasts the
+# forward, 6 runs were best (104-108 against 110-117 ms). bench/NOTES-ttft.md.
+LAYERWISE_RUNS = 2
 _CHANNEL_LIMIT = 64 << 20
 _NOT_REGISTERED = "is not registered with this daemon"
 
@@ -358,13 +362,29 @@ class KVStoreClient:
         hit: int = reply.hit_chunks * self.spec.page.chunk_tokens
         return hit
 
-    def store(self, token_ids: Any, kv_caches: Any, block_ids: Any, layers: range | None = None) -> int:
+    def store(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        layers: range | None = None,
+        *,
+        keys: Sequence[bytes] | None = None,
+    ) -> int:
         """Store the whole chunks of `token_ids` from the KV cache; returns how many were new."""
-        return self.store_async(token_ids, kv_caches, block_ids, layers=layers).wait()
+        return self.store_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys).wait()
 
-    def load(self, token_ids: Any, kv_caches: Any, block_ids: Any, layers: range | None = None) -> int:
+    def load(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        layers: range | None = None,
+        *,
+        keys: Sequence[bytes] | None = None,
+    ) -> int:
         """Load the longest stored prefix of `token_ids` into the KV cache; returns tokens loaded."""
-        return self.load_async(token_ids, kv_caches, block_ids, layers=layers).wait()
+        return self.load_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys).wait()
 
     def store_async(
         self,
