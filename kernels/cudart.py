@@ -19,12 +19,11 @@ here is imported on a machine without CUDA. Every call's status is checked.
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
-import sys
 from functools import cache
 
 import numpy as np
+
+from kvstore.tiers.cudart import library_candidates
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the unified address space
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
@@ -145,32 +144,9 @@ def runtime() -> Runtime:
     if not torch.cuda.is_available():
         raise RuntimeError("the copy engines need CUDA; torch sees no CUDA device")
     torch.cuda.init()
-    for path in _candidates():
+    for path in library_candidates():
         try:
             return Runtime(ctypes.CDLL(path), path)
         except (OSError, AttributeError):
             continue
     raise RuntimeError("cannot find libcudart (looked in this process's loaded libraries and torch's)")
-
-
-def _candidates() -> list[str]:
-    loaded: list[str] = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(maxsplit=1)[-1]
-                if "libcudart.so" in os.path.basename(path) and path not in loaded:
-                    loaded.append(path)
-    except OSError:
-        pass
-    found = [
-        path
-        for root in sys.path
-        for pattern in (
-            "nvidia/*/lib/libcudart.so*",
-            "nvidia/cu*/lib/libcudart.so*",
-            "torch/lib/libcudart*.so*",
-        )
-        for path in sorted(glob.glob(os.path.join(root, pattern)))
-    ]
-    return [*loaded, *found, "libcudart.so.13", "libcudart.so.12", "libcudart.so"]

@@ -160,7 +160,7 @@ class CudaRuntime:
 def load_runtime() -> CudaRuntime:
     """The CUDA runtime, loaded once; `CudaUnavailable` (saying why) where there is none."""
     tried: list[str] = []
-    for path in _candidates():
+    for path in library_candidates():
         try:
             return CudaRuntime(ctypes.CDLL(path), path)
         except (OSError, AttributeError) as exc:
@@ -168,7 +168,8 @@ def load_runtime() -> CudaRuntime:
     raise CudaUnavailable("no CUDA runtime library (libcudart) found; tried: " + "; ".join(tried[-3:]))
 
 
-def _candidates() -> list[str]:
+def library_candidates() -> list[str]:
+    """Paths of libcudart to try in turn: ones this process loaded, then the nvidia and torch wheels'."""
     loaded: list[str] = []
     try:
         with open("/proc/self/maps") as maps:
