@@ -52,7 +52,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def forward(model: Any, input_ids: torch.Tensor, cache: Any = None) -> torch.Tensor:
     return model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
 
@@ -69,7 +69,7 @@ def measure(
     """Every variant once per round, in turn, for a warm-up round and `repeats` timed rounds."""
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
-    with torch.no_grad():
+    with torch.inference_mode():
         out = model(prompt, use_cache=True, logits_to_keep=1)
     stored = prefix.save(prompt, out.past_key_values)
     want = out.logits[0, -1].float()

@@ -58,6 +58,7 @@ class HFPrefixCache:
             self.device = torch.device("cpu")
         self._dtype = getattr(torch, client.spec.dtype)
         self._pending: tuple[LoadHandle, int] | None = None
+        self._waited: Any = None  # the pending load's event the current stream last waited for
         self._hooks: list[Any] = []
         if model is not None:
             self._hooks = _register_hooks(model, client.spec.num_layers, self)
@@ -112,17 +113,18 @@ class HFPrefixCache:
         spec = self.client.spec
         heads, dim = spec.num_kv_heads, spec.head_dim
         shared = dict(spec.kv_sharing)
-        kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        for layer in range(spec.num_layers):
-            if layer in shared:
-                kv.append(None)
-                continue
-            pair = torch.empty((2, 1, heads, stored, dim), dtype=self._dtype, device=self.device)
-            kv.append((pair[0], pair[1]))
+        # One allocation for every stored layer's K and V.
+        memory = torch.empty(
+            (spec.num_layers - len(shared), 2, 1, heads, stored, dim), dtype=self._dtype, device=self.device
+        )
+        pairs = iter(memory)
+        kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [
+            None if layer in shared else tuple(next(pairs)) for layer in range(spec.num_layers)
+        ]
         handle = self.client.load_async(tokens[:stored], kv, None, layerwise=overlap, keys=keys)
         if overlap and handle.tokens and self.device.type == "cuda":
             hit = min(handle.tokens, limit)
-            self._pending = (handle, hit)
+            self._pending, self._waited = (handle, hit), None
         else:
             hit = min(handle.wait(), limit)
         return hit, self._dynamic_cache(kv, hit)
@@ -145,8 +147,13 @@ class HFPrefixCache:
         return hit
 
     def _wait_layer(self, layer: int) -> None:
-        if self._pending is not None:
-            self._pending[0].wait_layer(layer)
+        if self._pending is None:
+            return
+        handle = self._pending[0]
+        event = handle.layer_events.get(layer)
+        if event is not self._waited:  # layers of one run share its event: the stream waits once
+            handle.wait_layer(layer)
+            self._waited = event
 
     def _dynamic_cache(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor] | None], tokens: int) -> Any:
         """A DynamicCache over the first `tokens` positions of `kv`, without copying them."""

@@ -85,7 +85,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def first_token_logits(model: Any, input_ids: torch.Tensor, cache: Any = None) -> torch.Tensor:
     out = model(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1].float()
@@ -117,7 +117,7 @@ def main() -> None:
     spec = KVSpec.from_hf_config(model.config, dtype=dtype, model=f"random-{args.preset}")
     with kvstored(args.address, cpu_bytes) as address, KVStoreClient.connect(address, spec) as client:
         prefix = HFPrefixCache(client, model)
-        with torch.no_grad():
+        with torch.inference_mode():
             out = model(prompt, use_cache=True, logits_to_keep=1)
         stored = prefix.save(prompt, out.past_key_values)
         del out
