@@ -42,8 +42,14 @@ _PR_SET_PDEATHSIG = 1
 class Daemon:
     """A kvstored process started by `start_daemon`; owns its run directory."""
 
-    def __init__(self, process: subprocess.Popen[bytes], run_dir: Path, socket_path: Path,
-                 log_path: Path, owns_run_dir: bool) -> None:
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        run_dir: Path,
+        socket_path: Path,
+        log_path: Path,
+        owns_run_dir: bool,
+    ) -> None:
         self.process = process
         self.run_dir = run_dir
         self.socket_path = socket_path
@@ -139,7 +145,10 @@ def start_daemon(config: dict[str, Any], run_dir: Path | None = None) -> Daemon:
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "kvstore.daemon", "--config", str(config_path)],
-            stdout=log, stderr=subprocess.STDOUT, env=_child_env(), cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_child_env(),
+            cwd=REPO_ROOT,
             preexec_fn=_die_with_parent(),
         )
     daemon = Daemon(process, run_dir, socket_path, log_path, owns_run_dir)
@@ -197,8 +206,9 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     """Columns sized to their widest cell; numbers right-aligned, text left-aligned."""
     cells = [[_cell(value) for value in row] for row in rows]
     widths = [max([len(header)] + [len(row[i]) for row in cells]) for i, header in enumerate(headers)]
-    numeric = [bool(rows) and all(isinstance(row[i], int | float) for row in rows)
-               for i in range(len(headers))]
+    numeric = [
+        bool(rows) and all(isinstance(row[i], int | float) for row in rows) for i in range(len(headers))
+    ]
 
     def line(values: Sequence[str]) -> str:
         parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True)]

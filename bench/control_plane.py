@@ -66,11 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--arena", help=f"the daemon's CPU tier size (full: {FULL['arena']})")
     parser.add_argument("--repeats", type=int, help=f"timed stores/loads per path (full: {FULL['repeats']})")
-    parser.add_argument("--lookup-calls", type=int,
-                        help=f"timed Lookups per size (full: {FULL['lookup_calls']})")
+    parser.add_argument(
+        "--lookup-calls", type=int, help=f"timed Lookups per size (full: {FULL['lookup_calls']})"
+    )
     parser.add_argument("--warmup", type=int, help="untimed calls before each latency series")
-    parser.add_argument("--parts", nargs="+", choices=("lookup", "throughput"),
-                        default=["lookup", "throughput"])
+    parser.add_argument(
+        "--parts", nargs="+", choices=("lookup", "throughput"), default=["lookup", "throughput"]
+    )
     parser.add_argument("--name", help="results name (default: control_plane, or control_plane-quick)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -87,14 +89,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def lookup_spec() -> KVSpec:
     """A tiny page (8 KiB): the Lookup path walks the index only, so page size does not matter."""
-    return KVSpec(model="bench/lookup", num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.bfloat16,
-                  block_size=BLOCK_SIZE, layout="flash_attn", chunk_tokens=CHUNK_TOKENS)
+    return KVSpec(
+        model="bench/lookup",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        dtype=torch.bfloat16,
+        block_size=BLOCK_SIZE,
+        layout="flash_attn",
+        chunk_tokens=CHUNK_TOKENS,
+    )
 
 
 def throughput_spec(args: argparse.Namespace) -> KVSpec:
-    return KVSpec(model="bench/throughput", num_layers=args.layers, num_kv_heads=args.kv_heads,
-                  head_dim=args.head_dim, dtype=torch.bfloat16, block_size=BLOCK_SIZE, layout="flash_attn",
-                  chunk_tokens=CHUNK_TOKENS)
+    return KVSpec(
+        model="bench/throughput",
+        num_layers=args.layers,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=torch.bfloat16,
+        block_size=BLOCK_SIZE,
+        layout="flash_attn",
+        chunk_tokens=CHUNK_TOKENS,
+    )
 
 
 def daemon_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,9 +123,11 @@ def daemon_config(args: argparse.Namespace) -> dict[str, Any]:
     slabs = -(-chunks // (slab_bytes // stride)) + -(-max(LOOKUP_SIZES) // (slab_bytes // lookup_stride))
     needed = slabs * slab_bytes
     if "throughput" in args.parts and needed > args.arena:
-        raise SystemExit(f"--arena: {format_size(args.arena)} cannot hold {chunks} pages of "
-                         f"{format_size(page_bytes)} plus the lookup pages; use --arena "
-                         f"{format_size(needed)} or fewer --tokens/--layers")
+        raise SystemExit(
+            f"--arena: {format_size(args.arena)} cannot hold {chunks} pages of "
+            f"{format_size(page_bytes)} plus the lookup pages; use --arena "
+            f"{format_size(needed)} or fewer --tokens/--layers"
+        )
     return {
         "log_level": "warning",
         "chunk_tokens": CHUNK_TOKENS,
@@ -143,8 +162,9 @@ def time_calls(call: Callable[[], object], calls: int) -> list[float]:
     return samples
 
 
-def measure(series: Mapping[str, Callable[[], object]], calls: int, warmup: int, daemon: Daemon,
-            rounds: int = 5) -> dict[str, dict[str, Any]]:
+def measure(
+    series: Mapping[str, Callable[[], object]], calls: int, warmup: int, daemon: Daemon, rounds: int = 5
+) -> dict[str, dict[str, Any]]:
     """Latency of each call, plus CPU µs per call in this process and in the daemon.
 
     The series take turns in `rounds` rounds, so a noisy moment on the machine is shared out
@@ -161,9 +181,14 @@ def measure(series: Mapping[str, Callable[[], object]], calls: int, warmup: int,
             samples[name] += time_calls(call, share)
             cpu[name][0] += time.process_time() - client_cpu
             cpu[name][1] += daemon.cpu_seconds() - daemon_cpu
-    return {name: {**Latency.of(samples[name])._asdict(), "client_cpu_us_per_call": client / calls * 1e6,
-                   "daemon_cpu_us_per_call": daemon_ / calls * 1e6}
-            for name, (client, daemon_) in cpu.items()}
+    return {
+        name: {
+            **Latency.of(samples[name])._asdict(),
+            "client_cpu_us_per_call": client / calls * 1e6,
+            "daemon_cpu_us_per_call": daemon_ / calls * 1e6,
+        }
+        for name, (client, daemon_) in cpu.items()
+    }
 
 
 # -- 1. Lookup latency -------------------------------------------------------
@@ -175,14 +200,18 @@ def bench_lookup(daemon: Daemon, args: argparse.Namespace) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128_000, (max_chunks * CHUNK_TOKENS,), generator=generator)
     num_blocks = len(tokens) // BLOCK_SIZE
-    with KVStoreClient.connect(daemon.address, spec) as client, \
-            KVStoreClient.connect(daemon.address, spec, local_channel=False) as grpc_client:
+    with (
+        KVStoreClient.connect(daemon.address, spec) as client,
+        KVStoreClient.connect(daemon.address, spec, local_channel=False) as grpc_client,
+    ):
         if client._local is None:
             raise RuntimeError("the client did not open the daemon's local channel")
         stored = client.store(tokens, kv_caches(spec, num_blocks, random=True), torch.arange(num_blocks))
         if stored != max_chunks or client.lookup(tokens) != len(tokens):
-            raise RuntimeError(f"lookup prefix: stored {stored} of {max_chunks} chunks, "
-                               f"lookup found {client.lookup(tokens)} of {len(tokens)} tokens")
+            raise RuntimeError(
+                f"lookup prefix: stored {stored} of {max_chunks} chunks, "
+                f"lookup found {client.lookup(tokens)} of {len(tokens)} tokens"
+            )
         # The client's own call (`_rpc`: local channel by default, or the gRPC stub), as in `lookup()`.
         ns = client.namespace
         rpc_series: dict[str, Callable[[], object]] = {}
@@ -207,8 +236,9 @@ def bench_lookup(daemon: Daemon, args: argparse.Namespace) -> dict[str, Any]:
             rpc("Release", lease)
 
         health = health_pb2_grpc.HealthStub(client._channel)
-        rpc_series["health_check"] = functools.partial(health.Check, health_pb2.HealthCheckRequest(),
-                                                       timeout=client.timeout_s)
+        rpc_series["health_check"] = functools.partial(
+            health.Check, health_pb2.HealthCheckRequest(), timeout=client.timeout_s
+        )
         results = measure(rpc_series, args.lookup_calls, args.warmup, daemon)
         results |= measure(client_series, max(args.lookup_calls // 4, 50), args.warmup // 4, daemon)
         leased = {
@@ -250,8 +280,7 @@ def server_breakdown(page: PageSpec, keys: list[bytes], calls: int) -> dict[str,
                 "store_lookup": lambda: store.lookup(ns, unpacked, touch=False),
                 "store_lookup_counted_as_use": lambda: store.lookup(ns, unpacked),
                 "of_which_policy_hit": lambda: store.policy.hit(hits),
-                "build_response": lambda: pb.LookupResponse(hit_chunks=result.hit_chunks,
-                                                            tiers=result.tiers),
+                "build_response": lambda: pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=result.tiers),
                 "serialize_response": lambda: response.SerializeToString(),
                 "handler_lookup_total": lambda: handlers.Lookup(request),
             }
@@ -275,8 +304,11 @@ def bench_throughput(daemon: Daemon, args: argparse.Namespace) -> dict[str, Any]
     source = kv_caches(spec, num_blocks, random=True)
     target = kv_caches(spec, num_blocks, random=False)
     moved = chunks * spec.page.page_bytes
-    results: dict[str, Any] = {"page_bytes": spec.page.page_bytes, "chunks_per_call": chunks,
-                               "bytes_per_call": moved}
+    results: dict[str, Any] = {
+        "page_bytes": spec.page.page_bytes,
+        "chunks_per_call": chunks,
+        "bytes_per_call": moved,
+    }
     for path, shared in (("shm", True), ("bytes", False)):
         with KVStoreClient.connect(daemon.address, spec, shared_memory=shared) as client:
             if client.shared_memory != shared:
@@ -304,11 +336,13 @@ def bench_throughput(daemon: Daemon, args: argparse.Namespace) -> dict[str, Any]
                     verify(source, target, path)
                 if repeat:
                     load_s.append(elapsed)
-            results[path] = {op: throughput(samples, moved) for op, samples in
-                             (("store", store_s), ("load", load_s))}
+            results[path] = {
+                op: throughput(samples, moved) for op, samples in (("store", store_s), ("load", load_s))
+            }
     results["verified"] = True
-    results["shm_over_bytes"] = {op: results["shm"][op]["gb_s"] / results["bytes"][op]["gb_s"]
-                                 for op in ("store", "load")}
+    results["shm_over_bytes"] = {
+        op: results["shm"][op]["gb_s"] / results["bytes"][op]["gb_s"] for op in ("store", "load")
+    }
     return results
 
 
@@ -320,8 +354,13 @@ def verify(source: list[torch.Tensor], target: list[torch.Tensor], path: str) ->
 
 def throughput(samples_s: list[float], moved: int) -> dict[str, Any]:
     median = statistics.median(samples_s)
-    return {"gb_s": moved / median / 1e9, "best_gb_s": moved / min(samples_s) / 1e9,
-            "median_ms": median * 1e3, "calls": len(samples_s), "samples_ms": [s * 1e3 for s in samples_s]}
+    return {
+        "gb_s": moved / median / 1e9,
+        "best_gb_s": moved / min(samples_s) / 1e9,
+        "median_ms": median * 1e3,
+        "calls": len(samples_s),
+        "samples_ms": [s * 1e3 for s in samples_s],
+    }
 
 
 # -- report --------------------------------------------------------------------
@@ -347,30 +386,56 @@ def report(lookup: dict[str, Any] | None, moved: dict[str, Any] | None, goals: d
         labels = [(f"rpc_{n}", "Lookup, local channel", n) for n in LOOKUP_SIZES]
         labels += [(f"grpc_{n}", "Lookup, gRPC", n) for n in LOOKUP_SIZES]
         labels += [(f"client_lookup_{n}", "client.lookup (+key hashing)", n) for n in LOOKUP_SIZES]
-        labels += [("lease_release_512", "Lookup(lease)+Release", 512),
-                   ("lease_acquire_release_512", "Lookup(lease)+Acquire+Release", 512),
-                   ("grpc_lease_acquire_release_512", "same, gRPC", 512),
-                   ("health_check", "Health.Check (gRPC floor)", 0)]
+        labels += [
+            ("lease_release_512", "Lookup(lease)+Release", 512),
+            ("lease_acquire_release_512", "Lookup(lease)+Acquire+Release", 512),
+            ("grpc_lease_acquire_release_512", "same, gRPC", 512),
+            ("health_check", "Health.Check (gRPC floor)", 0),
+        ]
         rows: list[list[Any]] = []
         for key, label, keys in labels:
             f = lookup[key]
-            rows.append([label, keys, f["p50_us"], f["p99_us"], f["mean_us"], f["client_cpu_us_per_call"],
-                         f["daemon_cpu_us_per_call"], f["calls"]])
+            rows.append(
+                [
+                    label,
+                    keys,
+                    f["p50_us"],
+                    f["p99_us"],
+                    f["mean_us"],
+                    f["client_cpu_us_per_call"],
+                    f["daemon_cpu_us_per_call"],
+                    f["calls"],
+                ]
+            )
         print("\nControl-plane latency (µs): the client's local channel vs gRPC, unix sockets")
         print_table(["call", "keys", "p50", "p99", "mean", "client CPU", "daemon CPU", "calls"], rows)
         breakdown = lookup["server_breakdown_512"]
         print(f"\nDaemon-side work for one Lookup of {breakdown['keys']} keys, in-process (p50 µs)")
         print_table(["step", "µs"], [[k, v] for k, v in breakdown.items() if k != "keys"])
     if moved:
-        rows = [[path, op, *(moved[path][op][k] for k in ("gb_s", "best_gb_s", "median_ms"))]
-                for path in ("shm", "bytes") for op in ("store", "load")]
-        print(f"\nThroughput: {moved['chunks_per_call']} pages of {format_size(moved['page_bytes'])} "
-              f"= {format_size(moved['bytes_per_call'])} per call (loads verified)")
+        rows = [
+            [path, op, *(moved[path][op][k] for k in ("gb_s", "best_gb_s", "median_ms"))]
+            for path in ("shm", "bytes")
+            for op in ("store", "load")
+        ]
+        print(
+            f"\nThroughput: {moved['chunks_per_call']} pages of {format_size(moved['page_bytes'])} "
+            f"= {format_size(moved['bytes_per_call'])} per call (loads verified)"
+        )
         print_table(["path", "op", "GB/s", "best GB/s", "median ms"], rows)
     print("\nTargets")
-    print_table(["target", "value", "goal", "result"], [
-        [name, "-" if g["value"] is None else g["value"], f"{'<=' if g['at_most'] else '>='} {g['target']}",
-         "skipped" if g["pass"] is None else g["pass"]] for name, g in goals.items()])
+    print_table(
+        ["target", "value", "goal", "result"],
+        [
+            [
+                name,
+                "-" if g["value"] is None else g["value"],
+                f"{'<=' if g['at_most'] else '>='} {g['target']}",
+                "skipped" if g["pass"] is None else g["pass"],
+            ]
+            for name, g in goals.items()
+        ],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,9 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     import kvstore_kernels  # both parts store pages through the client, which copies with it
 
     if not hasattr(kvstore_kernels, "gather"):
-        raise SystemExit("kvstore_kernels has no gather(): the client cannot copy pages. If "
-                         "kernels/__init__.py exists, reinstall the package (pip install -e .): an "
-                         "editable install made before it existed maps kvstore_kernels to a namespace")
+        raise SystemExit(
+            "kvstore_kernels has no gather(): the client cannot copy pages. If "
+            "kernels/__init__.py exists, reinstall the package (pip install -e .): an "
+            "editable install made before it existed maps kvstore_kernels to a namespace"
+        )
     config = daemon_config(args)
     started = time.perf_counter()
     with running_daemon(config) as daemon:
@@ -388,16 +455,40 @@ def main(argv: list[str] | None = None) -> int:
         moved = bench_throughput(daemon, args) if "throughput" in args.parts else None
     goals = targets(lookup, moved)
     report(lookup, moved, goals)
-    parameters = {key: getattr(args, key) for key in
-                  ("quick", "tokens", "layers", "kv_heads", "head_dim", "arena", "repeats", "lookup_calls",
-                   "warmup", "parts")}
-    parameters |= {"chunk_tokens": CHUNK_TOKENS, "block_size": BLOCK_SIZE, "dtype": "bfloat16",
-                   "layout": "flash_attn", "daemon_config": config}
-    path = write_results(args.name, {
-        "benchmark": "control_plane", "parameters": parameters, "lookup": lookup, "throughput": moved,
-        "targets": goals, "elapsed_s": time.perf_counter() - started,
-        "note": "KV caches on the CPU: pages move with kvstore_kernels' torch reference, not Triton",
-    })
+    parameters = {
+        key: getattr(args, key)
+        for key in (
+            "quick",
+            "tokens",
+            "layers",
+            "kv_heads",
+            "head_dim",
+            "arena",
+            "repeats",
+            "lookup_calls",
+            "warmup",
+            "parts",
+        )
+    }
+    parameters |= {
+        "chunk_tokens": CHUNK_TOKENS,
+        "block_size": BLOCK_SIZE,
+        "dtype": "bfloat16",
+        "layout": "flash_attn",
+        "daemon_config": config,
+    }
+    path = write_results(
+        args.name,
+        {
+            "benchmark": "control_plane",
+            "parameters": parameters,
+            "lookup": lookup,
+            "throughput": moved,
+            "targets": goals,
+            "elapsed_s": time.perf_counter() - started,
+            "note": "KV caches on the CPU: pages move with kvstore_kernels' torch reference, not Triton",
+        },
+    )
     print(f"\nwrote {path} ({time.perf_counter() - started:.1f} s)")
     return 0
 

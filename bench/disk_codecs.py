@@ -41,8 +41,14 @@ def kv_pages(dtype_name: str, tokens: int = 2048, seed: int = 0) -> list[bytes]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=64, vocab_size=32000, max_position_embeddings=8192,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=32000,
+        max_position_embeddings=8192,
     )
     torch.manual_seed(seed)
     dtype = getattr(torch, dtype_name)
@@ -124,14 +130,28 @@ def main(argv: list[str] | None = None) -> int:
         for name, (encode, decode) in CODECS.items():
             figures = measure(pages, encode, decode, args.repeats)
             results.append({"dtype": dtype, "codec": name, **figures})
-            rows.append([dtype, name, round(figures["ratio"], 3), figures["compress_mb_s"],
-                         figures["decompress_mb_s"]])
+            rows.append(
+                [
+                    dtype,
+                    name,
+                    round(figures["ratio"], 3),
+                    figures["compress_mb_s"],
+                    figures["decompress_mb_s"],
+                ]
+            )
     print_table(["dtype", "codec", "ratio", "compress MB/s", "decompress MB/s"], rows)
-    path = write_results("disk-codecs", {
-        "kv": {"model": "random-weight Llama, 2048 hidden, 8 layers, 8 KV heads, head dim 64",
-               "tokens": args.tokens, "page_bytes": len(pages[0]), "pages_per_dtype": len(pages)},
-        "results": results,
-    })
+    path = write_results(
+        "disk-codecs",
+        {
+            "kv": {
+                "model": "random-weight Llama, 2048 hidden, 8 layers, 8 KV heads, head dim 64",
+                "tokens": args.tokens,
+                "page_bytes": len(pages[0]),
+                "pages_per_dtype": len(pages),
+            },
+            "results": results,
+        },
+    )
     print(f"\nresults: {path}")
     return 0
 

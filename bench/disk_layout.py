@@ -152,8 +152,13 @@ Reader = Callable[[Case, int], None]
 LAYOUTS: list[tuple[str, Writer, Reader, list[tuple[str, int]], list[int]]] = [
     # name, writer, reader, (fsync, writer threads) cases, reader thread counts
     ("raw", Case.write_raw, Case.read_raw, [("never", 1), ("always", 1)], [1]),
-    ("file-per-page", Case.write_files, Case.read_files,
-     [("never", 1), ("never", 4), ("always", 1), ("always", 4)], [1, 4]),
+    (
+        "file-per-page",
+        Case.write_files,
+        Case.read_files,
+        [("never", 1), ("never", 4), ("always", 1), ("always", 4)],
+        [1, 4],
+    ),
     ("segment", Case.write_segments, Case.read_segments, [("never", 1), ("batch", 1), ("always", 1)], [1, 4]),
 ]
 
@@ -169,18 +174,27 @@ def run(base: Path, page_bytes: int, total_bytes: int, repeats: int) -> list[dic
                 began = time.perf_counter()
                 write(case, fsync, threads)
                 samples.setdefault((name, "write", fsync, threads), []).append(
-                    case.count * page_bytes / (time.perf_counter() - began))
+                    case.count * page_bytes / (time.perf_counter() - began)
+                )
                 if (fsync, threads) == write_cases[0]:
                     for reading in read_threads:
                         drop_cache(root)
                         began = time.perf_counter()
                         read(case, reading)
                         samples.setdefault((name, "read", "-", reading), []).append(
-                            case.count * page_bytes / (time.perf_counter() - began))
+                            case.count * page_bytes / (time.perf_counter() - began)
+                        )
                 shutil.rmtree(root)
     return [
-        {"page_mib": page_bytes >> 20, "layout": name, "op": op, "fsync": fsync, "threads": threads,
-         "mb_s": statistics.median(values) / 1e6, "runs_mb_s": [round(v / 1e6) for v in values]}
+        {
+            "page_mib": page_bytes >> 20,
+            "layout": name,
+            "op": op,
+            "fsync": fsync,
+            "threads": threads,
+            "mb_s": statistics.median(values) / 1e6,
+            "runs_mb_s": [round(v / 1e6) for v in values],
+        }
         for (name, op, fsync, threads), values in samples.items()
     ]
 
@@ -198,14 +212,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="kvstore-layout-", dir=args.dir))
     try:
-        results = [row for mib in args.page_mib
-                   for row in run(base, mib << 20, args.total_mib << 20, args.repeats)]
+        results = [
+            row for mib in args.page_mib for row in run(base, mib << 20, args.total_mib << 20, args.repeats)
+        ]
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print_table(
         ["page MiB", "layout", "op", "fsync", "threads", "MB/s (median)", "runs"],
-        [[r["page_mib"], r["layout"], r["op"], r["fsync"], r["threads"], r["mb_s"],
-          " ".join(map(str, r["runs_mb_s"]))] for r in results],
+        [
+            [
+                r["page_mib"],
+                r["layout"],
+                r["op"],
+                r["fsync"],
+                r["threads"],
+                r["mb_s"],
+                " ".join(map(str, r["runs_mb_s"])),
+            ]
+            for r in results
+        ],
     )
     payload = {"dir": str(args.dir), "total_mib": args.total_mib, "repeats": args.repeats, "results": results}
     path = write_results("disk-layout", payload)

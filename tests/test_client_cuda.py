@@ -18,18 +18,32 @@ pytestmark = [
 
 
 def make_spec(layout: str) -> KVSpec:
-    return KVSpec(model="cuda-test", num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
-                  block_size=16, layout=layout)
+    return KVSpec(
+        model="cuda-test",
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        block_size=16,
+        layout=layout,
+    )
 
 
 def cuda_cache(spec: KVSpec, num_blocks: int, fill: float | None = None) -> list[torch.Tensor] | torch.Tensor:
     if spec.layout == "cross_layer":
         shape: tuple[int, ...] = (num_blocks, spec.num_layers, 2, 16, spec.num_kv_heads, spec.head_dim)
-        return torch.randn(shape, device="cuda").bfloat16() if fill is None else \
-            torch.full(shape, fill, device="cuda", dtype=torch.bfloat16)
+        return (
+            torch.randn(shape, device="cuda").bfloat16()
+            if fill is None
+            else torch.full(shape, fill, device="cuda", dtype=torch.bfloat16)
+        )
     shape = (2, num_blocks, 16, spec.num_kv_heads, spec.head_dim)
-    return [torch.randn(shape, device="cuda").bfloat16() if fill is None else
-            torch.full(shape, fill, device="cuda", dtype=torch.bfloat16) for _ in range(spec.num_layers)]
+    return [
+        torch.randn(shape, device="cuda").bfloat16()
+        if fill is None
+        else torch.full(shape, fill, device="cuda", dtype=torch.bfloat16)
+        for _ in range(spec.num_layers)
+    ]
 
 
 def blocks_of(cache: list[torch.Tensor] | torch.Tensor, blocks: torch.Tensor, layout: str) -> torch.Tensor:
@@ -67,8 +81,10 @@ def test_cuda_bytes_path_matches_shared_memory(daemon: Daemon) -> None:
     tokens = torch.randint(0, 50_000, (1024,)).tolist()
     source = cuda_cache(spec, 64)
     blocks = torch.arange(64)
-    with KVStoreClient.connect(daemon.address, spec) as writer, \
-            KVStoreClient.connect(daemon.address, spec, shared_memory=False) as reader:
+    with (
+        KVStoreClient.connect(daemon.address, spec) as writer,
+        KVStoreClient.connect(daemon.address, spec, shared_memory=False) as reader,
+    ):
         assert writer.store(tokens, source, blocks) == 4
         target = cuda_cache(spec, 64, fill=0.5)
         assert reader.load(tokens, target, blocks) == 1024

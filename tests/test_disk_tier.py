@@ -77,7 +77,11 @@ def open_tier(tmp_path: Path) -> Iterator[Callable[..., DiskTier]]:
 
     def open_(path: Path | None = None, **overrides: Any) -> DiskTier:
         settings: dict[str, Any] = dict(
-            enabled=True, path=str(path or tmp_path / "disk"), bytes=64 * MIB, fsync="never", threads=2,
+            enabled=True,
+            path=str(path or tmp_path / "disk"),
+            bytes=64 * MIB,
+            fsync="never",
+            threads=2,
             queue_bytes=16 * MIB,
         )
         tier = DiskTier(DiskTierConfig(**(settings | overrides)))
@@ -133,8 +137,10 @@ def write_pages(tier: DiskTier, pages: dict[int, bytes]) -> dict[int, bool]:
 @pytest.mark.parametrize("codec", ["lz4", "none"])
 def test_many_pages_round_trip_byte_identical(open_tier: Callable[..., DiskTier], codec: str) -> None:
     tier = open_tier(codec=codec)
-    pages = {i: page(i, size=random.Random(-i).randrange(1, 160) * KIB, compressible=i % 2 == 0)
-             for i in range(200)}
+    pages = {
+        i: page(i, size=random.Random(-i).randrange(1, 160) * KIB, compressible=i % 2 == 0)
+        for i in range(200)
+    }
 
     assert write_pages(tier, pages) == {i: True for i in pages}
 
@@ -262,8 +268,12 @@ def test_after_kill_9_every_flushed_page_reads_back_and_no_bytes_are_wrong(tmp_p
             else:
                 time.sleep(0.001)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, cwd=REPO_ROOT,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", writer],
+        stdout=subprocess.PIPE,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert proc.stdout is not None
     flushed = [int(proc.stdout.readline()) for _ in range(60)]
     proc.send_signal(signal.SIGKILL)
@@ -527,8 +537,9 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs; skipped where this process may not mount one (it needs root on Linux)."""
     mount = tmp_path / "small"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a 2 MiB tmpfs to fill up ({result.stderr.strip()}); needs root")
     try:
@@ -676,7 +687,8 @@ def test_progress_is_a_bar_on_a_terminal_and_log_lines_elsewhere(caplog: pytest.
         for done in range(1, 11):
             report(done, 10)
     assert [r.getMessage() for r in caplog.records] == [
-        "disk tier recovery: 1 of 10 (10%)", "disk tier recovery: 10 of 10 (100%)"
+        "disk tier recovery: 1 of 10 (10%)",
+        "disk tier recovery: 10 of 10 (100%)",
     ]
 
 

@@ -27,8 +27,14 @@ from kvstore.spec import PageSpec
 Code = grpc.StatusCode
 
 # A page of 2 layers x (K, V) x 16 tokens x 2 heads x 16 dims x 2 bytes = 4096 bytes: one arena slot.
-SPEC: dict[str, Any] = {"model": "test", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
-                        "dtype": "float16", "chunk_tokens": 16}
+SPEC: dict[str, Any] = {
+    "model": "test",
+    "num_layers": 2,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "dtype": "float16",
+    "chunk_tokens": 16,
+}
 PAGE_BYTES = PageSpec(**SPEC).page_bytes
 # An arena of 4 slabs x 4 slots: 16 pages of SPEC.
 SMALL_ARENA = {"tiers__cpu__bytes": "64KiB", "tiers__cpu__slab_bytes": "16KiB"}
@@ -84,8 +90,9 @@ def reserve(conn: Conn, keys: list[bytes], ttl_ms: int = 0) -> pb.ReserveRespons
     return conn.stub.Reserve(pb.ReserveRequest(namespace=conn.ns, keys=b"".join(keys), lease_ttl_ms=ttl_ms))
 
 
-def store(conn: Conn, keys: list[bytes], pages: list[bytes],
-          piece_bytes: int = 1 << 20) -> pb.ReserveResponse:
+def store(
+    conn: Conn, keys: list[bytes], pages: list[bytes], piece_bytes: int = 1 << 20
+) -> pb.ReserveResponse:
     """Reserve + Put (the pages of the keys not stored yet) + Commit; returns the reservation."""
     reply = reserve(conn, keys)
     new = b"".join(page for page, offset in zip(pages, reply.offsets, strict=True) if offset >= 0)
@@ -149,8 +156,9 @@ def counter(stub: pb_grpc.KVStoreStub, name: str) -> float:
     return stats(stub).counters.get(name, 0.0)
 
 
-def rejects(code: grpc.StatusCode, fragment: str, call: Callable[..., object], *args: Any,
-            **kwargs: Any) -> None:
+def rejects(
+    code: grpc.StatusCode, fragment: str, call: Callable[..., object], *args: Any, **kwargs: Any
+) -> None:
     """`call(*args, **kwargs)` fails with `code`, and its message contains `fragment`."""
     with pytest.raises(grpc.RpcError) as info:
         call(*args, **kwargs)
@@ -178,8 +186,10 @@ def test_connect_rejects_bad_specs_and_registers_none_of_them(daemon_factory: Ca
         ({"kv_sharing": {1: 1}}, "kv_sharing: layer 1 must reuse a layer that stores its own KV"),
         ({"latent": True}, "num_kv_heads: MLA pages hold one latent vector per token"),
         # 2 x 2 x 512 tokens x 2 x 16 x 2 bytes = 128 KiB pages, in 64 KiB slabs.
-        ({"chunk_tokens": 512},
-         "a page of this spec is 131072 bytes, larger than a CPU-tier slab (65536 bytes)"),
+        (
+            {"chunk_tokens": 512},
+            "a page of this spec is 131072 bytes, larger than a CPU-tier slab (65536 bytes)",
+        ),
     ]
     for changes, fragment in bad_specs:
         rejects(Code.INVALID_ARGUMENT, fragment, connect, stub, **changes)
@@ -212,8 +222,12 @@ def test_malformed_keys_namespaces_and_ttls_are_rejected_without_side_effects(da
         misnamed = conn._replace(ns=ns)
         for call, arg in ((lookup, keys), (reserve, keys), (commit, 1), (get, 1), (put_nothing, 1)):
             rejects(Code.INVALID_ARGUMENT, fragment, call, misnamed, arg)
-    rejects(Code.INVALID_ARGUMENT, "namespace: expected 16 bytes, got 3",
-            stub.Clear, pb.ClearRequest(namespace=b"abc"))
+    rejects(
+        Code.INVALID_ARGUMENT,
+        "namespace: expected 16 bytes, got 3",
+        stub.Clear,
+        pb.ClearRequest(namespace=b"abc"),
+    )
 
     stranger = conn._replace(ns=bytes(16))
     fragment = f"namespace {bytes(16).hex()} is not registered with this daemon"
@@ -222,14 +236,23 @@ def test_malformed_keys_namespaces_and_ttls_are_rejected_without_side_effects(da
     rejects(Code.NOT_FOUND, fragment, stub.Clear, pb.ClearRequest(namespace=stranger.ns))
     rejects(Code.NOT_FOUND, "call Connect with its page spec first", lookup, stranger, keys)
 
-    rejects(Code.INVALID_ARGUMENT, "keys[2] repeats an earlier key of the same request",
-            reserve, conn, [keys[0], keys[1], keys[0]])
+    rejects(
+        Code.INVALID_ARGUMENT,
+        "keys[2] repeats an earlier key of the same request",
+        reserve,
+        conn,
+        [keys[0], keys[1], keys[0]],
+    )
     rejects(Code.INVALID_ARGUMENT, "keys[1] repeats an earlier key", reserve, conn, [keys[0], keys[0]])
 
     fragment = f"lease_ttl_ms: {MAX_TTL_MS + 1} ms is outside 1..{MAX_TTL_MS} (leases.max_ttl_s)"
     rejects(Code.INVALID_ARGUMENT, fragment, reserve, conn, keys, MAX_TTL_MS + 1)
-    rejects(Code.INVALID_ARGUMENT, fragment, stub.Lookup,
-            pb.LookupRequest(namespace=conn.ns, keys=b"".join(keys), lease=True, lease_ttl_ms=MAX_TTL_MS + 1))
+    rejects(
+        Code.INVALID_ARGUMENT,
+        fragment,
+        stub.Lookup,
+        pb.LookupRequest(namespace=conn.ns, keys=b"".join(keys), lease=True, lease_ttl_ms=MAX_TTL_MS + 1),
+    )
 
     # Nothing above reserved a slot or created a lease.
     assert bytes_used(stub) == 0
@@ -255,19 +278,39 @@ def test_lease_ids_are_checked_for_existence_namespace_and_kind(daemon: Any) -> 
     store_calls = (commit, abort, put_nothing)
     load_calls = (acquire, release, get)
     for call in (*store_calls, *load_calls):
-        rejects(Code.NOT_FOUND, f"lease {unknown} not found in namespace {conn_a.ns.hex()[:12]}",
-                call, conn_a, unknown)
+        rejects(
+            Code.NOT_FOUND,
+            f"lease {unknown} not found in namespace {conn_a.ns.hex()[:12]}",
+            call,
+            conn_a,
+            unknown,
+        )
         rejects(Code.NOT_FOUND, "lease 0 not found", call, conn_a, 0)
         # Both leases belong to namespace A: under B they do not exist.
         for lease in (load_lease, store_lease):
-            rejects(Code.NOT_FOUND, f"lease {lease} not found in namespace {conn_b.ns.hex()[:12]}",
-                    call, conn_b, lease)
+            rejects(
+                Code.NOT_FOUND,
+                f"lease {lease} not found in namespace {conn_b.ns.hex()[:12]}",
+                call,
+                conn_b,
+                lease,
+            )
     for call in store_calls:
-        rejects(Code.FAILED_PRECONDITION, f"lease {load_lease} is a load lease: use Acquire/Release/Get",
-                call, conn_a, load_lease)
+        rejects(
+            Code.FAILED_PRECONDITION,
+            f"lease {load_lease} is a load lease: use Acquire/Release/Get",
+            call,
+            conn_a,
+            load_lease,
+        )
     for call in load_calls:
-        rejects(Code.FAILED_PRECONDITION, f"lease {store_lease} is a store lease: use Commit/Abort/Put",
-                call, conn_a, store_lease)
+        rejects(
+            Code.FAILED_PRECONDITION,
+            f"lease {store_lease} is a store lease: use Commit/Abort/Put",
+            call,
+            conn_a,
+            store_lease,
+        )
 
     # None of the refused calls touched either lease.
     assert get(conn_a, load_lease) == b"".join(stored_pages)
@@ -290,14 +333,22 @@ def test_malformed_put_streams_are_rejected_and_the_lease_can_still_be_aborted(d
     bad_streams: list[tuple[Callable[[int], Iterable[pb.PutRequest]], str]] = [
         (lambda lease: [pb.PutRequest(data=two_pages)], "the first message must be a PutHeader"),
         (lambda lease: [], "the first message must be a PutHeader"),
-        (lambda lease: [header(conn, lease), pb.PutRequest(data=pages[0]), header(conn, lease)],
-         "only the first message may be a PutHeader; the rest carry data"),
-        (lambda lease: [header(conn, lease), *[pb.PutRequest(data=page) for page in [*pages, pages[0]]]],
-         "more than the 8192 bytes of the lease's 2 pages of 4096 bytes"),
-        (lambda lease: [header(conn, lease), pb.PutRequest(data=two_pages + b"\0")],
-         "more than the 8192 bytes"),
-        (lambda lease: [header(conn, lease), pb.PutRequest(data=two_pages[:-1])],
-         "received 8191 bytes; the lease's 2 pages of 4096 bytes need exactly 8192"),
+        (
+            lambda lease: [header(conn, lease), pb.PutRequest(data=pages[0]), header(conn, lease)],
+            "only the first message may be a PutHeader; the rest carry data",
+        ),
+        (
+            lambda lease: [header(conn, lease), *[pb.PutRequest(data=page) for page in [*pages, pages[0]]]],
+            "more than the 8192 bytes of the lease's 2 pages of 4096 bytes",
+        ),
+        (
+            lambda lease: [header(conn, lease), pb.PutRequest(data=two_pages + b"\0")],
+            "more than the 8192 bytes",
+        ),
+        (
+            lambda lease: [header(conn, lease), pb.PutRequest(data=two_pages[:-1])],
+            "received 8191 bytes; the lease's 2 pages of 4096 bytes need exactly 8192",
+        ),
         (lambda lease: [header(conn, lease)], "received 0 bytes"),
     ]
     for stream, fragment in bad_streams:
@@ -318,8 +369,12 @@ def test_a_failed_put_cannot_be_committed_and_puts_are_exclusive(daemon: Any) ->
     conn = connect(stub)
     keys, pages = chain(conn, 2), random_pages(2, PAGE_BYTES, seed=11)
     lease = reserve(conn, keys).lease_id
-    rejects(Code.INVALID_ARGUMENT, "received 100 bytes", stub.Put,
-            iter([header(conn, lease), pb.PutRequest(data=pages[0][:100])]))
+    rejects(
+        Code.INVALID_ARGUMENT,
+        "received 100 bytes",
+        stub.Put,
+        iter([header(conn, lease), pb.PutRequest(data=pages[0][:100])]),
+    )
     # Committing would publish whatever the slots held before: refused until aborted.
     rejects(Code.FAILED_PRECONDITION, "Put failed part-way", commit, conn, lease)
     assert hit_chunks(conn, keys) == 0
@@ -419,7 +474,10 @@ def test_eight_pages_stored_with_put_load_back_byte_exact(daemon: Any) -> None:
     assert (hit.hit_chunks, list(hit.tiers)) == (8, [pb.TIER_CPU] * 8)
     acquired = acquire(conn, hit.lease_id)
     assert (acquired.ready_chunks, list(acquired.offsets), acquired.page_bytes) == (
-        8, list(reserved.offsets), PAGE_BYTES)
+        8,
+        list(reserved.offsets),
+        PAGE_BYTES,
+    )
     assert get_messages(conn, hit.lease_id) == pages
     # The inline plane wrote the shared arena at the offsets the daemon handed out.
     with open(daemon.arena_path, "rb") as arena:
@@ -443,8 +501,15 @@ def test_pages_larger_than_the_message_limit_stream_both_ways(daemon_factory: Ca
     keys, pages = chain(conn, 3), random_pages(3, conn.page_bytes, seed=8)
 
     lease = reserve(conn, keys).lease_id
-    rejects(Code.RESOURCE_EXHAUSTED, "Received message larger than max",
-            put, conn, lease, b"".join(pages), conn.page_bytes)
+    rejects(
+        Code.RESOURCE_EXHAUSTED,
+        "Received message larger than max",
+        put,
+        conn,
+        lease,
+        b"".join(pages),
+        conn.page_bytes,
+    )
     assert abort(conn, lease) == 3
     # The largest pieces the daemon accepts, then odd ones that straddle pages.
     for piece_bytes in (conn.max_message_bytes - 1024, 3_000_017):
@@ -580,15 +645,22 @@ def test_health_and_reflection_describe_the_service(daemon: Any) -> None:
         rejects(Code.NOT_FOUND, "", health.Check, health_pb2.HealthCheckRequest(service="nope"))
 
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-        requests: Iterator[reflection_pb2.ServerReflectionRequest] = iter([
-            reflection_pb2.ServerReflectionRequest(list_services=""),
-            reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvstore.v1.KVStore"),
-        ])
+        requests: Iterator[reflection_pb2.ServerReflectionRequest] = iter(
+            [
+                reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvstore.v1.KVStore"),
+            ]
+        )
         listed, described = reflection.ServerReflectionInfo(requests)
     services = {service.name for service in listed.list_services_response.service}
-    assert services == {"kvstore.v1.KVStore", "grpc.health.v1.Health",
-                        "grpc.reflection.v1alpha.ServerReflection"}
-    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
-             for raw in described.file_descriptor_response.file_descriptor_proto]
+    assert services == {
+        "kvstore.v1.KVStore",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(raw)
+        for raw in described.file_descriptor_response.file_descriptor_proto
+    ]
     methods = {method.name for file in files for service in file.service for method in service.method}
     assert methods == {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}

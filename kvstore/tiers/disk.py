@@ -138,8 +138,13 @@ class DiskTier(DiskWorkers):
             self._threads.append(thread)
         log.info(
             "disk tier %s: %d pages, %d MiB of %d MiB, from the %s in %.2f s (%d torn, %d corrupt removed)",
-            self.root, len(self._index), self._index.bytes_used >> 20, self.capacity >> 20, source,
-            time.perf_counter() - began, self.counters["torn_records"],
+            self.root,
+            len(self._index),
+            self._index.bytes_used >> 20,
+            self.capacity >> 20,
+            source,
+            time.perf_counter() - began,
+            self.counters["torn_records"],
             self.counters["skipped_on_recovery"] - self.counters["torn_records"],
         )
         return [info for info in records if (info.namespace, info.key) in self._index]
@@ -150,14 +155,15 @@ class DiskTier(DiskWorkers):
         if room < self.capacity:
             log.warning(
                 "tiers.disk.bytes is %d MiB but %s has room for %d MiB of records; the disk tier turns "
-                "off when the filesystem fills up", self.capacity >> 20, self.root, room >> 20,
+                "off when the filesystem fills up",
+                self.capacity >> 20,
+                self.root,
+                room >> 20,
             )
 
     # -- the store's calls --------------------------------------------------
 
-    def submit_write(
-        self, namespace: bytes, key: bytes, page: Buffer, done: WriteDone | None = None
-    ) -> bool:
+    def submit_write(self, namespace: bytes, key: bytes, page: Buffer, done: WriteDone | None = None) -> bool:
         """Queues the page for writing; never waits. False (a drop) when full or off."""
         size = len(page)
         if not self._has_room(size):  # a cheap early answer, before the copy
@@ -168,8 +174,10 @@ class DiskTier(DiskWorkers):
             self._check_started()
             present = self._index.get(ident)
             queued = self._pending.get(ident)
-            if not self.enabled or self._closed or (
-                present is None and (queued is None or queued.cancelled) and not self._has_room(size)
+            if (
+                not self.enabled
+                or self._closed
+                or (present is None and (queued is None or queued.cancelled) and not self._has_room(size))
             ):
                 return self._drop_write(size)
             if present is not None or (queued is not None and not queued.cancelled):
@@ -195,13 +203,12 @@ class DiskTier(DiskWorkers):
                 "disk tier: write-behind queue full (%d MiB queued, a %d KiB page dropped): the disk is "
                 "slower than eviction; pages are dropped, never waited for (dropped_writes in stats); "
                 "raise tiers.disk.queue_bytes or tiers.disk.threads",
-                self._queued_bytes >> 20, size >> 10,
+                self._queued_bytes >> 20,
+                size >> 10,
             )
         return False
 
-    def _on_stored(
-        self, ident: Ident, present: Record | None, queued: Write | None, done: WriteDone
-    ) -> None:
+    def _on_stored(self, ident: Ident, present: Record | None, queued: Write | None, done: WriteDone) -> None:
         """`done` for a page already on disk or queued: when it is durable."""
         if queued is not None:
             queued.dones.append(done)
@@ -287,8 +294,11 @@ class DiskTier(DiskWorkers):
         """Removes every page of `namespace` (of all namespaces when None); returns how many."""
         with self._lock:
             idents = [ident for ident in self._index.idents() if namespace in (None, ident[0])]
-            idents += [ident for ident, write in self._pending.items()
-                       if namespace in (None, ident[0]) and not write.cancelled]
+            idents += [
+                ident
+                for ident, write in self._pending.items()
+                if namespace in (None, ident[0]) and not write.cancelled
+            ]
         for ident in idents:
             self.remove(*ident)
         return len(idents)
@@ -319,8 +329,16 @@ class DiskTier(DiskWorkers):
                 reads_queued=len(self._reads),
                 unsynced=len(self._unsynced),
             )
-        for name in ("dropped_writes", "written", "promotions", "read_misses", "corrupted_records",
-                     "skipped_on_recovery", "evicted", "errors"):
+        for name in (
+            "dropped_writes",
+            "written",
+            "promotions",
+            "read_misses",
+            "corrupted_records",
+            "skipped_on_recovery",
+            "evicted",
+            "errors",
+        ):
             figures.setdefault(name, 0)
         return figures
 

@@ -33,7 +33,12 @@ class Read:
     __slots__ = ("namespace", "key", "record", "page", "done", "into")
 
     def __init__(
-        self, namespace: bytes, key: bytes, record: Record | None, page: bytes | None, done: ReadDone,
+        self,
+        namespace: bytes,
+        key: bytes,
+        record: Record | None,
+        page: bytes | None,
+        done: ReadDone,
         into: memoryview | None,
     ) -> None:
         self.namespace = namespace

@@ -69,7 +69,14 @@ def pack_header(
     if len(namespace) != KEY_BYTES or len(key) != KEY_BYTES:
         raise ValueError(f"namespace and key: expected {KEY_BYTES} bytes each")
     fields = _FIELDS.pack(
-        MAGIC, FORMAT_VERSION, codec, 0, namespace, key, raw_length, len(payload),
+        MAGIC,
+        FORMAT_VERSION,
+        codec,
+        0,
+        namespace,
+        key,
+        raw_length,
+        len(payload),
         xxhash.xxh3_64_intdigest(payload),
     )
     return fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields))
@@ -80,8 +87,8 @@ def unpack_header(buf: Buffer) -> RecordHeader:
         raise CorruptRecord(f"header is {len(buf)} bytes, expected {HEADER_BYTES}")
     fields = bytes(buf[: _FIELDS.size])
     (check,) = _CHECK.unpack_from(buf, _FIELDS.size)
-    magic, version, codec, _flags, namespace, key, raw_length, payload_length, payload_xxh3 = (
-        _FIELDS.unpack(fields)
+    magic, version, codec, _flags, namespace, key, raw_length, payload_length, payload_xxh3 = _FIELDS.unpack(
+        fields
     )
     if magic != MAGIC:
         raise CorruptRecord(f"bad magic {magic!r}")
