@@ -61,7 +61,12 @@ def wait_flushed(client: KVStoreClient, timeout_s: float = 30.0) -> dict[str, An
     deadline = time.monotonic() + timeout_s
     while True:
         stats = disk_stats(client)
-        if stats["queue_depth"] == 0 and stats["unsynced"] == 0 and stats["reads_queued"] == 0:
+        if (
+            stats["queue_depth"] == 0
+            and stats["writing"] == 0
+            and stats["unsynced"] == 0
+            and stats["reads_queued"] == 0
+        ):
             return stats
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)

@@ -192,6 +192,36 @@ def test_a_page_still_queued_is_read_from_the_queue(open_tier: Callable[..., Dis
     assert all(tier.read(NS, key(i)) == data for i, data in pages.items())
 
 
+def test_a_write_under_way_counts_as_writing_until_its_record_is_in_the_index(
+    open_tier: Callable[..., DiskTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queue empty is not flushed: a page a worker took off the queue is `writing` until indexed."""
+    from kvstore.tiers import disk_workers
+
+    release, entered = threading.Event(), threading.Event()
+    real_write = disk_workers.write_record
+
+    def slow_write(*args: Any, **kwargs: Any) -> None:
+        entered.set()
+        assert release.wait(10)
+        real_write(*args, **kwargs)
+
+    monkeypatch.setattr(disk_workers, "write_record", slow_write)
+    tier = open_tier(threads=1)
+    assert tier.submit_write(NS, key(7), page(7))
+    assert entered.wait(10)
+
+    held = tier.stats()
+    assert (held["queue_depth"], held["writing"], held["pages"]) == (0, 1, 0)
+    release.set()
+    deadline = time.monotonic() + 10
+    while tier.stats()["writing"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    done = tier.stats()
+    assert (done["queue_depth"], done["writing"], done["pages"]) == (0, 0, 1)
+    assert tier.read(NS, key(7)) == page(7)
+
+
 def test_writing_a_page_twice_keeps_one_record(open_tier: Callable[..., DiskTier]) -> None:
     tier = open_tier()
     write_pages(tier, {1: page(1)})

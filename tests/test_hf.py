@@ -203,7 +203,12 @@ def _wait_flushed(client: KVStoreClient, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         disk = client.stats()["tiers"]["disk"]
-        if disk["queue_depth"] == 0 and disk["unsynced"] == 0 and disk["reads_queued"] == 0:
+        if (
+            disk["queue_depth"] == 0
+            and disk["writing"] == 0
+            and disk["unsynced"] == 0
+            and disk["reads_queued"] == 0
+        ):
             return
         assert time.monotonic() < deadline, disk
         time.sleep(0.05)

@@ -325,6 +325,7 @@ class DiskTier(DiskWorkers):
                 raw_bytes=self._index.raw_bytes,
                 compression_ratio=self._index.compression_ratio,
                 queue_depth=len(self._writes),
+                writing=sum(1 for write in self._pending.values() if write.started),
                 queue_bytes=self._queued_bytes,
                 reads_queued=len(self._reads),
                 unsynced=len(self._unsynced),
