@@ -329,6 +329,15 @@ class KVStoreClient:
 
     # -- API ----------------------------------------------------------------
 
+    def register_kv_caches(self, kv_caches: Any) -> Any:
+        """The engine's KV cache, checked once now: pass what this returns to store/load.
+
+        As with vLLM's `register_kv_caches`, the engine keeps the tensors' storage, shape and
+        strides while it uses them; each call then skips checking and fingerprinting every
+        layer's tensors (`kvstore_kernels.register`). A bad tensor is a ValueError here.
+        """
+        return kvstore_kernels.register(self.spec, kv_caches)
+
     def keys(self, token_ids: Any) -> list[bytes]:
         """Keys of the whole chunks of `token_ids`."""
         return chunk_keys(self.namespace, token_ids, self.spec.page.chunk_tokens)

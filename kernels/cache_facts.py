@@ -16,6 +16,8 @@ a bad call is checked in full, and refused, every time.
   layer its views' facts, and why scatter may not write them (None: it may).
 - `cache_facts(spec, kv_caches, moved, checked, batch_index)`: the facts, checked or remembered.
 - `forget()`: drop what is remembered (the benchmark times first calls with it).
+- `register(spec, kv_caches)`: the tensors checked once, as `RegisteredCaches`, which a
+  call takes in place of `kv_caches` and then neither checks nor fingerprints again.
 """
 
 from __future__ import annotations
@@ -76,11 +78,53 @@ def forget() -> None:
         _remembered.clear()
 
 
+class RegisteredCaches(tuple):  # type: ignore[type-arg]
+    """An engine's per-layer KV tensors, checked once: pass it wherever `kv_caches` goes.
+
+    Made by `register`. The engine promises what vLLM's `register_kv_caches` assumes: the
+    tensors keep their storage, shape and strides while it uses this object (writing KV into
+    them is what they are for). A transfer then skips checking and fingerprinting 2 x layers
+    tensors, most of what is left of its host time. It holds the tensors, so they stay alive.
+    Used with a spec of another geometry, it is checked as a plain tuple of tensors.
+    """
+
+    geometry: tuple[Any, ...]
+    _facts: dict[tuple[Any, ...], CacheFacts]
+
+    def facts(
+        self, spec: KVSpec, moved: Sequence[int], checked: Sequence[int], batch_index: int
+    ) -> CacheFacts:
+        key = (tuple(moved), tuple(checked), batch_index)
+        facts = self._facts.get(key)
+        if facts is None:  # another layer subset: checked once, then kept
+            facts = self._facts[key] = _checked_facts(spec, self, moved, checked, batch_index)
+        return facts
+
+
+def register(spec: KVSpec, kv_caches: KVCaches) -> KVCaches:
+    """`kv_caches` checked in full now (ValueError naming the mismatch), as `RegisteredCaches`.
+
+    A cross_layer cache (one tensor, cheap to fingerprint) is returned as it is.
+    """
+    _check_container(spec, kv_caches)
+    if spec.layout == "cross_layer":
+        return kv_caches
+    stored = tuple(layer for layer in range(spec.num_layers) if layer not in spec.kv_sharing)
+    registered = RegisteredCaches(kv_caches)
+    registered.geometry = _geometry(spec)
+    key = (stored, stored, 0)
+    registered._facts = {key: _checked_facts(spec, registered, *key)}
+    return registered
+
+
 def cache_facts(
     spec: KVSpec, kv_caches: KVCaches, moved: Sequence[int], checked: Sequence[int], batch_index: int
 ) -> CacheFacts:
     """Check the tensors of the `checked` engine layers (ValueError naming the mismatch); return
-    their facts, with the views of the `moved` layers. Remembered per fingerprint."""
+    their facts, with the views of the `moved` layers. Remembered per fingerprint (or, for
+    `RegisteredCaches`, on the object)."""
+    if type(kv_caches) is RegisteredCaches and kv_caches.geometry == _geometry(spec):
+        return kv_caches.facts(spec, moved, checked, batch_index)
     _check_container(spec, kv_caches)
     key = _key(spec, kv_caches, moved, checked, batch_index)
     if key is not None:
@@ -138,8 +182,11 @@ def _key(
     prints = tuple(_fingerprint(tensor) for tensor in tensors)
     if None in prints:
         return None
-    geometry = (spec.layout, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.block_size)
-    return (geometry, tuple(moved), tuple(checked), batch_index, prints)
+    return (_geometry(spec), tuple(moved), tuple(checked), batch_index, prints)
+
+
+def _geometry(spec: KVSpec) -> tuple[Any, ...]:
+    return (spec.layout, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.block_size)
 
 
 def _checked_facts(

@@ -70,7 +70,7 @@ def plan_transfer(
 ) -> Transfer:
     """Check a gather (`writes_cache=False`) or scatter call; return what to move."""
     page = spec.page
-    position = {layer: index for index, layer in enumerate(page.stored_layers)}
+    position = page.stored_position
     moved = [layer for layer in _check_layers(spec, layers) if layer in position]
     # Only the layers that move are read or written; with none, check them all anyway.
     facts = cache_facts(spec, kv_caches, moved, moved or page.stored_layers, batch_index)
@@ -185,8 +185,8 @@ def _check_buffer(
     if buffer.device.type != "cpu" and buffer.device != device:
         raise ValueError(f"buffer: on {buffer.device}; expected the CPU or the KV cache's device {device}")
     size = buffer.numel()
-    past = np.flatnonzero(offsets + page_bytes > size)
-    if past.size:
+    if offsets.size and int(offsets.max()) + page_bytes > size:
+        past = np.flatnonzero(offsets + page_bytes > size)
         index = int(past[0])
         offset = int(offsets[index])
         raise ValueError(
@@ -244,9 +244,8 @@ def _block_table(
             )
         return table.to(torch.int64)[staging.to_device(slots.ravel(), table.device)].view(slots.shape)
     blocks = table[slots]
-    bad = np.argwhere((blocks < 0) | (blocks >= num_blocks))
-    if bad.size:
-        row, column = (int(i) for i in bad[0])
+    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
+        row, column = (int(i) for i in np.argwhere((blocks < 0) | (blocks >= num_blocks))[0])
         raise ValueError(
             f"block_ids[{int(slots[row, column])}]: block {int(blocks[row, column])} "
             f"(chunk {int(chunks[row])}) is outside 0..{num_blocks - 1}, the blocks of layer {layer}"
@@ -280,9 +279,10 @@ def _table_array(block_ids: Any) -> np.ndarray | torch.Tensor:
 def _check_unique(blocks: np.ndarray | torch.Tensor) -> None:
     """Scatter writes each block once: refuse a block id that appears twice (host tables only;
     a device table is not read back, see the module docstring)."""
-    if isinstance(blocks, np.ndarray):
-        values, counts = np.unique(blocks, return_counts=True)
-        if values.size != blocks.size:
+    if isinstance(blocks, np.ndarray) and blocks.size > 1:
+        ordered = np.sort(blocks, axis=None)
+        if (ordered[1:] == ordered[:-1]).any():
+            values, counts = np.unique(blocks, return_counts=True)
             raise ValueError(
                 f"block_ids: block {int(values[counts > 1][0])} appears twice among the chunks' blocks; "
                 "scatter would write it twice"

@@ -13,6 +13,7 @@ for MLA, so any range of stored layers is one contiguous span.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -85,11 +86,16 @@ class PageSpec:
                 )
         object.__setattr__(self, "kv_sharing", sharing)
 
-    @property
+    @functools.cached_property
     def stored_layers(self) -> tuple[int, ...]:
         """Engine layer indices whose KV is stored, in page order."""
         shared = {layer for layer, _ in self.kv_sharing}
         return tuple(layer for layer in range(self.num_layers) if layer not in shared)
+
+    @functools.cached_property
+    def stored_position(self) -> Mapping[int, int]:
+        """Engine layer -> its stored-layer index in a page, for the stored layers."""
+        return {layer: index for index, layer in enumerate(self.stored_layers)}
 
     @property
     def num_stored_layers(self) -> int:
@@ -238,8 +244,9 @@ class KVSpec:
             salt=salt,
         )
 
-    @property
+    @functools.cached_property
     def page(self) -> PageSpec:
+        """The page spec (made once: a transfer asks for it several times per call)."""
         if self.chunk_tokens is None:
             raise ValueError("chunk_tokens: not set; connect to a daemon or pass chunk_tokens")
         return self._page(self.chunk_tokens)

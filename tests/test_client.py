@@ -83,6 +83,27 @@ def test_store_then_load_2k_tokens(daemon: Daemon, dtype: torch.dtype, shared_me
         assert stats["counters"]["active_leases"] == 0
 
 
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_registered_kv_caches_store_and_load_the_same_bytes(daemon: Daemon, shared_memory: bool) -> None:
+    spec = make_spec(torch.bfloat16)
+    tokens = tokens_of(1024, seed=11)
+    blocks = torch.randperm(200, generator=torch.Generator().manual_seed(12))[:64]
+    source = random_cache(spec, 200, seed=13)
+    with KVStoreClient.connect(daemon.address, spec, shared_memory=shared_memory) as client:
+        assert client.store(tokens, client.register_kv_caches(source), blocks) == 4
+        target = empty_cache(spec, 100)
+        registered = client.register_kv_caches(target)
+        target_blocks = torch.randperm(100, generator=torch.Generator().manual_seed(14))[:64]
+        for _ in range(2):
+            assert client.load(tokens, registered, target_blocks) == 1024
+            assert_blocks_equal(target, target_blocks, source, blocks)
+        first_layers = client.load(tokens, registered, target_blocks.flip(0), layers=range(0, 2))
+        assert first_layers == 1024
+        assert_blocks_equal(target[:2], target_blocks.flip(0), source[:2], blocks)
+        with pytest.raises(ValueError, match=r"kv_caches\[3\]: shape"):
+            client.register_kv_caches([*target[:3], target[3][:, :, :8]])
+
+
 def test_shared_memory_and_bytes_clients_share_pages(daemon: Daemon) -> None:
     spec = make_spec(torch.bfloat16)
     tokens = tokens_of(1024, seed=5)

@@ -493,6 +493,61 @@ def test_remembered_cache_facts_follow_the_tensors(impl: str) -> None:
         )
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "mla", "hf"])
+def test_registered_caches_move_the_same_bytes(impl: str, layout: str) -> None:
+    """Caches checked once (`register`) move exactly what the plain tensors move, for every
+    layer subset and both directions; a strided view keeps its own strides."""
+    spec = make_spec(layout, "bfloat16", sharing={2: 1})
+    if copy_engine_refuses(impl, spec):
+        return
+    table, chunks, offsets, size = scenario(spec)
+    _, caches = build(spec, device_of(impl), strided=layout == "hf")
+    registered = kvstore_kernels.register(spec, caches)
+    assert isinstance(registered, kvstore_kernels.RegisteredCaches) and list(registered) == list(caches)
+    for layers in (None, range(1, 3), range(0, 1)):
+        check_gather(impl, spec, registered, table, chunks, offsets, size, layers)
+    buffer = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    for layers in (None, range(1, 2)):
+        plain_bases, plain = build(spec, device_of(impl), fill=0xA5, strided=layout == "hf")
+        reg_bases, reg = build(spec, device_of(impl), fill=0xA5, strided=layout == "hf")
+        run(impl, "scatter", spec, plain, table, chunks, buffer_of(impl, buffer), offsets, layers)
+        run(
+            impl,
+            "scatter",
+            spec,
+            kvstore_kernels.register(spec, reg),
+            table,
+            chunks,
+            buffer_of(impl, buffer),
+            offsets,
+            layers,
+        )
+        for got, want in zip(as_bytes(reg_bases), as_bytes(plain_bases), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_register_checks_the_tensors_once_and_refuses_bad_ones() -> None:
+    spec = make_spec("flash_attn", "bfloat16")
+    _, caches = build(spec, "cpu")
+    retyped = list(caches)
+    retyped[1] = caches[1].view(torch.float16)
+    with pytest.raises(ValueError, match=r"kv_caches\[1\]: dtype float16 does not match"):
+        kvstore_kernels.register(spec, retyped)
+    with pytest.raises(ValueError, match="expected a list of 3 layers"):
+        kvstore_kernels.register(spec, caches[:2])
+    cross = make_spec("cross_layer")
+    _, one_tensor = build(cross, "cpu")
+    assert kvstore_kernels.register(cross, one_tensor) is one_tensor  # one fingerprint: kept as it is
+    # Registered under one geometry, used under another: checked in full like any tuple, and refused.
+    registered = kvstore_kernels.register(spec, caches)
+    other = make_spec("flash_attn", "float16")
+    table, chunks, offsets, size = scenario(other)
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"kv_caches\[0\]: dtype bfloat16 does not match the spec's float16"):
+        kvstore_kernels.gather(other, registered, table, chunks, buffer, offsets)
+
+
 def test_remembered_cache_facts_hold_no_tensor() -> None:
     """What a call remembers about the cache keeps none of its memory alive."""
     import gc

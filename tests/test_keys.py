@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -70,21 +72,18 @@ def test_bad_tokens_are_rejected(tokens: object, message: str) -> None:
 def test_namespace_changes_with_every_page_field() -> None:
     base = LLAMA_8B
     variants = [
-        PageSpec(**{**base.__dict__, "model": "llama-3.1-70b"}),
-        PageSpec(**{**base.__dict__, "dtype": "float16"}),
-        PageSpec(**{**base.__dict__, "num_kv_heads": 4}),
-        PageSpec(**{**base.__dict__, "head_dim": 64}),
-        PageSpec(**{**base.__dict__, "chunk_tokens": 512}),
-        PageSpec(**{**base.__dict__, "tp_rank": 1, "tp_size": 2}),
-        PageSpec(**{**base.__dict__, "salt": "lora-7"}),
-        PageSpec(**{**base.__dict__, "kv_sharing": ((31, 30),)}),
+        replace(base, model="llama-3.1-70b"),
+        replace(base, dtype="float16"),
+        replace(base, num_kv_heads=4),
+        replace(base, head_dim=64),
+        replace(base, chunk_tokens=512),
+        replace(base, tp_rank=1, tp_size=2),
+        replace(base, salt="lora-7"),
+        replace(base, kv_sharing=((31, 30),)),
     ]
     digests = {v.namespace() for v in variants} | {base.namespace()}
     assert len(digests) == len(variants) + 1
-    assert (
-        PageSpec(**{**base.__dict__, "tp_rank": 1, "tp_size": 2}).namespace().hex()
-        == "8729c145ca784790029f316902f3c7e3"
-    )
+    assert replace(base, tp_rank=1, tp_size=2).namespace().hex() == "8729c145ca784790029f316902f3c7e3"
 
 
 def test_engine_layout_does_not_change_the_namespace() -> None:
@@ -98,7 +97,7 @@ def test_engine_layout_does_not_change_the_namespace() -> None:
 def test_page_geometry() -> None:
     assert LLAMA_8B.page_bytes == 32 * 2 * 256 * 8 * 128 * 2
     assert LLAMA_8B.layer_span(2, 5) == (2 * LLAMA_8B.layer_bytes, 3 * LLAMA_8B.layer_bytes)
-    shared = PageSpec(**{**LLAMA_8B.__dict__, "kv_sharing": ((1, 0), (3, 2))})
+    shared = replace(LLAMA_8B, kv_sharing=((1, 0), (3, 2)))
     assert shared.stored_layers[:3] == (0, 2, 4) and shared.num_stored_layers == 30
     mla = PageSpec(
         model="ds", num_layers=2, num_kv_heads=1, head_dim=576, dtype="bfloat16", chunk_tokens=64, latent=True
@@ -120,7 +119,7 @@ def test_page_geometry() -> None:
 )
 def test_bad_page_specs(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        PageSpec(**{**LLAMA_8B.__dict__, **fields})
+        replace(LLAMA_8B, **fields)
 
 
 def test_kv_spec_checks_chunk_against_block() -> None:

@@ -5,6 +5,7 @@ Every scenario that stores pages writes distinct bytes into their slots and read
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -165,7 +166,7 @@ def test_eviction_spares_pinned_pages_and_the_request_own_prefix(tmp_path: Path,
 
 def test_namespaces_are_isolated(tmp_path: Path, clock: Clock) -> None:
     store = make_store(tmp_path, clock, 16)
-    other = PageSpec(**{**SPEC.__dict__, "model": "other"})
+    other = replace(SPEC, model="other")
     keys = store_chain(store, list(range(32)))
     other_ns = store.connect(other).id
     assert store.lookup(other_ns, chunk_keys(other_ns, list(range(32)), 16)).hit_chunks == 0
@@ -213,7 +214,7 @@ def test_request_validation(tmp_path: Path, clock: Clock) -> None:
         store.reserve(ns, [key, key])
     with pytest.raises(InvalidArgument, match="max_ttl_s"):
         store.reserve(ns, [key], ttl_s=3600)
-    big = PageSpec(**{**SPEC.__dict__, "chunk_tokens": 4096})
+    big = replace(SPEC, chunk_tokens=4096)
     with pytest.raises(InvalidArgument, match="slab_bytes"):
         store.connect(big)
 
@@ -224,7 +225,7 @@ def test_namespace_table_is_bounded(tmp_path: Path, clock: Clock, monkeypatch: p
     monkeypatch.setattr(kvstore.store, "MAX_NAMESPACES", 3)
     store = make_store(tmp_path, clock, 16)
     keys = store_chain(store, list(range(16)))  # SPEC's namespace holds a page
-    specs = [PageSpec(**{**SPEC.__dict__, "salt": f"tenant-{i}"}) for i in range(5)]
+    specs = [replace(SPEC, salt=f"tenant-{i}") for i in range(5)]
     store.connect(specs[0])
     store.connect(specs[1])
     store.connect(specs[2])  # at the cap: the two empty namespaces are forgotten
