@@ -14,7 +14,13 @@ rows timed in turn in each round after an untimed round, GB/s of KV bytes landed
   once with one program per SM;
 - scatter only: the kernel alone from the pool (no control calls), both program counts;
 - both loads again with the chunk keys passed in (`keys=`), as an engine does that hashed
-  the prompt once when it looked it up.
+  the prompt once when it looked it up; and again with the keys and the KV cache registered
+  once (`client.register_kv_caches`), as vLLM's connectors register it;
+- 4 loads in flight: four `load_async` (keys, registered cache) issued before the first is
+  waited for, as an engine issues the loads of a batch; ms per load, so each load's host
+  work overlaps the copies of the loads before it.
+
+`measure()` is also run by `bench/transfer.py`, which prints these rows after its own.
 
 Acceptance (issue 7): GPU-tier load >= 10x the CPU-tier load and >= 0.5x the d2d copy.
 
@@ -336,17 +342,13 @@ def sweep_kernel(
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--profile", action="store_true", help="time each step of a GPU-tier load")
-    parser.add_argument("--sweep", action="store_true", help="time the kernel's shapes reading the pool")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/gpu_tier.py needs a CUDA device")
-    chunks = args.tokens // CHUNK
-    blocks = args.tokens // BLOCK
+IN_FLIGHT = 4  # loads issued before the first is waited for: an engine's batch of requests
+
+
+def measure(tokens: int, repeats: int, *, profile: bool = False, sweep: bool = False) -> dict[str, Any]:
+    """Runs the rows (and `--profile`, `--sweep`); returns them with the acceptance checks."""
+    chunks = tokens // CHUNK
+    blocks = tokens // BLOCK
     page_bytes = SPEC.page.page_bytes
     total = chunks * page_bytes
     pool_bytes = (total // (256 << 20) + 1) * (256 << 20)
@@ -363,12 +365,15 @@ def main() -> None:
         },
         "eviction": {"pin_fraction": 1.0},
     }
-    prompt_a = list(range(args.tokens))
-    prompt_b = list(range(1 << 20, (1 << 20) + args.tokens))
+    prompt_a = list(range(tokens))
+    prompt_b = list(range(1 << 20, (1 << 20) + tokens))
     source_a, source_b, target = cache(blocks), cache(blocks), cache(blocks, fill=0.0)
     block_ids = list(range(blocks))
-    rows: list[list[Any]] = []
     results: dict[str, Any] = {}
+    per_run = {
+        f"{IN_FLIGHT} loads in flight, CPU tier": IN_FLIGHT,
+        f"{IN_FLIGHT} loads in flight, GPU tier": IN_FLIGHT,
+    }
     with running_daemon(config) as daemon, KVStoreClient.connect(daemon.address, SPEC) as client:
         assert client.store(prompt_a, source_a, block_ids) == chunks
         assert client.store(prompt_b, source_b, block_ids) == chunks
@@ -381,15 +386,36 @@ def main() -> None:
             time.sleep(0.001)
         promote_s = time.perf_counter() - started
         assert tiers_of(client, prompt_a) == bytes([Tier.CPU]) * chunks
+        registered = client.register_kv_caches(target)
 
-        def load(prompt: list[int], source: list[torch.Tensor], keys: Any = None) -> Callable[[], None]:
-            def run() -> None:
-                assert client.load(prompt, target, block_ids, keys=keys) == args.tokens
-
-            run()
+        def check(source: list[torch.Tensor]) -> None:
             for got, want in zip(target, source, strict=True):
                 if not torch.equal(got, want):
                     raise AssertionError("loaded bytes differ from the stored ones")
+
+        def load(
+            prompt: list[int], source: list[torch.Tensor], keys: Any = None, kv: Any = target
+        ) -> Callable[[], None]:
+            def run() -> None:
+                assert client.load(prompt, kv, block_ids, keys=keys) == tokens
+
+            for layer in target:  # the check below then sees this load's bytes
+                layer.zero_()
+            run()
+            check(source)
+            return run
+
+        def in_flight(prompt: list[int], source: list[torch.Tensor], keys: Any) -> Callable[[], None]:
+            def run() -> None:
+                handles = [
+                    client.load_async(prompt, registered, block_ids, keys=keys) for _ in range(IN_FLIGHT)
+                ]
+                assert [handle.wait() for handle in handles] == [tokens] * IN_FLIGHT
+
+            for layer in target:  # the check below then sees this load's bytes
+                layer.zero_()
+            run()
+            check(source)
             return run
 
         src, dst = (
@@ -420,14 +446,21 @@ def main() -> None:
         pool = client._gpu_pools.tensors[acquired.pools[0]]
         offsets = list(acquired.offsets)
         client._rpc("Release", lease)  # the Pin keeps the pages in the pool for what follows
+        keys_a, keys_b = client.keys(prompt_a), client.keys(prompt_b)
         runs: dict[str, Callable[[], Any]] = {
             "d2d copy": lambda: dst.copy_(src),
             "load, CPU tier": load(prompt_a, source_a),
             "load, GPU tier": load(prompt_b, source_b),
             # An engine hashes a prompt's chunks once, when it looks the prompt up, and hands the
             # keys to the load it schedules next.
-            "load, CPU tier, keys from the lookup": load(prompt_a, source_a, client.keys(prompt_a)),
-            "load, GPU tier, keys from the lookup": load(prompt_b, source_b, client.keys(prompt_b)),
+            "load, CPU tier, keys from the lookup": load(prompt_a, source_a, keys_a),
+            "load, GPU tier, keys from the lookup": load(prompt_b, source_b, keys_b),
+            # ... and registers its KV cache once (`register_kv_caches`), as vLLM's connectors do.
+            "load, CPU tier, keys + registered cache": load(prompt_a, source_a, keys_a, registered),
+            "load, GPU tier, keys + registered cache": load(prompt_b, source_b, keys_b, registered),
+            # A batch of requests: each load's host work overlaps the copies of the loads before it.
+            f"{IN_FLIGHT} loads in flight, CPU tier": in_flight(prompt_a, source_a, keys_a),
+            f"{IN_FLIGHT} loads in flight, GPU tier": in_flight(prompt_b, source_b, keys_b),
         }
         client._gpu_pools.max_programs = sms  # the first call, which checks the bytes, with them too
         runs[f"load, GPU tier, {sms} programs"] = with_programs(sms, load(prompt_b, source_b))
@@ -438,74 +471,97 @@ def main() -> None:
             runs[label] = functools.partial(
                 scatter, SPEC, target, block_ids, range(chunks), pool, offsets, options=options
             )
-        timings = in_turn(runs, args.repeats)
-        if args.sweep:
-            sweep = sweep_kernel(target, source_b, block_ids, chunks, pool, offsets, total, args.repeats)
-            best = min((row for row in sweep if row["exact"]), key=lambda row: row["ms"])
-            results["sweep"] = sweep
+        timings = in_turn(runs, repeats)
+        if sweep:
+            swept = sweep_kernel(target, source_b, block_ids, chunks, pool, offsets, total, repeats)
+            best = min((row for row in swept if row["exact"]), key=lambda row: row["ms"])
+            results["sweep"] = swept
             print_table(
                 ("kernel shape (reading the pool)", "programs", "ms", "GB/s"),
                 [
                     [r["shape"], r["programs"], r["ms"], r["gb_s"]]
-                    for r in sorted(sweep, key=lambda r: r["ms"])[:25]
+                    for r in sorted(swept, key=lambda r: r["ms"])[:25]
                 ],
             )
             print(f"best: {best}")
             shape = next(t for t in sweep_tunings() if sweep_label(t) == best["shape"])
             triton_copy.DEVICE_TUNING, triton_copy.DEVICE_MAX_PROGRAMS = shape, best["programs"]
-            timings["load, GPU tier, swept best"] = median_s(load(prompt_b, source_b), args.repeats)
+            timings["load, GPU tier, swept best"] = median_s(load(prompt_b, source_b), repeats)
             timings["scatter only, swept best"] = median_s(
-                lambda: scatter(SPEC, target, block_ids, range(chunks), pool, offsets), args.repeats
+                lambda: scatter(SPEC, target, block_ids, range(chunks), pool, offsets), repeats
             )
-        if args.profile:
-            steps = profile_load(client, prompt_b, target, block_ids, args.repeats)
+        if profile:
+            steps = profile_load(client, prompt_b, target, block_ids, repeats)
             print_table(("GPU-tier load, step by step", "ms (median)"), list(steps.items()))
-            inner = profile_scatter(target, block_ids, chunks, pool, offsets, args.repeats)
+            inner = profile_scatter(target, block_ids, chunks, pool, offsets, repeats)
             print_table(("public scatter call, host", "ms (median)"), list(inner.items()))
-            print(cprofile_loads(load(prompt_b, source_b), args.repeats))
+            print(cprofile_loads(load(prompt_b, source_b), repeats))
             results["profile"] = {"load_steps_ms": steps, "scatter_steps_ms": inner}
         stats = client.stats()
     d2d = total / timings["d2d copy"] / 1e9
+    rows: list[list[Any]] = []
     for name, seconds in timings.items():
-        rate = total / seconds / 1e9
-        rows.append([name, seconds * 1e3, rate, rate / d2d])
-        results[name] = {"ms": seconds * 1e3, "gb_s": rate, "x_d2d": rate / d2d}
-    cpu_rate = results["load, CPU tier"]["gb_s"]
-    gpu_rate = results["load, GPU tier"]["gb_s"]
-    keyed_cpu = results["load, CPU tier, keys from the lookup"]["gb_s"]
-    keyed_gpu = results["load, GPU tier, keys from the lookup"]["gb_s"]
+        seconds /= per_run.get(name, 1)  # per load
+        gb_s = total / seconds / 1e9
+        rows.append([name, seconds * 1e3, gb_s, gb_s / d2d])
+        results[name] = {"ms": seconds * 1e3, "gb_s": gb_s, "x_d2d": gb_s / d2d}
+
+    def rate(name: str) -> float:
+        return float(results[name]["gb_s"])
+
     checks = {
-        "GPU-tier load >= 10x CPU-tier load": gpu_rate >= 10 * cpu_rate,
-        "GPU-tier load >= 0.5x d2d copy": gpu_rate >= 0.5 * d2d,
-        "the same, keys from the lookup: >= 10x": keyed_gpu >= 10 * keyed_cpu,
-        "the same, keys from the lookup: >= 0.5x d2d": keyed_gpu >= 0.5 * d2d,
+        "GPU-tier load >= 10x CPU-tier load": rate("load, GPU tier") >= 10 * rate("load, CPU tier"),
+        "GPU-tier load >= 0.5x d2d copy": rate("load, GPU tier") >= 0.5 * d2d,
     }
-    size = f"{total / 2**30:.2f} GiB in {chunks} pages"
-    print(f"{args.tokens} tokens, {size}; pin -> GPU tier in {promote_s * 1e3:.1f} ms")
-    print_table(("what", "ms", "GB/s", "x d2d"), rows)
-    print_table(("acceptance", "holds"), [[name, ok] for name, ok in checks.items()])
-    print(f"GPU-tier load / CPU-tier load: {gpu_rate / cpu_rate:.1f}x")
-    path = write_results(
-        "gpu_tier",
-        {
-            "geometry": {
-                "layers": LAYERS,
-                "kv_heads": HEADS,
-                "head_dim": HEAD_DIM,
-                "dtype": "bfloat16",
-                "block": BLOCK,
-                "chunk_tokens": CHUNK,
-                "tokens": args.tokens,
-                "bytes": total,
-            },
-            "repeats": args.repeats,
-            "promote_by_pin_ms": promote_s * 1e3,
-            "results": results,
-            "gpu_vs_cpu_load": gpu_rate / cpu_rate,
-            "acceptance": checks,
-            "daemon_gpu_tier": stats["tiers"]["gpu"],
+    for variant in ("keys from the lookup", "keys + registered cache"):
+        gpu, cpu = rate(f"load, GPU tier, {variant}"), rate(f"load, CPU tier, {variant}")
+        checks[f"the same, {variant}: >= 10x"] = gpu >= 10 * cpu
+        checks[f"the same, {variant}: >= 0.5x d2d"] = gpu >= 0.5 * d2d
+    gpu, cpu = rate(f"{IN_FLIGHT} loads in flight, GPU tier"), rate(f"{IN_FLIGHT} loads in flight, CPU tier")
+    checks[f"{IN_FLIGHT} loads in flight: >= 10x"] = gpu >= 10 * cpu
+    checks[f"{IN_FLIGHT} loads in flight: >= 0.5x d2d"] = gpu >= 0.5 * d2d
+    return {
+        "geometry": {
+            "layers": LAYERS,
+            "kv_heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": "bfloat16",
+            "block": BLOCK,
+            "chunk_tokens": CHUNK,
+            "tokens": tokens,
+            "bytes": total,
         },
-    )
+        "repeats": repeats,
+        "promote_by_pin_ms": promote_s * 1e3,
+        "rows": rows,
+        "results": results,
+        "gpu_vs_cpu_load": rate("load, GPU tier") / rate("load, CPU tier"),
+        "acceptance": checks,
+        "daemon_gpu_tier": stats["tiers"]["gpu"],
+    }
+
+
+def print_report(measured: dict[str, Any]) -> None:
+    geometry = measured["geometry"]
+    size = f"{geometry['bytes'] / 2**30:.2f} GiB in {geometry['tokens'] // CHUNK} pages"
+    print(f"{geometry['tokens']} tokens, {size}; pin -> GPU tier in {measured['promote_by_pin_ms']:.1f} ms")
+    print_table(("what (ms and GB/s per load)", "ms", "GB/s", "x d2d"), measured["rows"])
+    print_table(("acceptance", "holds"), list(measured["acceptance"].items()))
+    print(f"GPU-tier load / CPU-tier load: {measured['gpu_vs_cpu_load']:.1f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="time each step of a GPU-tier load")
+    parser.add_argument("--sweep", action="store_true", help="time the kernel's shapes reading the pool")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu_tier.py needs a CUDA device")
+    measured = measure(args.tokens, args.repeats, profile=args.profile, sweep=args.sweep)
+    print_report(measured)
+    path = write_results("gpu_tier", {key: value for key, value in measured.items() if key != "rows"})
     print(f"wrote {path}")
 
 

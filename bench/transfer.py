@@ -32,6 +32,10 @@ direction, in one run:
   synchronisation), so each call's host work overlaps the previous call's copies.
 - both directions at once: a gather and a scatter on two streams (disjoint blocks).
 - interference: a stream of bf16 8192³ products beside each variant (`interference`).
+- GPU tier (`bench/gpu_tier.py`, after the layouts; `--no-gpu-tier` leaves it out): a daemon
+  with both tiers, the same 8k tokens loaded by `client.load` from its GPU tier vs from its CPU
+  tier vs a device-to-device copy of the same bytes, timed in turn in one run; its table and
+  its acceptance checks are printed after the others and kept under "gpu_tier" in the JSON.
 
 `--sweep` instead measures kernel shapes (bytes per load, segments per step, warps,
 programs, cache hints) and the copy-engine paths' issue cost, for choosing the defaults.
@@ -60,6 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.*` when run as a script
 
+from bench import gpu_tier  # noqa: E402
 from bench.common import print_table, write_results  # noqa: E402
 from bench.interference import MatmulStream  # noqa: E402
 from bench.transfer_cases import (  # noqa: E402
@@ -660,6 +665,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", help="only these one-way variants (default: all)")
     parser.add_argument("--pairs", nargs="+", help="only these both-ways variants (default: all)")
     parser.add_argument("--name", default="transfer", help="results file name (bench/results/NAME.json)")
+    parser.add_argument(
+        "--gpu-tier",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also load from a daemon's GPU tier vs its CPU tier vs a d2d copy (bench/gpu_tier.py)",
+    )
+    parser.add_argument("--gpu-tier-repeats", type=int, default=20, help="timed rounds of the GPU-tier rows")
     return parser.parse_args(argv)
 
 
@@ -691,6 +703,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         result = run_full(args, log)
+        if args.gpu_tier:
+            gc.collect()
+            torch.cuda.empty_cache()  # the layouts' buffers: the daemon allocates its pool next
+            try:
+                result["gpu_tier"] = gpu_tier.measure(args.tokens, args.gpu_tier_repeats)
+            except Exception:
+                log.append(f"gpu_tier: {traceback.format_exc()}")
         path = write_results(args.name, {"config": vars(args), "environment": env, **result, "errors": log})
         table, pair_table, accept = summarize(result)
         print(
@@ -705,6 +724,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         print()
         print_table(["acceptance", "value", "limit", "holds"], accept)
+        if "gpu_tier" in result:
+            print()
+            gpu_tier.print_report(result["gpu_tier"])
     if log:
         print(f"\n{len(log)} measurements failed; tracebacks in {path}", file=sys.stderr)
     print(path)
