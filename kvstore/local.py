@@ -9,8 +9,12 @@ same protobuf messages to the same handlers:
     reply:    u32 length                 | u8 status (grpc.StatusCode value)  | reply message, or
                                                                                  the error text (UTF-8)
 
-The socket is guarded by its file mode, like the gRPC socket; page bytes never
-travel here (they go through the arena).
+Replies come in the order of the requests, so a client may send a request without
+reading its reply (it reads it with the next one's). The daemon answers each frame in
+the event loop's read callback (an asyncio Protocol, no coroutine per frame); only a
+handler that must wait (an Acquire of pages coming from disk) holds the frames behind it.
+A frame over 16 MiB is refused and its connection closed. The socket is guarded by its
+file mode, like the gRPC socket; page bytes never travel here (they go through the arena).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import asyncio
 import inspect
 import logging
 import struct
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -45,22 +51,23 @@ class LocalChannelServer:
         self.handlers = handlers
         self.path = path
         self._server: asyncio.Server | None = None
-        self._sessions: set[asyncio.StreamWriter] = set()
+        self._sessions: set[_Session] = set()
 
     async def start(self, mode: int) -> None:
         self.path.unlink(missing_ok=True)
-        self._server = await asyncio.start_unix_server(self._session, path=str(self.path))
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Session(self), path=str(self.path))
         self.path.chmod(mode)
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
-        for writer in list(self._sessions):
-            writer.close()
+        for session in list(self._sessions):
+            session.close()
         self.path.unlink(missing_ok=True)
 
-    async def call(self, method: int, payload: bytes) -> bytes:
-        """One request frame's reply frame; every outcome is a frame, never an exception."""
+    def respond(self, method: int, payload: bytes) -> bytes | Awaitable[bytes]:
+        """The reply frame, or an awaitable of it where the handler must wait (Acquire)."""
         if method >= len(METHOD_NAMES):
             return frame(_INVALID_ARGUMENT, f"unknown local-channel method {method}".encode())
         name = METHOD_NAMES[method]
@@ -73,36 +80,96 @@ class LocalChannelServer:
             )
         try:
             reply = getattr(self.handlers, name)(request)
-            if inspect.isawaitable(reply):
-                reply = await reply
         except Exception as exc:
-            status = status_of(exc)
-            if status is None:
-                log.error("internal error in %s", name, exc_info=exc)
-                return frame(
-                    _INTERNAL, f"internal error in kvstored: {exc!r} (see the daemon's log)".encode()
-                )
-            code, message = status
-            return frame(code.value[0], message.encode())
+            return _error_frame(name, exc)
+        if inspect.isawaitable(reply):
+            return _later(name, reply)
         return frame(_OK, reply.SerializeToString())
 
-    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._sessions.add(writer)
+
+def _error_frame(name: str, exc: Exception) -> bytes:
+    status = status_of(exc)
+    if status is None:
+        log.error("internal error in %s", name, exc_info=exc)
+        return frame(_INTERNAL, f"internal error in kvstored: {exc!r} (see the daemon's log)".encode())
+    code, message = status
+    return frame(code.value[0], message.encode())
+
+
+async def _later(name: str, pending: Awaitable[Any]) -> bytes:
+    try:
+        reply = await pending
+    except Exception as exc:
+        return _error_frame(name, exc)
+    return frame(_OK, reply.SerializeToString())
+
+
+class _Session(asyncio.Protocol):
+    """One worker's connection: frames answered in order, on the event loop's callbacks.
+
+    A call whose handler answers at once (all but an Acquire that waits for pages) is answered
+    inside `data_received`, with no task or stream coroutine per frame: the channel exists to
+    make these calls cheap. A call that must wait holds the frames behind it until it is answered.
+    """
+
+    def __init__(self, server: LocalChannelServer) -> None:
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._waiting: asyncio.Task[None] | None = None  # a reply being awaited: later frames queue
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._server._sessions.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server._sessions.discard(self)
+        self._transport = None
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    # A worker that sends without reading fills the socket: stop reading its requests until it reads.
+    def pause_writing(self) -> None:
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None:
+            self._transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if self._waiting is None:
+            self._answer()
+
+    def _answer(self) -> None:
+        buffer = self._buffer
+        while self._transport is not None and len(buffer) >= HEADER.size:
+            length, method = HEADER.unpack_from(buffer)
+            if length > MAX_FRAME_BYTES:
+                self._transport.write(
+                    frame(_INVALID_ARGUMENT, f"frame of {length} bytes is too large".encode())
+                )
+                self._transport.close()
+                return
+            end = HEADER.size + length
+            if len(buffer) < end:
+                return
+            payload = bytes(buffer[HEADER.size : end])
+            del buffer[:end]
+            reply = self._server.respond(method, payload)
+            if not isinstance(reply, bytes):
+                self._waiting = asyncio.ensure_future(self._send_later(reply))
+                return
+            self._transport.write(reply)
+
+    async def _send_later(self, pending: Awaitable[bytes]) -> None:
         try:
-            while True:
-                try:
-                    header = await reader.readexactly(HEADER.size)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                length, method = HEADER.unpack(header)
-                if length > MAX_FRAME_BYTES:
-                    writer.write(frame(_INVALID_ARGUMENT, f"frame of {length} bytes is too large".encode()))
-                    return
-                payload = await reader.readexactly(length)
-                writer.write(await self.call(method, payload))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return
+            reply = await pending
+            if self._transport is not None:
+                self._transport.write(reply)
         finally:
-            self._sessions.discard(writer)
-            writer.close()
+            self._waiting = None
+        self._answer()

@@ -6,13 +6,17 @@ import socket
 import stat
 import struct
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import pack_keys
+from kvstore.local import METHOD_NAMES
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.tiers import Tier
 from kvstore_client import KVSpec, KVStoreClient
 from kvstore_client.local import LocalChannel
 from tests.conftest import Daemon, start_daemon
@@ -103,3 +107,84 @@ def test_a_restarted_daemon_is_found_again(tmp_path, daemon_factory: Callable[..
             assert second.stop() == 0
     finally:
         client.close()
+
+
+def frame_of(method: str, request: Any) -> bytes:
+    payload = request.SerializeToString()
+    return struct.pack("<IB", len(payload), METHOD_NAMES.index(method)) + payload
+
+
+def read_reply(sock: socket.socket) -> tuple[int, bytes]:
+    length, status = struct.unpack("<IB", sock.recv(5, socket.MSG_WAITALL))
+    return status, sock.recv(length, socket.MSG_WAITALL)
+
+
+def test_frames_sent_together_or_split_are_answered_in_order(
+    tmp_path: Path, daemon_factory: Callable[..., Daemon]
+) -> None:
+    """Several frames in one write, and frames cut into single bytes, get their replies in order,
+    also behind an Acquire that waits for pages coming back from disk."""
+    daemon = daemon_factory(
+        chunk_tokens=16,
+        tiers__cpu__bytes="400KiB",  # 50 pages of 8 KiB
+        tiers__cpu__slab_bytes="400KiB",
+        tiers__disk__enabled=True,
+        tiers__disk__path=str(tmp_path / "disk"),
+        tiers__disk__bytes="64MiB",
+    )
+    spec = KVSpec(
+        model="local-order", num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, block_size=16
+    )
+    prompts = [[i * 1000 + t for t in range(160)] for i in range(10)]
+    with KVStoreClient.connect(daemon.address, spec) as client:
+        for prompt in prompts:  # 100 pages through a 50-page CPU tier: the first prompts go to disk
+            cache = [torch.randn(2, 10, 16, 2, 32).half() for _ in range(2)]
+            assert client.store(prompt, cache, torch.arange(10)) == 10
+        namespace, keys = client.namespace, pack_keys(client.keys(prompts[0]))
+        assert client.stats()["counters"]["demoted_chunks"] >= 10
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(local_path(daemon))
+        connect = pb.ConnectRequest(
+            spec=pb.PageSpec(
+                model="local-order",
+                num_layers=2,
+                num_kv_heads=2,
+                head_dim=32,
+                dtype="float16",
+                chunk_tokens=16,
+            )
+        )
+        unknown = pb.LookupRequest(namespace=b"\1" * 16, keys=pack_keys([b"k" * 16]))
+        sock.sendall(
+            frame_of("Connect", connect) + frame_of("Lookup", unknown) + frame_of("Stats", pb.StatsRequest())
+        )
+        status, body = read_reply(sock)
+        assert status == 0 and pb.ConnectResponse.FromString(body).namespace == namespace
+        assert read_reply(sock)[0] == 5  # NOT_FOUND: that namespace never connected
+        assert read_reply(sock)[0] == 0
+        for byte in frame_of("Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease=True)):
+            sock.send(bytes([byte]))
+        status, body = read_reply(sock)
+        found = pb.LookupResponse.FromString(body)
+        assert status == 0 and found.hit_chunks == 10 and bytes(found.tiers) == bytes([Tier.DISK]) * 10
+        lease = pb.LeaseRequest(namespace=namespace, lease_id=found.lease_id)
+        sock.sendall(
+            frame_of("Acquire", lease) + frame_of("Stats", pb.StatsRequest()) + frame_of("Release", lease)
+        )
+        status, body = read_reply(sock)
+        assert status == 0 and pb.AcquireResponse.FromString(body).ready_chunks == 10
+        status, body = read_reply(sock)
+        assert status == 0 and pb.StatsResponse.FromString(body).counters["active_leases"] == 1
+        status, body = read_reply(sock)
+        assert status == 0 and pb.LeaseResponse.FromString(body).pages == 10
+
+
+def test_a_frame_over_the_limit_is_refused_and_the_connection_closed(daemon: Daemon) -> None:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(local_path(daemon))
+        sock.sendall(struct.pack("<IB", (16 << 20) + 1, 1))
+        status, body = read_reply(sock)
+        assert (status, body) == (3, f"frame of {(16 << 20) + 1} bytes is too large".encode())
+        assert sock.recv(1) == b""  # closed by the daemon
