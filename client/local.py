@@ -20,6 +20,7 @@ from kvstore.local import HEADER, METHOD_NAMES
 log = logging.getLogger(__name__)
 
 _METHOD_IDS = {name: i for i, name in enumerate(METHOD_NAMES)}
+RECV_BYTES = 1 << 16
 
 
 class LocalChannel:
@@ -30,6 +31,7 @@ class LocalChannel:
         self._sock.connect(path)
         self._lock = threading.Lock()
         self._unread: list[str] = []  # methods sent without waiting whose replies are still unread
+        self._buffer = bytearray()  # received bytes not yet taken as a reply
 
     def call(self, method: str, request: Any) -> Any:
         payload = request.SerializeToString()
@@ -69,17 +71,23 @@ class LocalChannel:
         self._unread.clear()
 
     def _reply(self) -> tuple[int, bytes]:
-        length, status = HEADER.unpack(self._recv(HEADER.size))
-        return status, self._recv(length)
+        """The next reply frame: (status, body). One recv usually brings a whole reply."""
+        buffer = self._buffer
+        while len(buffer) < HEADER.size:
+            self._fill()
+        length, status = HEADER.unpack_from(buffer)
+        end = HEADER.size + length
+        while len(buffer) < end:
+            self._fill()
+        body = bytes(buffer[HEADER.size : end])
+        del buffer[:end]
+        return status, body
 
-    def _recv(self, size: int) -> bytes:
-        data = bytearray()
-        while len(data) < size:
-            part = self._sock.recv(size - len(data))
-            if not part:
-                raise ConnectionError("connection closed")
-            data += part
-        return bytes(data)
+    def _fill(self) -> None:
+        part = self._sock.recv(RECV_BYTES)
+        if not part:
+            raise ConnectionError("connection closed")
+        self._buffer += part
 
     def close(self) -> None:
         self._sock.close()
