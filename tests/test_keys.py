@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -87,10 +88,9 @@ def test_namespace_changes_with_every_page_field() -> None:
 
 
 def test_engine_layout_does_not_change_the_namespace() -> None:
-    common = dict(model="m", num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.float16, chunk_tokens=32)
-    flash = KVSpec(**common, layout="flash_attn", block_size=16)
-    infer = KVSpec(**common, layout="flashinfer", block_size=32)
-    cross = KVSpec(**common, layout="cross_layer", block_size=8)
+    flash = KVSpec("m", 4, 2, 8, torch.float16, chunk_tokens=32, layout="flash_attn", block_size=16)
+    infer = replace(flash, layout="flashinfer", block_size=32)
+    cross = replace(flash, layout="cross_layer", block_size=8)
     assert flash.page.namespace() == infer.page.namespace() == cross.page.namespace()
 
 
@@ -117,7 +117,7 @@ def test_page_geometry() -> None:
         ({"latent": True}, "num_kv_heads"),
     ],
 )
-def test_bad_page_specs(fields: dict[str, object], message: str) -> None:
+def test_bad_page_specs(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         replace(LLAMA_8B, **fields)
 

@@ -14,7 +14,7 @@ from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from kvstore.keys import chunk_keys
 from kvstore.policy import make_policy
 from kvstore.spec import PageSpec
-from kvstore.store import Store
+from kvstore.store import AcquireResult, Store
 from kvstore.tiers.cpu import Arena, CpuTier
 
 SPEC = PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
@@ -57,13 +57,20 @@ def store_chain(store: Store, tokens: list[int]) -> list[bytes]:
     return keys
 
 
+def acquired(store: Store, ns: bytes, lease_id: int) -> AcquireResult:
+    """Acquire of a lease whose pages are all in memory: answered at once (no disk tier here)."""
+    result = store.acquire(ns, lease_id)
+    assert isinstance(result, AcquireResult)
+    return result
+
+
 def load_chain(store: Store, keys: list[bytes]) -> list[bytes]:
     """Bytes of the stored prefix of `keys`, read under a lease."""
     ns = SPEC.namespace()
     hit = store.lookup(ns, keys, lease=True)
     if not hit.lease_id:
         return []
-    offsets = store.acquire(ns, hit.lease_id).offsets
+    offsets = acquired(store, ns, hit.lease_id).offsets
     data = [bytes(store.cpu.read(o, PAGE)) for o in offsets]
     store.release(ns, hit.lease_id)
     return data
@@ -195,7 +202,7 @@ def test_clear_waits_for_pinned_pages(tmp_path: Path, clock: Clock) -> None:
     lease = store.lookup(ns, keys, lease=True).lease_id
     assert store.clear() == 4
     assert store.lookup(ns, keys).hit_chunks == 0
-    offsets = store.acquire(ns, lease).offsets
+    offsets = acquired(store, ns, lease).offsets
     assert [bytes(store.cpu.read(o, PAGE)) for o in offsets] == [page_bytes(k) for k in keys]
     assert store.cpu.bytes_used == 4 * PAGE
     store.release(ns, lease)
