@@ -263,10 +263,37 @@ class GpuTierConfig:
 
 
 @dataclass(frozen=True)
+class RemoteTierConfig:
+    """Page records in Redis or Valkey, shared by the daemons of many hosts (`tiers/remote.py`)."""
+
+    enabled: bool = False
+    url: str = _setting("redis://127.0.0.1:6379/0", non_empty=True)  # redis://, rediss:// or unix://
+    key_prefix: str = "kvstore:"  # records are <key_prefix><namespace hex>:<key hex>
+    write: str = _setting("through", choices=("through", "behind"))  # every commit, or at CPU eviction
+    codec: str = _setting("none", choices=("lz4", "none"))
+    threads: int = _setting(4, gt=0, le=64)  # workers that write and read records
+    queue_bytes: Size = _setting(256 * MiB, gt=0)  # pages waiting to be written; past it, new ones drop
+    timeout_s: float = _setting(2.0, gt=0, le=60)  # a worker's read or write
+    lookup_timeout_s: float = _setting(0.05, gt=0, le=5)  # the existence check a Lookup makes
+    retry_s: float = _setting(5.0, gt=0)  # after a failure the tier is skipped (misses) this long
+    ttl_s: float = _setting(0.0, ge=0)  # records expire after this (0: never; the server's maxmemory evicts)
+
+    def validate(self, path: str) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                _join(path, "url"), f"expected a redis://, rediss:// or unix:// URL, got {self.url!r}"
+            )
+        if self.ttl_s and self.ttl_s < 1:
+            expected = "expected 0 (no expiry) or at least 1 s"
+            raise ConfigError(_join(path, "ttl_s"), f"{expected}, got {self.ttl_s}")
+
+
+@dataclass(frozen=True)
 class TiersConfig:
     gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
     cpu: CpuTierConfig = field(default_factory=CpuTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
 
 
 @dataclass(frozen=True)

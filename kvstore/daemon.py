@@ -33,6 +33,7 @@ from kvstore.store import Store
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.remote import RemoteTier, start_remote
 
 log = logging.getLogger("kvstored")
 
@@ -81,6 +82,7 @@ async def serve(config: Config) -> None:
     arena = None
     disk: DiskTier | None = None
     gpu: GpuTier | None = None
+    remote: RemoteTier | None = None
     local: LocalChannelServer | None = None
     try:
         cpu_config = config.tiers.cpu
@@ -94,6 +96,8 @@ async def serve(config: Config) -> None:
             disk = DiskTier(config.tiers.disk)
             records = await asyncio.to_thread(disk.recover, progress_reporter("recovering the disk tier"))
             log.info("disk tier %s: %d pages recovered", config.tiers.disk.path, len(records))
+        if config.tiers.remote.enabled:
+            remote = await asyncio.to_thread(start_remote, config.tiers.remote)
         gpu_config = config.tiers.gpu
         if gpu_config.enabled:
             gpu = await asyncio.to_thread(GpuTier.start, gpu_config, arena)
@@ -108,6 +112,7 @@ async def serve(config: Config) -> None:
             gpu=gpu,
             gpu_policy=make_policy(config.eviction.policy),
             promote_after_hits=gpu_config.promote_after_hits,
+            remote=remote,
         )
         local_path = config.server.local_socket_path if config.server.local_channel else None
         handlers = Handlers(
@@ -158,6 +163,8 @@ async def serve(config: Config) -> None:
             await asyncio.to_thread(gpu.close)
         if disk is not None:
             await asyncio.to_thread(disk.close)
+        if remote is not None:
+            await asyncio.to_thread(remote.close, config.server.grace_s)
         if arena is not None:
             arena.close(unlink=True)
         claim.release()

@@ -48,11 +48,13 @@ if TYPE_CHECKING:
     from kvstore.gpu_placement import GpuPlacement
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.gpu import GpuTier
+    from kvstore.tiers.remote import RemoteTier
 
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_NAMESPACES = 4096
 _CPU = bytes([Tier.CPU])
 _DISK = bytes([Tier.DISK])
+_REMOTE = bytes([Tier.REMOTE])
 PROMOTION_TIMEOUT_S = 10.0
 
 
@@ -72,6 +74,7 @@ class Entry:
         "gpu_pending",
         "on_gpu",
         "hits",
+        "source",
     )
 
     def __init__(self, namespace: Namespace, key: bytes, offset: int) -> None:
@@ -89,6 +92,7 @@ class Entry:
         self.gpu_pending = False  # its GPU slot is being filled from the arena
         self.on_gpu = False  # it belongs to the GPU tier (its arena copy goes once nobody reads it)
         self.hits = 0  # leased hits while in the CPU tier, towards promote_after_hits
+        self.source = Tier.CPU  # while its arena slot is filled (`loaded`): the tier it comes from
 
     @property
     def cpu_ready(self) -> bool:
@@ -179,9 +183,11 @@ class Store:
         gpu: GpuTier | None = None,
         gpu_policy: EvictionPolicy | None = None,
         promote_after_hits: int = 2,
+        remote: RemoteTier | None = None,
     ) -> None:
         self.cpu = cpu
         self.disk = disk
+        self.remote = remote
         self.policy = policy
         self.lease_ttl_s = lease_ttl_s
         self.max_lease_ttl_s = max_lease_ttl_s
@@ -300,10 +306,23 @@ class Store:
                 on_disk.append(key)
             else:
                 break
-        if on_disk and lease and disk is not None:
-            self._promote(disk, ns, on_disk, hits)
-            on_disk = []  # promoted ones joined `hits`; the rest are no longer part of the answer
-        found = len(hits) + len(on_disk)
+        on_remote: list[bytes] = []  # keys past those found with a record in the remote tier, in order
+        remote = self.remote
+        past = len(hits) + len(on_disk)
+        if remote is not None and past < len(keys):
+            tail: list[bytes] = []  # up to a key this daemon knows (being stored, or being read in)
+            for key in keys[past:]:
+                if key in ns.entries:
+                    break
+                tail.append(key)
+            on_remote = tail[: remote.present(ns.id, tail)]
+        if lease and (on_disk or on_remote):
+            if disk is not None and on_disk:
+                self._promote(disk, Tier.DISK, ns, on_disk, hits)
+            if remote is not None and on_remote and len(hits) == past:  # the disk part all joined
+                self._promote(remote, Tier.REMOTE, ns, on_remote, hits)
+            on_disk, on_remote = [], []  # promoted ones joined `hits`; the rest are no longer in the answer
+        found = len(hits) + len(on_disk) + len(on_remote)
         self.counters["lookups"] += 1
         self.counters["hit_chunks"] += found
         self.counters["missed_chunks"] += len(keys) - found
@@ -311,7 +330,7 @@ class Store:
             self._tell("hit", self._policy_pages([e for e in hits if e.committed]))
             if disk is not None and found:
                 disk.touch(ns.id, keys[:found])
-        tiers = bytes(_tier(e) for e in hits) + _DISK * len(on_disk)
+        tiers = bytes(_tier(e) for e in hits) + _DISK * len(on_disk) + _REMOTE * len(on_remote)
         lease_id = 0
         placement = self.gpu_placement
         if lease and hits and placement is not None:
@@ -326,8 +345,11 @@ class Store:
                 placement.hit(hits)
         return LookupResult(found, tiers, lease_id)
 
-    def _promote(self, disk: DiskTier, ns: Namespace, keys: list[bytes], hits: list[Entry]) -> None:
-        """Starts reading `keys` from disk into new CPU slots; they join `hits`, the lease's pages.
+    def _promote(
+        self, source: DiskTier | RemoteTier, tier: Tier, ns: Namespace, keys: list[bytes], hits: list[Entry]
+    ) -> None:
+        """Starts reading `keys` from the disk or remote tier into new CPU slots; they join `hits`,
+        the lease's pages.
 
         Without room for all of them (everything else pinned) none is promoted: the lease covers
         the CPU-resident prefix only. A page that cannot be read ends the prefix at Acquire.
@@ -343,13 +365,14 @@ class Store:
         for key in keys:
             entry = Entry(ns, key, self.cpu.slots.alloc(page_bytes))
             entry.loaded = loop.create_future()
+            entry.source = tier
             ns.entries[key] = entry
 
             def done(page: object, entry: Entry = entry) -> None:
                 loop.call_soon_threadsafe(self._promoted, entry, page is not None)
 
-            if not disk.submit_read(ns.id, key, done, into=self.cpu.read(entry.offset, page_bytes)):
-                self._promoted(entry, False)  # gone from disk meanwhile: the prefix ends before it
+            if not source.submit_read(ns.id, key, done, into=self.cpu.read(entry.offset, page_bytes)):
+                self._promoted(entry, False)  # gone meanwhile: the prefix ends before it
                 break
             protected.append(entry)
         self.counters["promotions_started"] += len(keys)
@@ -510,10 +533,11 @@ class Store:
         ns.pages += len(lease.entries)
         self._tell("stored", self._policy_pages(self._link(ns, lease.keys)))
         self.counters["stored_chunks"] += len(lease.entries)
-        if self.disk is not None and self.disk.write_through:
-            for entry in lease.entries:
-                page = bytes(self.cpu.read(entry.offset, ns.spec.page_bytes))
-                self.disk.submit_write(ns_id, entry.key, page)
+        through = [tier for tier in (self.disk, self.remote) if tier is not None and tier.write_through]
+        for entry in lease.entries if through else ():
+            page = bytes(self.cpu.read(entry.offset, ns.spec.page_bytes))
+            for tier in through:
+                tier.submit_write(ns_id, entry.key, page)
         return len(lease.entries)
 
     def abort(self, ns_id: bytes, lease_id: int) -> int:
@@ -613,12 +637,20 @@ class Store:
         return placement.policy if placement is not None and entry.on_gpu else self.policy
 
     def _demote(self, entry: Entry) -> None:
-        """Hands an evicted page to the disk tier (written behind; dropped, counted, if it lags)."""
-        disk, ns = self.disk, entry.namespace
-        if disk is None or not entry.committed or disk.contains(ns.id, entry.key):
+        """Hands an evicted page to the disk tier, and to the remote tier if it writes behind
+        (written behind; dropped, counted, if they lag)."""
+        disk, remote, ns = self.disk, self.remote, entry.namespace
+        if not entry.committed:
             return
-        if disk.submit_write(ns.id, entry.key, bytes(self.cpu.read(entry.offset, ns.spec.page_bytes))):
+        to_disk = disk is not None and not disk.contains(ns.id, entry.key)
+        to_remote = remote is not None and not remote.write_through
+        if not (to_disk or to_remote):
+            return
+        page = bytes(self.cpu.read(entry.offset, ns.spec.page_bytes))
+        if to_disk and disk is not None and disk.submit_write(ns.id, entry.key, page):
             self.counters["demoted_chunks"] += 1
+        if to_remote and remote is not None and remote.submit_write(ns.id, entry.key, page):
+            self.counters["demoted_remote_chunks"] += 1
 
     # -- pins ---------------------------------------------------------------
 
@@ -686,6 +718,8 @@ class Store:
                 cleared += 1
         if self.disk is not None:
             cleared += self.disk.clear(ns_id)
+        if self.remote is not None:
+            self.remote.clear(ns_id)  # on a worker: the remote tier's records are not counted
 
         self.counters["cleared_chunks"] += cleared
         return cleared
@@ -704,6 +738,9 @@ class Store:
                     "disk", int(disk["bytes_used"]), int(disk["bytes_capacity"]), int(disk["pages"]), disk
                 )
             )
+        if self.remote is not None:
+            used, capacity, keys = self.remote.server_usage()
+            tiers.append(TierUsage("remote", used, capacity, keys, self.remote.stats()))
         namespaces = [
             NamespaceUsage(ns.id, ns.spec.model, ns.pages, ns.spec.page_bytes)
             for ns in self.namespaces.values()
@@ -720,10 +757,11 @@ class Store:
 
 
 def _tier(entry: Entry) -> Tier:
-    """Where a hit is read from: the GPU tier, the arena, or the disk (being read into the arena)."""
+    """Where a hit is read from: the GPU tier, the arena, or the disk or remote tier (being read
+    into the arena)."""
     if entry.gpu_ready:
         return Tier.GPU
-    return Tier.CPU if entry.committed else Tier.DISK
+    return Tier.CPU if entry.committed else entry.source
 
 
 def _pending(lease: Lease) -> list[asyncio.Future[bool]]:

@@ -138,3 +138,70 @@ def python_env() -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env
+
+
+class RedisServer:
+    """A real redis-server (or valkey-server) on a unix socket of its own, no persistence."""
+
+    def __init__(self, executable: str, directory: Path) -> None:
+        self.executable = executable
+        self.directory = directory
+        self.socket_path = directory / "redis.sock"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                self.executable,
+                "--port", "0",
+                "--unixsocket", str(self.socket_path),
+                "--unixsocketperm", "700",
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self.directory),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            try:
+                if self.client().ping():
+                    return
+            except Exception:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.executable} did not start on {self.socket_path}") from None
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def client(self) -> Any:
+        import redis
+
+        return redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=5)
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    import shutil
+    import tempfile
+
+    executable = shutil.which("redis-server") or shutil.which("valkey-server")
+    if executable is None:
+        pytest.skip(
+            "needs redis-server or valkey-server on PATH (apt-get install redis-server; .ci/run does)"
+        )
+    with tempfile.TemporaryDirectory(prefix="kvstore-redis-") as directory:
+        server = RedisServer(executable, Path(directory))
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()

@@ -1,0 +1,326 @@
+"""Remote tier: page records in Redis or Valkey, shared by every daemon pointed at it.
+
+One daemon per host keeps its CPU (and disk) tier; the remote tier is what lets a host
+reuse a prefix that another host computed. A page is stored as a record (`records`:
+header with namespace, key, codec, lengths and xxh3 checksums, then the payload) under
+the key `<key_prefix><namespace hex>:<chunk key hex>`. A record that does not check out
+(wrong namespace or key, a checksum that fails) is a miss, never data, and is deleted.
+
+- `present(namespace, keys) -> int`: how many leading keys have a record (one pipelined
+  round trip, `lookup_timeout_s`). It runs on the daemon's event loop during a Lookup, so
+  it is bounded: a failing or slow server makes the tier `down` for `retry_s` (a warning
+  once per outage, `errors` in stats), and a down tier answers 0 at once.
+- `submit_write(namespace, key, page) -> bool`: queued for a worker, which skips a key
+  already stored (records are content-addressed: same key, same bytes) and writes the
+  record with SET NX (and EX `ttl_s` when set). False, counted in `dropped_writes`, when
+  the tier is down or `queue_bytes` are already waiting.
+- `submit_read(namespace, key, done, into) -> bool`: a worker GETs and checks the record,
+  copies the page into `into` (an arena slot) and calls `done(page)`, or `done(None)` for
+  a missing, unreadable or corrupt one. False when the tier is down.
+- `clear(namespace)`: deletes the namespace's records (SCAN + DEL), on a worker.
+- `stats()`, `server_usage()` (the server's memory and key count, for `kvctl stats`),
+  `close(timeout_s)`: close lets queued writes finish for up to `timeout_s`, then drops
+  the rest (counted).
+
+Eviction in the remote tier is the server's: run it with a `maxmemory` and an
+`allkeys-lru` (or `-lfu`) policy, or set `ttl_s`. The Python client (`redis`) is imported
+only when the tier is enabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvstore.codec import CODECS, Buffer, compress
+from kvstore.config import ConfigError, RemoteTierConfig
+from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, pack_header, unpack_header
+
+log = logging.getLogger(__name__)
+
+ReadDone = Callable[[Buffer | None], None]
+WriteDone = Callable[[bool], None]
+
+
+def start_remote(config: RemoteTierConfig) -> RemoteTier:
+    """The tier, after one PING: a server that does not answer is logged, and tried again later."""
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "tiers.remote.enabled", "the remote tier needs the Python package redis (pip install redis)"
+        ) from None
+    tier = RemoteTier(config)
+    try:
+        tier._redis.ping()
+    except tier._errors as exc:
+        tier._failed("the first PING", exc)
+    else:
+        log.info("remote tier %s: reachable (records under %r)", config.url, config.key_prefix)
+    return tier
+
+
+class RemoteTier:
+    name = "remote"
+
+    def __init__(self, config: RemoteTierConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        import redis
+
+        self.config = config
+        self.write_through = config.write == "through"
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        common: dict[str, Any] = dict(socket_connect_timeout=config.timeout_s, health_check_interval=0)
+        self._redis = redis.Redis.from_url(config.url, socket_timeout=config.timeout_s, **common)
+        # The event loop's own connection, with the tighter deadline of a Lookup.
+        self._lookup = redis.Redis.from_url(config.url, socket_timeout=config.lookup_timeout_s, **common)
+        self._codec = CODECS[config.codec]
+        self._clock = clock
+        self._workers = ThreadPoolExecutor(config.threads, thread_name_prefix="kvstore-remote")
+        self._lock = threading.Lock()
+        self._queued_bytes = 0
+        self._pending = 0  # jobs submitted and not finished
+        self._idle = threading.Condition(self._lock)
+        self._down_until = 0.0
+        self._closed = False
+        self._deadline = float("inf")  # close(): queued writes past this are dropped
+        self.counters: Counter[str] = Counter()
+
+    # -- keys ---------------------------------------------------------------
+
+    def record_key(self, namespace: bytes, key: bytes) -> bytes:
+        return f"{self.config.key_prefix}{namespace.hex()}:{key.hex()}".encode()
+
+    # -- the store's calls --------------------------------------------------
+
+    @property
+    def up(self) -> bool:
+        return not self._closed and self._clock() >= self._down_until
+
+    def present(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` have a record; 0 while the tier is down."""
+        if not keys or not self.up:
+            return 0
+        self._count("lookups")
+        try:
+            pipe = self._lookup.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.record_key(namespace, key))
+            answers = pipe.execute()
+        except self._errors as exc:
+            self._failed("a lookup", exc)
+            return 0
+        found = 0
+        for answer in answers:
+            if not answer:
+                break
+            found += 1
+        self._count("lookup_hits", found)
+        return found
+
+    def submit_write(self, namespace: bytes, key: bytes, page: bytes, done: WriteDone | None = None) -> bool:
+        size = len(page)
+        with self._lock:
+            if not self.up or self._queued_bytes + size > self.config.queue_bytes:
+                self.counters["dropped_writes"] += 1
+                return False
+            self._queued_bytes += size
+            self._pending += 1
+        self._workers.submit(self._job, self._write, namespace, key, page, done)
+        return True
+
+    def submit_read(
+        self, namespace: bytes, key: bytes, done: ReadDone, into: memoryview | None = None
+    ) -> bool:
+        with self._lock:
+            if not self.up:
+                self.counters["read_misses"] += 1
+                return False
+            self._pending += 1
+            self.counters["reads"] += 1
+        self._workers.submit(self._job, self._read, namespace, key, done, into)
+        return True
+
+    def clear(self, namespace: bytes | None = None) -> int:
+        """Deletes the records of `namespace` (all of this prefix when None) on a worker; returns 0
+        (the count is not known before the scan)."""
+        with self._lock:
+            if not self.up:
+                return 0
+            self._pending += 1
+        self._workers.submit(self._job, self._clear, namespace)
+        return 0
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    # -- workers ------------------------------------------------------------
+
+    def _job(self, work: Callable[..., None], *args: Any) -> None:
+        try:
+            work(*args)
+        except Exception:  # a bug must not take a worker away
+            self._count("errors")
+            log.exception("remote tier: a worker job failed")
+        finally:
+            with self._lock:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def _write(self, namespace: bytes, key: bytes, page: bytes, done: WriteDone | None) -> None:
+        ok = False
+        try:
+            if self._closed and self._clock() > self._deadline:
+                self._count("dropped_writes")
+                return
+            name = self.record_key(namespace, key)
+            codec, payload = compress(self._codec, page)
+            try:
+                if self._redis.exists(name):
+                    self._count("duplicate_writes")
+                    ok = True
+                    return
+                record = pack_header(namespace, key, codec, len(page), payload) + bytes(payload)
+                ttl = self.config.ttl_s
+                self._redis.set(name, record, nx=True, ex=int(ttl) if ttl else None)
+            except self._errors as exc:
+                self._failed("a write", exc)
+                return
+            ok = True
+            with self._lock:
+                self.counters["written"] += 1
+                self.counters["written_bytes"] += len(record)
+        finally:
+            with self._lock:
+                self._queued_bytes -= len(page)
+            if done is not None:
+                done(ok)
+
+    def _read(self, namespace: bytes, key: bytes, done: ReadDone, into: memoryview | None) -> None:
+        page: Buffer | None = None
+        try:
+            page = self._fetch(namespace, key)
+            if page is not None and into is not None:
+                if len(page) != len(into):
+                    self._count("corrupted_records")
+                    log.warning(
+                        "remote tier: record %s holds a %d-byte page, expected %d; dropped",
+                        self.record_key(namespace, key).decode(),
+                        len(page),
+                        len(into),
+                    )
+                    page = None
+                else:
+                    into[:] = page
+                    page = into
+        finally:
+            self._count("read_misses" if page is None else "promotions")
+            done(page)
+
+    def _fetch(self, namespace: bytes, key: bytes) -> Buffer | None:
+        name = self.record_key(namespace, key)
+        try:
+            record = self._redis.get(name)
+        except self._errors as exc:
+            self._failed("a read", exc)
+            return None
+        if not isinstance(record, bytes):  # None: no record (replies are bytes: decode_responses is off)
+            return None
+        self._count("read_bytes", len(record))
+        try:
+            header = unpack_header(record)
+            if (header.namespace, header.key) != (namespace, key):
+                raise CorruptRecord("the header names another page")
+            return header.decode(memoryview(record)[HEADER_BYTES:])
+        except CorruptRecord as exc:
+            self._count("corrupted_records")
+            log.warning("remote tier: record %s is corrupt (%s); deleted, read as a miss", name.decode(), exc)
+            with contextlib.suppress(*self._errors):
+                self._redis.delete(name)
+            return None
+
+    def _clear(self, namespace: bytes | None) -> None:
+        pattern = f"{self.config.key_prefix}{namespace.hex() if namespace else ''}*"
+        try:
+            batch: list[bytes] = []
+            for name in self._redis.scan_iter(match=pattern, count=1000):
+                batch.append(name)
+                if len(batch) >= 1000:
+                    self._redis.delete(*batch)
+                    batch = []
+            if batch:
+                self._redis.delete(*batch)
+        except self._errors as exc:
+            self._failed("a clear", exc)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        with self._lock:
+            self.counters["errors"] += 1
+            was_up = self._clock() >= self._down_until
+            self._down_until = self._clock() + self.config.retry_s
+        if was_up:
+            log.warning(
+                "remote tier %s: %s failed (%s); its pages are misses for %.1f s, then it is tried again",
+                self.config.url,
+                what,
+                exc,
+                self.config.retry_s,
+            )
+
+    # -- figures and shutdown -----------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            figures: dict[str, float] = dict(self.counters)
+            figures.update(up=float(self.up), queue_bytes=self._queued_bytes, jobs=self._pending)
+        for name in (
+            "written",
+            "written_bytes",
+            "duplicate_writes",
+            "dropped_writes",
+            "reads",
+            "read_bytes",
+            "read_misses",
+            "promotions",
+            "corrupted_records",
+            "lookups",
+            "lookup_hits",
+            "errors",
+        ):
+            figures.setdefault(name, 0.0)
+        return figures
+
+    def server_usage(self) -> tuple[int, int, int]:
+        """The server's (used memory, maxmemory (0: no limit), keys in the database); zeros when
+        it cannot be asked. These count everything in that database, not only page records."""
+        if not self.up:
+            return 0, 0, 0
+        try:
+            pipe = self._lookup.pipeline(transaction=False)
+            pipe.info("memory")
+            pipe.dbsize()
+            memory, keys = pipe.execute()
+        except self._errors as exc:
+            self._failed("a stats query", exc)
+            return 0, 0, 0
+        return int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0)), int(keys)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no job is queued or running; False if `timeout_s` passed first."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Lets queued jobs finish for up to `timeout_s`; writes still queued after it are dropped."""
+        self._deadline = self._clock() + timeout_s
+        self.wait_idle(timeout_s)
+        self._closed = True
+        self._workers.shutdown(wait=True, cancel_futures=False)
+        self._redis.close()
+        self._lookup.close()

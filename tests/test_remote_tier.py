@@ -1,0 +1,331 @@
+"""The remote tier against a real redis-server: records written and read back byte for byte,
+corrupt records read as misses, an unreachable server as misses (never a hang), and two
+daemons sharing prefixes through one server."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.config import ConfigError, RemoteTierConfig, parse_config
+from kvstore.tiers import Tier
+from kvstore.tiers.records import HEADER_BYTES
+from kvstore.tiers.remote import RemoteTier
+from kvstore_client import KVSpec, KVStoreClient
+from tests.conftest import Daemon, RedisServer
+
+NS = bytes(range(16))
+OTHER_NS = bytes(range(1, 17))
+KIB = 1 << 10
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def page(i: int, size: int = 64 * KIB) -> bytes:
+    return random.Random(i).randbytes(size)
+
+
+@pytest.fixture
+def open_tier(redis_server: RedisServer) -> Iterator[Callable[..., RemoteTier]]:
+    opened: list[RemoteTier] = []
+
+    def open_(**overrides: Any) -> RemoteTier:
+        settings: dict[str, Any] = {"enabled": True, "url": redis_server.url} | overrides
+        tier = RemoteTier(RemoteTierConfig(**settings))
+        opened.append(tier)
+        return tier
+
+    yield open_
+    for tier in opened:
+        tier.close(timeout_s=5)
+
+
+def read(tier: RemoteTier, namespace: bytes, i: int, size: int = 64 * KIB) -> bytes | None:
+    """Reads page i into a poisoned buffer the size of a page; its bytes, or None for a miss."""
+    into = bytearray(b"\xa5" * size)
+    result: list[object] = []
+    finished = threading.Event()
+
+    def done(got: object) -> None:
+        result.append(got)
+        finished.set()
+
+    if not tier.submit_read(namespace, key(i), done, into=memoryview(into)):
+        return None
+    assert finished.wait(10)
+    return None if result[0] is None else bytes(into)
+
+
+def write(tier: RemoteTier, namespace: bytes, pages: dict[int, bytes]) -> None:
+    for i, data in pages.items():
+        assert tier.submit_write(namespace, key(i), data)
+    assert tier.wait_idle(10)
+
+
+def test_pages_round_trip_and_lookups_count_the_leading_run(open_tier: Callable[..., RemoteTier]) -> None:
+    tier = open_tier()
+    pages = {i: page(i) for i in range(8)}
+    write(tier, NS, pages)
+    assert all(read(tier, NS, i) == data for i, data in pages.items())
+    assert tier.present(NS, [key(i) for i in range(8)]) == 8
+    assert tier.present(NS, [key(0), key(1), key(99), key(2)]) == 2  # a chain ends at its first miss
+    assert tier.present(OTHER_NS, [key(0)]) == 0  # another namespace's pages are not this one's
+    assert read(tier, NS, 99) is None
+    write(tier, NS, {3: pages[3]})  # stored already: not written again
+    stats = tier.stats()
+    assert (stats["written"], stats["duplicate_writes"], stats["promotions"], stats["read_misses"]) == (
+        8,
+        1,
+        8,
+        1,
+    )
+    assert stats["written_bytes"] == 8 * (HEADER_BYTES + 64 * KIB)
+
+
+def test_lz4_records_read_back_byte_identical(open_tier: Callable[..., RemoteTier]) -> None:
+    tier = open_tier(codec="lz4")
+    compressible = {i: bytes(32 * KIB) + page(i, 32 * KIB) for i in range(4)}
+    write(tier, NS, compressible)
+    assert all(read(tier, NS, i) == data for i, data in compressible.items())
+    assert tier.stats()["written_bytes"] < 4 * (HEADER_BYTES + 64 * KIB)
+
+
+def test_a_corrupt_record_is_a_miss_and_is_deleted(
+    open_tier: Callable[..., RemoteTier], redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = open_tier()
+    write(tier, NS, {1: page(1), 2: page(2), 3: page(3)})
+    server = redis_server.client()
+    flipped = tier.record_key(NS, key(1))
+    server.setrange(flipped, HEADER_BYTES + 100, bytes([page(1)[100] ^ 0x01]))  # one bit of the payload
+    server.set(tier.record_key(NS, key(2)), server.get(tier.record_key(NS, key(3))))  # page 3 under 2's name
+    with caplog.at_level(logging.WARNING):
+        assert read(tier, NS, 1) is None
+        assert read(tier, NS, 2) is None
+    assert read(tier, NS, 3) == page(3)
+    assert server.exists(flipped) == 0 and server.exists(tier.record_key(NS, key(2))) == 0
+    assert tier.stats()["corrupted_records"] == 2
+    assert "payload checksum mismatch" in caplog.text and "names another page" in caplog.text
+
+
+def test_a_record_of_another_size_is_a_miss(open_tier: Callable[..., RemoteTier]) -> None:
+    tier = open_tier()
+    write(tier, NS, {5: page(5, 32 * KIB)})
+    assert read(tier, NS, 5, size=64 * KIB) is None  # a slot of 64 KiB: the record holds 32
+    assert tier.stats()["corrupted_records"] == 1
+
+
+def test_an_unreachable_server_is_misses_then_is_tried_again(
+    open_tier: Callable[..., RemoteTier], redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = open_tier(retry_s=0.3)
+    write(tier, NS, {1: page(1)})
+    redis_server.stop()
+    with caplog.at_level(logging.WARNING):
+        started = time.monotonic()
+        assert tier.present(NS, [key(1)]) == 0
+        assert tier.present(NS, [key(1)]) == 0  # down: answered without asking the server
+        assert not tier.submit_write(NS, key(2), page(2))
+        assert read(tier, NS, 1) is None
+        assert time.monotonic() - started < 1.0
+    assert caplog.text.count("its pages are misses for 0.3 s") == 1  # one warning per outage
+    stats = tier.stats()
+    assert stats["up"] == 0 and stats["errors"] == 1 and stats["dropped_writes"] == 1
+    redis_server.start()  # empty again: no persistence
+    time.sleep(0.35)
+    write(tier, NS, {2: page(2)})
+    assert read(tier, NS, 2) == page(2) and tier.stats()["up"] == 1
+
+
+def test_clear_deletes_one_namespace(open_tier: Callable[..., RemoteTier], redis_server: RedisServer) -> None:
+    tier = open_tier()
+    write(tier, NS, {i: page(i) for i in range(5)})
+    write(tier, OTHER_NS, {i: page(i) for i in range(3)})
+    tier.clear(NS)
+    assert tier.wait_idle(10)
+    assert tier.present(NS, [key(0)]) == 0 and tier.present(OTHER_NS, [key(i) for i in range(3)]) == 3
+    tier.clear()
+    assert tier.wait_idle(10)
+    assert redis_server.client().dbsize() == 0
+
+
+def test_ttl_sets_an_expiry(open_tier: Callable[..., RemoteTier], redis_server: RedisServer) -> None:
+    tier = open_tier(ttl_s=100)
+    write(tier, NS, {1: page(1)})
+    assert 0 < redis_server.client().ttl(tier.record_key(NS, key(1))) <= 100
+
+
+def test_config_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"tiers\.remote\.url: expected a redis://"):
+        parse_config({"tiers": {"remote": {"enabled": True, "url": "http://cache:6379"}}})
+    with pytest.raises(ConfigError, match=r"tiers\.remote\.write"):
+        parse_config({"tiers": {"remote": {"write": "sometimes"}}})
+    with pytest.raises(ConfigError, match=r"tiers\.remote\.ttl_s"):
+        parse_config({"tiers": {"remote": {"ttl_s": 0.5}}})
+
+
+# -- two daemons, one server ----------------------------------------------------------------------
+
+SPEC = KVSpec(
+    model="remote-test", num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, block_size=16
+)  # 16-token chunks: 8 KiB pages
+CHUNK = 16
+
+
+def prompt(i: int, chunks: int) -> list[int]:
+    return [i * 1000 + t for t in range(chunks * CHUNK)]
+
+
+def cache_for(i: int, chunks: int) -> list[torch.Tensor]:
+    """Prompt i's KV, block c = chunk c; each chunk's values depend on (i, c) only."""
+    gens = [torch.Generator().manual_seed(i * 1000 + c) for c in range(chunks)]
+    return [
+        torch.cat([torch.randn(2, 1, 16, 2, 32, generator=gen) for gen in gens], dim=1).half()
+        for _ in range(2)
+    ]
+
+
+def load_and_compare(client: KVStoreClient, i: int, chunks: int) -> int:
+    target = [torch.full((2, chunks, 16, 2, 32), -9.0).half() for _ in range(2)]
+    loaded = client.load(prompt(i, chunks), target, torch.arange(chunks))
+    blocks = loaded // CHUNK
+    for got, want in zip(target, cache_for(i, chunks), strict=True):
+        assert torch.equal(got[:, :blocks].view(torch.uint8), want[:, :blocks].view(torch.uint8)), (
+            f"prompt {i}"
+        )
+        assert bool((got[:, blocks:] == -9.0).all())
+    return loaded
+
+
+def remote_overrides(redis_server: RedisServer, **settings: Any) -> dict[str, Any]:
+    overrides = {
+        "chunk_tokens": CHUNK,
+        "tiers__remote__enabled": True,
+        "tiers__remote__url": redis_server.url,
+    }
+    return overrides | {f"tiers__remote__{name}": value for name, value in settings.items()}
+
+
+def remote_stats(client: KVStoreClient) -> dict[str, float]:
+    return dict(client.stats()["tiers"]["remote"])
+
+
+def wait_written(client: KVStoreClient, pages: int) -> dict[str, float]:
+    deadline = time.monotonic() + 10
+    while (stats := remote_stats(client))["written"] + stats["duplicate_writes"] < pages or stats["jobs"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
+    return stats
+
+
+def tiers_of(client: KVStoreClient, tokens: list[int]) -> bytes:
+    from kvstore.keys import pack_keys
+    from kvstore.proto import kvstore_pb2 as pb
+
+    reply = client._rpc(
+        "Lookup", pb.LookupRequest(namespace=client.namespace, keys=pack_keys(client.keys(tokens)))
+    )
+    return bytes(reply.tiers)
+
+
+def test_a_prefix_stored_on_one_host_is_loaded_on_another(
+    redis_server: RedisServer, daemon_factory: Callable[..., Daemon]
+) -> None:
+    first = daemon_factory("first", **remote_overrides(redis_server))
+    second = daemon_factory("second", **remote_overrides(redis_server))
+    with KVStoreClient.connect(first.address, SPEC) as writer:
+        assert writer.store(prompt(0, 6), cache_for(0, 6), torch.arange(6)) == 6
+        assert wait_written(writer, 6)["written"] == 6  # written through at commit
+    with KVStoreClient.connect(second.address, SPEC) as reader:
+        assert reader.lookup(prompt(0, 6)) == 6 * CHUNK
+        assert tiers_of(reader, prompt(0, 6)) == bytes([Tier.REMOTE]) * 6
+        assert load_and_compare(reader, 0, 6) == 6 * CHUNK
+        assert tiers_of(reader, prompt(0, 6)) == bytes([Tier.CPU]) * 6  # promoted into this host's arena
+        assert load_and_compare(reader, 0, 6) == 6 * CHUNK
+        stats = remote_stats(reader)
+        assert (stats["promotions"], stats["written"], stats["pages"]) == (6, 0, 6)  # pages: the server's keys
+        assert stats["bytes_used"] > 6 * 8 * KIB
+        # A longer prompt: its first 6 chunks are here now, the next 2 nowhere.
+        assert load_and_compare(reader, 0, 8) == 6 * CHUNK
+
+
+def test_a_chain_continues_from_the_cpu_tier_into_the_remote_tier(
+    redis_server: RedisServer, daemon_factory: Callable[..., Daemon]
+) -> None:
+    first = daemon_factory("first", **remote_overrides(redis_server))
+    second = daemon_factory("second", **remote_overrides(redis_server))
+    with KVStoreClient.connect(second.address, SPEC) as local:
+        assert local.store(prompt(3, 2), cache_for(3, 2), torch.arange(2)) == 2  # the head, here too
+        wait_written(local, 2)
+    with KVStoreClient.connect(first.address, SPEC) as writer:
+        assert writer.store(prompt(3, 5), cache_for(3, 5), torch.arange(5)) == 5
+        wait_written(writer, 5)
+    with KVStoreClient.connect(second.address, SPEC) as reader:
+        assert tiers_of(reader, prompt(3, 5)) == bytes([Tier.CPU] * 2 + [Tier.REMOTE] * 3)
+        assert load_and_compare(reader, 3, 5) == 5 * CHUNK
+
+
+def test_write_behind_sends_pages_as_they_leave_the_cpu_tier(
+    redis_server: RedisServer, daemon_factory: Callable[..., Daemon]
+) -> None:
+    small = {"tiers__cpu__bytes": "400KiB", "tiers__cpu__slab_bytes": "400KiB"}  # 50 pages
+    first = daemon_factory("first", **remote_overrides(redis_server, write="behind"), **small)
+    second = daemon_factory("second", **remote_overrides(redis_server))
+    with KVStoreClient.connect(first.address, SPEC) as writer:
+        assert writer.store(prompt(0, 10), cache_for(0, 10), torch.arange(10)) == 10
+        time.sleep(0.2)
+        assert remote_stats(writer)["written"] == 0  # nothing evicted yet: nothing sent
+        for i in range(1, 10):  # 100 pages through a 50-page CPU tier
+            assert writer.store(prompt(i, 10), cache_for(i, 10), torch.arange(10)) == 10
+        stats = wait_written(writer, 50)
+        assert (
+            stats["written"] >= 50 and writer.stats()["counters"]["demoted_remote_chunks"] == stats["written"]
+        )
+    with KVStoreClient.connect(second.address, SPEC) as reader:
+        assert load_and_compare(reader, 0, 10) == 10 * CHUNK  # evicted on the first host, read here
+
+
+def test_a_stopped_server_leaves_the_local_tiers_serving(
+    redis_server: RedisServer, daemon_factory: Callable[..., Daemon]
+) -> None:
+    first = daemon_factory("first", **remote_overrides(redis_server, retry_s=60))
+    second = daemon_factory("second", **remote_overrides(redis_server, retry_s=60))
+    with KVStoreClient.connect(first.address, SPEC) as writer:
+        assert writer.store(prompt(0, 4), cache_for(0, 4), torch.arange(4)) == 4
+        wait_written(writer, 4)
+    redis_server.stop()
+    with (
+        KVStoreClient.connect(second.address, SPEC) as reader,
+        KVStoreClient.connect(first.address, SPEC) as writer,
+    ):
+        started = time.monotonic()
+        assert reader.lookup(prompt(0, 4)) == 0  # only the server had it: a miss, at once
+        assert load_and_compare(reader, 0, 4) == 0
+        assert load_and_compare(writer, 0, 4) == 4 * CHUNK  # the first host's own copy still serves
+        assert writer.store(prompt(1, 3), cache_for(1, 3), torch.arange(3)) == 3
+        assert load_and_compare(writer, 1, 3) == 3 * CHUNK
+        assert time.monotonic() - started < 5
+        assert remote_stats(reader)["up"] == 0 and remote_stats(reader)["errors"] >= 1
+    assert "its pages are misses for 60.0 s" in second.log()
+
+
+def test_a_daemon_starts_with_its_server_unreachable_and_serves(
+    tmp_path: Any, daemon_factory: Callable[..., Daemon]
+) -> None:
+    missing = f"unix://{tmp_path}/no-redis.sock"
+    daemon = daemon_factory(chunk_tokens=CHUNK, tiers__remote__enabled=True, tiers__remote__url=missing)
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        assert client.store(prompt(0, 2), cache_for(0, 2), torch.arange(2)) == 2
+        assert load_and_compare(client, 0, 2) == 2 * CHUNK
+        assert client.lookup(prompt(1, 2)) == 0
+        assert remote_stats(client)["up"] == 0
+    assert "the first PING failed" in daemon.log()
