@@ -718,8 +718,6 @@ class Store:
                 cleared += 1
         if self.disk is not None:
             cleared += self.disk.clear(ns_id)
-        if self.remote is not None:
-            self.remote.clear(ns_id)  # on a worker: the remote tier's records are not counted
 
         self.counters["cleared_chunks"] += cleared
         return cleared

@@ -17,7 +17,9 @@ the key `<key_prefix><namespace hex>:<chunk key hex>`. A record that does not ch
 - `submit_read(namespace, key, done, into) -> bool`: a worker GETs and checks the record,
   copies the page into `into` (an arena slot) and calls `done(page)`, or `done(None)` for
   a missing, unreadable or corrupt one. False when the tier is down.
-- `clear(namespace)`: deletes the namespace's records (SCAN + DEL), on a worker.
+- `kvctl clear` clears this daemon's own tiers, never the shared server: other hosts'
+  pages are theirs too. A change of weights under the same model name needs a new `salt`
+  (a new namespace); the old records age out under the server's eviction or `ttl_s`.
 - `stats()`, `server_usage()` (the server's memory and key count, for `kvctl stats`),
   `close(timeout_s)`: close lets queued writes finish for up to `timeout_s`, then drops
   the rest (counted).
@@ -146,16 +148,6 @@ class RemoteTier:
         self._workers.submit(self._job, self._read, namespace, key, done, into)
         return True
 
-    def clear(self, namespace: bytes | None = None) -> int:
-        """Deletes the records of `namespace` (all of this prefix when None) on a worker; returns 0
-        (the count is not known before the scan)."""
-        with self._lock:
-            if not self.up:
-                return 0
-            self._pending += 1
-        self._workers.submit(self._job, self._clear, namespace)
-        return 0
-
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
@@ -244,20 +236,6 @@ class RemoteTier:
             with contextlib.suppress(*self._errors):
                 self._redis.delete(name)
             return None
-
-    def _clear(self, namespace: bytes | None) -> None:
-        pattern = f"{self.config.key_prefix}{namespace.hex() if namespace else ''}*"
-        try:
-            batch: list[bytes] = []
-            for name in self._redis.scan_iter(match=pattern, count=1000):
-                batch.append(name)
-                if len(batch) >= 1000:
-                    self._redis.delete(*batch)
-                    batch = []
-            if batch:
-                self._redis.delete(*batch)
-        except self._errors as exc:
-            self._failed("a clear", exc)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         with self._lock:
