@@ -146,6 +146,26 @@ def test_an_unreachable_server_is_misses_then_is_tried_again(
     assert read(tier, NS, 2) == page(2) and tier.stats()["up"] == 1
 
 
+def test_a_slow_lookup_is_a_miss_and_a_run_of_them_takes_the_tier_down(
+    open_tier: Callable[..., RemoteTier], redis_server: RedisServer
+) -> None:
+    tier = open_tier(retry_s=60, lookup_timeout_s=0.05)
+    write(tier, NS, {1: page(1)})
+    admin = redis_server.client()
+    admin.client_pause(300)  # every command waits 300 ms: past the lookup's deadline
+    assert tier.present(NS, [key(1)]) == 0
+    assert (tier.stats()["lookup_timeouts"], tier.stats()["up"]) == (1, 1)  # one slow answer: still up
+    time.sleep(0.35)
+    assert tier.present(NS, [key(1)]) == 1
+    admin.client_pause(500)
+    assert [tier.present(NS, [key(1)]) for _ in range(3)] == [0, 0, 0]
+    stats = tier.stats()
+    assert (stats["lookup_timeouts"], stats["up"], stats["errors"]) == (4, 0, 1)  # three in a row: down
+    time.sleep(0.55)
+    assert tier.present(NS, [key(1)]) == 0  # down for retry_s: not asked
+    assert tier.stats()["lookups"] == 5
+
+
 def test_ttl_sets_an_expiry(open_tier: Callable[..., RemoteTier], redis_server: RedisServer) -> None:
     tier = open_tier(ttl_s=100)
     write(tier, NS, {1: page(1)})

@@ -8,7 +8,8 @@ the key `<key_prefix><namespace hex>:<chunk key hex>`. A record that does not ch
 
 - `present(namespace, keys) -> int`: how many leading keys have a record (one pipelined
   round trip, `lookup_timeout_s`). It runs on the daemon's event loop during a Lookup, so
-  it is bounded: a failing or slow server makes the tier `down` for `retry_s` (a warning
+  it is bounded: a lookup past the deadline is a miss (`lookup_timeouts`); a server that
+  fails, or three such lookups in a row, make the tier `down` for `retry_s` (a warning
   once per outage, `errors` in stats), and a down tier answers 0 at once.
 - `submit_write(namespace, key, page) -> bool`: queued for a worker, which skips a key
   already stored (records are content-addressed: same key, same bytes) and writes the
@@ -46,6 +47,8 @@ from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, pack_header, unpa
 
 log = logging.getLogger(__name__)
 
+SLOW_LOOKUPS_DOWN = 3  # lookups in a row past lookup_timeout_s that make the tier down for retry_s
+
 ReadDone = Callable[[Buffer | None], None]
 WriteDone = Callable[[bool], None]
 
@@ -77,6 +80,8 @@ class RemoteTier:
         self.config = config
         self.write_through = config.write == "through"
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+        self._timeout: type[BaseException] = redis.TimeoutError
+        self._slow_lookups = 0  # lookups in a row that ran past lookup_timeout_s
         common: dict[str, Any] = dict(socket_connect_timeout=config.timeout_s, health_check_interval=0)
         self._redis = redis.Redis.from_url(config.url, socket_timeout=config.timeout_s, **common)
         # The event loop's own connection, with the tighter deadline of a Lookup.
@@ -114,9 +119,18 @@ class RemoteTier:
             for key in keys:
                 pipe.exists(self.record_key(namespace, key))
             answers = pipe.execute()
+        except self._timeout as exc:
+            # A busy server (large writes ahead of it) can be slow once: that lookup is a miss.
+            # Only a run of them takes the tier out of Lookups for retry_s.
+            self._slow_lookups += 1
+            self._count("lookup_timeouts")
+            if self._slow_lookups >= SLOW_LOOKUPS_DOWN:
+                self._failed(f"{SLOW_LOOKUPS_DOWN} lookups in a row", exc)
+            return 0
         except self._errors as exc:
             self._failed("a lookup", exc)
             return 0
+        self._slow_lookups = 0
         found = 0
         for answer in answers:
             if not answer:
@@ -269,6 +283,7 @@ class RemoteTier:
             "corrupted_records",
             "lookups",
             "lookup_hits",
+            "lookup_timeouts",
             "errors",
         ):
             figures.setdefault(name, 0.0)
@@ -284,8 +299,8 @@ class RemoteTier:
             pipe.info("memory")
             pipe.dbsize()
             memory, keys = pipe.execute()
-        except self._errors as exc:
-            self._failed("a stats query", exc)
+        except self._errors:
+            self._count("stats_failures")  # figures only: the tier stays up
             return 0, 0, 0
         return int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0)), int(keys)
 
