@@ -91,6 +91,42 @@ def test_pages_round_trip_and_lookups_count_the_leading_run(open_tier: Callable[
     assert stats["written_bytes"] == 8 * (HEADER_BYTES + 64 * KIB)
 
 
+def test_reads_through_the_redis_client_where_no_direct_read_is_made(
+    open_tier: Callable[..., RemoteTier],
+) -> None:
+    """TLS (rediss://) reads go through the redis client instead of `remote_read`: the same bytes
+    and the same checks."""
+    tier = open_tier()
+    tier._direct = False  # as for a rediss:// URL, which this test's server does not speak
+    pages = {i: page(i) for i in range(4)}
+    write(tier, NS, pages)
+    assert all(read(tier, NS, i) == data for i, data in pages.items())
+    assert read(tier, NS, 9) is None and read(tier, NS, 1, size=32 * KIB) is None
+    assert (tier.stats()["promotions"], tier.stats()["corrupted_records"]) == (4, 1)
+
+
+def test_a_password_and_a_database_from_the_url(redis_server: RedisServer) -> None:
+    admin = redis_server.client()
+    admin.config_set("requirepass", "s3cret")
+    url = f"unix://:s3cret@{redis_server.socket_path}?db=3"
+    tier = RemoteTier(RemoteTierConfig(enabled=True, url=url))
+    try:
+        write(tier, NS, {1: page(1)})
+        assert read(tier, NS, 1) == page(1)
+        admin.execute_command("AUTH", "s3cret")
+        assert admin.execute_command("SELECT", 3) and admin.dbsize() == 1
+        wrong = RemoteTier(
+            RemoteTierConfig(enabled=True, url=f"unix://:nope@{redis_server.socket_path}?db=3")
+        )
+        try:
+            assert read(wrong, NS, 1) is None  # refused: a miss, and the tier down for a while
+            assert wrong.stats()["errors"] == 1 and wrong.stats()["up"] == 0
+        finally:
+            wrong.close(timeout_s=5)
+    finally:
+        tier.close(timeout_s=5)
+
+
 def test_lz4_records_read_back_byte_identical(open_tier: Callable[..., RemoteTier]) -> None:
     tier = open_tier(codec="lz4")
     compressible = {i: bytes(32 * KIB) + page(i, 32 * KIB) for i in range(4)}

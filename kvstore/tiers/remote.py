@@ -15,9 +15,9 @@ the key `<key_prefix><namespace hex>:<chunk key hex>`. A record that does not ch
   already stored (records are content-addressed: same key, same bytes) and writes the
   record with SET NX (and EX `ttl_s` when set). False, counted in `dropped_writes`, when
   the tier is down or `queue_bytes` are already waiting.
-- `submit_read(namespace, key, done, into) -> bool`: a worker GETs and checks the record,
-  copies the page into `into` (an arena slot) and calls `done(page)`, or `done(None)` for
-  a missing, unreadable or corrupt one. False when the tier is down.
+- `submit_read(namespace, key, done, into) -> bool`: a worker GETs the record straight into
+  `into` (an arena slot; `remote_read`), checks it there and calls `done(page)`, or
+  `done(None)` for a missing, unreadable or corrupt one. False when the tier is down.
 - `kvctl clear` clears this daemon's own tiers, never the shared server: other hosts'
   pages are theirs too. A change of weights under the same model name needs a new `salt`
   (a new namespace); the old records age out under the server's eviction or `ttl_s`.
@@ -44,6 +44,7 @@ from typing import Any
 from kvstore.codec import CODECS, Buffer, compress
 from kvstore.config import ConfigError, RemoteTierConfig
 from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, pack_header, unpack_header
+from kvstore.tiers.remote_read import RecordReader
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class RemoteTier:
         self._down_until = 0.0
         self._closed = False
         self._deadline = float("inf")  # close(): queued writes past this are dropped
+        self._direct = True  # reads received straight into their slot (`remote_read`); not for TLS
+        self._local = threading.local()  # each worker's RecordReader
+        self._readers: set[RecordReader] = set()
         self.counters: Counter[str] = Counter()
 
     # -- keys ---------------------------------------------------------------
@@ -208,48 +212,54 @@ class RemoteTier:
             if done is not None:
                 done(ok)
 
-    def _read(self, namespace: bytes, key: bytes, done: ReadDone, into: memoryview | None) -> None:
+    def _read(self, namespace: bytes, key: bytes, done: ReadDone, into: memoryview) -> None:
         page: Buffer | None = None
-        try:
-            page = self._fetch(namespace, key)
-            if page is not None and into is not None:
-                if len(page) != len(into):
-                    self._count("corrupted_records")
-                    log.warning(
-                        "remote tier: record %s holds a %d-byte page, expected %d; dropped",
-                        self.record_key(namespace, key).decode(),
-                        len(page),
-                        len(into),
-                    )
-                    page = None
-                else:
-                    into[:] = page
-                    page = into
-        finally:
-            self._count("read_misses" if page is None else "promotions")
-            done(page)
-
-    def _fetch(self, namespace: bytes, key: bytes) -> Buffer | None:
         name = self.record_key(namespace, key)
         try:
-            record = self._redis.get(name)
-        except self._errors as exc:
-            self._failed("a read", exc)
-            return None
-        if not isinstance(record, bytes):  # None: no record (replies are bytes: decode_responses is off)
-            return None
-        self._count("read_bytes", len(record))
-        try:
-            header = unpack_header(record)
-            if (header.namespace, header.key) != (namespace, key):
-                raise CorruptRecord("the header names another page")
-            return header.decode(memoryview(record)[HEADER_BYTES:])
+            page = self._get(name, namespace, key, into)
         except CorruptRecord as exc:
             self._count("corrupted_records")
             log.warning("remote tier: record %s is corrupt (%s); deleted, read as a miss", name.decode(), exc)
             with contextlib.suppress(*self._errors):
                 self._redis.delete(name)
+        except self._errors as exc:
+            self._failed("a read", exc)
+        finally:
+            if page is not None:
+                self._count("read_bytes", len(page))
+            self._count("read_misses" if page is None else "promotions")
+            done(page)
+
+    def _get(self, name: bytes, namespace: bytes, key: bytes, into: memoryview) -> Buffer | None:
+        """The page read into `into` (None: no record); CorruptRecord, or the client's errors."""
+        local = self._local
+        reader = getattr(local, "reader", None)
+        if reader is None and self._direct:
+            reader = local.reader = RecordReader.open(self.config.url, self.config.timeout_s)
+            if reader is None:  # TLS: through the redis client
+                self._direct = False
+            else:
+                with self._lock:
+                    self._readers.add(reader)
+        if reader is not None:
+            try:
+                return reader.get(name, namespace, key, into)
+            except (OSError, CorruptRecord):
+                local.reader = None  # closed by get(): the next read opens another
+                with self._lock:
+                    self._readers.discard(reader)
+                raise
+        record = self._redis.get(name)
+        if not isinstance(record, bytes):  # None: no record (replies are bytes: decode_responses is off)
             return None
+        header = unpack_header(record)
+        if (header.namespace, header.key) != (namespace, key):
+            raise CorruptRecord("the header names another page")
+        page = header.decode(memoryview(record)[HEADER_BYTES:])
+        if len(page) != len(into):
+            raise CorruptRecord(f"record holds a {len(page)}-byte page, the slot is {len(into)} bytes")
+        into[:] = page
+        return into
 
     def _failed(self, what: str, exc: BaseException) -> None:
         with self._lock:
@@ -317,3 +327,7 @@ class RemoteTier:
         self._workers.shutdown(wait=True, cancel_futures=False)
         self._redis.close()
         self._lookup.close()
+        with self._lock:
+            readers, self._readers = self._readers, set()
+        for reader in readers:
+            reader.close()

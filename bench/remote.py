@@ -1,0 +1,182 @@
+"""Remote tier: a prefix stored on one host, loaded on another, against the Redis transport alone.
+
+Starts a redis-server (unix socket, no persistence) and two daemons pointed at it (A and B,
+`tiers.remote.write: through`). Each round stores a new prompt through A (its pages are written
+through to the server; the round waits until they are), then times, in turn:
+
+- load on B, remote tier: `client.load` on B of a prompt B has never seen (Lookup finds the
+  records, B's workers GET and check them into its arena, the client copies them into a CPU
+  KV cache);
+- load on B, CPU tier: the same load again (the pages are in B's arena now);
+- raw GET, one pipeline: the same records fetched with one pipelined GET per page from this
+  process (no checks, no copies): what the transport gives.
+
+GB/s of page bytes; ratios are medians of per-round ratios. Page sizes default to an 8-layer
+slice of Llama-3.1-8B geometry (8 MiB pages of 256 tokens); loads land in CPU tensors, so the
+figures are the host's (no GPU needed). Needs redis-server (or valkey-server) on PATH.
+
+    python bench/remote.py [--tokens 4096] [--layers 8] [--rounds 7] [--threads 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
+
+from bench.common import print_table, running_daemon, write_results  # noqa: E402
+from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
+
+CHUNK, BLOCK, HEADS, HEAD_DIM = 256, 16, 8, 128
+
+
+@contextlib.contextmanager
+def running_redis() -> Iterator[tuple[str, Any]]:
+    """A redis-server on a unix socket in a temporary directory: (url, client)."""
+    import redis
+
+    executable = shutil.which("redis-server") or shutil.which("valkey-server")
+    if executable is None:
+        raise SystemExit("bench/remote.py needs redis-server or valkey-server on PATH")
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-") as directory:
+        sock = Path(directory) / "redis.sock"
+        process = subprocess.Popen(
+            [executable, "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=directory,
+        )
+        client = redis.Redis(unix_socket_path=str(sock), socket_timeout=30)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+            yield f"unix://{sock}", client
+        finally:
+            client.close()
+            process.kill()
+            process.wait()
+
+
+def wait_written(client: KVStoreClient, pages: int) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        remote = client.stats()["tiers"]["remote"]
+        if remote["written"] + remote["duplicate_writes"] >= pages and not remote["jobs"]:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the remote tier did not write {pages} pages: {remote}")
+        time.sleep(0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=4, help="tiers.remote.threads of both daemons")
+    args = parser.parse_args()
+    spec = KVSpec("bench/remote", args.layers, HEADS, HEAD_DIM, torch.bfloat16, block_size=BLOCK)
+    chunks, blocks = args.tokens // CHUNK, args.tokens // BLOCK
+    page_bytes = spec.with_chunk_tokens(CHUNK).page.page_bytes
+    total = chunks * page_bytes
+    arena = max(4 * total, 256 << 20)
+    with running_redis() as (url, server):
+        config = {
+            "chunk_tokens": CHUNK,
+            "tiers": {
+                "cpu": {"bytes": arena, "slab_bytes": max(page_bytes, 16 << 20)},
+                "remote": {"enabled": True, "url": url, "threads": args.threads, "queue_bytes": 2 * total},
+            },
+        }
+        with (
+            running_daemon(config) as first,
+            running_daemon(config) as second,
+            KVStoreClient.connect(first.address, spec) as writer,
+            KVStoreClient.connect(second.address, spec) as reader,
+        ):
+            source = [torch.randn(2, blocks, BLOCK, HEADS, HEAD_DIM).bfloat16() for _ in range(args.layers)]
+            target = [torch.zeros_like(layer) for layer in source]
+            block_ids = torch.arange(blocks)
+            samples: dict[str, list[float]] = {"remote": [], "cpu": [], "raw": []}
+            for round_ in range(args.rounds + 1):  # round 0 warms up and is not counted
+                tokens = [round_ * 1_000_000 + t for t in range(args.tokens)]
+                assert writer.store(tokens, source, block_ids) == chunks
+                wait_written(writer, chunks * (round_ + 1))
+                names = [
+                    f"kvstore:{reader.namespace.hex()}:{key.hex()}".encode() for key in reader.keys(tokens)
+                ]
+                timed: dict[str, float] = {}
+                for row in ("remote", "cpu", "raw"):
+                    for layer in target:
+                        layer.zero_()
+                    started = time.perf_counter()
+                    if row == "raw":
+                        pipe = server.pipeline(transaction=False)
+                        for name in names:
+                            pipe.get(name)
+                        got = pipe.execute()
+                        assert all(record is not None and len(record) > page_bytes for record in got)
+                    else:
+                        assert reader.load(tokens, target, block_ids) == args.tokens
+                    timed[row] = time.perf_counter() - started
+                    if row != "raw" and not all(
+                        torch.equal(a, b) for a, b in zip(target, source, strict=True)
+                    ):
+                        raise AssertionError(f"{row}: loaded bytes differ from the stored ones")
+                if round_:
+                    for row, seconds in timed.items():
+                        samples[row].append(seconds)
+            stats = reader.stats()["tiers"]["remote"]
+    rows, results = [], {}
+    labels = {
+        "remote": "load on B, remote tier",
+        "cpu": "load on B, CPU tier",
+        "raw": "raw GET, one pipeline",
+    }
+    for row, values in samples.items():
+        median = statistics.median(values)
+        x_raw = statistics.median(r / v for v, r in zip(values, samples["raw"], strict=True))
+        x_cpu = statistics.median(c / v for v, c in zip(values, samples["cpu"], strict=True))
+        rows.append([labels[row], median * 1e3, total / median / 1e9, x_raw, x_cpu])
+        results[row] = {
+            "label": labels[row],
+            "ms": median * 1e3,
+            "gb_s": total / median / 1e9,
+            "x_raw_get_speed": x_raw,
+            "x_cpu_tier_speed": x_cpu,
+            "rounds_ms": [v * 1e3 for v in values],
+        }
+    print(f"{args.tokens} tokens, {args.layers} layers: {chunks} pages of {page_bytes >> 20} MiB per load")
+    print_table(("what", "ms", "GB/s", "x raw GET speed", "x CPU-tier speed"), rows)
+    path = write_results(
+        "remote",
+        {
+            "parameters": vars(args) | {"page_bytes": page_bytes, "bytes_per_load": total},
+            "results": results,
+            "reader_remote_tier": stats,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

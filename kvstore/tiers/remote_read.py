@@ -1,0 +1,162 @@
+"""GET of one page record, received straight into its arena slot.
+
+The remote tier's reads are its hot path: a page of a few MiB to tens of MiB. Through the
+`redis` client a reply is parsed into a bytes object and then copied into the slot, with the
+GIL held for both. Here a worker sends the GET on its own connection (RESP, one request at a
+time) and `recv_into`s the payload of a raw record directly into the slot, the GIL released
+while the kernel copies; the record's header and checksum are checked on the bytes in place.
+Compressed records, and replies of an unexpected size, are received whole and decoded.
+
+- `RecordReader.open(url, timeout_s)`: a connection per worker thread (unix or TCP; AUTH and
+  SELECT as the URL asks); None for `rediss://`, whose reads go through the `redis` client.
+- `RecordReader.get(name, namespace, key, into) -> Buffer | None`: the page (`into` itself,
+  filled) or None where there is no record. Raises `CorruptRecord` for a record that does not
+  check out, `OSError` (or `RespError`) for a connection that failed; it is then closed.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from kvstore.codec import Buffer
+from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, unpack_header
+
+FIRST_READ_BYTES = 1 << 16
+
+
+class RespError(OSError):
+    """The server answered with an error, or with something that is not a bulk string."""
+
+
+def _command(*parts: bytes) -> bytes:
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
+    return b"".join(out)
+
+
+class RecordReader:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._rest = bytearray()  # received and not yet taken: only this reply's bytes
+
+    @classmethod
+    def open(cls, url: str, timeout_s: float) -> RecordReader | None:
+        from redis.connection import parse_url
+
+        if url.startswith("rediss://"):
+            return None
+        settings: dict[str, Any] = parse_url(url)
+        if "path" in settings:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout_s)
+            try:
+                sock.connect(settings["path"])
+            except OSError:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((settings["host"], settings["port"]), timeout=timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reader = cls(sock)
+        try:
+            password, username = settings.get("password"), settings.get("username")
+            if password is not None:
+                auth = (username.encode(), password.encode()) if username else (password.encode(),)
+                reader._ok(_command(b"AUTH", *auth))
+            if settings.get("db"):
+                reader._ok(_command(b"SELECT", str(settings["db"]).encode()))
+        except OSError:
+            reader.close()
+            raise
+        return reader
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def get(self, name: bytes, namespace: bytes, key: bytes, into: memoryview) -> Buffer | None:
+        try:
+            return self._get(name, namespace, key, into)
+        except (OSError, CorruptRecord):
+            self.close()  # the reply may be half read: this connection is done
+            raise
+
+    def _get(self, name: bytes, namespace: bytes, key: bytes, into: memoryview) -> Buffer | None:
+        self._sock.sendall(_command(b"GET", name))
+        line = self._line()
+        if line.startswith(b"-"):
+            raise RespError(line[1:].decode(errors="replace"))
+        if not line.startswith(b"$"):
+            raise RespError(f"expected a bulk string, got {line[:64]!r}")
+        length = int(line[1:])
+        if length < 0:
+            return None
+        if length < HEADER_BYTES:
+            raise CorruptRecord(f"record is {length} bytes, shorter than a header")
+        header = unpack_header(self._exactly(HEADER_BYTES))
+        if (header.namespace, header.key) != (namespace, key):
+            raise CorruptRecord("the header names another page")
+        payload_length = length - HEADER_BYTES
+        if header.payload_length != payload_length:
+            raise CorruptRecord(f"payload is {payload_length} bytes, the header says {header.payload_length}")
+        if header.raw_length == payload_length == len(into):  # stored raw: straight into the slot
+            self._into(into)
+            self._crlf()
+            header.check_payload(into)
+            return into
+        payload = bytearray(payload_length)
+        self._into(memoryview(payload))
+        self._crlf()
+        page = header.decode(payload)
+        if len(page) != len(into):
+            raise CorruptRecord(f"record holds a {len(page)}-byte page, the slot is {len(into)} bytes")
+        into[:] = page
+        return into
+
+    # -- RESP ---------------------------------------------------------------
+
+    def _receive(self) -> None:
+        part = self._sock.recv(FIRST_READ_BYTES)
+        if not part:
+            raise ConnectionError("the server closed the connection")
+        self._rest += part
+
+    def _line(self) -> bytes:
+        while (end := self._rest.find(b"\r\n")) < 0:
+            if len(self._rest) > 1024:
+                raise RespError(f"a reply line longer than 1 KiB: {bytes(self._rest[:64])!r}")
+            self._receive()
+        line = bytes(self._rest[:end])
+        del self._rest[: end + 2]
+        return line
+
+    def _ok(self, command: bytes) -> None:
+        self._sock.sendall(command)
+        line = self._line()
+        if not line.startswith(b"+"):
+            raise RespError(line.decode(errors="replace"))
+
+    def _exactly(self, size: int) -> bytes:
+        while len(self._rest) < size:
+            self._receive()
+        data = bytes(self._rest[:size])
+        del self._rest[:size]
+        return data
+
+    def _into(self, view: memoryview) -> None:
+        """Fills `view` with the next len(view) bytes of the reply: those received, then the
+        rest straight from the socket."""
+        taken = min(len(self._rest), len(view))
+        view[:taken] = self._rest[:taken]
+        del self._rest[:taken]
+        filled = taken
+        while filled < len(view):
+            count = self._sock.recv_into(view[filled:])
+            if not count:
+                raise ConnectionError("the server closed the connection")
+            filled += count
+
+    def _crlf(self) -> None:
+        if self._exactly(2) != b"\r\n":
+            raise RespError("a bulk string not followed by CRLF")
