@@ -533,11 +533,18 @@ class Store:
         ns.pages += len(lease.entries)
         self._tell("stored", self._policy_pages(self._link(ns, lease.keys)))
         self.counters["stored_chunks"] += len(lease.entries)
-        through = [tier for tier in (self.disk, self.remote) if tier is not None and tier.write_through]
-        for entry in lease.entries if through else ():
-            page = bytes(self.cpu.read(entry.offset, ns.spec.page_bytes))
-            for tier in through:
-                tier.submit_write(ns_id, entry.key, page)
+        disk = self.disk if self.disk is not None and self.disk.write_through else None
+        remote = self.remote if self.remote is not None and self.remote.write_through else None
+        page_bytes = ns.spec.page_bytes
+        for entry in lease.entries if disk is not None or remote is not None else ():
+            to_remote = remote is not None and remote.accepts(page_bytes)  # else no copy for it
+            if disk is None and not to_remote:
+                continue
+            page = bytes(self.cpu.read(entry.offset, page_bytes))
+            if disk is not None:
+                disk.submit_write(ns_id, entry.key, page)
+            if to_remote and remote is not None:
+                remote.submit_write(ns_id, entry.key, page)
         return len(lease.entries)
 
     def abort(self, ns_id: bytes, lease_id: int) -> int:
@@ -642,11 +649,17 @@ class Store:
         disk, remote, ns = self.disk, self.remote, entry.namespace
         if not entry.committed:
             return
+        page_bytes = ns.spec.page_bytes
         to_disk = disk is not None and not disk.contains(ns.id, entry.key)
-        to_remote = remote is not None and not remote.write_through
+        to_remote = (
+            remote is not None
+            and not remote.write_through
+            and entry.source is not Tier.REMOTE  # read from there: its record is there
+            and remote.accepts(page_bytes)
+        )
         if not (to_disk or to_remote):
             return
-        page = bytes(self.cpu.read(entry.offset, ns.spec.page_bytes))
+        page = bytes(self.cpu.read(entry.offset, page_bytes))
         if to_disk and disk is not None and disk.submit_write(ns.id, entry.key, page):
             self.counters["demoted_chunks"] += 1
         if to_remote and remote is not None and remote.submit_write(ns.id, entry.key, page):

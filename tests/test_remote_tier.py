@@ -39,8 +39,10 @@ def open_tier(redis_server: RedisServer) -> Iterator[Callable[..., RemoteTier]]:
     opened: list[RemoteTier] = []
 
     def open_(**overrides: Any) -> RemoteTier:
-        settings: dict[str, Any] = {"enabled": True, "url": redis_server.url} | overrides
-        tier = RemoteTier(RemoteTierConfig(**settings))
+        clock = overrides.pop("clock", time.monotonic)
+        # A deadline that a loaded CI machine meets; the slow-lookup test sets its own.
+        settings: dict[str, Any] = {"enabled": True, "url": redis_server.url, "lookup_timeout_s": 1.0}
+        tier = RemoteTier(RemoteTierConfig(**(settings | overrides)), clock=clock)
         opened.append(tier)
         return tier
 
@@ -163,8 +165,10 @@ def test_a_record_of_another_size_is_a_miss(open_tier: Callable[..., RemoteTier]
 def test_an_unreachable_server_is_misses_then_is_tried_again(
     open_tier: Callable[..., RemoteTier], redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    tier = open_tier(retry_s=0.3)
+    now = [1000.0]
+    tier = open_tier(retry_s=5, clock=lambda: now[0])
     write(tier, NS, {1: page(1)})
+    assert read(tier, NS, 1) == page(1)  # this worker's connection is open now
     redis_server.stop()
     with caplog.at_level(logging.WARNING):
         started = time.monotonic()
@@ -172,40 +176,90 @@ def test_an_unreachable_server_is_misses_then_is_tried_again(
         assert tier.present(NS, [key(1)]) == 0  # down: answered without asking the server
         assert not tier.submit_write(NS, key(2), page(2))
         assert read(tier, NS, 1) is None
-        assert time.monotonic() - started < 1.0
-    assert caplog.text.count("its pages are misses for 0.3 s") == 1  # one warning per outage
+        assert time.monotonic() - started < 2.0
+    assert caplog.text.count("its pages are misses for 5.0 s") == 1  # one warning per outage
     stats = tier.stats()
     assert stats["up"] == 0 and stats["errors"] == 1 and stats["dropped_writes"] == 1
     redis_server.start()  # empty again: no persistence
-    time.sleep(0.35)
+    now[0] += 5
     write(tier, NS, {2: page(2)})
     assert read(tier, NS, 2) == page(2) and tier.stats()["up"] == 1
+
+
+def test_a_worker_connection_the_server_dropped_is_replaced(
+    open_tier: Callable[..., RemoteTier], redis_server: RedisServer
+) -> None:
+    """A restart (or an idle timeout) closes the workers' connections: the next read opens
+    another and succeeds; the tier never goes down."""
+    tier = open_tier(threads=1)
+    write(tier, NS, {1: page(1)})
+    assert read(tier, NS, 1) == page(1)
+    redis_server.stop()
+    redis_server.start()
+    write(tier, NS, {2: page(2)})
+    assert read(tier, NS, 2) == page(2)
+    stats = tier.stats()
+    assert (stats["up"], stats["errors"], stats["promotions"]) == (1, 0, 2)
+
+
+def test_a_value_of_another_type_under_a_record_name_is_a_miss(
+    open_tier: Callable[..., RemoteTier], redis_server: RedisServer
+) -> None:
+    tier = open_tier()
+    redis_server.client().hset(tier.record_key(NS, key(4)), "field", "value")
+    assert tier.present(NS, [key(4)]) == 1  # a name is there
+    assert read(tier, NS, 4) is None
+    assert redis_server.client().exists(tier.record_key(NS, key(4))) == 0
+    stats = tier.stats()
+    assert (stats["corrupted_records"], stats["up"], stats["errors"]) == (1, 1, 0)
+
+
+def test_a_url_without_a_port_takes_the_default_one() -> None:
+    from redis.connection import parse_url
+
+    from kvstore.tiers.remote_read import address_of
+
+    assert address_of(parse_url("redis://cache/0")) == ("cache", 6379)
+    assert address_of(parse_url("redis://cache:7000")) == ("cache", 7000)
+    assert address_of(parse_url("unix:///run/redis.sock?db=2")) == "/run/redis.sock"
 
 
 def test_a_slow_lookup_is_a_miss_and_a_run_of_them_takes_the_tier_down(
     open_tier: Callable[..., RemoteTier], redis_server: RedisServer
 ) -> None:
-    tier = open_tier(retry_s=60, lookup_timeout_s=0.05)
+    tier = open_tier(retry_s=60, lookup_timeout_s=0.1)
     write(tier, NS, {1: page(1)})
     admin = redis_server.client()
-    admin.client_pause(300)  # every command waits 300 ms: past the lookup's deadline
+    admin.client_pause(600)  # every command waits 600 ms: past the lookup's deadline
     assert tier.present(NS, [key(1)]) == 0
     assert (tier.stats()["lookup_timeouts"], tier.stats()["up"]) == (1, 1)  # one slow answer: still up
-    time.sleep(0.35)
-    assert tier.present(NS, [key(1)]) == 1
-    admin.client_pause(500)
+    admin.client_unpause()
+    deadline = time.monotonic() + 10
+    while tier.present(NS, [key(1)]) != 1:  # answered again (a loaded machine may be slow once more)
+        assert time.monotonic() < deadline and tier.stats()["up"] == 1
+    admin.client_pause(1000)
     assert [tier.present(NS, [key(1)]) for _ in range(3)] == [0, 0, 0]
     stats = tier.stats()
-    assert (stats["lookup_timeouts"], stats["up"], stats["errors"]) == (4, 0, 1)  # three in a row: down
-    time.sleep(0.55)
+    assert (stats["up"], stats["errors"]) == (0, 1)  # three in a row: down
+    admin.client_unpause()
+    lookups = stats["lookups"]
     assert tier.present(NS, [key(1)]) == 0  # down for retry_s: not asked
-    assert tier.stats()["lookups"] == 5
+    assert tier.stats()["lookups"] == lookups
 
 
-def test_ttl_sets_an_expiry(open_tier: Callable[..., RemoteTier], redis_server: RedisServer) -> None:
+def test_ttl_sets_an_expiry_that_use_renews(
+    open_tier: Callable[..., RemoteTier], redis_server: RedisServer
+) -> None:
     tier = open_tier(ttl_s=100)
     write(tier, NS, {1: page(1)})
-    assert 0 < redis_server.client().ttl(tier.record_key(NS, key(1))) <= 100
+    server, name = redis_server.client(), tier.record_key(NS, key(1))
+    assert 90 < server.ttl(name) <= 100
+    server.expire(name, 5)
+    assert read(tier, NS, 1) == page(1)  # a read renews it
+    assert server.ttl(name) > 90
+    server.expire(name, 5)
+    write(tier, NS, {1: page(1)})  # and so does storing it again
+    assert server.ttl(name) > 90
 
 
 def test_config_errors_name_the_key() -> None:
@@ -255,6 +309,7 @@ def remote_overrides(redis_server: RedisServer, **settings: Any) -> dict[str, An
         "chunk_tokens": CHUNK,
         "tiers__remote__enabled": True,
         "tiers__remote__url": redis_server.url,
+        "tiers__remote__lookup_timeout_s": 1.0,  # a deadline a loaded CI machine meets
     }
     return overrides | {f"tiers__remote__{name}": value for name, value in settings.items()}
 

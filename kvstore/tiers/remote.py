@@ -83,13 +83,20 @@ class RemoteTier:
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self._timeout: type[BaseException] = redis.TimeoutError
         self._slow_lookups = 0  # lookups in a row that ran past lookup_timeout_s
-        common: dict[str, Any] = dict(socket_connect_timeout=config.timeout_s, health_check_interval=0)
-        self._redis = redis.Redis.from_url(config.url, socket_timeout=config.timeout_s, **common)
-        # The event loop's own connection, with the tighter deadline of a Lookup.
-        self._lookup = redis.Redis.from_url(config.url, socket_timeout=config.lookup_timeout_s, **common)
+        self._redis = redis.Redis.from_url(
+            config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s
+        )
+        # The event loop's own connection: connecting too is bounded by a Lookup's deadline.
+        self._lookup = redis.Redis.from_url(
+            config.url,
+            socket_timeout=config.lookup_timeout_s,
+            socket_connect_timeout=config.lookup_timeout_s,
+        )
         self._codec = CODECS[config.codec]
         self._clock = clock
-        self._workers = ThreadPoolExecutor(config.threads, thread_name_prefix="kvstore-remote")
+        # Reads (a load waits on them) never queue behind writes (write-through may queue many).
+        self._read_workers = ThreadPoolExecutor(config.threads, thread_name_prefix="kvstore-remote-read")
+        self._write_workers = ThreadPoolExecutor(config.threads, thread_name_prefix="kvstore-remote-write")
         self._lock = threading.Lock()
         self._queued_bytes = 0
         self._pending = 0  # jobs submitted and not finished
@@ -143,6 +150,13 @@ class RemoteTier:
         self._count("lookup_hits", found)
         return found
 
+    def accepts(self, size: int) -> bool:
+        """Whether a write of `size` bytes would be queued now (the store copies a page only then)."""
+        if self.up and self._queued_bytes + size <= self.config.queue_bytes:
+            return True
+        self._count("dropped_writes")
+        return False
+
     def submit_write(self, namespace: bytes, key: bytes, page: bytes, done: WriteDone | None = None) -> bool:
         size = len(page)
         with self._lock:
@@ -151,7 +165,7 @@ class RemoteTier:
                 return False
             self._queued_bytes += size
             self._pending += 1
-        self._workers.submit(self._job, self._write, namespace, key, page, done)
+        self._write_workers.submit(self._job, self._write, namespace, key, page, done)
         return True
 
     def submit_read(
@@ -163,7 +177,7 @@ class RemoteTier:
                 return False
             self._pending += 1
             self.counters["reads"] += 1
-        self._workers.submit(self._job, self._read, namespace, key, done, into)
+        self._read_workers.submit(self._job, self._read, namespace, key, done, into)
         return True
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -186,19 +200,21 @@ class RemoteTier:
     def _write(self, namespace: bytes, key: bytes, page: bytes, done: WriteDone | None) -> None:
         ok = False
         try:
-            if self._closed and self._clock() > self._deadline:
-                self._count("dropped_writes")
+            if not self.up and (not self._closed or self._clock() > self._deadline):
+                self._count("dropped_writes")  # down since it was queued, or close() ran out of time
                 return
             name = self.record_key(namespace, key)
             codec, payload = compress(self._codec, page)
             try:
+                ttl_ms = int(self.config.ttl_s * 1000) or None
                 if self._redis.exists(name):
                     self._count("duplicate_writes")
+                    if ttl_ms:
+                        self._redis.pexpire(name, ttl_ms)  # in use again: it lives on
                     ok = True
                     return
                 record = pack_header(namespace, key, codec, len(page), payload) + bytes(payload)
-                ttl = self.config.ttl_s
-                self._redis.set(name, record, nx=True, ex=int(ttl) if ttl else None)
+                self._redis.set(name, record, nx=True, px=ttl_ms)
             except self._errors as exc:
                 self._failed("a write", exc)
                 return
@@ -216,7 +232,8 @@ class RemoteTier:
         page: Buffer | None = None
         name = self.record_key(namespace, key)
         try:
-            page = self._get(name, namespace, key, into)
+            if self.up:  # down since it was queued: a miss without asking
+                page = self._get(name, namespace, key, into)
         except CorruptRecord as exc:
             self._count("corrupted_records")
             log.warning("remote tier: record %s is corrupt (%s); deleted, read as a miss", name.decode(), exc)
@@ -231,25 +248,25 @@ class RemoteTier:
             done(page)
 
     def _get(self, name: bytes, namespace: bytes, key: bytes, into: memoryview) -> Buffer | None:
-        """The page read into `into` (None: no record); CorruptRecord, or the client's errors."""
-        local = self._local
-        reader = getattr(local, "reader", None)
-        if reader is None and self._direct:
-            reader = local.reader = RecordReader.open(self.config.url, self.config.timeout_s)
-            if reader is None:  # TLS: through the redis client
-                self._direct = False
-            else:
-                with self._lock:
-                    self._readers.add(reader)
-        if reader is not None:
+        """The page read into `into` (None: no record); CorruptRecord, or the client's errors.
+
+        A worker's connection that failed after serving earlier reads (the server restarted,
+        or closed it as idle) is replaced once, and the read tried again on the new one.
+        """
+        for attempt in (0, 1):
+            reader, reused = self._reader()
+            if reader is None:
+                break  # TLS: through the redis client
             try:
-                return reader.get(name, namespace, key, into)
-            except (OSError, CorruptRecord):
-                local.reader = None  # closed by get(): the next read opens another
+                return reader.get(name, namespace, key, into, ttl_ms=int(self.config.ttl_s * 1000))
+            except BaseException as exc:
+                self._local.reader = None  # closed by get(): the next read opens another
                 with self._lock:
                     self._readers.discard(reader)
-                raise
-        record = self._redis.get(name)
+                if not (reused and attempt == 0 and isinstance(exc, OSError)):
+                    raise
+        ttl = self.config.ttl_s
+        record = self._redis.getex(name, px=int(ttl * 1000)) if ttl else self._redis.get(name)
         if not isinstance(record, bytes):  # None: no record (replies are bytes: decode_responses is off)
             return None
         header = unpack_header(record)
@@ -260,6 +277,22 @@ class RemoteTier:
             raise CorruptRecord(f"record holds a {len(page)}-byte page, the slot is {len(into)} bytes")
         into[:] = page
         return into
+
+    def _reader(self) -> tuple[RecordReader | None, bool]:
+        """This worker's reader (opened if it has none) and whether it served reads before."""
+        reader: RecordReader | None = getattr(self._local, "reader", None)
+        if reader is not None:
+            return reader, True
+        if not self._direct:
+            return None, False
+        reader = RecordReader.open(self.config.url, self.config.timeout_s)
+        if reader is None:
+            self._direct = False
+            return None, False
+        self._local.reader = reader
+        with self._lock:
+            self._readers.add(reader)
+        return reader, False
 
     def _failed(self, what: str, exc: BaseException) -> None:
         with self._lock:
@@ -294,6 +327,7 @@ class RemoteTier:
             "lookups",
             "lookup_hits",
             "lookup_timeouts",
+            "stats_failures",
             "errors",
         ):
             figures.setdefault(name, 0.0)
@@ -324,7 +358,8 @@ class RemoteTier:
         self._deadline = self._clock() + timeout_s
         self.wait_idle(timeout_s)
         self._closed = True
-        self._workers.shutdown(wait=True, cancel_futures=False)
+        self._read_workers.shutdown(wait=True, cancel_futures=False)
+        self._write_workers.shutdown(wait=True, cancel_futures=False)
         self._redis.close()
         self._lookup.close()
         with self._lock:

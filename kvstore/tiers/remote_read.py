@@ -9,9 +9,11 @@ Compressed records, and replies of an unexpected size, are received whole and de
 
 - `RecordReader.open(url, timeout_s)`: a connection per worker thread (unix or TCP; AUTH and
   SELECT as the URL asks); None for `rediss://`, whose reads go through the `redis` client.
-- `RecordReader.get(name, namespace, key, into) -> Buffer | None`: the page (`into` itself,
-  filled) or None where there is no record. Raises `CorruptRecord` for a record that does not
-  check out, `OSError` (or `RespError`) for a connection that failed; it is then closed.
+- `RecordReader.get(name, namespace, key, into, ttl_ms=0) -> Buffer | None`: the page (`into`
+  itself, filled) or None where there is no record. Raises `CorruptRecord` for a record that
+  does not check out (or a value of another type under its name), `OSError` (or `RespError`)
+  for a connection that failed. On any exception the connection is closed: the reply may be
+  half read.
 """
 
 from __future__ import annotations
@@ -19,10 +21,18 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from kvstore.codec import Buffer
+from kvstore.codec import Buffer, Codec
 from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, unpack_header
 
 FIRST_READ_BYTES = 1 << 16
+DEFAULT_PORT = 6379  # as redis-py takes a URL without a port
+
+
+def address_of(settings: dict[str, Any]) -> str | tuple[str, int]:
+    """A unix socket path, or (host, port) with redis-py's defaults for what the URL leaves out."""
+    if "path" in settings:
+        return str(settings["path"])
+    return str(settings.get("host", "localhost")), int(settings.get("port", DEFAULT_PORT))
 
 
 class RespError(OSError):
@@ -48,16 +58,17 @@ class RecordReader:
         if url.startswith("rediss://"):
             return None
         settings: dict[str, Any] = parse_url(url)
-        if "path" in settings:
+        address = address_of(settings)
+        if isinstance(address, str):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(timeout_s)
             try:
-                sock.connect(settings["path"])
+                sock.connect(address)
             except OSError:
                 sock.close()
                 raise
         else:
-            sock = socket.create_connection((settings["host"], settings["port"]), timeout=timeout_s)
+            sock = socket.create_connection(address, timeout=timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         reader = cls(sock)
         try:
@@ -75,16 +86,22 @@ class RecordReader:
     def close(self) -> None:
         self._sock.close()
 
-    def get(self, name: bytes, namespace: bytes, key: bytes, into: memoryview) -> Buffer | None:
+    def get(
+        self, name: bytes, namespace: bytes, key: bytes, into: memoryview, ttl_ms: int = 0
+    ) -> Buffer | None:
+        """With `ttl_ms`, the read also renews the record's expiry (GETEX)."""
         try:
-            return self._get(name, namespace, key, into)
-        except (OSError, CorruptRecord):
+            return self._get(name, namespace, key, into, ttl_ms)
+        except BaseException:
             self.close()  # the reply may be half read: this connection is done
             raise
 
-    def _get(self, name: bytes, namespace: bytes, key: bytes, into: memoryview) -> Buffer | None:
-        self._sock.sendall(_command(b"GET", name))
+    def _get(self, name: bytes, namespace: bytes, key: bytes, into: memoryview, ttl_ms: int) -> Buffer | None:
+        command = _command(b"GETEX", name, b"PX", b"%d" % ttl_ms) if ttl_ms else _command(b"GET", name)
+        self._sock.sendall(command)
         line = self._line()
+        if line.startswith(b"-WRONGTYPE"):  # something else under a record's name
+            raise CorruptRecord(line[1:].decode(errors="replace"))
         if line.startswith(b"-"):
             raise RespError(line[1:].decode(errors="replace"))
         if not line.startswith(b"$"):
@@ -100,7 +117,8 @@ class RecordReader:
         payload_length = length - HEADER_BYTES
         if header.payload_length != payload_length:
             raise CorruptRecord(f"payload is {payload_length} bytes, the header says {header.payload_length}")
-        if header.raw_length == payload_length == len(into):  # stored raw: straight into the slot
+        if header.codec is Codec.NONE and header.raw_length == payload_length == len(into):
+            # Stored raw: straight into the slot.
             self._into(into)
             self._crlf()
             header.check_payload(into)
