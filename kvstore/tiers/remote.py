@@ -11,13 +11,17 @@ the key `<key_prefix><namespace hex>:<chunk key hex>`. A record that does not ch
   it is bounded: a lookup past the deadline is a miss (`lookup_timeouts`); a server that
   fails, or three such lookups in a row, make the tier `down` for `retry_s` (a warning
   once per outage, `errors` in stats), and a down tier answers 0 at once.
-- `submit_write(namespace, key, page) -> bool`: queued for a worker, which skips a key
-  already stored (records are content-addressed: same key, same bytes) and writes the
-  record with SET NX (and EX `ttl_s` when set). False, counted in `dropped_writes`, when
-  the tier is down or `queue_bytes` are already waiting.
-- `submit_read(namespace, key, done, into) -> bool`: a worker GETs the record straight into
-  `into` (an arena slot; `remote_read`), checks it there and calls `done(page)`, or
-  `done(None)` for a missing, unreadable or corrupt one. False when the tier is down.
+- `accepts(size)`, `submit_write(namespace, key, page) -> bool`: queued for a write worker,
+  which skips a key already stored (records are content-addressed: same key, same bytes;
+  its expiry is renewed) and writes the record with SET NX (PX `ttl_s` when set). False,
+  counted in `dropped_writes`, when the tier is down or `queue_bytes` are already waiting
+  (`accepts` answers first, so the store copies a page only when it will be queued).
+- `submit_read(namespace, key, done, into) -> bool`: a read worker (reads never wait behind
+  writes) GETs the record straight into `into` (an arena slot; `remote_read`), checks it
+  there and calls `done(page)`, or `done(None)` for a missing, unreadable or corrupt one.
+  False when the tier is down; a job queued before an outage answers at once. A worker's
+  connection that the server dropped (restart, idle timeout) is replaced and the read tried
+  again once before it counts as a failure.
 - `kvctl clear` clears this daemon's own tiers, never the shared server: other hosts'
   pages are theirs too. A change of weights under the same model name needs a new `salt`
   (a new namespace); the old records age out under the server's eviction or `ttl_s`.
