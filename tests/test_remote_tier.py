@@ -4,6 +4,7 @@ daemons sharing prefixes through one server."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -431,3 +432,81 @@ def test_a_daemon_starts_with_its_server_unreachable_and_serves(
         assert client.lookup(prompt(1, 2)) == 0
         assert remote_stats(client)["up"] == 0
     assert "the first PING failed" in daemon.log()
+
+
+# -- the RESP reader against scripted replies -------------------------------------------------------
+
+
+def scripted_server(path: str, reply_chunks: list[bytes]) -> threading.Thread:
+    """Accepts one connection on `path`, reads one request, sends `reply_chunks` one by one, closes."""
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn, listener, contextlib.suppress(OSError):  # the reader may close first
+            conn.recv(65536)
+            for chunk in reply_chunks:
+                conn.sendall(chunk)
+                time.sleep(0.001)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def record_of(i: int, size: int = 4 * KIB) -> bytes:
+    from kvstore.codec import Codec
+    from kvstore.tiers.records import pack_header
+
+    data = page(i, size)
+    return pack_header(NS, key(i), Codec.NONE, size, data) + data
+
+
+@pytest.mark.parametrize(
+    ("reply", "outcome"),
+    [
+        pytest.param([b"$-1\r\n"], None, id="nil"),
+        pytest.param([b"$%d\r\n" % (HEADER_BYTES + 4096), record_of(1), b"\r\n"], "page", id="whole"),
+        pytest.param(
+            [bytes([b]) for b in b"$%d\r\n" % (HEADER_BYTES + 4096) + record_of(1)[:100]]
+            + [record_of(1)[100:], b"\r", b"\n"],
+            "page",
+            id="bytewise",
+        ),
+        pytest.param(
+            [b"$%d\r\n" % (HEADER_BYTES + 4096), record_of(1)[:2000]], ConnectionError, id="cut-short"
+        ),
+        pytest.param([b"$%d\r\n" % (HEADER_BYTES + 4096), record_of(1), b"xx"], "RespError", id="no-crlf"),
+        pytest.param([b"$10\r\n0123456789\r\n"], "CorruptRecord", id="shorter-than-a-header"),
+        pytest.param(
+            [b"$%d\r\n" % (HEADER_BYTES + 4096), record_of(2), b"\r\n"], "CorruptRecord", id="other-key"
+        ),
+        pytest.param([b"-ERR boom\r\n"], "RespError", id="error"),
+        pytest.param([b"+OK\r\n"], "RespError", id="not-a-bulk-string"),
+    ],
+)
+def test_the_record_reader_takes_only_a_whole_checked_reply(
+    tmp_path: Any, reply: list[bytes], outcome: Any
+) -> None:
+    from kvstore.tiers.records import CorruptRecord
+    from kvstore.tiers.remote_read import RecordReader, RespError
+
+    path = str(tmp_path / "s.sock")
+    server = scripted_server(path, reply)
+    reader = RecordReader.open(f"unix://{path}", timeout_s=5)
+    assert reader is not None
+    into = memoryview(bytearray(b"\xa5" * 4096))
+    errors = {"RespError": RespError, "CorruptRecord": CorruptRecord, ConnectionError: ConnectionError}
+    if outcome in errors:
+        with pytest.raises(errors[outcome]):
+            reader.get(b"name", NS, key(1), into)
+        assert reader._sock.fileno() == -1  # closed: a half-read reply is never parsed again
+    else:
+        got = reader.get(b"name", NS, key(1), into)
+        assert (None if got is None else bytes(got)) == (page(1, 4096) if outcome == "page" else None)
+        reader.close()
+    server.join(5)
