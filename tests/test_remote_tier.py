@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore.config import ConfigError, RemoteTierConfig, parse_config
-from kvstore.tiers import Tier
-from kvstore.tiers.records import HEADER_BYTES
-from kvstore.tiers.remote import RemoteTier
-from kvstore_client import KVSpec, KVStoreClient
-from tests.conftest import Daemon, RedisServer
+pytest.importorskip("redis", reason="the remote tier needs the redis package (a kvstore dependency)")
+
+from kvstore.config import ConfigError, RemoteTierConfig, parse_config  # noqa: E402
+from kvstore.tiers import Tier  # noqa: E402
+from kvstore.tiers.records import HEADER_BYTES  # noqa: E402
+from kvstore.tiers.remote import RemoteTier  # noqa: E402
+from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
+from tests.conftest import Daemon, RedisServer  # noqa: E402
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))
