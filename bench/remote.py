@@ -1,7 +1,7 @@
 """Remote tier: a prefix stored on one host, loaded on another, against the Redis transport alone.
 
-Starts a redis-server (unix socket, no persistence) and two daemons pointed at it (A and B,
-`tiers.remote.write: through`). Each round stores a new prompt through A (its pages are written
+Starts a redis-server (unix socket, no persistence), two daemons pointed at it (A and B,
+`tiers.remote.write: through`) and one without a remote tier (C). Each round stores a new prompt through A (its pages are written
 through to the server; the round waits until they are), then times, in turn:
 
 - load on B, remote tier: `client.load` on B of a prompt B has never seen (Lookup finds the
@@ -9,7 +9,10 @@ through to the server; the round waits until they are), then times, in turn:
   KV cache);
 - load on B, CPU tier: the same load again (the pages are in B's arena now);
 - raw GET, one pipeline: the same records fetched with one pipelined GET per page from this
-  process (no checks, no copies): what the transport gives.
+  process (no checks, no copies): what the transport gives;
+- store on A (write-through) against store on C, a third daemon without a remote tier: what
+  writing through costs the storing worker (the pages are sent from their arena slots by A's
+  workers after Commit; the store itself only hands them over).
 
 GB/s of page bytes; ratios are medians of per-round ratios. Page sizes default to an 8-layer
 slice of Llama-3.1-8B geometry (8 MiB pages of 256 tokens); loads land in CPU tensors, so the
@@ -100,27 +103,31 @@ def main() -> None:
     total = chunks * page_bytes
     arena = max(4 * total, 256 << 20)
     with running_redis() as (url, server):
-        config = {
-            "chunk_tokens": CHUNK,
-            "tiers": {
-                "cpu": {"bytes": arena, "slab_bytes": max(page_bytes, 16 << 20)},
-                "remote": {"enabled": True, "url": url, "threads": args.threads, "queue_bytes": 2 * total},
-            },
-        }
+        cpu = {"bytes": arena, "slab_bytes": max(page_bytes, 16 << 20)}
+        remote = {"enabled": True, "url": url, "threads": args.threads, "queue_bytes": 2 * total}
+        config: dict[str, Any] = {"chunk_tokens": CHUNK, "tiers": {"cpu": cpu, "remote": remote}}
+        local_only: dict[str, Any] = {"chunk_tokens": CHUNK, "tiers": {"cpu": cpu}}
         with (
             running_daemon(config) as first,
             running_daemon(config) as second,
+            running_daemon(local_only) as third,
             KVStoreClient.connect(first.address, spec) as writer,
             KVStoreClient.connect(second.address, spec) as reader,
+            KVStoreClient.connect(third.address, spec) as plain,
         ):
             source = [torch.randn(2, blocks, BLOCK, HEADS, HEAD_DIM).bfloat16() for _ in range(args.layers)]
             target = [torch.zeros_like(layer) for layer in source]
             block_ids = torch.arange(blocks)
-            samples: dict[str, list[float]] = {"remote": [], "cpu": [], "raw": []}
+            samples: dict[str, list[float]] = {"remote": [], "cpu": [], "raw": [], "store": [], "plain": []}
             for round_ in range(args.rounds + 1):  # round 0 warms up and is not counted
                 tokens = [round_ * 1_000_000 + t for t in range(args.tokens)]
+                started = time.perf_counter()
                 assert writer.store(tokens, source, block_ids) == chunks
+                store_s = time.perf_counter() - started
                 wait_written(writer, chunks * (round_ + 1))
+                started = time.perf_counter()
+                assert plain.store(tokens, source, block_ids) == chunks
+                plain_s = time.perf_counter() - started
                 names = [
                     f"kvstore:{reader.namespace.hex()}:{key.hex()}".encode() for key in reader.keys(tokens)
                 ]
@@ -142,6 +149,7 @@ def main() -> None:
                         torch.equal(a, b) for a, b in zip(target, source, strict=True)
                     ):
                         raise AssertionError(f"{row}: loaded bytes differ from the stored ones")
+                timed.update(store=store_s, plain=plain_s)
                 if round_:
                     for row, seconds in timed.items():
                         samples[row].append(seconds)
@@ -153,6 +161,8 @@ def main() -> None:
         "raw": "raw GET, one pipeline",
     }
     for row, values in samples.items():
+        if row in ("store", "plain"):
+            continue
         median = statistics.median(values)
         x_raw = statistics.median(r / v for v, r in zip(values, samples["raw"], strict=True))
         x_cpu = statistics.median(c / v for v, c in zip(values, samples["cpu"], strict=True))
@@ -165,8 +175,22 @@ def main() -> None:
             "x_cpu_tier_speed": x_cpu,
             "rounds_ms": [v * 1e3 for v in values],
         }
+    stores = {
+        row: {"ms": statistics.median(samples[row]) * 1e3, "rounds_ms": [v * 1e3 for v in samples[row]]}
+        for row in ("store", "plain")
+    }
+    store_ratio = statistics.median(s / p for s, p in zip(samples["store"], samples["plain"], strict=True))
+    results["store_write_through"] = stores["store"] | {"x_no_remote_time": store_ratio}
+    results["store_no_remote"] = stores["plain"]
     print(f"{args.tokens} tokens, {args.layers} layers: {chunks} pages of {page_bytes >> 20} MiB per load")
     print_table(("what", "ms", "GB/s", "x raw GET speed", "x CPU-tier speed"), rows)
+    print_table(
+        ("store (one worker's call)", "ms", "x time without a remote tier"),
+        [
+            ["store on A, remote write-through", stores["store"]["ms"], store_ratio],
+            ["store on C, no remote tier", stores["plain"]["ms"], 1.0],
+        ],
+    )
     path = write_results(
         "remote",
         {

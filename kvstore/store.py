@@ -533,19 +533,34 @@ class Store:
         ns.pages += len(lease.entries)
         self._tell("stored", self._policy_pages(self._link(ns, lease.keys)))
         self.counters["stored_chunks"] += len(lease.entries)
-        disk = self.disk if self.disk is not None and self.disk.write_through else None
-        remote = self.remote if self.remote is not None and self.remote.write_through else None
         page_bytes = ns.spec.page_bytes
-        for entry in lease.entries if disk is not None or remote is not None else ():
-            to_remote = remote is not None and remote.accepts(page_bytes)  # else no copy for it
-            if disk is None and not to_remote:
-                continue
-            page = bytes(self.cpu.read(entry.offset, page_bytes))
-            if disk is not None:
-                disk.submit_write(ns_id, entry.key, page)
-            if to_remote and remote is not None:
-                remote.submit_write(ns_id, entry.key, page)
+        if self.disk is not None and self.disk.write_through:
+            for entry in lease.entries:
+                self.disk.submit_write(ns_id, entry.key, bytes(self.cpu.read(entry.offset, page_bytes)))
+        if self.remote is not None and self.remote.write_through:
+            self._send_remote(ns, lease.entries)
         return len(lease.entries)
+
+    def _send_remote(self, ns: Namespace, entries: Sequence[Entry]) -> None:
+        """Hands committed pages to the remote tier straight from their arena slots: each stays
+        pinned (not evicted, its slot not reused) until its write worker has sent it."""
+        remote, page_bytes = self.remote, ns.spec.page_bytes
+        assert remote is not None
+        loop = asyncio.get_running_loop()
+        for entry in entries:
+            if not remote.accepts(page_bytes):
+                continue  # queue full or tier down: dropped (counted), and not copied
+            entry.pins += 1
+
+            def sent(ok: bool, entry: Entry = entry) -> None:
+                loop.call_soon_threadsafe(self._unpin_entry, entry)
+
+            if not remote.submit_write(ns.id, entry.key, self.cpu.read(entry.offset, page_bytes), sent):
+                self._unpin_entry(entry)
+
+    def _unpin_entry(self, entry: Entry) -> None:
+        entry.pins -= 1
+        self._settle(entry)
 
     def abort(self, ns_id: bytes, lease_id: int) -> int:
         lease = self._lease(ns_id, lease_id, LeaseKind.STORE)

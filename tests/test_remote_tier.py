@@ -99,7 +99,7 @@ def test_pages_round_trip_and_lookups_count_the_leading_run(open_tier: Callable[
 def test_reads_through_the_redis_client_where_no_direct_read_is_made(
     open_tier: Callable[..., RemoteTier],
 ) -> None:
-    """TLS (rediss://) reads go through the redis client instead of `remote_read`: the same bytes
+    """TLS (rediss://) reads go through the redis client instead of `remote_resp`: the same bytes
     and the same checks."""
     tier = open_tier()
     tier._direct = False  # as for a rediss:// URL, which this test's server does not speak
@@ -220,7 +220,7 @@ def test_a_value_of_another_type_under_a_record_name_is_a_miss(
 def test_a_url_without_a_port_takes_the_default_one() -> None:
     from redis.connection import parse_url
 
-    from kvstore.tiers.remote_read import address_of
+    from kvstore.tiers.remote_resp import address_of
 
     assert address_of(parse_url("redis://cache/0")) == ("cache", 6379)
     assert address_of(parse_url("redis://cache:7000")) == ("cache", 7000)
@@ -379,6 +379,26 @@ def test_a_chain_continues_from_the_cpu_tier_into_the_remote_tier(
         assert load_and_compare(reader, 3, 5) == 5 * CHUNK
 
 
+def test_write_through_sends_pages_from_their_slots_intact_while_the_cpu_tier_turns_over(
+    redis_server: RedisServer, daemon_factory: Callable[..., Daemon]
+) -> None:
+    """Write-through sends each page from its arena slot, which stays pinned until it is sent:
+    however fast the small CPU tier evicts, every record on the server holds its page's bytes."""
+    small = {"tiers__cpu__bytes": "400KiB", "tiers__cpu__slab_bytes": "400KiB"}  # 50 pages
+    first = daemon_factory("first", **remote_overrides(redis_server), **small)
+    second = daemon_factory("second", **remote_overrides(redis_server))
+    stored = 0
+    with KVStoreClient.connect(first.address, SPEC) as writer:
+        for i in range(20):  # 200 pages through a 50-page CPU tier, back to back
+            stored += writer.store(prompt(i, 10), cache_for(i, 10), torch.arange(10))
+        stats = wait_written(writer, stored)
+        assert stats["written"] == stored and stats["dropped_writes"] == 0
+        assert stored >= 150  # a store finding every slot pinned stores less: the rest is backpressure
+    with KVStoreClient.connect(second.address, SPEC) as reader:
+        loaded = [load_and_compare(reader, i, 10) for i in range(20)]  # bytes compared inside
+        assert sum(loaded) == stored * CHUNK
+
+
 def test_write_behind_sends_pages_as_they_leave_the_cpu_tier(
     redis_server: RedisServer, daemon_factory: Callable[..., Daemon]
 ) -> None:
@@ -495,11 +515,11 @@ def test_the_record_reader_takes_only_a_whole_checked_reply(
     tmp_path: Any, reply: list[bytes], outcome: Any
 ) -> None:
     from kvstore.tiers.records import CorruptRecord
-    from kvstore.tiers.remote_read import RecordReader, RespError
+    from kvstore.tiers.remote_resp import RecordConnection, RespError
 
     path = str(tmp_path / "s.sock")
     server = scripted_server(path, reply)
-    reader = RecordReader.open(f"unix://{path}", timeout_s=5)
+    reader = RecordConnection.open(f"unix://{path}", timeout_s=5)
     assert reader is not None
     into = memoryview(bytearray(b"\xa5" * 4096))
     errors = {"RespError": RespError, "CorruptRecord": CorruptRecord, ConnectionError: ConnectionError}

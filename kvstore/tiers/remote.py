@@ -17,7 +17,7 @@ the key `<key_prefix><namespace hex>:<chunk key hex>`. A record that does not ch
   counted in `dropped_writes`, when the tier is down or `queue_bytes` are already waiting
   (`accepts` answers first, so the store copies a page only when it will be queued).
 - `submit_read(namespace, key, done, into) -> bool`: a read worker (reads never wait behind
-  writes) GETs the record straight into `into` (an arena slot; `remote_read`), checks it
+  writes) GETs the record straight into `into` (an arena slot; `remote_resp`), checks it
   there and calls `done(page)`, or `done(None)` for a missing, unreadable or corrupt one.
   False when the tier is down; a job queued before an outage answers at once. A worker's
   connection that the server dropped (restart, idle timeout) is replaced and the read tried
@@ -48,7 +48,7 @@ from typing import Any
 from kvstore.codec import CODECS, Buffer, compress
 from kvstore.config import ConfigError, RemoteTierConfig
 from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, pack_header, unpack_header
-from kvstore.tiers.remote_read import RecordReader
+from kvstore.tiers.remote_resp import RecordConnection
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,9 @@ class RemoteTier:
         self._down_until = 0.0
         self._closed = False
         self._deadline = float("inf")  # close(): queued writes past this are dropped
-        self._direct = True  # reads received straight into their slot (`remote_read`); not for TLS
-        self._local = threading.local()  # each worker's RecordReader
-        self._readers: set[RecordReader] = set()
+        self._direct = True  # reads received straight into their slot (`remote_resp`); not for TLS
+        self._local = threading.local()  # each worker's RecordConnection
+        self._connections: set[RecordConnection] = set()
         self.counters: Counter[str] = Counter()
 
     # -- keys ---------------------------------------------------------------
@@ -161,7 +161,9 @@ class RemoteTier:
         self._count("dropped_writes")
         return False
 
-    def submit_write(self, namespace: bytes, key: bytes, page: bytes, done: WriteDone | None = None) -> bool:
+    def submit_write(
+        self, namespace: bytes, key: bytes, page: bytes | memoryview, done: WriteDone | None = None
+    ) -> bool:
         size = len(page)
         with self._lock:
             if not self.up or self._queued_bytes + size > self.config.queue_bytes:
@@ -201,7 +203,7 @@ class RemoteTier:
                 self._pending -= 1
                 self._idle.notify_all()
 
-    def _write(self, namespace: bytes, key: bytes, page: bytes, done: WriteDone | None) -> None:
+    def _write(self, namespace: bytes, key: bytes, page: bytes | memoryview, done: WriteDone | None) -> None:
         ok = False
         try:
             if not self.up and (not self._closed or self._clock() > self._deadline):
@@ -209,28 +211,44 @@ class RemoteTier:
                 return
             name = self.record_key(namespace, key)
             codec, payload = compress(self._codec, page)
+            header = pack_header(namespace, key, codec, len(page), payload)
             try:
-                ttl_ms = int(self.config.ttl_s * 1000) or None
-                if self._redis.exists(name):
-                    self._count("duplicate_writes")
-                    if ttl_ms:
-                        self._redis.pexpire(name, ttl_ms)  # in use again: it lives on
-                    ok = True
-                    return
-                record = pack_header(namespace, key, codec, len(page), payload) + bytes(payload)
-                self._redis.set(name, record, nx=True, px=ttl_ms)
+                stored = self._put(name, header, payload)
             except self._errors as exc:
                 self._failed("a write", exc)
                 return
             ok = True
             with self._lock:
-                self.counters["written"] += 1
-                self.counters["written_bytes"] += len(record)
+                if stored:
+                    self.counters["written"] += 1
+                    self.counters["written_bytes"] += len(header) + len(payload)
+                else:  # records are content-addressed: the one there holds the same bytes
+                    self.counters["duplicate_writes"] += 1
         finally:
             with self._lock:
                 self._queued_bytes -= len(page)
             if done is not None:
                 done(ok)
+
+    def _put(self, name: bytes, header: bytes, payload: Buffer) -> bool:
+        """Stores the record unless one is there (then renews its expiry); True if it stored."""
+        ttl_ms = int(self.config.ttl_s * 1000)
+
+        def direct(connection: RecordConnection) -> bool:
+            if connection.exists(name):
+                if ttl_ms:
+                    connection.pexpire(name, ttl_ms)  # in use again: it lives on
+                return False
+            return connection.put(name, header, payload, ttl_ms)
+
+        done, stored = self._on_connection(direct)
+        if done:
+            return bool(stored)
+        if self._redis.exists(name):
+            if ttl_ms:
+                self._redis.pexpire(name, ttl_ms)
+            return False
+        return bool(self._redis.set(name, header + bytes(payload), nx=True, px=ttl_ms or None))
 
     def _read(self, namespace: bytes, key: bytes, done: ReadDone, into: memoryview) -> None:
         page: Buffer | None = None
@@ -252,23 +270,13 @@ class RemoteTier:
             done(page)
 
     def _get(self, name: bytes, namespace: bytes, key: bytes, into: memoryview) -> Buffer | None:
-        """The page read into `into` (None: no record); CorruptRecord, or the client's errors.
-
-        A worker's connection that failed after serving earlier reads (the server restarted,
-        or closed it as idle) is replaced once, and the read tried again on the new one.
-        """
-        for attempt in (0, 1):
-            reader, reused = self._reader()
-            if reader is None:
-                break  # TLS: through the redis client
-            try:
-                return reader.get(name, namespace, key, into, ttl_ms=int(self.config.ttl_s * 1000))
-            except BaseException as exc:
-                self._local.reader = None  # closed by get(): the next read opens another
-                with self._lock:
-                    self._readers.discard(reader)
-                if not (reused and attempt == 0 and isinstance(exc, OSError)):
-                    raise
+        """The page read into `into` (None: no record); CorruptRecord, or the client's errors."""
+        ttl_ms = int(self.config.ttl_s * 1000)
+        done, page = self._on_connection(
+            lambda connection: connection.get(name, namespace, key, into, ttl_ms=ttl_ms)
+        )
+        if done:
+            return page
         ttl = self.config.ttl_s
         record = self._redis.getex(name, px=int(ttl * 1000)) if ttl else self._redis.get(name)
         if not isinstance(record, bytes):  # None: no record (replies are bytes: decode_responses is off)
@@ -282,21 +290,38 @@ class RemoteTier:
         into[:] = page
         return into
 
-    def _reader(self) -> tuple[RecordReader | None, bool]:
-        """This worker's reader (opened if it has none) and whether it served reads before."""
-        reader: RecordReader | None = getattr(self._local, "reader", None)
-        if reader is not None:
-            return reader, True
+    def _on_connection(self, work: Callable[[RecordConnection], Any]) -> tuple[bool, Any]:
+        """(True, work(this worker's connection)), or (False, None) where there is none (TLS: the
+        caller goes through the redis client). A connection that fails after serving earlier
+        calls (the server restarted, or closed it as idle) is replaced once and `work` run again."""
+        connection: RecordConnection | None = getattr(self._local, "connection", None)
+        if connection is not None:
+            try:
+                return True, work(connection)
+            except OSError:
+                self._drop_connection(connection)  # closed by the failed call; try a fresh one
+            except BaseException:
+                self._drop_connection(connection)
+                raise
         if not self._direct:
-            return None, False
-        reader = RecordReader.open(self.config.url, self.config.timeout_s)
-        if reader is None:
+            return False, None
+        connection = RecordConnection.open(self.config.url, self.config.timeout_s)
+        if connection is None:
             self._direct = False
-            return None, False
-        self._local.reader = reader
+            return False, None
+        self._local.connection = connection
         with self._lock:
-            self._readers.add(reader)
-        return reader, False
+            self._connections.add(connection)
+        try:
+            return True, work(connection)
+        except BaseException:
+            self._drop_connection(connection)
+            raise
+
+    def _drop_connection(self, connection: RecordConnection) -> None:
+        self._local.connection = None
+        with self._lock:
+            self._connections.discard(connection)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         with self._lock:
@@ -367,6 +392,6 @@ class RemoteTier:
         self._redis.close()
         self._lookup.close()
         with self._lock:
-            readers, self._readers = self._readers, set()
-        for reader in readers:
-            reader.close()
+            connections, self._connections = self._connections, set()
+        for connection in connections:
+            connection.close()

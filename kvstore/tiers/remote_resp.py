@@ -1,15 +1,19 @@
-"""GET of one page record, received straight into its arena slot.
+"""Page records to and from Redis without a copy: sent from, and received into, arena slots.
 
-The remote tier's reads are its hot path: a page of a few MiB to tens of MiB. Through the
-`redis` client a reply is parsed into a bytes object and then copied into the slot, with the
-GIL held for both. Here a worker sends the GET on its own connection (RESP, one request at a
-time) and `recv_into`s the payload of a raw record directly into the slot, the GIL released
-while the kernel copies; the record's header and checksum are checked on the bytes in place.
-Compressed records, and replies of an unexpected size, are received whole and decoded.
+The remote tier moves pages of a few MiB to tens of MiB. Through the `redis` client a reply
+is parsed into a bytes object and then copied into the slot, and a record to store is first
+joined into one bytes object, with the GIL held throughout. Here each worker has its own
+connection (RESP, one request at a time): a GET `recv_into`s a raw record's payload
+directly into the slot, and a SET sends the header and then the slot's bytes as they are,
+the GIL released while the kernel copies. The record's header and checksum are checked on
+the bytes in place. Compressed records, and replies of an unexpected size, are received
+whole and decoded.
 
-- `RecordReader.open(url, timeout_s)`: a connection per worker thread (unix or TCP; AUTH and
-  SELECT as the URL asks); None for `rediss://`, whose reads go through the `redis` client.
-- `RecordReader.get(name, namespace, key, into, ttl_ms=0) -> Buffer | None`: the page (`into`
+- `RecordConnection.open(url, timeout_s)`: a connection per worker thread (unix or TCP; AUTH and
+  SELECT as the URL asks); None for `rediss://`, which goes through the `redis` client.
+- `exists(name) -> bool`, `pexpire(name, ms)`, `put(name, header, payload, ttl_ms) -> bool`
+  (SET NX [PX]: False when a record was already there).
+- `RecordConnection.get(name, namespace, key, into, ttl_ms=0) -> Buffer | None`: the page (`into`
   itself, filled) or None where there is no record. Raises `CorruptRecord` for a record that
   does not check out (or a value of another type under its name), `OSError` (or `RespError`)
   for a connection that failed. On any exception the connection is closed: the reply may be
@@ -46,13 +50,13 @@ def _command(*parts: bytes) -> bytes:
     return b"".join(out)
 
 
-class RecordReader:
+class RecordConnection:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._rest = bytearray()  # received and not yet taken: only this reply's bytes
 
     @classmethod
-    def open(cls, url: str, timeout_s: float) -> RecordReader | None:
+    def open(cls, url: str, timeout_s: float) -> RecordConnection | None:
         from redis.connection import parse_url
 
         if url.startswith("rediss://"):
@@ -85,6 +89,46 @@ class RecordReader:
 
     def close(self) -> None:
         self._sock.close()
+
+    def exists(self, name: bytes) -> bool:
+        return self._call(_command(b"EXISTS", name)) == b":1"
+
+    def pexpire(self, name: bytes, ttl_ms: int) -> None:
+        self._call(_command(b"PEXPIRE", name, b"%d" % ttl_ms))
+
+    def put(self, name: bytes, header: bytes, payload: Buffer, ttl_ms: int = 0) -> bool:
+        """SET NX of header + payload, the payload sent from where it lies; False: already there."""
+        expiry = (b"PX", b"%d" % ttl_ms) if ttl_ms else ()
+        parts = (b"SET", name)
+        head = b"*%d\r\n" % (len(parts) + 2 + len(expiry))
+        head += b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)
+        head += b"$%d\r\n" % (len(header) + len(payload)) + header
+        tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in (b"NX", *expiry))
+        try:
+            self._sock.sendall(head)
+            self._sock.sendall(payload)
+            self._sock.sendall(tail)
+            line = self._line()
+        except BaseException:
+            self.close()
+            raise
+        if line.startswith(b"-"):
+            self.close()
+            raise RespError(line[1:].decode(errors="replace"))
+        return line == b"+OK"
+
+    def _call(self, command: bytes) -> bytes:
+        """One command with a one-line reply (an error reply raises RespError)."""
+        try:
+            self._sock.sendall(command)
+            line = self._line()
+        except BaseException:
+            self.close()
+            raise
+        if line.startswith(b"-"):
+            self.close()
+            raise RespError(line[1:].decode(errors="replace"))
+        return line
 
     def get(
         self, name: bytes, namespace: bytes, key: bytes, into: memoryview, ttl_ms: int = 0
