@@ -1,8 +1,9 @@
 """Remote tier: a prefix stored on one host, loaded on another, against the Redis transport alone.
 
 Starts a redis-server (unix socket, no persistence), two daemons pointed at it (A and B,
-`tiers.remote.write: through`) and one without a remote tier (C). Each round stores a new prompt through A (its pages are written
-through to the server; the round waits until they are), then times, in turn:
+`tiers.remote.write: through`) and one without a remote tier (C). Each round stores a new
+prompt through A (its pages are written through to the server; the round waits until they
+are), then times, in turn:
 
 - load on B, remote tier: `client.load` on B of a prompt B has never seen (Lookup finds the
   records, B's workers GET and check them into its arena, the client copies them into a CPU

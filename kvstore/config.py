@@ -271,8 +271,10 @@ class RemoteTierConfig:
     key_prefix: str = "kvstore:"  # records are <key_prefix><namespace hex>:<key hex>
     write: str = _setting("through", choices=("through", "behind"))  # every commit, or at CPU eviction
     codec: str = _setting("none", choices=("lz4", "none"))
-    threads: int = _setting(4, gt=0, le=64)  # workers that write and read records
-    queue_bytes: Size = _setting(256 * MiB, gt=0)  # pages waiting to be written; past it, new ones drop
+    threads: int = _setting(4, gt=0, le=64)  # workers that read records, and as many that write them
+    # Pages waiting to be sent; past it, new ones drop. Write-through keeps them pinned in the CPU
+    # tier until sent, so this also bounds the CPU tier's bytes waiting on the server.
+    queue_bytes: Size = _setting(256 * MiB, gt=0)
     timeout_s: float = _setting(2.0, gt=0, le=60)  # a worker's read or write
     lookup_timeout_s: float = _setting(0.05, gt=0, le=5)  # the existence check a Lookup makes
     retry_s: float = _setting(5.0, gt=0)  # after a failure the tier is skipped (misses) this long
