@@ -29,6 +29,7 @@ no longer needs once no lease holds it and no copy is in flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -56,6 +57,7 @@ _CPU = bytes([Tier.CPU])
 _DISK = bytes([Tier.DISK])
 _REMOTE = bytes([Tier.REMOTE])
 PROMOTION_TIMEOUT_S = 10.0
+SENDING_FRACTION = 0.25  # of the CPU tier: the most held pinned while the remote tier sends it
 
 
 class Entry:
@@ -188,6 +190,7 @@ class Store:
         self.cpu = cpu
         self.disk = disk
         self.remote = remote
+        self._sending_bytes = 0  # pinned in the arena until the remote tier has sent them
         self.policy = policy
         self.lease_ttl_s = lease_ttl_s
         self.max_lease_ttl_s = max_lease_ttl_s
@@ -542,23 +545,32 @@ class Store:
         return len(lease.entries)
 
     def _send_remote(self, ns: Namespace, entries: Sequence[Entry]) -> None:
-        """Hands committed pages to the remote tier straight from their arena slots: each stays
-        pinned (not evicted, its slot not reused) until its write worker has sent it."""
+        """Hands committed pages to the remote tier. Up to SENDING_FRACTION of the CPU tier at a
+        time, a page is sent straight from its arena slot, pinned (not evicted, its slot not
+        reused) until its write worker has sent it; past that a copy is handed over instead, so
+        a slow server never holds enough of the tier to make a Reserve fail."""
         remote, page_bytes = self.remote, ns.spec.page_bytes
         assert remote is not None
         loop = asyncio.get_running_loop()
         for entry in entries:
             if not remote.accepts(page_bytes):
                 continue  # queue full or tier down: dropped (counted), and not copied
+            if self._sending_bytes + page_bytes > SENDING_FRACTION * self.cpu.capacity:
+                remote.submit_write(ns.id, entry.key, bytes(self.cpu.read(entry.offset, page_bytes)))
+                continue
             entry.pins += 1
+            self._sending_bytes += page_bytes
 
             def sent(ok: bool, entry: Entry = entry) -> None:
-                loop.call_soon_threadsafe(self._unpin_entry, entry)
+                with contextlib.suppress(RuntimeError):  # the loop is gone: the daemon is exiting
+                    loop.call_soon_threadsafe(self._sent, entry, page_bytes)
 
             if not remote.submit_write(ns.id, entry.key, self.cpu.read(entry.offset, page_bytes), sent):
-                self._unpin_entry(entry)
+                self._sent(entry, page_bytes)
 
-    def _unpin_entry(self, entry: Entry) -> None:
+    def _sent(self, entry: Entry, page_bytes: int) -> None:
+        """A page sent from its slot (or dropped): its slot is free to go."""
+        self._sending_bytes -= page_bytes
         entry.pins -= 1
         self._settle(entry)
 
@@ -779,6 +791,8 @@ class Store:
         counters["pinned_pages"] = len(self.pins)
         counters["pinned_bytes"] = self.pins.bytes
         counters["namespaces"] = len(self.namespaces)
+        if self.remote is not None:
+            counters["remote_sending_bytes"] = self._sending_bytes
         return StoreStats(tiers, namespaces, counters)
 
 

@@ -15,7 +15,8 @@ the key `<key_prefix><namespace hex>:<chunk key hex>`. A record that does not ch
   which skips a key already stored (records are content-addressed: same key, same bytes;
   its expiry is renewed) and writes the record with SET NX (PX `ttl_s` when set). False,
   counted in `dropped_writes`, when the tier is down or `queue_bytes` are already waiting
-  (`accepts` answers first, so the store copies a page only when it will be queued).
+  (`accepts` answers first). `page` may be a view of the arena slot itself: the store keeps
+  it pinned until `done` is called, which happens exactly once for every queued write.
 - `submit_read(namespace, key, done, into) -> bool`: a read worker (reads never wait behind
   writes) GETs the record straight into `into` (an arena slot; `remote_resp`), checks it
   there and calls `done(page)`, or `done(None)` for a missing, unreadable or corrupt one.
@@ -171,7 +172,8 @@ class RemoteTier:
                 return False
             self._queued_bytes += size
             self._pending += 1
-        self._write_workers.submit(self._job, self._write, namespace, key, page, done)
+            # Under the lock: close() marks the tier closed under it before it stops the workers.
+            self._write_workers.submit(self._job, self._write, namespace, key, page, done)
         return True
 
     def submit_read(
@@ -183,7 +185,7 @@ class RemoteTier:
                 return False
             self._pending += 1
             self.counters["reads"] += 1
-        self._read_workers.submit(self._job, self._read, namespace, key, done, into)
+            self._read_workers.submit(self._job, self._read, namespace, key, done, into)
         return True
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -298,9 +300,9 @@ class RemoteTier:
         if connection is not None:
             try:
                 return True, work(connection)
-            except OSError:
-                self._drop_connection(connection)  # closed by the failed call; try a fresh one
-            except BaseException:
+            except (ConnectionError, EOFError):  # dropped by the server: try a fresh one, once
+                self._drop_connection(connection)
+            except BaseException:  # a timeout or an error reply: not tried again
                 self._drop_connection(connection)
                 raise
         if not self._direct:
@@ -386,7 +388,8 @@ class RemoteTier:
         """Lets queued jobs finish for up to `timeout_s`; writes still queued after it are dropped."""
         self._deadline = self._clock() + timeout_s
         self.wait_idle(timeout_s)
-        self._closed = True
+        with self._lock:
+            self._closed = True
         self._read_workers.shutdown(wait=True, cancel_futures=False)
         self._write_workers.shutdown(wait=True, cancel_futures=False)
         self._redis.close()
