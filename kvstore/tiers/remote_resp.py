@@ -74,18 +74,18 @@ class RecordConnection:
         else:
             sock = socket.create_connection(address, timeout=timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        reader = cls(sock)
+        connection = cls(sock)
         try:
             password, username = settings.get("password"), settings.get("username")
             if password is not None:
                 auth = (username.encode(), password.encode()) if username else (password.encode(),)
-                reader._ok(_command(b"AUTH", *auth))
+                connection._call(_command(b"AUTH", *auth))
             if settings.get("db"):
-                reader._ok(_command(b"SELECT", str(settings["db"]).encode()))
+                connection._call(_command(b"SELECT", str(settings["db"]).encode()))
         except OSError:
-            reader.close()
+            connection.close()
             raise
-        return reader
+        return connection
 
     def close(self) -> None:
         self._sock.close()
@@ -104,23 +104,13 @@ class RecordConnection:
         head += b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)
         head += b"$%d\r\n" % (len(header) + len(payload)) + header
         tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in (b"NX", *expiry))
-        try:
-            self._sock.sendall(head)
-            self._sock.sendall(payload)
-            self._sock.sendall(tail)
-            line = self._line()
-        except BaseException:
-            self.close()
-            raise
-        if line.startswith(b"-"):
-            self.close()
-            raise RespError(line[1:].decode(errors="replace"))
-        return line == b"+OK"
+        return self._call(head, payload, tail) == b"+OK"
 
-    def _call(self, command: bytes) -> bytes:
-        """One command with a one-line reply (an error reply raises RespError)."""
+    def _call(self, *chunks: Buffer) -> bytes:
+        """One command, sent as `chunks`, with a one-line reply (an error reply raises RespError)."""
         try:
-            self._sock.sendall(command)
+            for chunk in chunks:
+                self._sock.sendall(chunk)
             line = self._line()
         except BaseException:
             self.close()
@@ -192,12 +182,6 @@ class RecordConnection:
         line = bytes(self._rest[:end])
         del self._rest[: end + 2]
         return line
-
-    def _ok(self, command: bytes) -> None:
-        self._sock.sendall(command)
-        line = self._line()
-        if not line.startswith(b"+"):
-            raise RespError(line.decode(errors="replace"))
 
     def _exactly(self, size: int) -> bytes:
         while len(self._rest) < size:
