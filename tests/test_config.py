@@ -82,6 +82,14 @@ def test_shipped_tcp_file_adds_a_listener_with_a_token_file() -> None:
     assert config.tiers == Config().tiers
 
 
+def test_shipped_remote_file_shares_pages_through_a_server() -> None:
+    config = load_config(CONFIGS / "kvstored-remote.yaml")
+
+    remote = config.tiers.remote
+    assert (remote.enabled, remote.url, remote.write) == (True, "redis://kv-cache.internal:6379/0", "through")
+    assert config.tiers.disk.enabled and config.tiers.cpu == Config().tiers.cpu
+
+
 def test_systemd_unit_runs_the_daemon_with_the_etc_config() -> None:
     lines = set((CONFIGS / "kvstored.service").read_text().splitlines())
 
