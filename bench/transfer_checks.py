@@ -35,20 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
 from bench.common import print_table, write_results  # noqa: E402
-from kvstore_client import KVSpec  # noqa: E402
+from bench.gpu_tier import BLOCK, CHUNK, HEAD_DIM, HEADS, LAYERS, SPEC  # noqa: E402  (one geometry)
 from kvstore_kernels import cache_facts, register  # noqa: E402
 from kvstore_kernels.validate import plan_transfer  # noqa: E402
-
-LAYERS, HEADS, HEAD_DIM, BLOCK, CHUNK = 32, 8, 128, 16, 256
-SPEC = KVSpec(
-    model="llama-3.1-8b-bench",
-    num_layers=LAYERS,
-    num_kv_heads=HEADS,
-    head_dim=HEAD_DIM,
-    dtype=torch.bfloat16,
-    block_size=BLOCK,
-    chunk_tokens=CHUNK,
-)
 
 
 def per_call_us(call: Callable[[], Any], calls: int) -> float:
