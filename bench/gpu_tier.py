@@ -133,17 +133,29 @@ def gpu_ms(run: Callable[[], Any], repeats: int) -> float:
 
 
 def profile_load(
-    client: KVStoreClient, prompt: list[int], target: list[torch.Tensor], block_ids: list[int], repeats: int
+    client: KVStoreClient,
+    prompt: list[int],
+    target: Any,
+    block_ids: list[int],
+    repeats: int,
+    *,
+    keys: list[bytes] | None = None,
+    pause: Callable[[], Any] | None = None,
 ) -> dict[str, float]:
-    """Median milliseconds of each step of a GPU-tier `client.load`, taken one by one as it takes them."""
+    """Median milliseconds of each step of a GPU-tier `client.load`, taken one by one as it takes them
+    (`keys`: given, as an engine that hashed the prompt gives them; `pause`: run, untimed, before
+    each load)."""
     steps: dict[str, list[float]] = {}
     device = target[0].device
     stream = client._side_stream(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    given = keys
     for attempt in range(repeats + 1):
+        if pause is not None:
+            pause()
         torch.cuda.synchronize()
         marks = [("start", time.perf_counter())]
-        keys = client.keys(prompt)
+        keys = given if given is not None else client.keys(prompt)
         marks.append(("keys", time.perf_counter()))
         reply = client._rpc(
             "Lookup",
@@ -217,6 +229,40 @@ def profile_scatter(
                 steps.setdefault(name, []).append(value * 1e3)
     torch.cuda.synchronize()
     return {name: statistics.median(values) for name, values in steps.items()}
+
+
+def idle_effect(
+    client: KVStoreClient, gpu_load: Callable[[], None], cpu_load: Callable[[], None], repeats: int
+) -> dict[str, float]:
+    """Median ms of `gpu_load` after each kind of pause (untimed), with the client blocking on its
+    replies and polling for them: does a load pay for what ran, or did not run, before it?"""
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.02)  # ~20 ms at the base clock
+    befores: dict[str, Callable[[], Any] | None] = {
+        "back to back": None,
+        "after a CPU-tier load": cpu_load,
+        "after 20 ms asleep": lambda: time.sleep(0.02),
+        "after 2 ms asleep": lambda: time.sleep(0.002),
+        "after ~20 ms of GPU work": lambda: torch.cuda._sleep(cycles),
+    }
+    timed: dict[str, float] = {}
+    for spin in (0.0, 0.002):
+        if client._local is not None:
+            client._local.spin_s = spin
+        for name, before in befores.items():
+            samples = []
+            for attempt in range(repeats + 1):
+                if before is not None:
+                    before()
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                gpu_load()
+                torch.cuda.synchronize()
+                if attempt:
+                    samples.append((time.perf_counter() - started) * 1e3)
+            timed[f"{name}, client polls {spin * 1e3:g} ms"] = statistics.median(samples)
+    if client._local is not None:
+        client._local.spin_s = 0.0
+    return timed
 
 
 def cprofile_loads(run: Callable[[], Any], repeats: int, top: int = 18) -> str:
@@ -493,9 +539,29 @@ def measure(tokens: int, repeats: int, *, profile: bool = False, sweep: bool = F
         if profile:
             steps = profile_load(client, prompt_b, target, block_ids, repeats)
             print_table(("GPU-tier load, step by step", "ms (median)"), list(steps.items()))
+            waits = idle_effect(
+                client,
+                load(prompt_b, source_b, keys_b, registered),
+                load(prompt_a, source_a, keys_a, registered),
+                repeats,
+            )
+            print_table(("GPU-tier load (keys + registered) ...", "ms (median)"), list(waits.items()))
+            results["idle_effect_ms"] = waits
+            for label, before in (("back to back", None), ("after 20 ms asleep", lambda: time.sleep(0.02))):
+                for spin in (0.0, 0.002):
+                    if client._local is not None:
+                        client._local.spin_s = spin
+                    split = profile_load(
+                        client, prompt_b, registered, block_ids, repeats, keys=keys_b, pause=before
+                    )
+                    name = f"step by step (keys + registered), {label}, client polls {spin * 1e3:g} ms"
+                    print_table((name, "ms (median)"), list(split.items()))
+                    results.setdefault("profile_idle", {})[name] = split
+            if client._local is not None:
+                client._local.spin_s = 0.0
             inner = profile_scatter(target, block_ids, chunks, pool, offsets, repeats)
             print_table(("public scatter call, host", "ms (median)"), list(inner.items()))
-            print(cprofile_loads(load(prompt_b, source_b), repeats))
+            print(cprofile_loads(load(prompt_b, source_b, keys_b, registered), repeats))
             results["profile"] = {"load_steps_ms": steps, "scatter_steps_ms": inner}
         stats = client.stats()
     d2d = total / timings["d2d copy"] / 1e9

@@ -170,9 +170,13 @@ class KVStoreClient:
 
     # -- connection ---------------------------------------------------------
 
-    def _rpc(self, method: str, request: Any) -> Any:
+    def _rpc(self, method: str, request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
+        """The reply to `request`; `meanwhile()` runs while the daemon answers (over the local
+        channel; before the call over gRPC)."""
         if self._local is not None:
-            return self._local.call(method, request)
+            return self._local.call(method, request, meanwhile)
+        if meanwhile is not None:
+            meanwhile()
         try:
             return getattr(self._stub, method)(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
@@ -302,18 +306,18 @@ class KVStoreClient:
     def shared_memory(self) -> bool:
         return self.arena is not None
 
-    def _first_rpc(self, method: str, make_request: Any) -> Any:
+    def _first_rpc(self, method: str, make_request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
         """Call `method`, connecting again once if the daemon restarted (it forgot our namespace,
-        or the local channel closed)."""
+        or the local channel closed); `meanwhile` as in `_rpc`, run again with a retry."""
         try:
-            return self._rpc(method, make_request())
+            return self._rpc(method, make_request(), meanwhile)
         except (NotFound, Unavailable) as exc:
             if isinstance(exc, NotFound) and _NOT_REGISTERED not in str(exc):
                 raise
             self._close_local_channel()
             log.warning("kvstored restarted (%s): connecting again", exc)
             self._handshake()
-            return self._rpc(method, make_request())
+            return self._rpc(method, make_request(), meanwhile)
 
     def close(self) -> None:
         self._close_local_channel()
@@ -472,8 +476,21 @@ class KVStoreClient:
         """
         moved = self._layer_range(layers)
         keys = self._keys_of(token_ids, keys)
-        in_place = self._gpu_pools.readable(cache_device(kv_caches))  # GPU-tier pools read in place
+        device = cache_device(kv_caches)
+        in_place = self._gpu_pools.readable(device)  # GPU-tier pools read in place
         asked = time.monotonic()  # the daemon's lease deadline is at least this + lease_ttl_s
+        ahead = [block_ids, stream]
+
+        def prepare() -> None:
+            # While the Lookup is in flight (none of it depends on the reply): the block table of
+            # every chunk that can hit, checked, and the side stream ordered after the caller's.
+            ahead[0] = kvstore_kernels.check_blocks(
+                self.spec, kv_caches, block_ids, len(keys), moved, writes_cache=True
+            )
+            if stream is None and device.type == "cuda":
+                ahead[1] = self._side_stream(device)
+                ahead[1].wait_stream(torch.cuda.current_stream(device))
+
         try:
             reply = (
                 self._first_rpc(
@@ -485,6 +502,7 @@ class KVStoreClient:
                         gpu_pools=in_place,
                         acquire=self.arena is not None,
                     ),
+                    prepare if self.arena is not None else None,
                 )
                 if keys
                 else None
@@ -496,6 +514,7 @@ class KVStoreClient:
             return LoadHandle(None, lambda: 0, _ignore, 0, moved)
         lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id)
         layer_events: dict[int, torch.cuda.Event | None] | None = None
+        block_ids, stream = ahead
         try:
             if self.arena is not None:
                 # A daemon that answered the Acquire with the Lookup saves a round trip (older ones never do).
@@ -505,7 +524,7 @@ class KVStoreClient:
                 runs = self.layerwise_runs
                 groups = layer_groups(moved, runs) if layerwise and moved else [moved]
                 scatter = kvstore_kernels.scatter
-                if layerwise and self._registered and cache_device(kv_caches).type == "cuda":
+                if layerwise and self._registered and device.type == "cuda":
                     scatter = functools.partial(scatter, options=self.layerwise_options)
                 scatter_for = functools.partial(self._gpu_pools.scatter_for, arena_scatter=scatter)
                 events = [

@@ -28,6 +28,9 @@ block table, chunks, offsets and buffer: about 0.1-0.2 ms of host time on the H1
 `register(spec, kv_caches)` checks an engine's tensors once and returns them as
 `RegisteredCaches`: calls given that object skip the fingerprints too (the engine promises
 the tensors keep their storage, shape and strides, as vLLM's `register_kv_caches` does).
+`check_blocks(spec, kv_caches, block_ids, chunks, writes_cache=...)` checks a host block
+table's first chunks ahead of the calls that use it (`validate`): a load does it while its
+Lookup is in flight.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from . import reference
 from .cache_facts import RegisteredCaches, register
 from .layouts import KVCaches
 from .routing import TransferOptions, backend_name, choose
-from .validate import Transfer, plan_transfer
+from .validate import CheckedBlocks, Transfer, check_blocks, plan_transfer
 
 __all__ = [
     "gather",
@@ -52,6 +55,8 @@ __all__ = [
     "TransferOptions",
     "RegisteredCaches",
     "register",
+    "check_blocks",
+    "CheckedBlocks",
     "reference",
     "reference_gather",
     "reference_scatter",

@@ -12,6 +12,13 @@ A block table on the host (list, numpy array, CPU tensor) is checked entry by en
 block table on a CUDA device is not read back (that would wait for the stream): its
 entries are looked up on the device, the kernel skips (moves nothing for) a block id
 outside the cache, and scatter cannot refuse a block id that appears twice.
+
+`check_blocks(spec, kv_caches, block_ids, chunks, ...)` checks a host block table ahead of
+the calls that use it: the blocks of chunks `0..chunks-1` against the cache, as a scatter of
+them all would. A call given the `CheckedBlocks` it returns, for chunks among those, takes
+their blocks without checking them again (a load checks its table while its Lookup is in
+flight, then scatters the chunks the reply names); for other chunks, another cache or another
+direction, the call checks the table it holds as it checks any table.
 """
 
 from __future__ import annotations
@@ -56,6 +63,57 @@ class Transfer(NamedTuple):
         return tuple(kv_views(self.spec, self.kv_caches, layer, self.batch_index) for layer in self.layers)
 
 
+class CheckedBlocks(NamedTuple):
+    """A host block table whose first `chunks` chunks' blocks passed the checks of a transfer on a
+    cache of `num_blocks` blocks (`unique`: and of a scatter, each block once)."""
+
+    table: Any  # the block table as given: what a call for other chunks checks
+    blocks: np.ndarray  # int64 [chunks, blocks_per_chunk]
+    num_blocks: int
+    unique: bool
+
+    @property
+    def chunks(self) -> int:
+        return len(self.blocks)
+
+
+def check_blocks(
+    spec: KVSpec,
+    kv_caches: KVCaches,
+    block_ids: Any,
+    chunks: int,
+    layers: range | None = None,
+    batch_index: int = 0,
+    *,
+    writes_cache: bool,
+) -> Any:
+    """`block_ids` as `CheckedBlocks` for chunks `0..chunks-1` (fewer where the table holds fewer
+    whole chunks), or `block_ids` itself where there is nothing to check ahead (a device table,
+    the hf layout) or the check fails (the call that uses it then names the fault)."""
+    if spec.layout == "hf" or isinstance(block_ids, CheckedBlocks):
+        return block_ids
+    if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu":
+        return block_ids
+    try:
+        page = spec.page
+        position = page.stored_position
+        moved = [layer for layer in _check_layers(spec, layers) if layer in position]
+        facts = cache_facts(spec, kv_caches, moved, moved or page.stored_layers, batch_index)
+        table = _table_array(block_ids)
+        assert isinstance(table, np.ndarray)  # a CPU table
+        per_chunk = page.chunk_tokens // spec.block_size
+        count = min(chunks, table.size // per_chunk)
+        blocks = _block_table(
+            spec, page, table, np.arange(count), facts.num_blocks, facts.smallest_layer, facts.device
+        )
+        assert isinstance(blocks, np.ndarray)
+        if writes_cache:
+            _check_unique(blocks)
+    except ValueError:
+        return block_ids
+    return CheckedBlocks(block_ids, blocks, facts.num_blocks, writes_cache)
+
+
 def plan_transfer(
     spec: KVSpec,
     kv_caches: KVCaches,
@@ -82,11 +140,17 @@ def plan_transfer(
             "give one page offset per chunk"
         )
     _check_buffer(buffer, facts.device, offset_array, page.page_bytes, overlap_ok=writes_cache)
-    blocks = _block_table(
-        spec, page, block_ids, chunk_array, facts.num_blocks, facts.smallest_layer, facts.device
+    blocks: np.ndarray | torch.Tensor | None = _checked_already(
+        block_ids, chunk_array, facts.num_blocks, writes_cache
     )
-    if writes_cache:
-        _check_unique(blocks)
+    if blocks is None:
+        if isinstance(block_ids, CheckedBlocks):
+            block_ids = block_ids.table
+        blocks = _block_table(
+            spec, page, block_ids, chunk_array, facts.num_blocks, facts.smallest_layer, facts.device
+        )
+        if writes_cache:
+            _check_unique(blocks)
         if facts.write_error is not None:
             raise ValueError(facts.write_error)
     return Transfer(
@@ -103,6 +167,24 @@ def plan_transfer(
         kv_caches=kv_caches,
         batch_index=batch_index,
     )
+
+
+def _checked_already(
+    block_ids: Any, chunks: np.ndarray, num_blocks: int, writes_cache: bool
+) -> np.ndarray | None:
+    """The blocks of `chunks` from `CheckedBlocks` that cover them for this call, else None.
+
+    A subset of blocks that are each in range (and distinct) is too; chunks given twice would
+    repeat blocks, so a scatter takes them from it only in increasing order."""
+    if not isinstance(block_ids, CheckedBlocks) or block_ids.num_blocks != num_blocks:
+        return None
+    if writes_cache and not block_ids.unique:
+        return None
+    if chunks.size and int(chunks.max()) >= block_ids.chunks:
+        return None
+    if writes_cache and chunks.size > 1 and not bool((chunks[1:] > chunks[:-1]).all()):
+        return None  # not in increasing order: possibly a chunk twice; the full check decides
+    return block_ids.blocks[chunks]
 
 
 def host_blocks(plan: Transfer, *, writes_cache: bool) -> np.ndarray:

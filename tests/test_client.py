@@ -104,6 +104,35 @@ def test_registered_kv_caches_store_and_load_the_same_bytes(daemon: Daemon, shar
             client.register_kv_caches([*target[:3], target[3][:, :, :8]])
 
 
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_a_load_refuses_a_bad_block_table_and_releases_its_pages(daemon: Daemon, shared_memory: bool) -> None:
+    """A block table that cannot take the hit is refused naming the entry (the table is checked while
+    the Lookup is in flight, and in full when that check failed); the lease is released and the
+    cache untouched. A table shorter than the prompt loads the chunks it covers only when it
+    covers every chunk that hit."""
+    spec = make_spec()
+    tokens = tokens_of(1024, seed=21)  # 4 chunks, 64 blocks
+    source = random_cache(spec, 64, seed=22)
+    with KVStoreClient.connect(daemon.address, spec, shared_memory=shared_memory) as client:
+        assert client.store(tokens, source, torch.arange(64)) == 4
+        target = empty_cache(spec, 64)
+        outside = torch.arange(64)
+        outside[40] = 64  # chunk 2's block
+        twice = torch.arange(64)
+        twice[50] = 3  # chunk 3's block repeats chunk 0's
+        for table, message in (
+            (outside, r"block_ids\[40\]: block 64 \(chunk 2\) is outside 0..63"),
+            (twice, "block 3 appears twice"),
+            (torch.arange(32), "the block table has 32 entries; chunk 3 needs 64"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                client.load(tokens, target, table)
+            assert all(bool((t == -7.0).all()) for t in target)
+            assert client.stats()["counters"]["active_leases"] == 0
+        assert client.load(tokens[:512], target, torch.arange(32)) == 512
+        assert_blocks_equal(target, torch.arange(32), source, torch.arange(32))
+
+
 def test_shared_memory_and_bytes_clients_share_pages(daemon: Daemon) -> None:
     spec = make_spec(torch.bfloat16)
     tokens = tokens_of(1024, seed=5)

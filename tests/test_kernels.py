@@ -287,7 +287,9 @@ def check_gather(
     layers: range | None = None,
     batch_index: int = 0,
     options: kvstore_kernels.TransferOptions | None = None,
+    given: Any = None,
 ) -> None:
+    """`given`: what the gather gets in place of `table` (the same blocks, checked ahead)."""
     expected = expected_buffer(spec, caches, table, chunks, offsets, size, layers, batch_index)
     for poison in POISONS:
         buffer = buffer_of(impl, torch.full((size,), poison, dtype=torch.uint8))
@@ -296,7 +298,7 @@ def check_gather(
             "gather",
             spec,
             caches,
-            table,
+            table if given is None else given,
             chunks,
             buffer,
             offsets,
@@ -525,6 +527,67 @@ def test_registered_caches_move_the_same_bytes(impl: str, layout: str) -> None:
         )
         for got, want in zip(as_bytes(reg_bases), as_bytes(plain_bases), strict=True):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_checked_blocks_move_the_same_bytes(impl: str) -> None:
+    """A table checked ahead (`check_blocks`, as a load does while its Lookup is in flight) moves
+    exactly what the table itself moves, for chunks among the checked ones in increasing order
+    and, through the full check, for any others."""
+    spec = make_spec("flash_attn", "bfloat16")
+    table, _, _, _ = scenario(spec)  # 4 chunks' blocks
+    page_bytes = spec.page.page_bytes
+    _, caches = build(spec, device_of(impl))
+    checked = kvstore_kernels.check_blocks(spec, caches, table, 3, writes_cache=True)
+    assert isinstance(checked, kvstore_kernels.CheckedBlocks) and checked.chunks == 3 and checked.unique
+    assert checked.table is table
+    assert kvstore_kernels.check_blocks(spec, caches, table, 9, writes_cache=True).chunks == 4  # all it has
+    for chunks in ([0, 1, 2], [1, 2], [2], [], [2, 0], [3], [0, 3]):  # the last three: checked in full
+        offsets = [(2 * j + 1) * page_bytes for j in range(len(chunks))]
+        size = (2 * len(chunks) + 1) * page_bytes
+        check_gather(impl, spec, caches, table, chunks, offsets, size, given=checked)
+        source = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+        plain_bases, plain = build(spec, device_of(impl), fill=0xA5)
+        ahead_bases, ahead = build(spec, device_of(impl), fill=0xA5)
+        run(impl, "scatter", spec, plain, table, chunks, buffer_of(impl, source), offsets)
+        run(impl, "scatter", spec, ahead, checked, chunks, buffer_of(impl, source), offsets)
+        for got, want in zip(as_bytes(ahead_bases), as_bytes(plain_bases), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_checked_blocks_refuse_what_the_table_refuses() -> None:
+    """Checking ahead never lets through what a call with the plain table refuses: a table that
+    fails is handed back as it is, and a call outside what was checked checks the table in full."""
+    spec = make_spec("flash_attn", "bfloat16")
+    page_bytes = spec.page.page_bytes
+    _, caches = build(spec, "cpu")  # 12 blocks
+    buffer = torch.zeros(4 * page_bytes, dtype=torch.uint8)
+    offsets = [0, page_bytes]
+    bad = [0, 1, 2, 12, 4, 5]  # chunk 1 holds block 12, outside 0..11
+    assert kvstore_kernels.check_blocks(spec, caches, bad, 3, writes_cache=True) is bad
+    ahead = kvstore_kernels.check_blocks(spec, caches, bad, 1, writes_cache=True)  # chunk 0 alone: fine
+    assert isinstance(ahead, kvstore_kernels.CheckedBlocks)
+    message = r"block_ids\[3\]: block 12 \(chunk 1\) is outside 0..11"
+    for table in (bad, ahead):
+        with pytest.raises(ValueError, match=message):
+            kvstore_kernels.scatter(spec, caches, table, [0, 1], buffer, offsets)
+    twice = [0, 1, 2, 1]  # block 1 in chunks 0 and 1: a scatter would write it twice
+    assert kvstore_kernels.check_blocks(spec, caches, twice, 2, writes_cache=True) is twice
+    for_gather = kvstore_kernels.check_blocks(spec, caches, twice, 2, writes_cache=False)
+    assert isinstance(for_gather, kvstore_kernels.CheckedBlocks) and not for_gather.unique
+    kvstore_kernels.gather(spec, caches, for_gather, [0, 1], buffer, offsets)  # a gather may read it twice
+    with pytest.raises(ValueError, match="block 1 appears twice"):
+        kvstore_kernels.scatter(spec, caches, for_gather, [0, 1], buffer, offsets)
+    fine = kvstore_kernels.check_blocks(spec, caches, [0, 1, 2, 3], 2, writes_cache=True)
+    with pytest.raises(ValueError, match="block 0 appears twice"):  # a chunk given twice: checked in full
+        kvstore_kernels.scatter(spec, caches, fine, [0, 0], buffer, offsets)
+    _, fewer = build(spec, "cpu", num_blocks=3)  # another cache: blocks 0..2 only
+    with pytest.raises(ValueError, match=r"block_ids\[3\]: block 3 \(chunk 1\) is outside 0..2"):
+        kvstore_kernels.scatter(spec, fewer, fine, [0, 1], buffer, offsets)
+    device_table = torch.tensor([0, 1, 2, 3])  # a CPU tensor is checked ahead; hf has nothing to check
+    assert isinstance(kvstore_kernels.check_blocks(spec, caches, device_table, 2, writes_cache=True), tuple)
+    hf = make_spec("hf")
+    assert kvstore_kernels.check_blocks(hf, build(hf, "cpu")[1], None, 2, writes_cache=True) is None
 
 
 def test_register_checks_the_tensors_once_and_refuses_bad_ones() -> None:

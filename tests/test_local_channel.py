@@ -188,3 +188,37 @@ def test_a_frame_over_the_limit_is_refused_and_the_connection_closed(daemon: Dae
         status, body = read_reply(sock)
         assert (status, body) == (3, f"frame of {(16 << 20) + 1} bytes is too large".encode())
         assert sock.recv(1) == b""  # closed by the daemon
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.01])
+def test_work_done_while_a_call_is_in_flight_keeps_the_channel_in_step(daemon: Daemon, spin_s: float) -> None:
+    """`call(..., meanwhile)` runs it after sending and before reading the reply; an error it raises
+    comes after the reply was read, so the next call gets its own reply. Polling for replies
+    (`spin_s`) gets the same replies as blocking for them."""
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        channel = client._local
+        assert channel is not None
+        channel.spin_s = spin_s
+        tokens = list(range(256))
+        assert (
+            client.store(tokens, [torch.randn(2, 16, 16, 2, 16).half() for _ in range(2)], torch.arange(16))
+            == 1
+        )
+        lookup = pb.LookupRequest(namespace=client.namespace, keys=pack_keys(client.keys(tokens)))
+        ran: list[str] = []
+        assert channel.call("Lookup", lookup, lambda: ran.append("meanwhile")).hit_chunks == 1
+        assert ran == ["meanwhile"]
+
+        def fails() -> None:
+            raise ValueError("block_ids: bad")
+
+        with pytest.raises(ValueError, match="block_ids: bad"):
+            channel.call(
+                "Lookup", pb.LookupRequest(namespace=client.namespace, keys=lookup.keys, lease=True), fails
+            )
+        stats = channel.call("Stats", pb.StatsRequest())  # its own reply, not the Lookup's
+        assert stats.counters["active_leases"] == 1  # the leased Lookup was answered all the same
+        assert channel.call("Lookup", lookup).hit_chunks == 1
+        with pytest.raises(NotFound):  # an error reply still wins over nothing raised meanwhile
+            channel.call("Lookup", pb.LookupRequest(namespace=b"\1" * 16, keys=lookup.keys), lambda: None)
+        assert channel.call("Lookup", lookup).hit_chunks == 1

@@ -52,9 +52,9 @@ def calls_of(client: KVStoreClient) -> list[str]:
     made: list[str] = []
     rpc = client._rpc
 
-    def recording(method: str, request: Any) -> Any:
+    def recording(method: str, request: Any, meanwhile: Any = None) -> Any:
         made.append(method)
-        return rpc(method, request)
+        return rpc(method, request, meanwhile)
 
     client._rpc = recording  # type: ignore[method-assign]
     local = client._local
