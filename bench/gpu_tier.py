@@ -265,17 +265,20 @@ def idle_effect(
     return timed
 
 
-def cprofile_loads(run: Callable[[], Any], repeats: int, top: int = 18) -> str:
+def cprofile_loads(run: Callable[[], Any], repeats: int, top: int = 40) -> str:
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
     profiler.enable()
     for _ in range(repeats):
         run()
     profiler.disable()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
-    lines = [line for line in out.getvalue().splitlines() if line.strip()]
-    return "\n".join(lines[: top + 8])
+    parts = []
+    for order in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(top)
+        lines = [line for line in out.getvalue().splitlines() if line.strip()]
+        parts.append("\n".join(lines[: top + 8]))
+    return "\n".join(parts)
 
 
 SWEEP_SHAPES = [  # (tile_bytes, segments_per_step, num_warps, word_bytes)

@@ -94,10 +94,17 @@ class GpuPools:
     def readable(self, device: torch.device) -> list[int]:
         return [index for index, tensor in self.tensors.items() if tensor.device == device]
 
-    def pieces(self, acquired: Any, arena: torch.Tensor) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+    def pieces(
+        self, acquired: Any, arena: torch.Tensor
+    ) -> list[tuple[torch.Tensor, Sequence[int], list[int]]]:
         """`(buffer, chunks, offsets)` per buffer holding some of an AcquireResponse's ready chunks."""
         ready = acquired.ready_chunks
         tiers = acquired.tiers or bytes([Tier.CPU]) * ready
+        if ready and len(tiers) == ready and tiers.count(Tier.GPU) == ready:  # all in the GPU tier
+            pools = list(acquired.pools)
+            pool = pools[0]
+            if pools.count(pool) == ready and pool in self.tensors:  # in one pool: the usual hit
+                return [(self.tensors[pool], range(ready), list(acquired.offsets))]
         by_buffer: dict[int, tuple[list[int], list[int]]] = {-1: ([], [])}
         for chunk in range(ready):
             key = acquired.pools[chunk] if tiers[chunk] == Tier.GPU else -1

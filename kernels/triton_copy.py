@@ -24,6 +24,7 @@ gather writes zeros for it in its staging slot instead, so no stale slot bytes r
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any, NamedTuple
@@ -299,44 +300,15 @@ class Launch:
         tuning: Tuning = DEFAULT_TUNING,
         staged: bool = False,
     ) -> None:
-        _check_tuning(tuning)
-        num_segments = max(geometry.num_segments, 1)
-        segments = max(1, min(tuning.segments_per_step, triton.next_power_of_2(num_segments)))
-        word_bytes = min(geometry.word_bytes, tuning.word_bytes)
-        segment_words = geometry.segment_bytes // word_bytes
-        tile = min(triton.next_power_of_2(segment_words), tuning.tile_bytes // word_bytes)
-        step_bytes = segments * tile * word_bytes
-        self.segments_per_step = segments
+        shape = _shape_of(spec, plan, geometry, to_page, tuning, staged)
+        self.segments_per_step = shape.segments
         host_blocks = plan.blocks if isinstance(plan.blocks, np.ndarray) else None
         values, starts = geometry.table_values(host_blocks)
         self.tables = staging.to_device(values, plan.device)
         blocks = self.tables[starts[0] :] if isinstance(plan.blocks, np.ndarray) else plan.blocks
         self._args = (self.tables, blocks, *starts[1:])
-        self._kwargs = dict(
-            num_layer_kv=geometry.num_layer_kv,
-            blocks_per_chunk=geometry.blocks_per_chunk,
-            num_blocks=plan.num_blocks,
-            SEGMENT_WORDS=segment_words,
-            TILE=tile,
-            SEGMENTS=segments,
-            CONTIGUOUS=geometry.contiguous,
-            HEADS=spec.num_kv_heads,
-            HEAD_DIM=spec.head_dim,
-            WORDS_PER_ELEMENT=geometry.words_per_element * geometry.word_bytes // word_bytes,
-            WORD=_WORDS[word_bytes],
-            WORD_BYTES=word_bytes,
-            ALIGN=geometry.align,
-            TO_PAGE=to_page,
-            STAGED=staged,
-            LOAD_CACHE=tuning.load_cache,
-            STORE_CACHE=tuning.store_cache,
-            EVICTION=tuning.eviction,
-            num_warps=tuning.num_warps or (8 if step_bytes >= 8192 else 4 if step_bytes >= 2048 else 1),
-        )
-        # The launcher takes every kernel argument in order, constexprs included (it skips them),
-        # and pointers as plain addresses (a tensor costs it a driver call to check).
-        names = getattr(_copy_pages, "arg_names", [])
-        self._constants = tuple(self._kwargs[name] for name in names[8:])
+        self._kwargs = shape.kwargs
+        self._constants = shape.constants
         self._key: tuple[Any, ...] | None = None
         self._kernels: dict[tuple[str, ...], Any] = {}  # int kinds -> compiled kernel, for this launch
         self._pointers: tuple[int, ...] = ()
@@ -344,7 +316,7 @@ class Launch:
             pointers = (self.tables.data_ptr(), blocks.data_ptr())
             self._pointers = (*pointers, *starts[1:])
             device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
-            self._key = _specialisation(device, pointers, starts[1:], self._kwargs)
+            self._key = (device, tuple(pointer % 16 for pointer in pointers), tuple(starts[1:]), shape.key)
 
     def run(
         self, first: int, end: int, max_programs: int, stage_base: int = 0, stream: int | None = None
@@ -355,8 +327,8 @@ class Launch:
         `stage_base` (staged launches only): the address that stands for each page's start.
         The first launch of a specialisation goes through Triton's dispatch, which compiles or
         finds the kernel; later ones (every piece of the staged path, and later calls with the
-        same geometry) call its launcher directly: `_specialisation` says when that is the same
-        kernel."""
+        same geometry) call its launcher directly: equal `_key`s (the device, the tables' alignment
+        and offsets, `_Shape.key`) mean the same compiled kernel."""
         grid = max(1, min(triton.cdiv(end - first, self.segments_per_step), max_programs))
         kinds = (_int_kind(first), _int_kind(end), _int_kind(stage_base))
         compiled = self._kernels.get(kinds)
@@ -385,14 +357,86 @@ _FAST_LAUNCH = os.environ.get("KVSTORE_TRITON_DISPATCH", "") in ("", "0") and li
 _compiled: dict[tuple[Any, ...], Any] = {}  # specialisation (`Launch._key` + int kinds) -> kernel
 
 
-def _specialisation(
-    device: int, pointers: tuple[int, int], starts: Sequence[int], kwargs: dict[str, Any]
-) -> tuple[Any, ...]:
-    """What Triton may specialise a launch of `_copy_pages` on, beyond the three unspecialised
-    integers: the device, each pointer's 16-byte alignment, the exact value of every other
-    integer (Triton looks at divisibility by 16 and equality to 1 only: a superset), and every
-    compile-time constant and option. Equal keys: the same compiled kernel."""
-    return (device, tuple(pointer % 16 for pointer in pointers), tuple(starts), tuple(kwargs.items()))
+class _Shape(NamedTuple):
+    """What a launch's kernel arguments are, but for its tables: the same for every transfer of one
+    cache geometry, direction and tuning with pages aligned alike."""
+
+    segments: int
+    kwargs: dict[str, Any]  # the kernel's keyword arguments after the tables' (read, never changed)
+    constants: tuple[Any, ...]  # the same in the launcher's order
+    key: tuple[Any, ...]  # every value of kwargs: part of `Launch._key`
+
+
+def _shape_of(
+    spec: KVSpec, plan: Transfer, geometry: Geometry, to_page: bool, tuning: Tuning, staged: bool
+) -> _Shape:
+    """The kernel's arguments but for the tables, made once per distinct set of the values they
+    come from (a load's host time: ~20 dict entries and their key, not rebuilt per call)."""
+    num_segments = max(geometry.num_segments, 1)
+    segments = max(1, min(tuning.segments_per_step, triton.next_power_of_2(num_segments)))
+    source = (
+        segments,
+        geometry.num_layer_kv,
+        geometry.blocks_per_chunk,
+        plan.num_blocks,
+        geometry.segment_bytes,
+        geometry.contiguous,
+        geometry.word_bytes,
+        geometry.words_per_element,
+        geometry.align,
+        spec.num_kv_heads,
+        spec.head_dim,
+        to_page,
+        staged,
+        tuning,
+    )
+    shape = _shapes.get(source)
+    if shape is not None:
+        return shape
+    _check_tuning(tuning)
+    word_bytes = min(geometry.word_bytes, tuning.word_bytes)
+    segment_words = geometry.segment_bytes // word_bytes
+    tile = min(triton.next_power_of_2(segment_words), tuning.tile_bytes // word_bytes)
+    step_bytes = segments * tile * word_bytes
+    kwargs = dict(
+        num_layer_kv=geometry.num_layer_kv,
+        blocks_per_chunk=geometry.blocks_per_chunk,
+        num_blocks=plan.num_blocks,
+        SEGMENT_WORDS=segment_words,
+        TILE=tile,
+        SEGMENTS=segments,
+        CONTIGUOUS=geometry.contiguous,
+        HEADS=spec.num_kv_heads,
+        HEAD_DIM=spec.head_dim,
+        WORDS_PER_ELEMENT=geometry.words_per_element * geometry.word_bytes // word_bytes,
+        WORD=_WORDS[word_bytes],
+        WORD_BYTES=word_bytes,
+        ALIGN=geometry.align,
+        TO_PAGE=to_page,
+        STAGED=staged,
+        LOAD_CACHE=tuning.load_cache,
+        STORE_CACHE=tuning.store_cache,
+        EVICTION=tuning.eviction,
+        num_warps=tuning.num_warps or (8 if step_bytes >= 8192 else 4 if step_bytes >= 2048 else 1),
+    )
+    # The launcher takes every kernel argument in order, constexprs included (it skips them),
+    # and pointers as plain addresses (a tensor costs it a driver call to check).
+    names = getattr(_copy_pages, "arg_names", [])
+    constants = tuple(kwargs[name] for name in names[8:])
+    # What Triton may specialise a launch on, beyond the pointers' alignment, the tables' offsets
+    # and the three unspecialised integers: the exact value of every other integer (Triton looks at
+    # divisibility by 16 and equality to 1 only: a superset), every constant and option.
+    shape = _Shape(segments, kwargs, constants, tuple(kwargs.items()))
+    with _shapes_lock:
+        if len(_shapes) >= _SHAPES:
+            _shapes.clear()
+        _shapes[source] = shape
+    return shape
+
+
+_shapes: dict[tuple[Any, ...], _Shape] = {}
+_SHAPES = 256
+_shapes_lock = threading.Lock()
 
 
 def _int_kind(value: int) -> str:
