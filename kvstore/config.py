@@ -130,6 +130,9 @@ class ServerConfig:
     max_message_bytes: Size = _setting(4 * MiB, ge=64 * KiB, le=64 * MiB)
     grace_s: float = _setting(5.0, ge=0)  # drain time on SIGTERM
     local_channel: bool = True  # same-host clients' unary calls on <socket>.local, without HTTP/2
+    # After a local-channel call, the event loop polls instead of sleeping for this long (0: never),
+    # so that the next call finds the daemon on its core: one core busy while workers are active.
+    local_poll_ms: float = _setting(0.0, ge=0, le=1000)
 
     @property
     def socket_path(self) -> Path:

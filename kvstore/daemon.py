@@ -131,7 +131,7 @@ async def serve(config: Config) -> None:
         await server.start()
         os.chmod(socket_path, config.server.socket_mode)
         if local_path is not None:
-            local = LocalChannelServer(handlers, local_path)
+            local = LocalChannelServer(handlers, local_path, config.server.local_poll_ms / 1000)
             await local.start(config.server.socket_mode)
         gc.freeze()  # the objects built at start never die: keep them out of every collection
         for service in ("", SERVICE_NAME):

@@ -15,6 +15,11 @@ the event loop's read callback (an asyncio Protocol, no coroutine per frame); on
 handler that must wait (an Acquire of pages coming from disk) holds the frames behind it.
 A frame over 16 MiB is refused and its connection closed. The socket is guarded by its
 file mode, like the gRPC socket; page bytes never travel here (they go through the arena).
+
+With `poll_s` (`server.local_poll_ms`), the event loop does not sleep for that long after a
+frame: a callback that queues itself again keeps the loop's select at a zero timeout, so the
+daemon's thread stays on its core and a worker's next call is read as soon as it arrives,
+where a loop that slept may first wait for its core to wake (slowest on virtual machines).
 """
 
 from __future__ import annotations
@@ -47,11 +52,35 @@ def frame(code: int, body: bytes) -> bytes:
 
 
 class LocalChannelServer:
-    def __init__(self, handlers: Handlers, path: Path) -> None:
+    def __init__(self, handlers: Handlers, path: Path, poll_s: float = 0.0) -> None:
         self.handlers = handlers
         self.path = path
+        self.poll_s = poll_s
         self._server: asyncio.Server | None = None
         self._sessions: set[_Session] = set()
+        self._poll_until = 0.0
+        self._polling = False
+        self.polls = 0  # turns of the loop spent polling (stats, tests)
+
+    def keep_polling(self) -> None:
+        """The loop polls, not sleeps, until `poll_s` after now (a frame just came)."""
+        if self.poll_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._poll_until = loop.time() + self.poll_s
+        if not self._polling:
+            self._polling = True
+            loop.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        # A ready callback makes the loop's next select return at once: queued again, it keeps
+        # the loop turning (reading every socket each turn) until the window ends.
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._poll_until and self._server is not None:
+            self.polls += 1
+            loop.call_soon(self._poll)
+        else:
+            self._polling = False
 
     async def start(self, mode: int) -> None:
         self.path.unlink(missing_ok=True)
@@ -62,6 +91,7 @@ class LocalChannelServer:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+            self._server = None  # ends a polling window
         for session in list(self._sessions):
             session.close()
         self.path.unlink(missing_ok=True)
@@ -160,6 +190,7 @@ class _Session(asyncio.Protocol):
             payload = bytes(buffer[HEADER.size : end])
             del buffer[:end]
             reply = self._server.respond(method, payload)
+            self._server.keep_polling()
             if not isinstance(reply, bytes):
                 self._waiting = asyncio.ensure_future(self._send_later(reply))
                 return

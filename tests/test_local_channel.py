@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import stat
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -222,3 +224,30 @@ def test_work_done_while_a_call_is_in_flight_keeps_the_channel_in_step(daemon: D
         with pytest.raises(NotFound):  # an error reply still wins over nothing raised meanwhile
             channel.call("Lookup", pb.LookupRequest(namespace=b"\1" * 16, keys=lookup.keys), lambda: None)
         assert channel.call("Lookup", lookup).hit_chunks == 1
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_daemon_polls_after_a_call_only_when_asked(daemon_factory: Callable[..., Daemon]) -> None:
+    """`server.local_poll_ms`: after a local-channel call the daemon's loop keeps turning for that
+    long (CPU time spent), and answers as it does without it; by default it sleeps."""
+    spent = {}
+    for poll_ms in (0, 300):
+        daemon = daemon_factory(f"poll-{poll_ms}", server__local_poll_ms=poll_ms)
+        with KVStoreClient.connect(daemon.address, SPEC) as client:
+            tokens = list(range(512))
+            cache = [torch.randn(2, 32, 16, 2, 16).half() for _ in range(2)]
+            assert client.store(tokens, cache, torch.arange(32)) == 2
+            time.sleep(0.4)  # past the window the store's calls opened
+            before = cpu_seconds(daemon.process.pid)
+            target = [torch.zeros_like(t) for t in cache]
+            assert client.load(tokens, target, torch.arange(32)) == 512
+            assert all(torch.equal(a, b) for a, b in zip(target, cache, strict=True))
+            time.sleep(0.5)
+            spent[poll_ms] = cpu_seconds(daemon.process.pid) - before
+    assert spent[0] < 0.08, spent  # a load's few calls
+    assert spent[300] >= 0.15, spent  # ~0.3 s of polling, less whatever the machine's load takes
