@@ -18,7 +18,12 @@ rows timed in turn in each round after an untimed round, GB/s of KV bytes landed
   once (`client.register_kv_caches`), as vLLM's connectors register it;
 - 4 loads in flight: four `load_async` (keys, registered cache) issued before the first is
   waited for, as an engine issues the loads of a batch; ms per load, so each load's host
-  work overlaps the copies of the loads before it.
+  work overlaps the copies of the loads before it;
+- after the rows above, the keys + registered cache loads of each tier again, repeated back to
+  back (in turn, a GPU-tier load always follows a 21 ms CPU-tier load: on the GPU machine the
+  host then runs its steps slower, see `--profile`).
+
+`--daemon-poll-ms N` runs the daemon with `server.local_poll_ms: N`.
 
 `measure()` is also run by `bench/transfer.py`, which prints these rows after its own.
 
@@ -28,7 +33,9 @@ Acceptance (issue 7): GPU-tier load >= 10x the CPU-tier load and >= 0.5x the d2d
 one by one (keys, Lookup with lease, Acquire unless the Lookup answered it, cutting the reply
 into pieces, the public scatter call's host time, the wait for the GPU, Release), the GPU
 span of the scatter (events), the scatter call's own steps (checks, geometry, kernel
-arguments and table upload, launch), and cProfile's top functions over a run of loads.
+arguments and table upload, launch), and cProfile's top functions over a run of loads; and
+a GPU-tier load's time after pauses of several kinds (a CPU-tier load, a sleep, GPU work),
+with its steps back to back and after a sleep.
 `--sweep` times the kernel's shapes and program counts reading the pool (GPU time of calls
 back to back), and the copy engines moving the same segments in one batched call.
 
@@ -231,11 +238,9 @@ def profile_scatter(
     return {name: statistics.median(values) for name, values in steps.items()}
 
 
-def idle_effect(
-    client: KVStoreClient, gpu_load: Callable[[], None], cpu_load: Callable[[], None], repeats: int
-) -> dict[str, float]:
-    """Median ms of `gpu_load` after each kind of pause (untimed), with the client blocking on its
-    replies and polling for them: does a load pay for what ran, or did not run, before it?"""
+def idle_effect(gpu_load: Callable[[], None], cpu_load: Callable[[], None], repeats: int) -> dict[str, float]:
+    """Median ms of `gpu_load` after each kind of pause (untimed): does a load pay for what ran, or
+    did not run, before it? (After a pause the host's steps run slower: see NOTES-gpu-tier.md.)"""
     cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.02)  # ~20 ms at the base clock
     befores: dict[str, Callable[[], Any] | None] = {
         "back to back": None,
@@ -245,23 +250,18 @@ def idle_effect(
         "after ~20 ms of GPU work": lambda: torch.cuda._sleep(cycles),
     }
     timed: dict[str, float] = {}
-    for spin in (0.0, 0.002):
-        if client._local is not None:
-            client._local.spin_s = spin
-        for name, before in befores.items():
-            samples = []
-            for attempt in range(repeats + 1):
-                if before is not None:
-                    before()
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                gpu_load()
-                torch.cuda.synchronize()
-                if attempt:
-                    samples.append((time.perf_counter() - started) * 1e3)
-            timed[f"{name}, client polls {spin * 1e3:g} ms"] = statistics.median(samples)
-    if client._local is not None:
-        client._local.spin_s = 0.0
+    for name, before in befores.items():
+        samples = []
+        for attempt in range(repeats + 1):
+            if before is not None:
+                before()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            gpu_load()
+            torch.cuda.synchronize()
+            if attempt:
+                samples.append((time.perf_counter() - started) * 1e3)
+        timed[name] = statistics.median(samples)
     return timed
 
 
@@ -552,25 +552,19 @@ def measure(
             steps = profile_load(client, prompt_b, target, block_ids, repeats)
             print_table(("GPU-tier load, step by step", "ms (median)"), list(steps.items()))
             waits = idle_effect(
-                client,
                 load(prompt_b, source_b, keys_b, registered),
                 load(prompt_a, source_a, keys_a, registered),
                 repeats,
             )
-            print_table(("GPU-tier load (keys + registered) ...", "ms (median)"), list(waits.items()))
+            print_table(("GPU-tier load (keys + registered cache) ...", "ms (median)"), list(waits.items()))
             results["idle_effect_ms"] = waits
-            for label, before in (("back to back", None), ("after 20 ms asleep", lambda: time.sleep(0.02))):
-                for spin in (0.0, 0.002):
-                    if client._local is not None:
-                        client._local.spin_s = spin
-                    split = profile_load(
-                        client, prompt_b, registered, block_ids, repeats, keys=keys_b, pause=before
-                    )
-                    name = f"step by step (keys + registered), {label}, client polls {spin * 1e3:g} ms"
-                    print_table((name, "ms (median)"), list(split.items()))
-                    results.setdefault("profile_idle", {})[name] = split
-            if client._local is not None:
-                client._local.spin_s = 0.0
+            for label, pause in (("back to back", None), ("after 20 ms asleep", lambda: time.sleep(0.02))):
+                split = profile_load(
+                    client, prompt_b, registered, block_ids, repeats, keys=keys_b, pause=pause
+                )
+                name = f"step by step (keys + registered cache), {label}"
+                print_table((name, "ms (median)"), list(split.items()))
+                results.setdefault("profile_idle", {})[name] = split
             inner = profile_scatter(target, block_ids, chunks, pool, offsets, repeats)
             print_table(("public scatter call, host", "ms (median)"), list(inner.items()))
             print(cprofile_loads(load(prompt_b, source_b, keys_b, registered), repeats))

@@ -5,9 +5,6 @@
 - `send(method, request)`: send a request without waiting: its reply is read with the next
   call's (the daemon answers in order), and an error in it is logged then. For calls whose
   outcome the caller does not need (a load's Release once the copy is known to be valid).
-- `spin_s`: how long a call polls the socket for its reply before it blocks in `recv` (0: it
-  blocks at once). Polling keeps the calling thread on its core while the daemon answers,
-  where a thread that blocks may be woken late (an idle virtual CPU is halted).
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +34,6 @@ class LocalChannel:
         self._lock = threading.Lock()
         self._unread: list[str] = []  # methods sent without waiting whose replies are still unread
         self._buffer = bytearray()  # received bytes not yet taken as a reply
-        self.spin_s = 0.0
 
     def call(self, method: str, request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
         """The reply to `request`; `meanwhile()` runs while the daemon works on it (the channel
@@ -102,27 +97,10 @@ class LocalChannel:
         return status, body
 
     def _fill(self) -> None:
-        part = self._poll() if self.spin_s > 0 else None
-        if part is None:
-            part = self._sock.recv(RECV_BYTES)
+        part = self._sock.recv(RECV_BYTES)
         if not part:
             raise ConnectionError("connection closed")
         self._buffer += part
-
-    def _poll(self) -> bytes | None:
-        """Bytes received within `spin_s` of polling, or None (then the caller blocks)."""
-        sock, deadline = self._sock, time.perf_counter() + self.spin_s
-        timeout = sock.gettimeout()
-        sock.settimeout(0.0)  # with a timeout, recv would first wait in poll()
-        try:
-            while True:
-                try:
-                    return sock.recv(RECV_BYTES)
-                except BlockingIOError:
-                    if time.perf_counter() >= deadline:
-                        return None
-        finally:
-            sock.settimeout(timeout)
 
     def close(self) -> None:
         self._sock.close()
