@@ -265,6 +265,78 @@ def idle_effect(gpu_load: Callable[[], None], cpu_load: Callable[[], None], repe
     return timed
 
 
+def host_steps(
+    client: KVStoreClient,
+    registered: Any,
+    block_ids: list[int],
+    chunks: int,
+    pool: torch.Tensor,
+    offsets: list[int],
+    calls: int = 1000,
+) -> dict[str, float]:
+    """Median microseconds of each host step a GPU-tier load takes after the Lookup reply, each
+    called `calls` times in a row (warm: the steps' floor, not what a load after a pause pays)."""
+    from kvstore_kernels import check_blocks, staging
+    from kvstore_kernels.geometry import geometry_of as kept_geometry
+
+    stream = client._side_stream(pool.device)
+    checked = check_blocks(SPEC, registered, block_ids, chunks, writes_cache=True)
+    plan = plan_transfer(SPEC, registered, checked, range(chunks), pool, offsets, None, 0, writes_cache=True)
+    geometry = kept_geometry(SPEC, plan)
+    values, _ = geometry.table_values(plan.blocks)  # type: ignore[arg-type]
+    launch = triton_copy.Launch(SPEC, plan, geometry, to_page=False, tuning=triton_copy.DEVICE_TUNING)
+    reply = pb.AcquireResponse(
+        ready_chunks=chunks, offsets=offsets, tiers=bytes([Tier.GPU]) * chunks, pools=[0] * chunks
+    )
+    wire = reply.SerializeToString()
+
+    def in_stream() -> None:
+        with torch.cuda.stream(stream):
+            pass
+
+    def event() -> None:
+        torch.cuda.Event().record(stream)
+
+    steps: dict[str, Callable[[], Any]] = {
+        "AcquireResponse.FromString (32 chunks)": lambda: pb.AcquireResponse.FromString(wire),
+        "pieces": lambda: client._gpu_pools.pieces(reply, client.arena),  # type: ignore[arg-type]
+        "check_blocks (in the Lookup's shadow)": lambda: check_blocks(
+            SPEC, registered, block_ids, chunks, writes_cache=True
+        ),
+        "plan_transfer (registered, checked blocks)": lambda: plan_transfer(
+            SPEC, registered, checked, range(chunks), pool, offsets, None, 0, writes_cache=True
+        ),
+        "choose (route)": lambda: choose(SPEC, plan, TransferOptions(), to_page=False),
+        "TransferOptions()": TransferOptions,
+        "geometry_of (kept)": lambda: kept_geometry(SPEC, plan),
+        "table_values": lambda: geometry.table_values(plan.blocks),  # type: ignore[arg-type]
+        "staging.to_device (tables)": lambda: staging.to_device(values, pool.device),
+        "torch.empty on the device": lambda: torch.empty(values.size, dtype=torch.int64, device=pool.device),
+        "Launch(...) (tables included)": lambda: triton_copy.Launch(
+            SPEC, plan, geometry, to_page=False, tuning=triton_copy.DEVICE_TUNING
+        ),
+        "Launch.run (kernel launch)": lambda: launch.run(0, geometry.num_segments, 1 << 20),
+        "torch.cuda.stream(s) enter+exit": in_stream,
+        "torch.cuda.current_stream()": torch.cuda.current_stream,
+        "torch.cuda.Event() + record": event,
+        "stream.wait_stream(current)": lambda: stream.wait_stream(torch.cuda.current_stream()),
+        "scatter(...) public call, registered + checked": lambda: scatter(
+            SPEC, registered, checked, range(chunks), pool, offsets
+        ),
+    }
+    timed: dict[str, float] = {}
+    for name, step in steps.items():
+        samples = []
+        for _ in range(calls):
+            torch.cuda.synchronize()  # untimed: no call waits for the GPU (a full ring, a full queue)
+            started = time.perf_counter()
+            step()
+            samples.append(time.perf_counter() - started)
+        timed[name] = statistics.median(samples) * 1e6
+    torch.cuda.synchronize()
+    return timed
+
+
 def cprofile_loads(run: Callable[[], Any], repeats: int, top: int = 40) -> str:
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
@@ -565,6 +637,9 @@ def measure(
                 name = f"step by step (keys + registered cache), {label}"
                 print_table((name, "ms (median)"), list(split.items()))
                 results.setdefault("profile_idle", {})[name] = split
+            warm = host_steps(client, registered, block_ids, chunks, pool, offsets)
+            print_table(("host step after the reply, warm", "us (median)"), list(warm.items()))
+            results["host_steps_us"] = warm
             inner = profile_scatter(target, block_ids, chunks, pool, offsets, repeats)
             print_table(("public scatter call, host", "ms (median)"), list(inner.items()))
             print(cprofile_loads(load(prompt_b, source_b, keys_b, registered), repeats))
