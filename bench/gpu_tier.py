@@ -63,6 +63,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
+import kvstore_kernels  # noqa: E402
 from bench.common import print_table, running_daemon, write_results  # noqa: E402
 from kvstore.keys import pack_keys  # noqa: E402
 from kvstore.proto import kvstore_pb2 as pb  # noqa: E402
@@ -297,6 +298,12 @@ def host_steps(
     def event() -> None:
         torch.cuda.Event().record(stream)
 
+    def in_device() -> None:
+        with torch.cuda.device(pool.device):
+            pass
+
+    compiled = launch.run(0, geometry.num_segments, 1 << 20)  # no segment moves (0..0) when timed
+
     steps: dict[str, Callable[[], Any]] = {
         "AcquireResponse.FromString (32 chunks)": lambda: pb.AcquireResponse.FromString(wire),
         "pieces": lambda: client._gpu_pools.pieces(reply, client.arena),  # type: ignore[arg-type]
@@ -323,6 +330,30 @@ def host_steps(
         "scatter(...) public call, registered + checked": lambda: scatter(
             SPEC, registered, checked, range(chunks), pool, offsets
         ),
+        "kvstore_kernels._run(plan)": lambda: kvstore_kernels._run(SPEC, plan, TransferOptions(), False),
+        "triton_copy.launch(plan)": lambda: triton_copy.launch(SPEC, plan, to_page=False),
+        "torch.cuda.device(d) enter+exit": in_device,
+        "_shape_of": lambda: triton_copy._shape_of(
+            SPEC, plan, geometry, False, triton_copy.DEVICE_TUNING, False
+        ),
+        "tensor slice": lambda: launch.tables[5:],
+        "_no_launch_hooks()": triton_copy._no_launch_hooks,
+        "compiled.run alone": lambda: compiled.run(
+            1,
+            1,
+            1,
+            stream.cuda_stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *launch._pointers,
+            0,
+            0,
+            0,
+            *launch._constants,
+        ),  # fmt: skip
     }
     timed: dict[str, float] = {}
     for name, step in steps.items():
