@@ -671,6 +671,14 @@ def measure(
             warm = host_steps(client, registered, block_ids, chunks, pool, offsets)
             print_table(("host step after the reply, warm", "us (median)"), list(warm.items()))
             results["host_steps_us"] = warm
+            plan = plan_transfer(
+                SPEC, registered, block_ids, range(chunks), pool, offsets, None, 0, writes_cache=True
+            )
+            print(
+                cprofile_loads(
+                    lambda: kvstore_kernels._run(SPEC, plan, TransferOptions(), False), 300, top=30
+                )
+            )
             inner = profile_scatter(target, block_ids, chunks, pool, offsets, repeats)
             print_table(("public scatter call, host", "ms (median)"), list(inner.items()))
             print(cprofile_loads(load(prompt_b, source_b, keys_b, registered), repeats))
