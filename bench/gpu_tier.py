@@ -327,8 +327,11 @@ def host_steps(
         "torch.cuda.current_stream()": torch.cuda.current_stream,
         "torch.cuda.Event() + record": event,
         "stream.wait_stream(current)": lambda: stream.wait_stream(torch.cuda.current_stream()),
-        "scatter(...) public call, registered + checked": lambda: scatter(
+        "scatter(...) public call, registered + checked (short path)": lambda: scatter(
             SPEC, registered, checked, range(chunks), pool, offsets
+        ),
+        "the same, the general path (options given)": lambda: scatter(
+            SPEC, registered, checked, range(chunks), pool, offsets, options=TransferOptions()
         ),
         "kvstore_kernels._run(plan)": lambda: kvstore_kernels._run(SPEC, plan, TransferOptions(), False),
         "triton_copy.launch(plan)": lambda: triton_copy.launch(SPEC, plan, to_page=False),
