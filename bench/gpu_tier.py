@@ -239,6 +239,28 @@ def profile_scatter(
     return {name: statistics.median(values) for name, values in steps.items()}
 
 
+def _busy(seconds: float) -> None:
+    """Keeps this thread on its core for `seconds` (a loop that reads the clock)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _polled(run: Callable[[], None]) -> None:
+    """`run`, with every CUDA wait in it done by polling (the thread never leaves its core)."""
+    original = torch.cuda.Event.synchronize
+
+    def polling(event: torch.cuda.Event) -> None:
+        while not event.query():
+            pass
+
+    torch.cuda.Event.synchronize = polling  # type: ignore[method-assign]
+    try:
+        run()
+    finally:
+        torch.cuda.Event.synchronize = original  # type: ignore[method-assign]
+
+
 def idle_effect(gpu_load: Callable[[], None], cpu_load: Callable[[], None], repeats: int) -> dict[str, float]:
     """Median ms of `gpu_load` after each kind of pause (untimed): does a load pay for what ran, or
     did not run, before it? (After a pause the host's steps run slower: see NOTES-gpu-tier.md.)"""
@@ -249,6 +271,8 @@ def idle_effect(gpu_load: Callable[[], None], cpu_load: Callable[[], None], repe
         "after 20 ms asleep": lambda: time.sleep(0.02),
         "after 2 ms asleep": lambda: time.sleep(0.002),
         "after ~20 ms of GPU work": lambda: torch.cuda._sleep(cycles),
+        "after 20 ms of host work": lambda: _busy(0.02),
+        "after a CPU-tier load, waited by polling": lambda: _polled(cpu_load),
     }
     timed: dict[str, float] = {}
     for name, before in befores.items():
