@@ -254,7 +254,7 @@ def _polled(run: Callable[[], None]) -> None:
         while not event.query():
             pass
 
-    torch.cuda.Event.synchronize = polling  # type: ignore[method-assign]
+    torch.cuda.Event.synchronize = polling  # type: ignore[method-assign,assignment]
     try:
         run()
     finally:
