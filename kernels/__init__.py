@@ -30,7 +30,8 @@ block table, chunks, offsets and buffer: about 0.1-0.2 ms of host time on the H1
 the tensors keep their storage, shape and strides, as vLLM's `register_kv_caches` does).
 `check_blocks(spec, kv_caches, block_ids, chunks, writes_cache=...)` checks a host block
 table's first chunks ahead of the calls that use it (`validate`): a load does it while its
-Lookup is in flight.
+Lookup is in flight. A scatter from a device buffer given both (registered caches, checked
+blocks) takes a shorter path (`device_scatter`: the GPU tier's loads).
 """
 
 from __future__ import annotations
@@ -123,6 +124,19 @@ def _transfer(
     options: TransferOptions | None,
     to_page: bool,
 ) -> None:
+    if (
+        type(block_ids) is CheckedBlocks
+        and options is None
+        and stream is None
+        and not to_page
+        and not batch_index
+        and isinstance(buffer, torch.Tensor)
+        and buffer.is_cuda
+    ):
+        from . import device_scatter  # the GPU tier's hot path, where it applies
+
+        if device_scatter.scatter(spec, kv_caches, block_ids, chunks, buffer, offsets, layers):
+            return
     options = options or TransferOptions()
     if not isinstance(options, TransferOptions):
         raise ValueError(f"options: expected a TransferOptions, got {type(options).__name__}")

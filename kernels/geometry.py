@@ -66,9 +66,21 @@ class Geometry:
         self._set_pages(plan)
 
     def _set_pages(self, plan: Transfer) -> None:
-        self.page_addrs = [plan.buffer.data_ptr() + offset for offset in plan.offsets]
+        base = plan.buffer.data_ptr()
+        self.page_addrs = [base + offset for offset in plan.offsets]
+        self._set_words(math.gcd(*self.page_addrs))
+
+    def with_pages(self, count: int, page_alignment: int) -> Geometry:
+        """This geometry for `count` pages whose addresses are all multiples of `page_alignment` (the
+        widest such): what the kernel's arguments depend on, without the pages' addresses."""
+        other = copy.copy(self)
+        other.page_addrs = [page_alignment] * count
+        other._set_words(page_alignment)
+        return other
+
+    def _set_words(self, page_alignment: int) -> None:
         # Every address and step is a multiple of `alignment`: words (and vector loads) of that width.
-        alignment = math.gcd(self._static_alignment, *self.page_addrs)
+        alignment = math.gcd(self._static_alignment, page_alignment)
         widest = 8 if self.contiguous else self._itemsize
         self.word_bytes = next(w for w in (8, 4, 2, 1) if w <= widest and alignment % w == 0)
         self.align = 16 if self.contiguous and alignment % 16 == 0 else self.word_bytes

@@ -40,11 +40,13 @@ class TableStaging:
         self._next = 0
         self._lock = threading.Lock()
 
-    def to_device(self, values: np.ndarray) -> torch.Tensor:
-        """`values` (int64) as a tensor on the device, ordered on the current stream."""
+    def to_device(self, values: np.ndarray, stream: int | None = None) -> torch.Tensor:
+        """`values` (int64) as a tensor on the device, ordered on the current stream (`stream`: its
+        handle, when the caller has it)."""
         count = values.size
         runtime = self._runtime
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
         with self._lock:
             index = self._next
             self._next = (index + 1) % len(self._slots)
@@ -69,8 +71,9 @@ def staging_for(device: torch.device) -> TableStaging:
     return TableStaging(device)
 
 
-def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """int64 `values` on `device`: shared with numpy on the CPU, through the pinned ring for CUDA."""
+def to_device(values: np.ndarray, device: torch.device, stream: int | None = None) -> torch.Tensor:
+    """int64 `values` on `device`: shared with numpy on the CPU, through the pinned ring for CUDA
+    (on the current stream; `stream`: its handle, when the caller has it)."""
     if device.type != "cuda":
         return torch.from_numpy(values)
-    return staging_for(device).to_device(values)
+    return staging_for(device).to_device(values, stream)

@@ -555,6 +555,60 @@ def test_checked_blocks_move_the_same_bytes(impl: str) -> None:
             assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: the device-buffer scatter's short path runs on a GPU only")
+@pytest.mark.parametrize(
+    ("layout", "strided"),
+    [("flash_attn", False), ("flash_attn", True), ("flashinfer", False), ("mla", False)],
+)
+def test_device_scatter_moves_what_the_general_path_moves(layout: str, strided: bool) -> None:
+    """A scatter from a device buffer into registered caches with checked blocks (the GPU tier's
+    loads) takes the short path once the kernel is compiled, and writes exactly what the general
+    path writes, for pages aligned every way, chunk subsets and layer ranges; what it does not
+    take (chunks out of order, a page past the buffer, options) goes the general way."""
+    from kvstore_kernels import device_scatter
+
+    spec = make_spec(layout, "bfloat16", sharing={2: 1})
+    table = block_table(12, 4 * spec.blocks_per_chunk)
+    page_bytes = spec.page.page_bytes
+    size = 9 * page_bytes + 64
+    source = torch.randint(
+        0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
+    ).cuda()
+    cases = [
+        (range(4), [j * page_bytes for j in range(4)], None),
+        (range(4), [(3 - j) * 2 * page_bytes + 8 for j in range(4)], None),
+        ([1, 3], [page_bytes + 2, 5 * page_bytes + 2], None),
+        ([0, 2, 3], [1, 3 * page_bytes + 1, 7 * page_bytes + 33], range(1, 3)),
+        (range(1, 3), [4 * page_bytes + 16, 16], range(0, 1)),
+    ]
+    for chunks, offsets, layers in cases:
+        plain_bases, plain = build(spec, "cuda", fill=0xA5, strided=strided)
+        kvstore_kernels.scatter(spec, plain, table, chunks, source, offsets, layers)
+        fast_bases, fast = build(spec, "cuda", fill=0xA5, strided=strided)
+        registered = kvstore_kernels.register(spec, fast)
+        checked = kvstore_kernels.check_blocks(spec, registered, table, 4, layers, writes_cache=True)
+        kvstore_kernels.scatter(spec, registered, checked, chunks, source, offsets, layers)  # compiles if new
+        taken = device_scatter.taken
+        for base in fast_bases:
+            base.view(torch.uint8).fill_(0xA5)
+        kvstore_kernels.scatter(spec, registered, checked, chunks, source, offsets, layers)
+        torch.cuda.synchronize()
+        assert device_scatter.taken == taken + 1, (chunks, offsets)
+        for got, want in zip(as_bytes(fast_bases), as_bytes(plain_bases), strict=True):
+            assert torch.equal(got, want), (chunks, offsets, layers)
+    _, caches = build(spec, "cuda", fill=0xA5, strided=strided)
+    registered = kvstore_kernels.register(spec, caches)
+    checked = kvstore_kernels.check_blocks(spec, registered, table, 4, writes_cache=True)
+    taken = device_scatter.taken
+    kvstore_kernels.scatter(spec, registered, checked, [3, 1], source, [0, page_bytes])  # out of order
+    options = kvstore_kernels.TransferOptions(max_programs=8)
+    kvstore_kernels.scatter(spec, registered, checked, [0, 1], source, [0, page_bytes], options=options)
+    with pytest.raises(ValueError, match=r"offsets\[1\]: page .* runs past the end"):
+        kvstore_kernels.scatter(spec, registered, checked, [0, 1], source, [0, size - page_bytes + 1])
+    torch.cuda.synchronize()
+    assert device_scatter.taken == taken
+
+
 def test_checked_blocks_refuse_what_the_table_refuses() -> None:
     """Checking ahead never lets through what a call with the plain table refuses: a table that
     fails is handed back as it is, and a call outside what was checked checks the table in full."""
