@@ -105,15 +105,14 @@ def scatter(
     pointer = tables.data_ptr()
     segments = pages * geometry.num_layer_kv * geometry.blocks_per_chunk
     pointers = (pointer, pointer + starts[0] * 8)
-    key = (route.device, (pointer % 16, pointers[1] % 16), tuple(starts[1:]), shape.key)
-    compiled = triton_copy._compiled.get((key, ("i32", triton_copy._int_kind(segments), "i32")))
+    key = triton_copy.specialisation(route.device, pointers, starts[1:], shape)
+    compiled = triton_copy.compiled_for(key, 0, segments)
     if compiled is None or not triton_copy._no_launch_hooks():
         return False  # the general path launches it (and compiles the kernel, for the next call)
     grid = max(1, min(-(-segments // shape.segments), triton_copy.DEVICE_MAX_PROGRAMS))
-    compiled.run(
-        grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-        *pointers, *starts[1:], 0, segments, 0, *shape.constants,
-    )  # fmt: skip
+    triton_copy.run_compiled(
+        compiled, grid, stream, (*pointers, *starts[1:]), 0, segments, 0, shape.constants
+    )
     global taken
     taken += 1
     return True

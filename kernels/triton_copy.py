@@ -316,7 +316,7 @@ class Launch:
             pointers = (self.tables.data_ptr(), blocks.data_ptr())
             self._pointers = (*pointers, *starts[1:])
             device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
-            self._key = (device, tuple(pointer % 16 for pointer in pointers), tuple(starts[1:]), shape.key)
+            self._key = specialisation(device, pointers, starts[1:], shape)
 
     def run(
         self, first: int, end: int, max_programs: int, stage_base: int = 0, stream: int | None = None
@@ -337,10 +337,7 @@ class Launch:
         if compiled is not None and _no_launch_hooks():
             if stream is None:
                 stream = torch.cuda.current_stream().cuda_stream
-            compiled.run(
-                grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                *self._pointers, first, end, stage_base, *self._constants,
-            )  # fmt: skip
+            run_compiled(compiled, grid, stream, self._pointers, first, end, stage_base, self._constants)
             return compiled
         compiled = _copy_pages[(grid,)](*self._args, first, end, stage_base, **self._kwargs)
         if _FAST_LAUNCH and self._key is not None and hasattr(compiled, "packed_metadata"):
@@ -355,6 +352,39 @@ _FAST_LAUNCH = os.environ.get("KVSTORE_TRITON_DISPATCH", "") in ("", "0") and li
     getattr(_copy_pages, "arg_names", [])[5:8]
 ) == ["first_segment", "num_segments", "stage_base"]
 _compiled: dict[tuple[Any, ...], Any] = {}  # specialisation (`Launch._key` + int kinds) -> kernel
+
+
+def specialisation(
+    device: int, pointers: tuple[int, int], starts: Sequence[int], shape: _Shape
+) -> tuple[Any, ...]:
+    """What Triton specialises a launch of `_copy_pages` on, but the three unspecialised integers'
+    kinds: the device, the tables' 16-byte alignment (`pointers`: the tables', the block ids'),
+    the tables' offsets after the block ids (`starts`) and the shape. Equal keys (with equal int
+    kinds): the same compiled kernel, in `_compiled`."""
+    return (device, (pointers[0] % 16, pointers[1] % 16), tuple(starts), shape.key)
+
+
+def compiled_for(key: tuple[Any, ...], first: int, end: int, stage_base: int = 0) -> Any:
+    """The kernel compiled for `key` (`specialisation`) and these integers, or None (not yet)."""
+    return _compiled.get((key, (_int_kind(first), _int_kind(end), _int_kind(stage_base))))
+
+
+def run_compiled(
+    compiled: Any,
+    grid: int,
+    stream: int,
+    pointers: Sequence[int],
+    first: int,
+    end: int,
+    stage_base: int,
+    constants: tuple[Any, ...],
+) -> None:
+    """Launch a compiled `_copy_pages` through its launcher: `pointers` are the tables', the block
+    ids' and the three table offsets; `constants` a `_Shape`'s."""
+    compiled.run(
+        grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+        *pointers, first, end, stage_base, *constants,
+    )  # fmt: skip
 
 
 class _Shape(NamedTuple):
