@@ -602,8 +602,7 @@ class KVStoreClient:
         if stream is None:
             stream = self._side_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            transfer(self.spec, kv_caches, block_ids, chunks, buffer, offsets, layers)
+        transfer(self.spec, kv_caches, block_ids, chunks, buffer, offsets, layers, stream=stream)
         event = torch.cuda.Event()
         event.record(stream)
         return event

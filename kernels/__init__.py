@@ -127,7 +127,6 @@ def _transfer(
     if (
         type(block_ids) is CheckedBlocks
         and options is None
-        and stream is None
         and not to_page
         and not batch_index
         and isinstance(buffer, torch.Tensor)
@@ -135,7 +134,7 @@ def _transfer(
     ):
         from . import device_scatter  # the GPU tier's hot path, where it applies
 
-        if device_scatter.scatter(spec, kv_caches, block_ids, chunks, buffer, offsets, layers):
+        if device_scatter.scatter(spec, kv_caches, block_ids, chunks, buffer, offsets, layers, stream):
             return
     options = options or TransferOptions()
     if not isinstance(options, TransferOptions):

@@ -9,14 +9,15 @@ as `KVStoreClient.load` does), everything but the page addresses is the same fro
 the next, so this path keeps it per (registered cache, spec, layers, buffer) and does per call
 only what depends on the chunks and offsets.
 
-`scatter(spec, kv_caches, block_ids, chunks, buffer, offsets, layers)` moves the transfer and
-returns True, or returns False having moved nothing: the caller then takes the general path,
-which checks everything and names any fault. It takes only the plain case: a scatter with no
-options, batch index 0, `RegisteredCaches`, `CheckedBlocks` covering the chunks in increasing
-order, a CUDA buffer on the cache's device whose pages lie inside it, the kernel left to its
-auto rule (`KVSTORE_KERNELS` unset), no launch hooks, and a kernel compiled for the shape
-already (the general path's first call compiles it). It moves exactly the bytes the general
-path moves (`tests/test_kernels.py` compares both, with pages aligned every way).
+`scatter(spec, kv_caches, block_ids, chunks, buffer, offsets, layers, stream)` moves the
+transfer and returns True, or returns False having moved nothing: the caller then takes the
+general path, which checks everything and names any fault. It takes only the plain case: a
+scatter with no options, batch index 0, `RegisteredCaches`, `CheckedBlocks` covering the chunks
+in increasing order, a CUDA buffer on the cache's device (and the stream's) whose pages lie
+inside it, the kernel left to its auto rule (`KVSTORE_KERNELS` unset), no launch hooks, and a
+kernel compiled for the shape already (the general path's first call compiles it). It moves
+exactly the bytes the general path moves (`tests/test_kernels.py` compares both, with pages
+aligned every way).
 """
 
 from __future__ import annotations
@@ -64,8 +65,12 @@ def scatter(
     buffer: torch.Tensor,
     offsets: Any,
     layers: range | None,
+    stream: torch.cuda.Stream | None = None,
 ) -> bool:
-    """Move the scatter if it is the plain case (module docstring); False: nothing moved."""
+    """Move the scatter if it is the plain case (module docstring); False: nothing moved.
+
+    On `stream` (default: the device's current stream); the tables' memory is then marked as
+    used by that stream, so the allocator reuses it only after the kernel ran."""
     if type(kv_caches) is not RegisteredCaches or type(block_ids) is not CheckedBlocks:
         return False
     route = _route(spec, kv_caches, block_ids, buffer, layers)
@@ -100,8 +105,12 @@ def scatter(
     values = np.concatenate([page_addrs, blocks.ravel(), geometry._static_values])
     starts = list(itertools.accumulate((pages, blocks.size, *geometry._static_lengths)))[:-1]
     device = route.buffer.device
-    stream = torch.cuda.current_stream(device).cuda_stream
-    tables = staging.to_device(values, device, stream)
+    if stream is not None and stream.device != device:
+        return False  # the general path names the mismatch
+    handle = (stream if stream is not None else torch.cuda.current_stream(device)).cuda_stream
+    tables = staging.to_device(values, device, handle)
+    if stream is not None:
+        tables.record_stream(stream)  # allocated on the current stream, read on this one
     pointer = tables.data_ptr()
     segments = pages * geometry.num_layer_kv * geometry.blocks_per_chunk
     pointers = (pointer, pointer + starts[0] * 8)
@@ -111,7 +120,7 @@ def scatter(
         return False  # the general path launches it (and compiles the kernel, for the next call)
     grid = max(1, min(-(-segments // shape.segments), triton_copy.DEVICE_MAX_PROGRAMS))
     triton_copy.run_compiled(
-        compiled, grid, stream, (*pointers, *starts[1:]), 0, segments, 0, shape.constants
+        compiled, grid, handle, (*pointers, *starts[1:]), 0, segments, 0, shape.constants
     )
     global taken
     taken += 1

@@ -425,8 +425,9 @@ class Store:
         offsets: list[int] = []
         tiers = bytearray()
         pools: list[int] = []
+        readable = lease.gpu_pools
         for entry in lease.entries:
-            if _in_pools(entry, lease.gpu_pools):
+            if entry.gpu >= 0 and not entry.gpu_pending and entry.pool in readable:  # _in_pools, inline
                 offsets.append(entry.gpu)
                 tiers.append(Tier.GPU)
                 pools.append(entry.pool)

@@ -596,6 +596,19 @@ def test_device_scatter_moves_what_the_general_path_moves(layout: str, strided: 
         assert device_scatter.taken == taken + 1, (chunks, offsets)
         for got, want in zip(as_bytes(fast_bases), as_bytes(plain_bases), strict=True):
             assert torch.equal(got, want), (chunks, offsets, layers)
+    side = torch.cuda.Stream()  # a given stream: the same bytes, moved there
+    plain_bases, plain = build(spec, "cuda", fill=0xA5, strided=strided)
+    kvstore_kernels.scatter(spec, plain, table, range(4), source, cases[1][1])
+    fast_bases, fast = build(spec, "cuda", fill=0xA5, strided=strided)
+    registered = kvstore_kernels.register(spec, fast)
+    checked = kvstore_kernels.check_blocks(spec, registered, table, 4, writes_cache=True)
+    taken = device_scatter.taken
+    side.wait_stream(torch.cuda.current_stream())
+    kvstore_kernels.scatter(spec, registered, checked, range(4), source, cases[1][1], stream=side)
+    side.synchronize()
+    assert device_scatter.taken == taken + 1
+    for got, want in zip(as_bytes(fast_bases), as_bytes(plain_bases), strict=True):
+        assert torch.equal(got, want)
     _, caches = build(spec, "cuda", fill=0xA5, strided=strided)
     registered = kvstore_kernels.register(spec, caches)
     checked = kvstore_kernels.check_blocks(spec, registered, table, 4, writes_cache=True)
