@@ -555,6 +555,7 @@ class KVStoreClient:
             self._release_quietly(lease)
             raise
         tokens = ready * self.spec.page.chunk_tokens
+        release_frame = LocalChannel.frame("Release", lease)  # made while the copy runs
 
         def release() -> int:
             local = self._local
@@ -562,7 +563,7 @@ class KVStoreClient:
                 # The copy ended while the lease held its pages (same host, same monotonic clock):
                 # the tokens are valid whatever the Release answers, so it is sent without waiting.
                 try:
-                    local.send("Release", lease)
+                    local.send_frame("Release", release_frame)
                 except Unavailable as exc:  # the lease expires on its own
                     log.warning("release of lease %d failed: %s", lease.lease_id, exc)
                 return tokens

@@ -5,6 +5,8 @@
 - `send(method, request)`: send a request without waiting: its reply is read with the next
   call's (the daemon answers in order), and an error in it is logged then. For calls whose
   outcome the caller does not need (a load's Release once the copy is known to be valid).
+  `frame(method, request)` makes the bytes ahead and `send_frame` sends them (a load makes
+  its Release while the copy runs).
 """
 
 from __future__ import annotations
@@ -62,12 +64,21 @@ class LocalChannel:
             raise error_for(status, method, body.decode(errors="replace"))
         return UNARY_METHODS[method][1].FromString(body)  # type: ignore[attr-defined]
 
+    @staticmethod
+    def frame(method: str, request: Any) -> bytes:
+        """`request` as the channel sends it: made ahead, it is sent later with `send_frame`."""
+        payload = request.SerializeToString()
+        return HEADER.pack(len(payload), _METHOD_IDS[method]) + payload
+
     def send(self, method: str, request: Any) -> None:
         """Sends `request` without waiting for the reply (read, and an error logged, with the next call's)."""
-        payload = request.SerializeToString()
+        self.send_frame(method, self.frame(method, request))
+
+    def send_frame(self, method: str, frame: bytes) -> None:
+        """`send` of a request made ahead with `frame(method, request)`."""
         try:
             with self._lock:
-                self._sock.sendall(HEADER.pack(len(payload), _METHOD_IDS[method]) + payload)
+                self._sock.sendall(frame)
                 self._unread.append(method)
         except OSError as exc:
             self.close()

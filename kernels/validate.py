@@ -32,7 +32,7 @@ import torch
 
 from kvstore.spec import KVSpec, PageSpec
 
-from .cache_facts import ViewFacts, cache_facts
+from .cache_facts import CacheFacts, RegisteredCaches, ViewFacts, cache_facts
 from .layouts import KVCaches, kv_views
 
 
@@ -96,9 +96,7 @@ def check_blocks(
         return block_ids
     try:
         page = spec.page
-        position = page.stored_position
-        moved = [layer for layer in _check_layers(spec, layers) if layer in position]
-        facts = cache_facts(spec, kv_caches, moved, moved or page.stored_layers, batch_index)
+        moved, facts = _moved_facts(spec, kv_caches, layers, batch_index)
         table = _table_array(block_ids)
         assert isinstance(table, np.ndarray)  # a CPU table
         per_chunk = page.chunk_tokens // spec.block_size
@@ -129,9 +127,7 @@ def plan_transfer(
     """Check a gather (`writes_cache=False`) or scatter call; return what to move."""
     page = spec.page
     position = page.stored_position
-    moved = [layer for layer in _check_layers(spec, layers) if layer in position]
-    # Only the layers that move are read or written; with none, check them all anyway.
-    facts = cache_facts(spec, kv_caches, moved, moved or page.stored_layers, batch_index)
+    moved, facts = _moved_facts(spec, kv_caches, layers, batch_index)
     chunk_array = _int_array("chunks", chunks)
     offset_array = _int_array("offsets", offsets)
     if chunk_array.size != offset_array.size:
@@ -202,6 +198,33 @@ def host_blocks(plan: Transfer, *, writes_cache: bool) -> np.ndarray:
     if writes_cache:
         _check_unique(blocks)
     return blocks
+
+
+def _moved_facts(
+    spec: KVSpec, kv_caches: KVCaches, layers: range | None, batch_index: int
+) -> tuple[tuple[int, ...], CacheFacts]:
+    """The engine layers a call moves (the stored ones among `layers`) and the facts of the cache
+    tensors (only the moved layers are read or written; with none, all are checked anyway). Kept
+    on `RegisteredCaches` per spec, layers and batch index: a call then neither lists the layers
+    nor looks the facts up."""
+    kept: dict[Any, Any] | None = None
+    if type(kv_caches) is RegisteredCaches and (layers is None or type(layers) is range):
+        kept = kv_caches.__dict__.setdefault("_moved", {})
+        found = kept.get((id(spec), layers, batch_index))
+        if found is not None and found[0] is spec:
+            return found[1], found[2]
+    page = spec.page
+    position = page.stored_position
+    moved = tuple(layer for layer in _check_layers(spec, layers) if layer in position)
+    facts = cache_facts(spec, kv_caches, moved, moved or page.stored_layers, batch_index)
+    if kept is not None:
+        if len(kept) >= _MAX_KEPT:
+            kept.clear()
+        kept[(id(spec), layers, batch_index)] = (spec, moved, facts)
+    return moved, facts
+
+
+_MAX_KEPT = 32  # layer subsets kept per registered cache
 
 
 def _check_layers(spec: KVSpec, layers: range | None) -> range:

@@ -676,6 +676,14 @@ def test_register_checks_the_tensors_once_and_refuses_bad_ones() -> None:
     buffer = torch.zeros(size, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"kv_caches\[0\]: dtype bfloat16 does not match the spec's float16"):
         kvstore_kernels.gather(other, registered, table, chunks, buffer, offsets)
+    table, chunks, offsets, size = scenario(spec)
+    buffer = torch.zeros(size, dtype=torch.uint8)
+    for _ in range(2):  # bad layers are refused every time, after calls whose layers were kept
+        kvstore_kernels.gather(spec, registered, table, chunks, buffer, offsets, range(0, 2))
+        with pytest.raises(ValueError, match=r"layers: range\(0, 9\) is outside 0..3"):
+            kvstore_kernels.gather(spec, registered, table, chunks, buffer, offsets, range(0, 9))
+        with pytest.raises(ValueError, match="layers: expected a range with step 1"):
+            kvstore_kernels.gather(spec, registered, table, chunks, buffer, offsets, [0, 1])  # type: ignore[arg-type]
 
 
 def test_remembered_cache_facts_hold_no_tensor() -> None:

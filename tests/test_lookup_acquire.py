@@ -59,13 +59,13 @@ def calls_of(client: KVStoreClient) -> list[str]:
     client._rpc = recording  # type: ignore[method-assign]
     local = client._local
     if local is not None:
-        send = local.send
+        send = local.send_frame
 
-        def sending(method: str, request: Any) -> None:
+        def sending(method: str, frame: bytes) -> None:
             made.append(f"{method} (no wait)")
-            send(method, request)
+            send(method, frame)
 
-        local.send = sending  # type: ignore[method-assign]
+        local.send_frame = sending  # type: ignore[method-assign]
     return made
 
 
