@@ -484,12 +484,20 @@ class KVStoreClient:
         def prepare() -> None:
             # While the Lookup is in flight (none of it depends on the reply): the block table of
             # every chunk that can hit, checked, and the side stream ordered after the caller's.
-            ahead[0] = kvstore_kernels.check_blocks(
-                self.spec, kv_caches, block_ids, len(keys), moved, writes_cache=True
-            )
-            if stream is None and device.type == "cuda":
-                ahead[1] = self._side_stream(device)
-                ahead[1].wait_stream(torch.cuda.current_stream(device))
+            # Nothing here may fail the call, whose reply holds a lease: what fails is done again
+            # after the reply, where an error releases the lease.
+            try:
+                ahead[0] = kvstore_kernels.check_blocks(
+                    self.spec, kv_caches, block_ids, len(keys), moved, writes_cache=True
+                )
+                if stream is None and device.type == "cuda":
+                    side = self._side_stream(device)
+                    side.wait_stream(torch.cuda.current_stream(device))
+                    ahead[1] = side
+            except Exception:
+                log.debug(
+                    "checking the block table ahead failed; it is checked with the scatter", exc_info=True
+                )
 
         try:
             reply = (
