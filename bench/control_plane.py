@@ -231,7 +231,7 @@ def bench_lookup(daemon: Daemon, args: argparse.Namespace) -> dict[str, Any]:
 
         def lease_acquire_release(rpc: Callable[[str, Any], Any]) -> None:
             reply = rpc("Lookup", pb.LookupRequest(namespace=ns, keys=packed, lease=True))
-            lease = pb.LeaseRequest(namespace=ns, lease_id=reply.lease_id)
+            lease = pb.LeaseRequest(namespace=ns, lease_id=reply.lease_id, epoch=client.epoch)
             rpc("Acquire", lease)
             rpc("Release", lease)
 

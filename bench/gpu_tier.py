@@ -173,11 +173,16 @@ def profile_load(
         reply = client._rpc(
             "Lookup",
             pb.LookupRequest(
-                namespace=client.namespace, keys=pack_keys(keys), lease=True, gpu_pools=[0], acquire=True
+                namespace=client.namespace,
+                keys=pack_keys(keys),
+                lease=True,
+                gpu_pools=[0],
+                acquire=True,
+                epoch=client.epoch,
             ),
         )
         marks.append(("Lookup(lease)", time.perf_counter()))
-        lease = pb.LeaseRequest(namespace=client.namespace, lease_id=reply.lease_id)
+        lease = pb.LeaseRequest(namespace=client.namespace, lease_id=reply.lease_id, epoch=client.epoch)
         acquired = reply.acquired if reply.HasField("acquired") else client._rpc("Acquire", lease)
         marks.append(("Acquire (if asked)", time.perf_counter()))
         pieces = client._gpu_pools.pieces(acquired, client.arena)
@@ -638,7 +643,7 @@ def measure(
                 namespace=client.namespace, keys=pack_keys(client.keys(prompt_b)), lease=True, gpu_pools=[0]
             ),
         )
-        lease = pb.LeaseRequest(namespace=client.namespace, lease_id=hit.lease_id)
+        lease = pb.LeaseRequest(namespace=client.namespace, lease_id=hit.lease_id, epoch=client.epoch)
         acquired = client._rpc("Acquire", lease)
         assert bytes(acquired.tiers) == bytes([Tier.GPU]) * chunks
         pool = client._gpu_pools.tensors[acquired.pools[0]]

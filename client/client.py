@@ -8,6 +8,14 @@
 On the daemon's host the client maps the daemon's shared-memory arena and the
 kernels read and write pages in place; otherwise (`shared_memory=False`, or a
 remote daemon) page bytes travel inline through Put/Get.
+
+A daemon that is down, stopping, restarting or too slow never raises out of
+`lookup`, `load` or `store` (or their handles): they count a miss or store
+nothing, one warning per outage, one info line when it serves again. The client
+connects again by itself, at most every RECONNECT_INTERVAL_S, and after a restart
+maps the new arena before it moves a byte: every call that names offsets carries
+the epoch of the arena it was made for (`kvstore.handlers`). Leases held longer
+than a third of their TTL are renewed by a background thread (`LeaseRenewer`).
 """
 
 from __future__ import annotations
@@ -24,8 +32,17 @@ import grpc
 import torch
 
 import kvstore_kernels
-from kvstore.errors import NotFound, Unavailable, from_rpc_error
+from kvstore.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    KVStoreError,
+    NotFound,
+    StaleEpoch,
+    Unavailable,
+    from_rpc_error,
+)
 from kvstore.keys import chunk_keys, pack_keys
+from kvstore.peers import process_start_time
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.spec import KVSpec
@@ -33,6 +50,7 @@ from kvstore.stats import stats_to_dict
 from kvstore_client.gpu_pools import GpuPools, device_bus_id
 from kvstore_client.handles import LoadHandle, StoreHandle
 from kvstore_client.local import LocalChannel
+from kvstore_client.renewal import LeaseRenewer
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +68,19 @@ LAYERWISE_TRANSFER = kvstore_kernels.TransferOptions()
 LAYERWISE_RUNS = 2
 _CHANNEL_LIMIT = 64 << 20
 _NOT_REGISTERED = "is not registered with this daemon"
+RECONNECT_INTERVAL_S = 0.25  # in an outage, the least time between two attempts to connect again
+# gRPC's own reconnection backoff (default: up to 120 s) would keep a restarted daemon unused.
+_RECONNECT_BACKOFF_MS = 250
+
+
+def is_outage(exc: KVStoreError) -> bool:
+    """Whether `exc` says the daemon cannot serve now (down, stopping, restarted, too slow),
+    as opposed to a fault of the request."""
+    if isinstance(exc, Unavailable | DeadlineExceeded | StaleEpoch):
+        return True
+    if isinstance(exc, NotFound):
+        return _NOT_REGISTERED in str(exc)
+    return getattr(exc, "code", None) is grpc.StatusCode.CANCELLED
 
 
 def _ignore(exc: BaseException) -> None:
@@ -114,6 +145,9 @@ class KVStoreClient:
         options = [
             ("grpc.max_receive_message_length", _CHANNEL_LIMIT),
             ("grpc.max_send_message_length", _CHANNEL_LIMIT),
+            ("grpc.initial_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
+            ("grpc.min_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
+            ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
         ]
         self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.KVStoreStub(self._channel)
@@ -121,13 +155,18 @@ class KVStoreClient:
         self._arena: mmap.mmap | None = None
         self.arena: torch.Tensor | None = None
         self._registered = False
-        self._outage = False  # a call found no daemon since the last connect
+        self.epoch = 0  # the mapped arena's epoch (0: none mapped)
+        self._arena_identity: tuple[int, int] | None = None
+        self._outage = False  # a call found the daemon not serving since the last connect
+        self._reconnect_at = 0.0  # in an outage: no attempt to connect again before this
+        self._writer = (os.getpid(), process_start_time(os.getpid()) or 0)
         self._streams: dict[torch.device, Any] = {}
         # How a layer-wise load moves each run of layers (with the arena registered), and
         # into how many runs it cuts the layers (`layer_groups`).
         self.layerwise_options = LAYERWISE_TRANSFER
         self.layerwise_runs = LAYERWISE_RUNS
         self._gpu_pools = GpuPools(None, {})
+        self._renewer = LeaseRenewer(self._renew)
         try:
             self._handshake()
         except BaseException:
@@ -182,11 +221,62 @@ class KVStoreClient:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, method) from None
 
-    def _unreachable(self, outcome: str, exc: BaseException) -> None:
-        """Logs a call that found no daemon: a warning once per outage, then at debug level."""
-        level = logging.DEBUG if self._outage else logging.WARNING
-        self._outage = True
-        log.log(level, "kvstored unreachable, %s: %s", outcome, exc)
+    def _lost(self, exc: BaseException) -> None:
+        """A call found the daemon not serving: the outage begins (one warning), the local channel
+        closes, and the next call may try to connect again at once."""
+        if not self._outage:
+            self._outage = True
+            log.warning(
+                "kvstored at %s is not serving (%s): lookups and loads are misses and stores are "
+                "dropped until it serves again",
+                self.address,
+                exc,
+            )
+        else:
+            log.debug("kvstored still not serving: %s", exc)
+        self._close_local_channel()
+        self._reconnect_at = 0.0
+
+    def _reconnect(self) -> None:
+        """Connects again (at most every RECONNECT_INTERVAL_S); Unavailable if it cannot now."""
+        now = time.monotonic()
+        if now < self._reconnect_at:
+            raise Unavailable(f"kvstored at {self.address} is not serving; trying again shortly")
+        self._reconnect_at = now + RECONNECT_INTERVAL_S
+        try:
+            self._handshake()
+        except KVStoreError as exc:
+            if not is_outage(exc):
+                raise
+            self._lost(exc)
+            self._reconnect_at = now + RECONNECT_INTERVAL_S
+            raise Unavailable(str(exc)) from None
+        except OSError as exc:  # the arena could not be mapped (replaced meanwhile)
+            self._lost(exc)
+            self._reconnect_at = now + RECONNECT_INTERVAL_S
+            raise Unavailable(str(exc)) from None
+
+    def _call(self, method: str, make_request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
+        """`_rpc` with the outage handled: in an outage it first connects again; a call that finds
+        the daemon restarted (a stale epoch, a forgotten namespace, a closed channel) connects
+        again and is made once more, with a request made anew. Raises Unavailable when the
+        daemon cannot serve it now; other errors are the request's own."""
+        if self._outage:
+            self._reconnect()
+        try:
+            return self._rpc(method, make_request(), meanwhile)
+        except KVStoreError as exc:
+            if not is_outage(exc):
+                raise
+            self._lost(exc)
+        self._reconnect()
+        try:
+            return self._rpc(method, make_request(), meanwhile)
+        except KVStoreError as exc:
+            if not is_outage(exc):
+                raise
+            self._lost(exc)
+            raise Unavailable(str(exc)) from None
 
     def _handshake(self) -> None:
         spec = self._requested_spec
@@ -219,18 +309,24 @@ class KVStoreClient:
         self.page_bytes: int = reply.page_bytes
         self.max_message_bytes: int = reply.max_message_bytes
         self.lease_ttl_s: float = reply.lease_ttl_ms / 1000  # a lease's life when the request names none
+        self._renewer.ttl_s = self.lease_ttl_s
         if self.spec.page.namespace() != self.namespace or self.spec.page.page_bytes != self.page_bytes:
             raise RuntimeError(
                 "the daemon computed another namespace or page size for this spec: "
                 "client and daemon run incompatible kvstore versions"
             )
-        self._map_arena(reply.arena.shm_path, reply.arena.size)
-        self._gpu_pools.close()
-        if self.arena is not None:  # same host: the GPU tier's pools can be opened too
-            self._gpu_pools = GpuPools.open(reply.gpu_pools)
+        identity = (reply.arena.device, reply.arena.inode)
+        if reply.epoch != self.epoch or identity != self._arena_identity or self.arena is None:
+            self._renewer.forget()  # leases of another daemon
+            self._gpu_pools.close()
+            self._map_arena(reply.arena.shm_path, reply.arena.size, identity)
+            self._arena_identity = identity
+            self.epoch = reply.epoch if self.arena is not None else 0
+            if self.arena is not None:  # same host: the GPU tier's pools can be opened too
+                self._gpu_pools = GpuPools.open(reply.gpu_pools)
         self._open_local_channel(reply.local_socket)
         if self._outage:
-            log.warning("kvstored reachable again at %s", self.address)
+            log.info("kvstored at %s serves again (arena epoch %#x)", self.address, reply.epoch)
             self._outage = False
 
     def _open_local_channel(self, path: str) -> None:
@@ -248,7 +344,9 @@ class KVStoreClient:
             self._local.close()
             self._local = None
 
-    def _map_arena(self, path: str, size: int) -> None:
+    def _map_arena(self, path: str, size: int, identity: tuple[int, int]) -> None:
+        """Maps the daemon's arena, once the file at `path` is proven to be the one the daemon
+        maps (`identity`: st_dev, st_ino); ConnectionError if it is another (replaced meanwhile)."""
         self._unmap_arena()
         if self._want_shared_memory is False:
             return
@@ -263,6 +361,11 @@ class KVStoreClient:
             log.info("arena %s not reachable (%s): page bytes go inline", path, exc.strerror)
             return
         try:
+            st = os.fstat(fd)
+            if identity != (0, 0) and (st.st_dev, st.st_ino) != identity:
+                raise ConnectionError(
+                    f"the file at {path} is not the daemon's arena (the daemon restarted meanwhile)"
+                )
             self._arena = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -292,34 +395,30 @@ class KVStoreClient:
         )
 
     def _unmap_arena(self) -> None:
+        """Drops the arena mapping once no transfer can touch it. The mapping itself goes when the
+        last tensor viewing it does (closing it under a live view would fault)."""
         if self._registered and self.arena is not None:
             for stream in self._streams.values():
                 stream.synchronize()
+            torch.cuda.synchronize()  # transfers on the caller's streams too
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
             self._registered = False
         self.arena = None
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        self._arena = None
+        self.epoch = 0
 
     @property
     def shared_memory(self) -> bool:
         return self.arena is not None
 
-    def _first_rpc(self, method: str, make_request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
-        """Call `method`, connecting again once if the daemon restarted (it forgot our namespace,
-        or the local channel closed); `meanwhile` as in `_rpc`, run again with a retry."""
-        try:
-            return self._rpc(method, make_request(), meanwhile)
-        except (NotFound, Unavailable) as exc:
-            if isinstance(exc, NotFound) and _NOT_REGISTERED not in str(exc):
-                raise
-            self._close_local_channel()
-            log.warning("kvstored restarted (%s): connecting again", exc)
-            self._handshake()
-            return self._rpc(method, make_request(), meanwhile)
+    def _renew(self, lease_ids: Sequence[int]) -> Sequence[int]:
+        """Renews leases on the daemon (from the renewal thread); returns those still held."""
+        request = pb.RenewRequest(namespace=self.namespace, lease_ids=lease_ids, epoch=self.epoch)
+        renewed: Sequence[int] = self._rpc("Renew", request).renewed
+        return renewed
 
     def close(self) -> None:
+        self._renewer.stop()
         self._close_local_channel()
         self._gpu_pools.close()
         self._unmap_arena()
@@ -366,11 +465,10 @@ class KVStoreClient:
         if not keys:
             return 0
         try:
-            reply = self._first_rpc(
+            reply = self._call(
                 "Lookup", lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys))
             )
-        except Unavailable as exc:
-            self._unreachable("counting a miss", exc)
+        except Unavailable:
             return 0
         hit: int = reply.hit_chunks * self.spec.page.chunk_tokens
         return hit
@@ -415,21 +513,28 @@ class KVStoreClient:
         waits for the caller's current stream), so the caller's stream is never blocked.
         """
         keys = self._keys_of(token_ids, keys)
-        try:
-            reply = (
-                self._first_rpc(
-                    "Reserve", lambda: pb.ReserveRequest(namespace=self.namespace, keys=pack_keys(keys))
-                )
-                if keys
-                else None
+        pid, start_time = self._writer
+
+        def reserve() -> pb.ReserveRequest:
+            # The epoch says the pages are written in place (and fenced if the lease expires).
+            return pb.ReserveRequest(
+                namespace=self.namespace,
+                keys=pack_keys(keys),
+                epoch=self.epoch,
+                writer_pid=pid if self.epoch else 0,
+                writer_start_time=start_time if self.epoch else 0,
             )
-        except Unavailable as exc:
-            self._unreachable("storing nothing", exc)
+
+        try:
+            reply = self._call("Reserve", reserve) if keys else None
+        except Unavailable:
             reply = None
         chunks = [i for i, offset in enumerate(reply.offsets) if offset >= 0] if reply else []
         if reply is None or not chunks:
             return StoreHandle(None, lambda: 0, _ignore, 0)
-        lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id)
+        epoch = self.epoch
+        lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=epoch)
+        self._renewer.hold(lease.lease_id)
         try:
             if self.arena is not None:
                 offsets = [reply.offsets[i] for i in chunks]
@@ -442,15 +547,48 @@ class KVStoreClient:
                 kvstore_kernels.gather(self.spec, kv_caches, block_ids, chunks, staging, offsets, layers)
                 self._put(reply.lease_id, staging)
                 event = None
+        except Unavailable as exc:  # an inline Put the daemon did not take
+            self._lost(exc)
+            self._renewer.drop(lease.lease_id)
+            return StoreHandle(None, lambda: 0, _ignore, 0)
         except BaseException:
+            self._settle_transfers(kv_caches)
             self._abort_quietly(lease)
             raise
 
-        def commit() -> int:
-            committed: int = self._rpc("Commit", lease).committed
-            return committed
+        return StoreHandle(
+            event, lambda: self._commit(lease), lambda exc: self._abort_quietly(lease), len(chunks)
+        )
 
-        return StoreHandle(event, commit, lambda exc: self._abort_quietly(lease), len(chunks))
+    def _commit(self, lease: pb.LeaseRequest) -> int:
+        """Commits a store lease whose pages are written; 0 where nothing could be stored (the
+        daemon restarted, stopped, or the lease expired), with a warning."""
+        self._renewer.drop(lease.lease_id)
+        if lease.epoch != self.epoch:
+            log.debug(
+                "store lease %d: the daemon restarted before its Commit; nothing stored", lease.lease_id
+            )
+            return 0
+        try:
+            committed: int = self._rpc("Commit", lease).committed
+        except KVStoreError as exc:
+            if is_outage(exc):
+                self._lost(exc)
+            elif isinstance(exc, NotFound | FailedPrecondition):
+                log.warning("store lease %d: %s; nothing stored", lease.lease_id, exc)
+            else:
+                raise
+            return 0
+        return committed
+
+    def _settle_transfers(self, kv_caches: Any) -> None:
+        """Waits for transfers a failed call may have enqueued, before its slots are given up."""
+        device = cache_device(kv_caches)
+        if device.type == "cuda":
+            try:
+                torch.cuda.synchronize(device)
+            except Exception:
+                log.debug("synchronizing after a failed transfer failed", exc_info=True)
 
     def load_async(
         self,
@@ -501,7 +639,7 @@ class KVStoreClient:
 
         try:
             reply = (
-                self._first_rpc(
+                self._call(
                     "Lookup",
                     lambda: pb.LookupRequest(
                         namespace=self.namespace,
@@ -509,18 +647,20 @@ class KVStoreClient:
                         lease=True,
                         gpu_pools=in_place,
                         acquire=self.arena is not None,
+                        epoch=self.epoch,
                     ),
                     prepare if self.arena is not None else None,
                 )
                 if keys
                 else None
             )
-        except Unavailable as exc:
-            self._unreachable("loading nothing", exc)
+        except Unavailable:
             reply = None
         if reply is None or reply.hit_chunks == 0:
             return LoadHandle(None, lambda: 0, _ignore, 0, moved)
-        lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id)
+        epoch = self.epoch
+        lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=epoch)
+        self._renewer.hold(lease.lease_id)
         layer_events: dict[int, torch.cuda.Event | None] | None = None
         block_ids, stream = ahead
         try:
@@ -556,16 +696,25 @@ class KVStoreClient:
                     self.spec, kv_caches, block_ids, range(ready), staging, offsets, moved
                 )
                 event = None
-        except Unavailable as exc:
-            self._unreachable("loading nothing", exc)
+        except KVStoreError as exc:
+            if not is_outage(exc):
+                self._release_quietly(lease)
+                raise
+            self._lost(exc)  # the lease went with the daemon
+            self._renewer.drop(lease.lease_id)
             return LoadHandle(None, lambda: 0, _ignore, 0, moved)
         except BaseException:
+            self._settle_transfers(kv_caches)
             self._release_quietly(lease)
             raise
         tokens = ready * self.spec.page.chunk_tokens
         release_frame = LocalChannel.frame("Release", lease)  # made while the copy runs
 
         def release() -> int:
+            self._renewer.drop(lease.lease_id)
+            if self.epoch != epoch:  # the daemon restarted since the Lookup: trust nothing read
+                log.debug("load lease %d: the daemon restarted during the copy; no tokens", lease.lease_id)
+                return 0
             local = self._local
             if local is not None and time.monotonic() < asked + self.lease_ttl_s:
                 # The copy ended while the lease held its pages (same host, same monotonic clock):
@@ -573,7 +722,7 @@ class KVStoreClient:
                 try:
                     local.send_frame("Release", release_frame)
                 except Unavailable as exc:  # the lease expires on its own
-                    log.warning("release of lease %d failed: %s", lease.lease_id, exc)
+                    log.debug("release of lease %d failed: %s", lease.lease_id, exc)
                 return tokens
             if self._release_quietly(lease):
                 return tokens
@@ -623,11 +772,11 @@ class KVStoreClient:
         return stream
 
     def stats(self) -> dict[str, Any]:
-        return stats_to_dict(self._rpc("Stats", pb.StatsRequest()))
+        return stats_to_dict(self._call("Stats", pb.StatsRequest))
 
     def clear(self) -> int:
         """Drop every page of this client's namespace; returns how many."""
-        pages: int = self._rpc("Clear", pb.ClearRequest(namespace=self.namespace)).pages
+        pages: int = self._call("Clear", lambda: pb.ClearRequest(namespace=self.namespace)).pages
         return pages
 
     # -- inline data plane --------------------------------------------------
@@ -641,7 +790,11 @@ class KVStoreClient:
             for start in range(0, len(data), step):
                 yield pb.PutRequest(data=bytes(data[start : start + step]))
 
-        self._rpc("Put", messages())
+        try:
+            self._stub.Put(messages(), timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc, "Put")
+            raise (Unavailable(str(error)) if is_outage(error) else error) from None
 
     def _get(self, lease: pb.LeaseRequest, pages: int) -> torch.Tensor:
         """A load lease's pages, streamed straight into one buffer; a short stream yields whole pages only."""
@@ -655,19 +808,32 @@ class KVStoreClient:
                 view[position:end] = message.data
                 position = end
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, "Get") from None
+            error = from_rpc_error(exc, "Get")
+            raise (Unavailable(str(error)) if is_outage(error) else error) from None
         return staging[: position - position % self.page_bytes]
 
     def _abort_quietly(self, lease: pb.LeaseRequest) -> None:
-        try:
-            self._rpc("Abort", lease)
-        except Exception as exc:  # the lease expires on its own; the caller's error matters more
-            log.warning("abort of lease %d failed: %s", lease.lease_id, exc)
+        self._end_quietly("Abort", lease)
 
     def _release_quietly(self, lease: pb.LeaseRequest) -> bool:
+        return self._end_quietly("Release", lease)
+
+    def _end_quietly(self, method: str, lease: pb.LeaseRequest) -> bool:
+        """Ends a lease (Abort or Release); whether the daemon did. A failure is logged only: the
+        lease expires on its own, and the caller's own error matters more."""
+        self._renewer.drop(lease.lease_id)
+        if lease.epoch != self.epoch:
+            return False  # the daemon that held it is gone
         try:
-            self._rpc("Release", lease)
+            self._rpc(method, lease)
             return True
         except Exception as exc:
-            log.warning("release of lease %d failed: %s", lease.lease_id, exc)
+            quiet = isinstance(exc, KVStoreError) and is_outage(exc)
+            log.log(
+                logging.DEBUG if quiet else logging.WARNING,
+                "%s of lease %d failed: %s",
+                method,
+                lease.lease_id,
+                exc,
+            )
             return False

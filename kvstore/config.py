@@ -194,6 +194,7 @@ class LeaseConfig:
     ttl_s: float = _setting(30.0, gt=0)
     max_ttl_s: float = _setting(600.0, gt=0)
     reap_interval_s: float = _setting(0.25, gt=0)
+    quarantine_s: float = _setting(300.0, gt=0)  # the longest an expired store lease's slots stay fenced
 
     def validate(self, path: str) -> None:
         if self.max_ttl_s < self.ttl_s:

@@ -1,9 +1,12 @@
 """`kvstored`: loads the config, claims the socket, runs the server until a signal.
 
 Start: a lock file beside the socket tells a live daemon (refuse to start) from
-a dead one (replace its stale socket and arena). Stop (SIGTERM/SIGINT): health
-goes NOT_SERVING, in-flight RPCs drain for `server.grace_s`, then the socket,
-arena and lock file are removed and the process exits 0.
+a dead one (replace its stale socket and arena). A SIGTERM/SIGINT at any moment
+of start-up ends it after the step under way, removing whatever was created.
+Stop (SIGTERM/SIGINT): health goes NOT_SERVING and calls that start work are
+refused (clients count a miss); stores and loads in flight finish (the daemon
+waits for their leases, up to `server.grace_s`) on both channels before either
+closes; then the socket, arena and lock file are removed and the process exits 0.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import xxhash
 from grpc_health.v1 import health, health_pb2
@@ -38,8 +43,21 @@ from kvstore.tiers.remote import RemoteTier, start_remote
 log = logging.getLogger("kvstored")
 
 
+DRAIN_POLL_S = 0.01
+_signalled = False  # a stop signal came before the event loop took the signals over
+
+
 class AlreadyRunning(RuntimeError):
     pass
+
+
+class StoppedDuringStart(Exception):
+    """A stop signal came while the daemon was starting: it exits after cleaning up."""
+
+
+def _note_signal(signum: int, frame: Any) -> None:
+    global _signalled
+    _signalled = True
 
 
 def arena_name(socket_path: Path) -> str:
@@ -77,6 +95,19 @@ class SocketClaim:
 
 
 async def serve(config: Config) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if _signalled:
+        stop.set()
+
+    def starting() -> None:
+        """Between start-up steps: a stop signal ends the start here (the finally cleans up)."""
+        if stop.is_set():
+            raise StoppedDuringStart
+
+    starting()
     socket_path = config.server.socket_path
     claim = SocketClaim(socket_path)
     arena = None
@@ -84,7 +115,10 @@ async def serve(config: Config) -> None:
     gpu: GpuTier | None = None
     remote: RemoteTier | None = None
     local: LocalChannelServer | None = None
+    server = None
+    reaper: asyncio.Task[None] | None = None
     try:
+        starting()
         cpu_config = config.tiers.cpu
         arena = Arena(
             Path(cpu_config.shm_dir) / arena_name(socket_path),
@@ -92,15 +126,19 @@ async def serve(config: Config) -> None:
             cpu_config.file_mode,
             cpu_config.prefault,
         )
+        starting()
         if config.tiers.disk.enabled:
             disk = DiskTier(config.tiers.disk)
             records = await asyncio.to_thread(disk.recover, progress_reporter("recovering the disk tier"))
             log.info("disk tier %s: %d pages recovered", config.tiers.disk.path, len(records))
+            starting()
         if config.tiers.remote.enabled:
             remote = await asyncio.to_thread(start_remote, config.tiers.remote)
+            starting()
         gpu_config = config.tiers.gpu
         if gpu_config.enabled:
             gpu = await asyncio.to_thread(GpuTier.start, gpu_config, arena)
+            starting()
         store = Store(
             CpuTier(arena, cpu_config.slab_bytes),
             make_policy(config.eviction.policy),
@@ -113,6 +151,7 @@ async def serve(config: Config) -> None:
             gpu_policy=make_policy(config.eviction.policy),
             promote_after_hits=gpu_config.promote_after_hits,
             remote=remote,
+            quarantine_s=config.leases.quarantine_s,
         )
         local_path = config.server.local_socket_path if config.server.local_channel else None
         handlers = Handlers(
@@ -133,6 +172,7 @@ async def serve(config: Config) -> None:
         if local_path is not None:
             local = LocalChannelServer(handlers, local_path, config.server.local_poll_ms / 1000)
             await local.start(config.server.socket_mode)
+        starting()
         gc.freeze()  # the objects built at start never die: keep them out of every collection
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -146,19 +186,25 @@ async def serve(config: Config) -> None:
             config.chunk_tokens,
         )
 
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         reaper = asyncio.create_task(_reap(store, config.leases.reap_interval_s))
         await stop.wait()
-        log.info("stopping: draining in-flight calls for up to %.1f s", config.server.grace_s)
+        grace_s = config.server.grace_s
+        log.info("stopping: draining in-flight calls for up to %.1f s", grace_s)
+        handlers.stopping = True
         await health_servicer.enter_graceful_shutdown()
+        left = await _drain(store, grace_s)
+        closing = [server.stop(left)]
+        if local is not None:
+            closing.append(local.stop(left))
+        await asyncio.gather(*closing)
+        server, local = None, None
+    finally:
+        if reaper is not None:
+            reaper.cancel()
+        if server is not None:  # start-up stopped after the server started
+            await server.stop(0)
         if local is not None:
             await local.stop()
-        await server.stop(config.server.grace_s)
-        reaper.cancel()
-    finally:
         if gpu is not None:
             await asyncio.to_thread(gpu.close)
         if disk is not None:
@@ -169,6 +215,17 @@ async def serve(config: Config) -> None:
             arena.close(unlink=True)
         claim.release()
     log.info("stopped")
+
+
+async def _drain(store: Store, grace_s: float) -> float:
+    """Waits until no lease is held (stores committed or aborted, loads released) or `grace_s`
+    passed; returns the time left of it."""
+    deadline = time.monotonic() + grace_s
+    while len(store.leases) and time.monotonic() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    if len(store.leases):
+        log.warning("%d leases still held after %.1f s: their calls are cut off", len(store.leases), grace_s)
+    return max(0.0, deadline - time.monotonic())
 
 
 async def _reap(store: Store, interval_s: float) -> None:
@@ -205,6 +262,8 @@ def _checked(config: Config) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until the event loop takes them over
+        signal.signal(sig, _note_signal)
     args = _parser().parse_args(argv)
     if args.check_config is not None:
         try:
@@ -229,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         asyncio.run(serve(config))
+    except StoppedDuringStart:
+        log.info("stopped during start-up")
+        return 0
     except (AlreadyRunning, OSError, ConfigError, RuntimeError) as exc:
         log.error("%s", exc)
         return 1

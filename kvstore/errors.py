@@ -42,6 +42,11 @@ class DeadlineExceeded(KVStoreError, TimeoutError):
     """The daemon did not answer in time."""
 
 
+class StaleEpoch(KVStoreError):
+    """The call names offsets of an arena this daemon does not own (it restarted): nothing was
+    done; the client maps the current arena and connects again."""
+
+
 STATUS_CODES: dict[type[KVStoreError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
@@ -50,6 +55,7 @@ STATUS_CODES: dict[type[KVStoreError], grpc.StatusCode] = {
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    StaleEpoch: grpc.StatusCode.ABORTED,
 }
 _ERRORS = {code: cls for cls, code in STATUS_CODES.items()}
 

@@ -1,9 +1,20 @@
 """Unary requests -> store calls -> replies: the conversions every transport shares.
 
-Each method takes a request message and returns the reply message, raising a
-`KVStoreError` (or `ValueError`) for a request that cannot be served. The gRPC
-servicer and the local channel call these and nothing else; neither adds
-behaviour of its own.
+Each method takes a request message and the caller (`Peer`: from the local
+channel's socket credentials; None over gRPC) and returns the reply message,
+raising a `KVStoreError` (or `ValueError`) for a request that cannot be served.
+The gRPC servicer and the local channel call these and nothing else; neither
+adds behaviour of its own.
+
+Calls that name or hand out arena offsets carry the epoch of the caller's arena
+(`ConnectResponse.epoch`): one from another arena is refused with `StaleEpoch`
+before anything is done, so a worker still mapping a dead daemon's arena never
+stores into, or loads from, the wrong memory.
+
+While the daemon stops (`stopping`), calls that start work (Connect, Lookup,
+Reserve, Pin, Clear) are refused as Unavailable, which clients treat as a miss;
+calls that finish work in flight (Commit, Abort, Acquire, Release, Renew) are
+served, so stores and loads under way complete.
 """
 
 from __future__ import annotations
@@ -13,8 +24,9 @@ import time
 from collections.abc import Awaitable
 
 from kvstore import __version__
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, StaleEpoch, Unavailable
 from kvstore.keys import unpack_keys
+from kvstore.peers import Peer
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import PageSpec
 from kvstore.stats import stats_message
@@ -32,6 +44,7 @@ UNARY_METHODS: dict[str, tuple[type, type]] = {
     "Stats": (pb.StatsRequest, pb.StatsResponse),
     "Clear": (pb.ClearRequest, pb.ClearResponse),
     "Pin": (pb.PinRequest, pb.PinResponse),
+    "Renew": (pb.RenewRequest, pb.RenewResponse),
 }
 
 
@@ -65,15 +78,38 @@ class Handlers:
         self.shm_path = shm_path
         self.local_socket = local_socket
         self.started = time.monotonic()
+        self.epoch = store.cpu.arena.epoch
+        self.stopping = False
 
-    def Connect(self, request: pb.ConnectRequest) -> pb.ConnectResponse:
+    def _check_serving(self) -> None:
+        if self.stopping:
+            raise Unavailable("kvstored is stopping; it serves again once restarted")
+
+    def _check_epoch(self, method: str, epoch: int, required: bool = False) -> None:
+        """Refuses a call from another arena's epoch (and, where offsets are handed out, one
+        that names none)."""
+        if epoch == self.epoch or (epoch == 0 and not required):
+            return
+        if epoch == 0:
+            raise InvalidArgument(f"{method} hands out arena offsets: send the arena epoch from Connect")
+        raise StaleEpoch(
+            f"the request is for arena epoch {epoch:#x}, but this daemon's arena is epoch "
+            f"{self.epoch:#x} (the daemon restarted): map the current arena and Connect again"
+        )
+
+    def Connect(self, request: pb.ConnectRequest, peer: Peer | None = None) -> pb.ConnectResponse:
+        self._check_serving()
         ns = self.store.connect(page_spec(request.spec, self.chunk_tokens), request.device_pci_bus_id)
+        arena = self.store.cpu.arena
         return pb.ConnectResponse(
             gpu_pools=self._gpu_pools(),
             namespace=ns.id,
             chunk_tokens=ns.spec.chunk_tokens,
             page_bytes=ns.spec.page_bytes,
-            arena=pb.Arena(shm_path=self.shm_path, size=self.store.cpu.arena.size),
+            arena=pb.Arena(
+                shm_path=self.shm_path, size=arena.size, device=arena.identity[0], inode=arena.identity[1]
+            ),
+            epoch=self.epoch,
             lease_ttl_ms=int(self.store.lease_ttl_s * 1000),
             max_message_bytes=self.max_message_bytes,
             local_socket=self.local_socket,
@@ -88,7 +124,9 @@ class Handlers:
             for p in placement.gpu.pools
         ]
 
-    def Lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
+    def Lookup(self, request: pb.LookupRequest, peer: Peer | None = None) -> pb.LookupResponse:
+        self._check_serving()
+        self._check_epoch("Lookup", request.epoch, required=request.acquire)
         result = self.store.lookup(
             request.namespace,
             unpack_keys(request.keys),
@@ -104,17 +142,27 @@ class Handlers:
                 reply.acquired.CopyFrom(self._acquired(ready))
         return reply
 
-    def Reserve(self, request: pb.ReserveRequest) -> pb.ReserveResponse:
-        result = self.store.reserve(request.namespace, unpack_keys(request.keys), _ttl(request.lease_ttl_ms))
+    def Reserve(self, request: pb.ReserveRequest, peer: Peer | None = None) -> pb.ReserveResponse:
+        self._check_serving()
+        self._check_epoch("Reserve", request.epoch)
+        writer = None
+        if request.epoch:  # the caller writes the slots in place: they are fenced if its lease expires
+            writer = peer or Peer.declared(request.writer_pid, request.writer_start_time)
+        keys = unpack_keys(request.keys)
+        result = self.store.reserve(request.namespace, keys, _ttl(request.lease_ttl_ms), writer)
         return pb.ReserveResponse(lease_id=result.lease_id, offsets=result.offsets)
 
-    def Commit(self, request: pb.LeaseRequest) -> pb.CommitResponse:
+    def Commit(self, request: pb.LeaseRequest, peer: Peer | None = None) -> pb.CommitResponse:
+        self._check_epoch("Commit", request.epoch)
         return pb.CommitResponse(committed=self.store.commit(request.namespace, request.lease_id))
 
-    def Abort(self, request: pb.LeaseRequest) -> pb.LeaseResponse:
+    def Abort(self, request: pb.LeaseRequest, peer: Peer | None = None) -> pb.LeaseResponse:
         return pb.LeaseResponse(pages=self.store.abort(request.namespace, request.lease_id))
 
-    def Acquire(self, request: pb.LeaseRequest) -> pb.AcquireResponse | Awaitable[pb.AcquireResponse]:
+    def Acquire(
+        self, request: pb.LeaseRequest, peer: Peer | None = None
+    ) -> pb.AcquireResponse | Awaitable[pb.AcquireResponse]:
+        self._check_epoch("Acquire", request.epoch, required=True)
         result = self.store.acquire(request.namespace, request.lease_id)
         if inspect.isawaitable(result):
             return self._acquired_later(result)
@@ -133,16 +181,22 @@ class Handlers:
             pools=result.pools,
         )
 
-    def Release(self, request: pb.LeaseRequest) -> pb.LeaseResponse:
+    def Release(self, request: pb.LeaseRequest, peer: Peer | None = None) -> pb.LeaseResponse:
         return pb.LeaseResponse(pages=self.store.release(request.namespace, request.lease_id))
 
-    def Stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
+    def Renew(self, request: pb.RenewRequest, peer: Peer | None = None) -> pb.RenewResponse:
+        self._check_epoch("Renew", request.epoch)
+        return pb.RenewResponse(renewed=self.store.renew(request.namespace, request.lease_ids))
+
+    def Stats(self, request: pb.StatsRequest, peer: Peer | None = None) -> pb.StatsResponse:
         return stats_message(self.store.stats(), __version__, time.monotonic() - self.started)
 
-    def Clear(self, request: pb.ClearRequest) -> pb.ClearResponse:
+    def Clear(self, request: pb.ClearRequest, peer: Peer | None = None) -> pb.ClearResponse:
+        self._check_serving()
         return pb.ClearResponse(pages=self.store.clear(request.namespace or None))
 
-    def Pin(self, request: pb.PinRequest) -> pb.PinResponse:
+    def Pin(self, request: pb.PinRequest, peer: Peer | None = None) -> pb.PinResponse:
+        self._check_serving()
         if request.keys and request.tokens:
             raise InvalidArgument("Pin: send the chain as keys or as tokens, not both")
         if request.keys:

@@ -5,8 +5,15 @@
 - A load lease pins committed pages so they cannot be evicted while a client
   reads them; Release or expiry unpins them.
 
-Every lease has a deadline, so a client that dies leaks nothing. Ids are random
-63-bit numbers: an id from before a daemon restart never names a new lease.
+Every lease has a deadline, so a client that dies leaks nothing; a live client
+renews its leases (`renew`) to keep them past their TTL. Ids are random 63-bit
+numbers: an id from before a daemon restart never names a new lease.
+
+A store lease whose client writes in place (`writer` set) and that expires is
+fenced: its slots stay allocated, out of the index, until its writer is gone,
+its client ends it (Commit or Abort: it has stopped writing), or
+`leases.quarantine_s` passes, so a writer that stalled can never write into a
+slot that holds someone else's page (`Quarantine`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import heapq
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvstore.peers import Peer
 
 
 class LeaseKind(enum.Enum):
@@ -30,7 +39,9 @@ class Lease:
     kind: LeaseKind
     entries: list[Any]  # store: the reserved entries; load: the pinned hit entries, in chain order
     expires_at: float
+    ttl_s: float  # a renewal moves the deadline to now + this
     keys: list[bytes] = field(default_factory=list)  # store: every key of the request, in chain order
+    writer: Peer | None = None  # store: the process writing the slots in place (None: inline Put only)
     writer_active: bool = False  # an inline Put is writing the pages
     broken: str = ""  # why the pages cannot be committed (a Put that failed part-way)
     gpu_pools: frozenset[int] = frozenset()  # load: the GPU pools its reader opened
@@ -50,15 +61,22 @@ class LeaseTable:
         kind: LeaseKind,
         entries: list[Any],
         expires_at: float,
+        ttl_s: float,
         keys: list[bytes] | None = None,
+        writer: Peer | None = None,
     ) -> Lease:
         lease_id = secrets.randbits(63) or 1
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
-        lease = Lease(lease_id, namespace, kind, entries, expires_at, keys or [])
+        lease = Lease(lease_id, namespace, kind, entries, expires_at, ttl_s, keys or [], writer)
         self._leases[lease_id] = lease
         heapq.heappush(self._deadlines, (expires_at, lease_id))
         return lease
+
+    def renew(self, lease: Lease, now: float) -> None:
+        """Moves the lease's deadline to `now + ttl_s` (its old heap entry is skipped when due)."""
+        lease.expires_at = now + lease.ttl_s
+        heapq.heappush(self._deadlines, (lease.expires_at, lease.id))
 
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
@@ -80,3 +98,14 @@ class LeaseTable:
 
     def all(self) -> list[Lease]:
         return list(self._leases.values())
+
+
+@dataclass(eq=False)
+class Quarantine:
+    """The slots of an expired store lease, kept from reuse while its writer may still write."""
+
+    lease: Lease
+    offsets: list[int]
+    page_bytes: int
+    until: float  # leases.quarantine_s after the expiry: freed then whatever the writer does
+    next_check: float = 0.0  # when to look again whether the writer is gone

@@ -15,6 +15,11 @@ the event loop's read callback (an asyncio Protocol, no coroutine per frame); on
 handler that must wait (an Acquire of pages coming from disk) holds the frames behind it.
 A frame over 16 MiB is refused and its connection closed. The socket is guarded by its
 file mode, like the gRPC socket; page bytes never travel here (they go through the arena).
+Each connection knows its peer (pid, uid, gid from the socket's credentials): a store lease
+taken on it is fenced, if it expires, until that connection is closed and that process gone.
+
+`stop()` closes the listener and then the connections once the replies being awaited have
+been sent (the daemon drains its leases before that: see `kvstore.daemon`).
 
 With `poll_s` (`server.local_poll_ms`), the event loop does not sleep for that long after a
 frame: a callback that queues itself again keeps the loop's select at a zero timeout, so the
@@ -36,6 +41,7 @@ from google.protobuf.message import DecodeError
 
 from kvstore.errors import status_of
 from kvstore.handlers import UNARY_METHODS, Handlers
+from kvstore.peers import Peer
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +94,20 @@ class LocalChannelServer:
         self._server = await loop.create_unix_server(lambda: _Session(self), path=str(self.path))
         self.path.chmod(mode)
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Stops listening; each connection is closed once its awaited reply (if any) is sent,
+        or after `grace_s`."""
         if self._server is not None:
             self._server.close()
             self._server = None  # ends a polling window
+        waiting = [s._waiting for s in self._sessions if s._waiting is not None]
+        if waiting:
+            await asyncio.wait(waiting, timeout=grace_s)
         for session in list(self._sessions):
             session.close()
         self.path.unlink(missing_ok=True)
 
-    def respond(self, method: int, payload: bytes) -> bytes | Awaitable[bytes]:
+    def respond(self, method: int, payload: bytes, peer: Peer | None = None) -> bytes | Awaitable[bytes]:
         """The reply frame, or an awaitable of it where the handler must wait (Acquire)."""
         if method >= len(METHOD_NAMES):
             return frame(_INVALID_ARGUMENT, f"unknown local-channel method {method}".encode())
@@ -109,7 +120,7 @@ class LocalChannelServer:
                 _INVALID_ARGUMENT, f"{name}: the request is not a {request_type.__name__} ({exc})".encode()
             )
         try:
-            reply = getattr(self.handlers, name)(request)
+            reply = getattr(self.handlers, name)(request, peer)
         except Exception as exc:
             return _error_frame(name, exc)
         if inspect.isawaitable(reply):
@@ -147,14 +158,19 @@ class _Session(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._waiting: asyncio.Task[None] | None = None  # a reply being awaited: later frames queue
+        self.peer = Peer()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._server._sessions.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.peer = Peer.of_socket(sock)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._server._sessions.discard(self)
         self._transport = None
+        self.peer.connected = False
 
     def close(self) -> None:
         if self._transport is not None:
@@ -189,7 +205,7 @@ class _Session(asyncio.Protocol):
                 return
             payload = bytes(buffer[HEADER.size : end])
             del buffer[:end]
-            reply = self._server.respond(method, payload)
+            reply = self._server.respond(method, payload, self.peer)
             self._server.keep_polling()
             if not isinstance(reply, bytes):
                 self._waiting = asyncio.ensure_future(self._send_later(reply))

@@ -85,6 +85,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     Stats = _unary("Stats")
     Clear = _unary("Clear")
     Pin = _unary("Pin")
+    Renew = _unary("Renew")
 
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutResponse:
         try:

@@ -6,10 +6,12 @@ Primitives (each a few dict operations; they run on the daemon's event loop):
 - `reserve(ns, keys)` -> `commit` | `abort`: slots for the keys not stored yet.
 - `acquire(ns, lease)` -> `release`: offsets of a load lease's pages (`acquire_now`: the
   same when nothing must be waited for, so a Lookup can answer it).
+- `renew(ns, lease_ids)`: a live client's leases last another TTL.
 - `pin(ns, keys, ttl)`: keeps the stored prefix of `keys` out of eviction until the TTL ends.
 - With a GPU tier (`gpu_placement`): pages move up to it on repeated leased hits or a pin, and
   back down to the CPU tier when it needs room; a load lease reads each page where it is.
-- `expire(now)`: leases past their deadline are aborted or released; pins end.
+- `expire(now)`: leases past their deadline are released, or fenced (store leases written in
+  place: their slots are quarantined until the writer is gone); pins and quarantines end.
 - `clear(ns)`, `stats()`.
 
 An entry being written is never visible to a lookup. Eviction takes committed,
@@ -38,7 +40,8 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstore.keys import KEY_BYTES, chunk_keys
-from kvstore.leases import Lease, LeaseKind, LeaseTable
+from kvstore.leases import Lease, LeaseKind, LeaseTable, Quarantine
+from kvstore.peers import Peer
 from kvstore.pins import PinLimitExceeded, PinTable
 from kvstore.policy import EvictionPolicy
 from kvstore.spec import PageSpec
@@ -57,6 +60,7 @@ _CPU = bytes([Tier.CPU])
 _DISK = bytes([Tier.DISK])
 _REMOTE = bytes([Tier.REMOTE])
 PROMOTION_TIMEOUT_S = 10.0
+WRITER_CHECK_S = 1.0  # how often a quarantine looks whether its writer is gone
 SENDING_FRACTION = 0.25  # of the CPU tier: the most held pinned while the remote tier sends it
 
 
@@ -186,6 +190,7 @@ class Store:
         gpu_policy: EvictionPolicy | None = None,
         promote_after_hits: int = 2,
         remote: RemoteTier | None = None,
+        quarantine_s: float = 300.0,
     ) -> None:
         self.cpu = cpu
         self.disk = disk
@@ -201,6 +206,8 @@ class Store:
         self.guard_chains = policy.chain_safe
         self.namespaces: dict[bytes, Namespace] = {}
         self.leases = LeaseTable()
+        self.quarantine_s = quarantine_s
+        self.quarantined: dict[int, Quarantine] = {}  # expired store leases, by id: slots kept from reuse
         self.counters: Counter[str] = Counter()
         self.gpu_placement: GpuPlacement | None = None
         if gpu is not None:
@@ -253,7 +260,7 @@ class Store:
         if len(keys) > MAX_KEYS_PER_REQUEST:
             raise InvalidArgument(f"keys: {len(keys)} keys in one request; at most {MAX_KEYS_PER_REQUEST}")
 
-    def _deadline(self, ttl_s: float | None) -> float:
+    def _ttl(self, ttl_s: float | None) -> float:
         if ttl_s is None or ttl_s == 0:
             ttl_s = self.lease_ttl_s
         if not 0 < ttl_s <= self.max_lease_ttl_s:
@@ -261,7 +268,7 @@ class Store:
                 f"lease_ttl_ms: {ttl_s * 1000:.0f} ms is outside 1..{self.max_lease_ttl_s * 1000:.0f} "
                 f"(leases.max_ttl_s)"
             )
-        return self.clock() + ttl_s
+        return ttl_s
 
     def _lease(self, ns_id: bytes, lease_id: int, kind: LeaseKind) -> Lease:
         self._namespace(ns_id)
@@ -297,7 +304,7 @@ class Store:
         """
         ns = self._namespace(ns_id)
         self._check_keys(keys)
-        deadline = self._deadline(ttl_s)
+        ttl_s = self._ttl(ttl_s)
         hits: list[Entry] = []
         on_disk: list[bytes] = []  # keys past the CPU-resident prefix found on disk, in order
         disk = self.disk
@@ -341,7 +348,7 @@ class Store:
         if lease and hits:
             for entry in hits:
                 entry.pins += 1
-            load = self.leases.add(ns_id, LeaseKind.LOAD, hits, deadline)
+            load = self.leases.add(ns_id, LeaseKind.LOAD, hits, self.clock() + ttl_s, ttl_s)
             load.gpu_pools = frozenset(gpu_pools)
             lease_id = load.id
             if touch and placement is not None:
@@ -468,10 +475,15 @@ class Store:
 
     # -- store --------------------------------------------------------------
 
-    def reserve(self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float | None = None) -> ReserveResult:
+    def reserve(
+        self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float | None = None, writer: Peer | None = None
+    ) -> ReserveResult:
+        """Slots for the keys not stored yet, under one store lease. `writer`: the process that
+        writes them in place (the arena), whose slots are fenced if the lease expires; None for a
+        client that writes through Put only."""
         ns = self._namespace(ns_id)
         self._check_keys(keys)
-        deadline = self._deadline(ttl_s)
+        ttl_s = self._ttl(ttl_s)
         present: list[Entry] = []
         new_keys: list[bytes] = []
         seen: set[bytes] = set()
@@ -502,7 +514,9 @@ class Store:
             entries.append(entry)
         slots = iter(entries)
         offsets = [offset if offset < 0 else next(slots).offset for offset in offsets]
-        lease = self.leases.add(ns_id, LeaseKind.STORE, entries, deadline, list(keys))
+        lease = self.leases.add(
+            ns_id, LeaseKind.STORE, entries, self.clock() + ttl_s, ttl_s, list(keys), writer
+        )
         return ReserveResult(lease.id, offsets)
 
     def store_lease_offsets(self, ns_id: bytes, lease_id: int) -> AcquireResult:
@@ -526,6 +540,11 @@ class Store:
             lease.broken = error
 
     def commit(self, ns_id: bytes, lease_id: int) -> int:
+        if self._end_quarantine(ns_id, lease_id):  # its writer has finished: it commits after writing
+            raise FailedPrecondition(
+                f"lease {lease_id} expired before its Commit (the writer did not renew it within its "
+                f"TTL, leases.ttl_s): nothing was stored; store the pages again"
+            )
         lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
         if lease.broken or lease.writer_active:
             why = lease.broken or "a Put is still writing its pages"
@@ -576,6 +595,9 @@ class Store:
         self._settle(entry)
 
     def abort(self, ns_id: bytes, lease_id: int) -> int:
+        fenced = self.quarantined.get(lease_id)
+        if fenced is not None and self._end_quarantine(ns_id, lease_id):
+            return len(fenced.offsets)
         lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
         self.leases.pop(lease_id)
         self._drop_reservation(lease)
@@ -587,6 +609,59 @@ class Store:
         for entry in lease.entries:
             del ns.entries[entry.key]
             self.cpu.slots.free(entry.offset)
+
+    # -- fencing ------------------------------------------------------------
+
+    def _fence(self, lease: Lease, now: float) -> None:
+        """An expired store lease written in place: its pages leave the index (their keys can be
+        stored again, into other slots) but its slots stay allocated until its writer is gone, its
+        client ends the lease, or leases.quarantine_s passes."""
+        ns = self.namespaces[lease.namespace]
+        for entry in lease.entries:
+            del ns.entries[entry.key]
+        offsets = [entry.offset for entry in lease.entries]
+        self.quarantined[lease.id] = Quarantine(lease, offsets, ns.spec.page_bytes, now + self.quarantine_s)
+        self.counters["fenced_leases"] += 1
+
+    def _end_quarantine(self, ns_id: bytes, lease_id: int) -> bool:
+        """Frees the slots of a fenced lease of `ns_id`, if `lease_id` is one; whether it was."""
+        fenced = self.quarantined.get(lease_id)
+        if fenced is None or fenced.lease.namespace != ns_id:
+            return False
+        del self.quarantined[lease_id]
+        for offset in fenced.offsets:
+            self.cpu.slots.free(offset)
+        return True
+
+    def _end_quarantines(self, now: float) -> None:
+        """Frees the quarantines whose writer is gone or whose time is up."""
+        for lease_id, fenced in list(self.quarantined.items()):
+            if now < fenced.until:
+                if now < fenced.next_check:
+                    continue
+                fenced.next_check = now + WRITER_CHECK_S
+                writer = fenced.lease.writer
+                if writer is None or not writer.gone():
+                    continue
+            self._end_quarantine(fenced.lease.namespace, lease_id)
+            self.counters["quarantines_ended"] += 1
+
+    def renew(self, ns_id: bytes, lease_ids: Sequence[int]) -> list[int]:
+        """Gives the live leases among `lease_ids` another TTL from now; returns those renewed."""
+        self._namespace(ns_id)
+        if len(lease_ids) > MAX_KEYS_PER_REQUEST:
+            raise InvalidArgument(
+                f"lease_ids: {len(lease_ids)} in one request; at most {MAX_KEYS_PER_REQUEST}"
+            )
+        now = self.clock()
+        renewed = []
+        for lease_id in lease_ids:
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease.namespace == ns_id:
+                self.leases.renew(lease, now)
+                renewed.append(lease_id)
+        self.counters["renewed_leases"] += len(renewed)
+        return renewed
 
     # -- space --------------------------------------------------------------
 
@@ -739,11 +814,15 @@ class Store:
         now = self.clock() if now is None else now
         expired = self.leases.pop_expired(now)
         for lease in expired:
-            if lease.kind is LeaseKind.STORE:
-                self._drop_reservation(lease)
-            else:
+            if lease.kind is LeaseKind.LOAD:
                 self._unpin(lease)
+            elif lease.writer is not None:
+                self._fence(lease, now)
+            else:
+                self._drop_reservation(lease)
         self.counters["expired_leases"] += len(expired)
+        if self.quarantined:
+            self._end_quarantines(now)
         unpinned = self.pins.pop_expired(now)
         if unpinned:
             self._tell("stored", unpinned)
@@ -789,6 +868,8 @@ class Store:
         counters["active_load_leases"] = self.leases.count(LeaseKind.LOAD)
         counters["active_leases"] = len(self.leases)
         counters["active_puts"] = sum(1 for lease in self.leases.all() if lease.writer_active)
+        counters["quarantined_pages"] = sum(len(q.offsets) for q in self.quarantined.values())
+        counters["quarantined_bytes"] = sum(len(q.offsets) * q.page_bytes for q in self.quarantined.values())
         counters["pinned_pages"] = len(self.pins)
         counters["pinned_bytes"] = self.pins.bytes
         counters["namespaces"] = len(self.namespaces)

@@ -49,7 +49,7 @@ def test_empty_config_gives_every_default() -> None:
     assert config.server.tcp is None and config.server.token is None
     assert config.server.max_message_bytes == 4 * 2**20
     assert config.server.grace_s == 5.0
-    assert config.leases == LeaseConfig(ttl_s=30.0, max_ttl_s=600.0, reap_interval_s=0.25)
+    assert config.leases == LeaseConfig(ttl_s=30.0, max_ttl_s=600.0, reap_interval_s=0.25, quarantine_s=300.0)
     assert config.tiers.cpu == CpuTierConfig(
         bytes=2**30, slab_bytes=256 * 2**20, shm_dir="/dev/shm", file_mode=0o600, prefault=True
     )
@@ -187,7 +187,7 @@ def test_unknown_key_suggests_the_close_one() -> None:
 def test_unknown_key_without_a_close_one_lists_the_valid_keys() -> None:
     assert (
         error_of({"leases": {"zzz": 1}})
-        == "leases.zzz: unknown key (valid keys: ttl_s, max_ttl_s, reap_interval_s)"
+        == "leases.zzz: unknown key (valid keys: ttl_s, max_ttl_s, reap_interval_s, quarantine_s)"
     )
     assert error_of({"gpu": {}}).startswith("gpu: unknown key (valid keys: log_level, chunk_tokens, server,")
 

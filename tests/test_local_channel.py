@@ -162,7 +162,8 @@ def test_frames_sent_together_or_split_are_answered_in_order(
             frame_of("Connect", connect) + frame_of("Lookup", unknown) + frame_of("Stats", pb.StatsRequest())
         )
         status, body = read_reply(sock)
-        assert status == 0 and pb.ConnectResponse.FromString(body).namespace == namespace
+        connected = pb.ConnectResponse.FromString(body)
+        assert status == 0 and connected.namespace == namespace
         assert read_reply(sock)[0] == 5  # NOT_FOUND: that namespace never connected
         assert read_reply(sock)[0] == 0
         for byte in frame_of("Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease=True)):
@@ -170,7 +171,7 @@ def test_frames_sent_together_or_split_are_answered_in_order(
         status, body = read_reply(sock)
         found = pb.LookupResponse.FromString(body)
         assert status == 0 and found.hit_chunks == 10 and bytes(found.tiers) == bytes([Tier.DISK]) * 10
-        lease = pb.LeaseRequest(namespace=namespace, lease_id=found.lease_id)
+        lease = pb.LeaseRequest(namespace=namespace, lease_id=found.lease_id, epoch=connected.epoch)
         sock.sendall(
             frame_of("Acquire", lease) + frame_of("Stats", pb.StatsRequest()) + frame_of("Release", lease)
         )

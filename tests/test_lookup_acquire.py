@@ -79,7 +79,8 @@ def load_and_compare(client: KVStoreClient, i: int, chunks: int) -> int:
 
 def lookup(client: KVStoreClient, tokens: list[int], **flags: Any) -> pb.LookupResponse:
     keys = pack_keys(client.keys(tokens))
-    return client._rpc("Lookup", pb.LookupRequest(namespace=client.namespace, keys=keys, **flags))
+    request = pb.LookupRequest(namespace=client.namespace, keys=keys, epoch=client.epoch, **flags)
+    return client._rpc("Lookup", request)
 
 
 @pytest.mark.parametrize("local_channel", [True, False], ids=["local-channel", "grpc"])
@@ -92,7 +93,7 @@ def test_a_leased_lookup_answers_the_acquire_when_no_page_must_be_waited_for(
 
         reply = lookup(client, prompt(0, 4), lease=True, acquire=True)
         assert reply.hit_chunks == 4 and reply.lease_id and reply.HasField("acquired")
-        lease = pb.LeaseRequest(namespace=client.namespace, lease_id=reply.lease_id)
+        lease = pb.LeaseRequest(namespace=client.namespace, lease_id=reply.lease_id, epoch=client.epoch)
         assert reply.acquired == client._rpc("Acquire", lease)  # the same answer as the call it saves
         assert reply.acquired.ready_chunks == 4 and bytes(reply.acquired.tiers) == bytes([Tier.CPU]) * 4
         assert client._rpc("Release", lease).pages == 4
@@ -112,7 +113,7 @@ def test_a_lookup_answers_no_acquire_unless_asked_with_a_lease_and_hits(
         assert client.store(prompt(0, 2), cache_for(0, 2), torch.arange(2)) == 2
         as_before = lookup(client, prompt(0, 2), lease=True)  # an older client's request
         assert as_before.hit_chunks == 2 and not as_before.HasField("acquired")
-        lease = pb.LeaseRequest(namespace=client.namespace, lease_id=as_before.lease_id)
+        lease = pb.LeaseRequest(namespace=client.namespace, lease_id=as_before.lease_id, epoch=client.epoch)
         assert client._rpc("Acquire", lease).ready_chunks == 2
         assert client._rpc("Release", lease).pages == 2
 
@@ -154,6 +155,7 @@ def test_a_load_waits_for_its_release_once_the_lease_may_have_lapsed(
     daemon = daemon_factory(chunk_tokens=CHUNK, leases__ttl_s=0.3)
     with KVStoreClient.connect(daemon.address, SPEC) as client:
         assert client.store(prompt(0, 2), cache_for(0, 2), torch.arange(2)) == 2
+        client._renewer.stop()  # a worker too stalled to renew its leases
         made = calls_of(client)
         target = [torch.zeros(2, 2, 16, 2, 32).half() for _ in range(2)]
         handle = client.load_async(prompt(0, 2), target, torch.arange(2))
@@ -164,6 +166,25 @@ def test_a_load_waits_for_its_release_once_the_lease_may_have_lapsed(
         assert load_and_compare(client, 0, 2) == 2 * CHUNK  # done within the lease
         assert made[2:] == ["Lookup", "Release (no wait)"]
         assert client.stats()["counters"]["active_leases"] == 0
+
+
+def test_a_slow_but_live_load_renews_its_lease_and_keeps_its_tokens(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    daemon = daemon_factory(chunk_tokens=CHUNK, leases__ttl_s=0.3)
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        assert client.store(prompt(0, 2), cache_for(0, 2), torch.arange(2)) == 2
+        made = calls_of(client)
+        target = [torch.full((2, 2, 16, 2, 32), -7.0).half() for _ in range(2)]
+        handle = client.load_async(prompt(0, 2), target, torch.arange(2))
+        time.sleep(0.9)  # three TTLs: the renewal thread keeps the lease
+        assert handle.wait() == 2 * CHUNK
+        for got, want in zip(target, cache_for(0, 2), strict=True):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        assert made[0] == "Lookup" and made[-1] == "Release" and "Renew" in made
+        stats = client.stats()["counters"]
+        assert stats["active_leases"] == 0 and stats.get("expired_leases", 0) == 0
+        assert stats["renewed_leases"] >= 2
 
 
 def test_an_error_in_a_reply_not_waited_for_is_logged_with_the_next_call(

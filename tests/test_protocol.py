@@ -50,6 +50,7 @@ class Conn(NamedTuple):
     page_bytes: int
     chunk_tokens: int
     max_message_bytes: int
+    epoch: int
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -57,7 +58,9 @@ class Conn(NamedTuple):
 
 def connect(stub: pb_grpc.KVStoreStub, **changes: Any) -> Conn:
     reply = stub.Connect(pb.ConnectRequest(spec=pb.PageSpec(**{**SPEC, **changes}), client_name="test"))
-    return Conn(stub, reply.namespace, reply.page_bytes, reply.chunk_tokens, reply.max_message_bytes)
+    return Conn(
+        stub, reply.namespace, reply.page_bytes, reply.chunk_tokens, reply.max_message_bytes, reply.epoch
+    )
 
 
 def chain(conn: Conn, num_chunks: int, first_token: int = 0) -> list[bytes]:
@@ -119,7 +122,7 @@ def get(conn: Conn, lease_id: int) -> bytes:
 
 
 def acquire(conn: Conn, lease_id: int) -> pb.AcquireResponse:
-    return conn.stub.Acquire(pb.LeaseRequest(namespace=conn.ns, lease_id=lease_id))
+    return conn.stub.Acquire(pb.LeaseRequest(namespace=conn.ns, lease_id=lease_id, epoch=conn.epoch))
 
 
 def release(conn: Conn, lease_id: int) -> int:

@@ -64,15 +64,19 @@ class ConnectRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[PageSpec, _Mapping]] = ..., client_name: _Optional[str] = ..., device_pci_bus_id: _Optional[str] = ...) -> None: ...
 
 class Arena(_message.Message):
-    __slots__ = ("shm_path", "size")
+    __slots__ = ("shm_path", "size", "device", "inode")
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
     shm_path: str
     size: int
-    def __init__(self, shm_path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    device: int
+    inode: int
+    def __init__(self, shm_path: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[int] = ..., inode: _Optional[int] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
-    __slots__ = ("namespace", "chunk_tokens", "page_bytes", "arena", "lease_ttl_ms", "max_message_bytes", "local_socket", "gpu_pools")
+    __slots__ = ("namespace", "chunk_tokens", "page_bytes", "arena", "lease_ttl_ms", "max_message_bytes", "local_socket", "gpu_pools", "epoch")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +85,7 @@ class ConnectResponse(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     GPU_POOLS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     chunk_tokens: int
     page_bytes: int
@@ -89,7 +94,8 @@ class ConnectResponse(_message.Message):
     max_message_bytes: int
     local_socket: str
     gpu_pools: _containers.RepeatedCompositeFieldContainer[GpuPool]
-    def __init__(self, namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., page_bytes: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., page_bytes: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class GpuPool(_message.Message):
     __slots__ = ("device", "pci_bus_id", "ipc_handle", "size")
@@ -104,20 +110,22 @@ class GpuPool(_message.Message):
     def __init__(self, device: _Optional[int] = ..., pci_bus_id: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms", "gpu_pools", "acquire")
+    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms", "gpu_pools", "acquire", "epoch")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     GPU_POOLS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: bytes
     lease: bool
     lease_ttl_ms: int
     gpu_pools: _containers.RepeatedScalarFieldContainer[int]
     acquire: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., gpu_pools: _Optional[_Iterable[int]] = ..., acquire: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., gpu_pools: _Optional[_Iterable[int]] = ..., acquire: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_chunks", "tiers", "lease_id", "acquired")
@@ -132,14 +140,20 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_chunks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., acquired: _Optional[_Union[AcquireResponse, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease_ttl_ms")
+    __slots__ = ("namespace", "keys", "lease_ttl_ms", "epoch", "writer_pid", "writer_start_time")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WRITER_PID_FIELD_NUMBER: _ClassVar[int]
+    WRITER_START_TIME_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: bytes
     lease_ttl_ms: int
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    epoch: int
+    writer_pid: int
+    writer_start_time: int
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., writer_pid: _Optional[int] = ..., writer_start_time: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "offsets")
@@ -150,12 +164,30 @@ class ReserveResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("namespace", "lease_id")
+    __slots__ = ("namespace", "lease_id", "epoch")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     lease_id: int
-    def __init__(self, namespace: _Optional[bytes] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, namespace: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("namespace", "lease_ids", "epoch")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    epoch: int
+    def __init__(self, namespace: _Optional[bytes] = ..., lease_ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("renewed",)
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    renewed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, renewed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
     __slots__ = ("pages",)

@@ -69,6 +69,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.LeaseRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.LeaseResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/kvstore.v1.KVStore/Renew',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.RenewRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.RenewResponse.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvstore.v1.KVStore/Put',
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PutRequest.SerializeToString,
@@ -148,6 +153,13 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Extends live leases by their TTL from now: a slow but live worker keeps its slots.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Put(self, request_iterator, context):
         """Writes a store lease's pages inline: a PutHeader, then page bytes in order.
         """
@@ -219,6 +231,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.LeaseRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.LeaseResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.RenewRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.RenewResponse.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -435,6 +452,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Release',
             kvstore_dot_proto_dot_kvstore__pb2.LeaseRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.LeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Renew',
+            kvstore_dot_proto_dot_kvstore__pb2.RenewRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

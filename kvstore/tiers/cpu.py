@@ -4,6 +4,11 @@ Workers on the host map the same file (`/dev/shm/kvstore-...`) once and read
 and write pages in place at offsets the daemon hands out; clients without the
 mapping go through `write`/`read` (the inline Put/Get data plane).
 
+Each arena has an epoch, a random number drawn when it is created: a client
+learns it at Connect with the file's identity (st_dev, st_ino), checks that the
+file it mapped is that one, and sends the epoch back with every call that names
+offsets, so a call meant for another daemon's arena is refused, never served.
+
 The tier knows bytes and slots only; the store decides what lives here.
 """
 
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -26,6 +32,7 @@ class Arena:
     def __init__(self, path: Path, size: int, mode: int = 0o600, prefault: bool = True) -> None:
         self.path = path
         self.size = size
+        self.epoch = secrets.randbits(63) or 1
         if path.exists():
             log.warning("replacing stale arena %s left by a daemon that did not shut down", path)
             path.unlink()
@@ -47,6 +54,8 @@ class Arena:
             else:
                 os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            st = os.fstat(fd)
+            self.identity = (st.st_dev, st.st_ino)  # while mapped here, no other file has it
         except OSError as exc:
             os.close(fd)
             path.unlink(missing_ok=True)

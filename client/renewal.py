@@ -1,0 +1,84 @@
+"""Lease renewal: a background thread that keeps a live client's long-held leases alive.
+
+A store lease that expires is fenced by the daemon: its pages are dropped, and a commit after it
+stores nothing. A worker that is slow but alive (a gather queued behind a long forward, an engine
+that commits later) keeps its leases by renewing them: `hold(lease_id)` when a lease is taken,
+`drop(lease_id)` when it ends. Every `ttl/6` the thread renews, in one call, each lease held
+for a third of its TTL since it was taken or last renewed; most leases end long before that, and
+then the thread sends nothing.
+
+The thread never connects again and never raises: a lease it cannot renew expires as it would
+have. A process that is stopped (SIGSTOP, or every thread paused) renews nothing, which is the
+point: its leases expire and its slots stay fenced until it is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class LeaseRenewer:
+    def __init__(self, renew: Callable[[Sequence[int]], Sequence[int]], ttl_s: float = 30.0) -> None:
+        self._renew = renew  # renews the given leases; returns those still held
+        self._lock = threading.Lock()
+        self._held: dict[int, float] = {}  # lease id -> when it was taken or last renewed
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.ttl_s = ttl_s
+
+    def hold(self, lease_id: int) -> None:
+        with self._lock:
+            self._held[lease_id] = time.monotonic()
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._run, name="kvstore-lease-renewal", daemon=True)
+                self._thread.start()
+
+    def drop(self, lease_id: int) -> None:
+        with self._lock:
+            self._held.pop(lease_id, None)
+
+    def forget(self) -> None:
+        """Drops every lease (they belonged to a daemon that is gone)."""
+        with self._lock:
+            self._held.clear()
+
+    def held(self) -> list[int]:
+        with self._lock:
+            return list(self._held)
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+    def renew_due(self) -> list[int]:
+        """Renews the leases held a third of their TTL since taken or last renewed; returns them."""
+        now = time.monotonic()
+        with self._lock:
+            due = [lease_id for lease_id, since in self._held.items() if now - since >= self.ttl_s / 3]
+        if not due:
+            return []
+        try:
+            renewed = set(self._renew(due))
+        except Exception as exc:  # the daemon is not serving: the leases expire as they would have
+            log.debug("renewing %d leases failed: %s", len(due), exc)
+            return []
+        with self._lock:
+            for lease_id in due:
+                if lease_id not in self._held:
+                    continue  # ended meanwhile
+                if lease_id in renewed:
+                    self._held[lease_id] = now
+                else:
+                    del self._held[lease_id]  # expired or ended on the daemon
+        return [lease_id for lease_id in due if lease_id in renewed]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.ttl_s / 6):
+            self.renew_due()

@@ -1,0 +1,63 @@
+"""Who is calling: the process on the other end of a connection, and whether it is gone.
+
+- `Peer.of_socket(sock)`: pid, uid and gid from a unix socket's peer credentials (SO_PEERCRED),
+  with the process's start time, read once per connection.
+- `Peer.declared(pid, start_time)`: what a gRPC caller says of itself (gRPC does not expose
+  the socket's credentials); used only to end a fence sooner, never to grant anything.
+- `peer.gone()`: the process can no longer write: its connection is closed and no process
+  with its pid and start time exists. A peer whose identity is unknown is never gone.
+
+The start time (field 22 of /proc/<pid>/stat, clock ticks since boot) tells a process from a
+later one that reused its pid.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot); None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: count after its end.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])  # field 22 of the whole line
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass(eq=False)
+class Peer:
+    pid: int = 0  # 0: unknown (a process in another pid namespace, or a caller that did not say)
+    uid: int = -1
+    gid: int = -1
+    start_time: int = 0  # 0: unknown
+    connected: bool = False  # its connection is open (known for local-channel peers only)
+
+    @classmethod
+    def of_socket(cls, sock: Any) -> Peer:
+        try:
+            pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        except OSError:
+            return cls(connected=True)
+        return cls(pid, uid, gid, (process_start_time(pid) or 0) if pid else 0, connected=True)
+
+    @classmethod
+    def declared(cls, pid: int, start_time: int) -> Peer:
+        return cls(pid=pid, start_time=start_time)
+
+    def gone(self) -> bool:
+        """Whether this process can no longer write (False while that cannot be known)."""
+        if self.connected or not self.pid or not self.start_time:
+            return False
+        return process_start_time(self.pid) != self.start_time

@@ -1,0 +1,124 @@
+"""A worker process for the integrity tests: stores and loads prompts through one client object
+until told to stop, checking every loaded byte, and reports what it saw as JSON.
+
+    python -m tests.integrity_worker ADDRESS STOP_FILE REPORT_FILE --seed N [--prompts P]
+
+Every prompt's KV is a function of the prompt alone (`cache_for`), so any worker can check a
+page another worker stored. A load goes into a poisoned cache: the loaded tokens' blocks must
+equal the prompt's KV and every other block must still hold the poison. Any exception out of a
+public call is recorded, with its traceback, and the loop goes on.
+
+Report: {"ops", "loads", "hit_tokens", "stored", "wrong": [...], "exceptions": [...],
+"served": [wall-clock times of calls the daemon served, one per 50 ms at most]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from kvstore_client import KVSpec, KVStoreClient
+
+CHUNK = 16
+CHUNKS = 4  # per prompt
+BLOCKS = CHUNKS  # one 16-token block per chunk
+POISON = -3.0
+SPEC = KVSpec(
+    model="integrity",
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=32,
+    dtype=torch.float16,
+    block_size=16,
+    chunk_tokens=CHUNK,
+)  # 8 KiB pages
+
+
+def prompt(i: int) -> list[int]:
+    return [i * 100_000 + t for t in range(CHUNKS * CHUNK)]
+
+
+def cache_for(i: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1_000 + i)
+    return [torch.randn(2, BLOCKS, 16, 2, 32, generator=gen).half() for _ in range(SPEC.num_layers)]
+
+
+def wrong_blocks(
+    target: list[torch.Tensor], want: list[torch.Tensor], loaded_tokens: int, moved_tokens: int | None = None
+) -> list[str]:
+    """What differs: blocks reported loaded that are not the prompt's, or blocks the load did not
+    move that lost the poison. Blocks it moved but did not report valid (`moved_tokens`: the
+    handle's `tokens`; a lease that lapsed, a daemon that died before the Release) may hold
+    anything: the engine computes them again."""
+    loaded = loaded_tokens // 16
+    untouched = (loaded_tokens if moved_tokens is None else moved_tokens) // 16
+    poison = torch.full_like(want[0][:, 0], POISON)
+    problems = []
+    for layer, (got, ref) in enumerate(zip(target, want, strict=True)):
+        for block in range(BLOCKS):
+            if loaded <= block < untouched:
+                continue
+            expected = ref[:, block] if block < loaded else poison
+            if not torch.equal(got[:, block].view(torch.int16), expected.view(torch.int16)):
+                problems.append(f"layer {layer} block {block} ({'loaded' if block < loaded else 'poison'})")
+    return problems
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("address")
+    parser.add_argument("stop_file", type=Path)
+    parser.add_argument("report_file", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts", type=int, default=40)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    caches = {i: cache_for(i) for i in range(args.prompts)}
+    counts = {"ops": 0, "loads": 0, "hit_tokens": 0, "stored": 0}
+    wrong: list[dict[str, object]] = []
+    exceptions: list[str] = []
+    served: list[float] = []
+
+    def note_served() -> None:
+        now = time.time()
+        if not served or now - served[-1] >= 0.05:
+            served.append(now)
+
+    client = KVStoreClient.connect(args.address, SPEC, timeout_s=5.0)
+    print("connected", flush=True)
+    blocks = torch.arange(BLOCKS)
+    while not args.stop_file.exists():
+        i = rng.randrange(args.prompts)
+        counts["ops"] += 1
+        try:
+            if rng.random() < 0.5:
+                stored = client.store(prompt(i), caches[i], blocks)
+                counts["stored"] += stored
+                if stored:
+                    note_served()
+            else:
+                target = [torch.full_like(t, POISON) for t in caches[i]]
+                handle = client.load_async(prompt(i), target, blocks)
+                loaded = handle.wait()
+                counts["loads"] += 1
+                counts["hit_tokens"] += loaded
+                problems = wrong_blocks(target, caches[i], loaded, handle.tokens)
+                if problems:
+                    wrong.append({"prompt": i, "loaded": loaded, "problems": problems[:4]})
+                if loaded:
+                    note_served()
+        except BaseException as exc:  # every exception out of a public call is a finding
+            exceptions.append(f"{exc!r}\n{traceback.format_exc()}")
+    client.close()
+    report = {**counts, "wrong": wrong, "exceptions": exceptions, "served": served}
+    args.report_file.write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

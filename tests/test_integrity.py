@@ -1,0 +1,417 @@
+"""Never a hit with wrong bytes: daemon restarts under load, stalled writers, shutdown and start-up.
+
+Each scenario runs real daemons and real client processes, and every load goes into a poisoned
+cache whose bytes are compared with what was stored:
+
+- restarts (SIGTERM and SIGKILL, with and without the local channel) while workers store and
+  load: no exception out of a public call, no wrong byte, each client object served again
+  within 3 s of each restart without a new `connect`;
+- a worker that made a call while the daemon was down, and another that connected to the new
+  daemon first: the first maps the new arena before it moves a byte (arena epochs);
+- a writer stopped (SIGSTOP) past its lease's TTL: its slot stays fenced, so its late write
+  lands nowhere that another page lives, and its Commit stores nothing;
+- a slow but live writer keeps its lease by renewing it;
+- a store in flight when SIGTERM comes commits; a SIGTERM at any moment of start-up leaves
+  nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from kvstore.keys import chunk_keys, pack_keys
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore_client import KVStoreClient
+from tests.conftest import Daemon, python_env, start_daemon, write_config
+from tests.integrity_worker import BLOCKS, POISON, SPEC, cache_for, prompt, wrong_blocks
+
+SERVE_AGAIN_S = 3.0
+RESTARTS = 5
+WORKERS = 3
+# A small arena (128 pages for 40 prompts x 4 chunks): pages are evicted and their slots reused
+# all the time, which is where a stale writer or reader would show.
+SMALL = {"tiers__cpu__bytes": "1MiB", "tiers__cpu__slab_bytes": "256KiB"}
+
+
+def counters(daemon: Daemon) -> dict[str, float]:
+    return dict(daemon.stub().Stats(pb.StatsRequest()).counters)
+
+
+def load_checked(client: KVStoreClient, i: int) -> int:
+    """Loads prompt i into a poisoned cache; asserts the bytes; returns the tokens loaded."""
+    target = [torch.full_like(t, POISON) for t in cache_for(i)]
+    loaded = client.load(prompt(i), target, torch.arange(BLOCKS))
+    assert wrong_blocks(target, cache_for(i), loaded) == []
+    return loaded
+
+
+class Workers:
+    """Client processes running tests/integrity_worker.py against one address."""
+
+    def __init__(self, tmp_path: Path, address: str, count: int) -> None:
+        self.stop_file = tmp_path / "stop"
+        self.reports = [tmp_path / f"worker-{n}.json" for n in range(count)]
+        self.processes = [
+            subprocess.Popen(
+                [
+                    sys.executable, "-m", "tests.integrity_worker",
+                    address, str(self.stop_file), str(report), "--seed", str(n),
+                ],
+                env=python_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for n, report in enumerate(self.reports)
+        ]  # fmt: skip
+        for process in self.processes:
+            line = process.stdout.readline() if process.stdout else b""
+            assert line.strip() == b"connected", process.stderr.read() if process.stderr else ""
+
+    def finish(self) -> list[dict]:
+        self.stop_file.touch()
+        results = []
+        for process, report in zip(self.processes, self.reports, strict=True):
+            _, err = process.communicate(timeout=60)
+            assert process.returncode == 0, err.decode(errors="replace")[-4000:]
+            results.append(json.loads(report.read_text()))
+        return results
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def restartable(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Starts the daemon of one config again and again on the same socket; stops the last."""
+    current: list[Daemon] = []
+
+    def start(**overrides: object) -> Daemon:
+        daemon = start_daemon(tmp_path, "restart", **overrides)
+        current[:] = [daemon]
+        return daemon
+
+    yield start
+    for daemon in current:
+        if daemon.process.poll() is None:
+            assert daemon.stop() == 0, daemon.log()
+
+
+@pytest.mark.parametrize("local_channel", [True, False], ids=["local-channel", "grpc-only"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_workers_see_no_error_and_no_wrong_byte_through_five_restarts(
+    tmp_path: Path, restartable: Callable[..., Daemon], sig: int, local_channel: bool
+) -> None:
+    config = {**SMALL, "server__local_channel": local_channel}
+    daemon = restartable(**config)
+    workers = Workers(tmp_path, daemon.address, WORKERS)
+    serving_since: list[float] = []
+    try:
+        time.sleep(1.0)
+        for _ in range(RESTARTS):
+            daemon.stop(sig)
+            time.sleep(0.3)  # calls made while it is down
+            daemon = restartable(**config)
+            serving_since.append(time.time())
+            time.sleep(SERVE_AGAIN_S + 0.5)
+        reports = workers.finish()
+    finally:
+        workers.kill()
+    for n, report in enumerate(reports):
+        assert report["exceptions"] == [], f"worker {n}: {report['exceptions'][:2]}"
+        assert report["wrong"] == [], f"worker {n}: {report['wrong'][:3]}"
+        assert report["loads"] > 20 and report["hit_tokens"] > 0 and report["stored"] > 0
+        for k, since in enumerate(serving_since):
+            served = [t for t in report["served"] if since <= t <= since + SERVE_AGAIN_S]
+            assert served, f"worker {n} not served within {SERVE_AGAIN_S} s of restart {k + 1}"
+
+
+@pytest.mark.parametrize("calls_while_down", [True, False], ids=["calls-while-down", "idle-while-down"])
+@pytest.mark.parametrize("local_channel", [True, False], ids=["local-channel", "grpc-only"])
+def test_a_worker_left_on_the_old_arena_maps_the_new_one_before_moving_a_byte(
+    restartable: Callable[..., Daemon],
+    local_channel: bool,
+    calls_while_down: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = {"server__local_channel": local_channel}
+    daemon = restartable(**config)
+    a = KVStoreClient.connect(daemon.address, SPEC)
+    b = KVStoreClient.connect(daemon.address, SPEC)
+    try:
+        assert a.store(prompt(0), cache_for(0), torch.arange(BLOCKS)) == BLOCKS
+        old_epoch = a.epoch
+        daemon.stop(signal.SIGKILL)
+        with caplog.at_level(logging.INFO, logger="kvstore_client"):
+            for _ in range(200 if calls_while_down else 0):  # misses, and one warning
+                assert a.lookup(prompt(0)) == 0
+                assert load_checked(a, 0) == 0
+            daemon = restartable(**config)
+            # B reaches the new daemon first and registers the namespace again: over gRPC, A's
+            # calls now find its namespace; only the epoch tells that its mapping is stale.
+            assert b.store(prompt(1), cache_for(1), torch.arange(BLOCKS)) == BLOCKS
+            deadline = time.monotonic() + SERVE_AGAIN_S
+            while a.store(prompt(2), cache_for(2), torch.arange(BLOCKS)) == 0:
+                assert time.monotonic() < deadline, "A did not serve again in time"
+                time.sleep(0.05)
+        assert a.epoch != old_epoch and a.epoch == b.epoch
+        assert load_checked(a, 1) == BLOCKS * 16  # B's page, through A's new mapping
+        assert load_checked(b, 2) == BLOCKS * 16  # A's page reached the new arena
+        assert load_checked(a, 0) == 0  # the old daemon's page is gone, not read from the old arena
+        # One warning and one info line per client object: B met the restart too (its local
+        # channel closed, or its epoch was refused).
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        infos = [r for r in caplog.records if r.levelno == logging.INFO and "serves again" in r.getMessage()]
+        assert len(warnings) == 2 and all("not serving" in r.getMessage() for r in warnings)
+        assert len(infos) == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_calls_from_another_arena_epoch_are_refused_and_do_nothing(
+    restartable: Callable[..., Daemon],
+) -> None:
+    daemon = restartable()
+    stub = daemon.stub()
+    spec = pb.PageSpec(
+        model="epochs", num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", chunk_tokens=16
+    )
+    old = stub.Connect(pb.ConnectRequest(spec=spec))
+    keys = pack_keys(chunk_keys(old.namespace, list(range(64)), 16))
+    daemon.stop(signal.SIGKILL)
+    daemon = restartable()
+    stub = daemon.stub()
+    new = stub.Connect(pb.ConnectRequest(spec=spec))
+    assert new.epoch != old.epoch and new.epoch != 0
+    assert (new.arena.device, new.arena.inode) != (0, 0)
+    ns = new.namespace
+    calls = [
+        ("Reserve", stub.Reserve, pb.ReserveRequest(namespace=ns, keys=keys, epoch=old.epoch)),
+        (
+            "Lookup",
+            stub.Lookup,
+            pb.LookupRequest(namespace=ns, keys=keys, lease=True, acquire=True, epoch=old.epoch),
+        ),
+        ("Commit", stub.Commit, pb.LeaseRequest(namespace=ns, lease_id=1, epoch=old.epoch)),
+        ("Acquire", stub.Acquire, pb.LeaseRequest(namespace=ns, lease_id=1, epoch=old.epoch)),
+        ("Renew", stub.Renew, pb.RenewRequest(namespace=ns, lease_ids=[1], epoch=old.epoch)),
+    ]
+    for name, call, request in calls:
+        with pytest.raises(grpc.RpcError) as info:
+            call(request)
+        assert info.value.code() == grpc.StatusCode.ABORTED, name  # type: ignore[attr-defined]
+        assert f"arena epoch {old.epoch:#x}" in info.value.details(), name  # type: ignore[attr-defined]
+    for name, call, request in [
+        ("Acquire", stub.Acquire, pb.LeaseRequest(namespace=ns, lease_id=1)),
+        ("Lookup", stub.Lookup, pb.LookupRequest(namespace=ns, keys=keys, lease=True, acquire=True)),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            call(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name  # type: ignore[attr-defined]
+        assert "send the arena epoch from Connect" in info.value.details()  # type: ignore[attr-defined]
+    stats = stub.Stats(pb.StatsRequest())
+    assert stats.tiers[0].bytes_used == 0 and stats.counters["active_leases"] == 0
+    reply = stub.Reserve(pb.ReserveRequest(namespace=ns, keys=keys, epoch=new.epoch))
+    assert reply.lease_id and len(reply.offsets) == 4  # the current epoch is served
+
+
+def test_a_client_refuses_a_file_that_is_not_the_daemons_arena(restartable: Callable[..., Daemon]) -> None:
+    daemon = restartable()
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        path = str(daemon.arena_path)
+        with pytest.raises(ConnectionError, match="is not the daemon's arena"):
+            client._map_arena(path, 1 << 20, (1, 2))
+        assert client.arena is None
+
+
+# --- stalled and slow writers -----------------------------------------------------------------
+
+STALLED_WRITER = """
+import json, sys, torch
+import kvstore_kernels
+from kvstore_client import KVStoreClient
+from tests.integrity_worker import SPEC, BLOCKS, prompt
+
+gather = kvstore_kernels.gather
+
+def stalled(*args, **kwargs):  # between Reserve and the write: wait for the test
+    print("reserved", flush=True)
+    sys.stdin.readline()
+    return gather(*args, **kwargs)
+
+kvstore_kernels.gather = stalled
+client = KVStoreClient.connect(sys.argv[1], SPEC)
+mine = [torch.full((2, BLOCKS, 16, 2, 32), 0.5).half() for _ in range(2)]  # a pattern of A's own
+try:
+    stored = client.store(prompt(int(sys.argv[2]))[:16], mine, torch.arange(1))
+    print(json.dumps({"stored": stored, "exception": None}), flush=True)
+except BaseException as exc:
+    print(json.dumps({"stored": None, "exception": repr(exc)}), flush=True)
+client.close()
+"""
+
+
+def start_writer(address: str, i: int) -> subprocess.Popen[bytes]:
+    writer = subprocess.Popen(
+        [sys.executable, "-c", STALLED_WRITER, address, str(i)],
+        env=python_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert writer.stdout is not None and writer.stdout.readline().strip() == b"reserved"
+    return writer
+
+
+def finish_writer(writer: subprocess.Popen[bytes]) -> dict[str, object]:
+    out, err = writer.communicate(b"go\n", timeout=60)
+    assert writer.returncode == 0, err.decode(errors="replace")
+    result: dict[str, object] = json.loads(out.decode().strip().splitlines()[-1])
+    return result
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# Two slots: one for the stalled writer, one holding an older page that a new store may evict.
+TWO_SLOTS = {"tiers__cpu__bytes": "16KiB", "tiers__cpu__slab_bytes": "16KiB", "leases__ttl_s": 0.5}
+
+
+@pytest.mark.parametrize("local_channel", [True, False], ids=["local-channel", "grpc-only"])
+def test_a_writer_stopped_past_its_ttl_never_overwrites_another_page(
+    daemon_factory: Callable[..., Daemon], local_channel: bool
+) -> None:
+    daemon = daemon_factory(**TWO_SLOTS, server__local_channel=local_channel)
+    with KVStoreClient.connect(daemon.address, SPEC) as b:
+        one = torch.arange(1)
+        assert b.store(prompt(7)[:16], cache_for(7), one) == 1  # the older page, in the other slot
+        writer = start_writer(daemon.address, 3)  # A reserved the free slot and stalls
+        try:
+            writer.send_signal(signal.SIGSTOP)
+            wait_for(lambda: counters(daemon).get("expired_leases", 0) == 1)
+            quarantined = counters(daemon).get("quarantined_pages", 0)
+            # B stores its page: the fenced slot is not handed out, the older page is evicted.
+            assert b.store(prompt(8)[:16], cache_for(8), one) == 1
+            writer.send_signal(signal.SIGCONT)
+            result = finish_writer(writer)  # A writes its bytes into its old slot and commits
+        finally:
+            writer.kill()
+        assert result == {"stored": 0, "exception": None}  # its Commit stored nothing
+        target = [torch.full_like(t, POISON) for t in cache_for(8)]
+        assert b.load(prompt(8)[:16], target, one) == 16
+        assert wrong_blocks(target, cache_for(8), 16) == []  # B's bytes, not A's
+        assert b.lookup(prompt(3)[:16]) == 0  # A's page never became visible
+        assert quarantined == 1
+        stats = counters(daemon)
+        assert stats["fenced_leases"] == 1
+        assert stats["quarantined_pages"] == 0  # A's Commit ended the fence: it had stopped writing
+        assert stats["evicted_chunks"] == 1
+
+
+@pytest.mark.parametrize("local_channel", [True, False], ids=["local-channel", "grpc-only"])
+def test_a_fence_ends_when_its_writer_dies(
+    daemon_factory: Callable[..., Daemon], local_channel: bool
+) -> None:
+    daemon = daemon_factory(**TWO_SLOTS, server__local_channel=local_channel)
+    writer = start_writer(daemon.address, 3)
+    try:
+        writer.send_signal(signal.SIGSTOP)
+        wait_for(lambda: counters(daemon).get("quarantined_pages", 0) == 1)
+        time.sleep(1.5)
+        assert counters(daemon)["quarantined_pages"] == 1  # still held while the writer lives
+        writer.kill()
+        writer.wait()
+        wait_for(lambda: counters(daemon)["quarantined_pages"] == 0, timeout_s=5.0)
+    finally:
+        writer.kill()
+    assert counters(daemon)["quarantines_ended"] == 1
+    with KVStoreClient.connect(daemon.address, SPEC) as b:  # both slots usable again
+        assert b.store(prompt(1)[:32], cache_for(1), torch.arange(2)) == 2
+        assert load_checked(b, 1) == 32
+
+
+def test_a_slow_but_live_writer_renews_its_lease_and_stores(daemon_factory: Callable[..., Daemon]) -> None:
+    daemon = daemon_factory(**TWO_SLOTS)
+    writer = start_writer(daemon.address, 3)
+    try:
+        time.sleep(1.5)  # three TTLs between its Reserve and its write: the renewal thread keeps it
+        result = finish_writer(writer)
+    finally:
+        writer.kill()
+    assert result == {"stored": 1, "exception": None}
+    stats = counters(daemon)
+    assert stats.get("fenced_leases", 0) == 0 and stats["renewed_leases"] >= 2
+    with KVStoreClient.connect(daemon.address, SPEC) as b:
+        target = [torch.full_like(t, POISON) for t in cache_for(3)]
+        assert b.load(prompt(3)[:16], target, torch.arange(1)) == 16
+        assert all(torch.equal(t[:, 0], torch.full_like(t[:, 0], 0.5)) for t in target)  # A's bytes
+        assert all(torch.equal(t[:, 1:], torch.full_like(t[:, 1:], POISON)) for t in target)
+
+
+# --- shutdown and start-up --------------------------------------------------------------------
+
+
+def test_a_store_in_flight_at_sigterm_commits_and_new_work_is_a_miss(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    daemon = daemon_factory()
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        handle = client.store_async(prompt(0), cache_for(0), torch.arange(BLOCKS))  # reserved, written
+        daemon.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # the daemon is draining: it waits for the lease
+        assert client.lookup(prompt(0)) == 0  # new work is refused: a miss, no exception
+        assert handle.wait() == BLOCKS  # the store in flight commits
+        assert daemon.process.wait(10) == 0
+        assert load_checked(client, 0) == 0  # the daemon is gone: a miss
+    assert "leases still held" not in daemon.log()
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.3, 1.7])
+def test_sigterm_at_any_moment_of_start_up_leaves_nothing_behind(tmp_path: Path, delay_s: float) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    socket_path = run_dir / "kvstored.sock"
+    config = write_config(
+        run_dir / "kvstored.yaml",
+        socket_path,
+        tiers__cpu__bytes="256MiB",
+        tiers__disk__enabled=True,
+        tiers__disk__path=str(tmp_path / "disk"),
+        tiers__disk__bytes="64MiB",
+    )
+    daemon = Daemon(
+        subprocess.Popen(
+            [sys.executable, "-m", "kvstore.daemon", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        ),
+        config,
+        socket_path,
+        run_dir / "unused.log",
+    )
+    time.sleep(delay_s)
+    daemon.process.send_signal(signal.SIGTERM)
+    out, _ = daemon.process.communicate(timeout=30)
+    # Exit 0, or killed by the signal before Python could take it (nothing was made yet).
+    assert daemon.process.returncode in (0, -signal.SIGTERM), out.decode(errors="replace")
+    left = sorted(p.name for p in run_dir.iterdir() if p.name != "kvstored.yaml")
+    assert left == [], out.decode(errors="replace")
+    assert not daemon.arena_path.exists()
