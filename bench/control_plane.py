@@ -15,6 +15,12 @@ Prints tables and writes `bench/results/control_plane.json` (and a timestamped c
 
     python bench/control_plane.py            # 32 layers, 4096 tokens per request (512 MiB)
     python bench/control_plane.py --quick    # seconds: CI-sized
+    python bench/control_plane.py --parts against --against ../before  # this tree against another
+
+3. With `--against TREE` (another checkout, e.g. `git worktree add ../before REV`): Lookup, load
+   and store latency of this tree's daemon and client against TREE's, in alternating rounds of
+   fresh processes (`bench/latency_probe.py`): the median over rounds of each p50 and p99, and
+   their ratio (target: at most 1.05 for Lookup and load).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
 from bench.common import Daemon, Latency, print_table, running_daemon, write_results  # noqa: E402
+from bench.latency_probe import MAX_RATIO, SERIES, compare_trees  # noqa: E402
 from kvstore.config import EvictionConfig, format_size, parse_size  # noqa: E402
 from kvstore.handlers import Handlers  # noqa: E402
 from kvstore.keys import pack_keys, unpack_keys  # noqa: E402
@@ -71,8 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--warmup", type=int, help="untimed calls before each latency series")
     parser.add_argument(
-        "--parts", nargs="+", choices=("lookup", "throughput"), default=["lookup", "throughput"]
+        "--parts", nargs="+", choices=("lookup", "throughput", "against"), default=["lookup", "throughput"]
     )
+    parser.add_argument("--against", type=Path, help="another kvstore source tree to compare latency with")
+    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds of --against (default 6)")
     parser.add_argument("--name", help="results name (default: control_plane, or control_plane-quick)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -80,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     args.arena = parse_size(args.arena)
     args.name = args.name or ("control_plane-quick" if args.quick else "control_plane")
+    if args.against is not None and "against" not in args.parts:
+        args.parts.append("against")
+    if "against" in args.parts and (args.against is None or not (args.against / "kvstore").is_dir()):
+        parser.error("--parts against needs --against TREE, a kvstore source tree")
     if args.tokens <= 0 or args.tokens % CHUNK_TOKENS:
         parser.error(f"--tokens: expected a positive multiple of chunk_tokens {CHUNK_TOKENS}")
     if min(args.layers, args.kv_heads, args.head_dim, args.repeats, args.lookup_calls) <= 0:
@@ -438,6 +451,20 @@ def report(lookup: dict[str, Any] | None, moved: dict[str, Any] | None, goals: d
     )
 
 
+def report_against(against: dict[str, Any]) -> None:
+    print(f"\nThis tree against {against['trees']['against']} ({against['rounds']} alternating rounds, µs)")
+    rows = []
+    for series in SERIES:
+        for q in ("p50", "p99"):
+            cell = against[series][q]
+            rows.append(
+                [series, q, round(cell["this"], 1), round(cell["against"], 1), round(cell["ratio"], 3)]
+            )
+    print_table(["series", "q", "this", "against", "ratio"], rows)
+    verdict = "holds" if against["holds"] else "FAILS"
+    print(f"Lookup and load p50/p99 within {MAX_RATIO:.2f}x of the other tree: {verdict}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import kvstore_kernels  # both parts store pages through the client, which copies with it
@@ -450,11 +477,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     config = daemon_config(args)
     started = time.perf_counter()
-    with running_daemon(config) as daemon:
-        lookup = bench_lookup(daemon, args) if "lookup" in args.parts else None
-        moved = bench_throughput(daemon, args) if "throughput" in args.parts else None
+    lookup = moved = None
+    if "lookup" in args.parts or "throughput" in args.parts:
+        with running_daemon(config) as daemon:
+            lookup = bench_lookup(daemon, args) if "lookup" in args.parts else None
+            moved = bench_throughput(daemon, args) if "throughput" in args.parts else None
     goals = targets(lookup, moved)
     report(lookup, moved, goals)
+    against = None
+    if "against" in args.parts:
+        calls = 100 if args.quick else 500
+        against = compare_trees(Path(__file__).resolve().parents[1], args.against, args.rounds, calls)
+        report_against(against)
     parameters = {
         key: getattr(args, key)
         for key in (
@@ -485,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             "lookup": lookup,
             "throughput": moved,
             "targets": goals,
+            "against": against,
             "elapsed_s": time.perf_counter() - started,
             "note": "KV caches on the CPU: pages move with kvstore_kernels' torch reference, not Triton",
         },

@@ -1,0 +1,235 @@
+"""One round of `bench/control_plane.py --against`: a daemon and a client of one source tree, timed.
+
+    PYTHONPATH=TREE python bench/latency_probe.py OUT.json [--calls N] [--device cpu|cuda]
+
+Imports `kvstore` and `kvstore_client` from whatever PYTHONPATH names (it never adds its own
+repository to the path; `probe` points it at one tree's packages) and uses only the public
+client API, which every version has: `connect`, `store`, `keys`, `lookup`, `load`. It starts that tree's kvstored on a temporary
+socket, stores one prompt, then times, call by call:
+
+- `lookup` of 512 stored chunk keys (8 KiB pages of a one-layer spec; the keys passed in, so no
+  hashing is timed);
+- `load` of 4 chunks (16 MiB with the default geometry) into the KV cache, every load checked
+  byte for byte after the timing;
+- `store` of 4 chunks that are already stored (a Reserve that finds them all: the round trip
+  alone).
+
+Writes {"lookup_512": [us...], "load_4": [us...], "store_present_4": [us...]} to OUT.json.
+
+`compare_trees` (what `bench/control_plane.py --against TREE` runs) alternates rounds of this
+probe for two trees, each round a fresh daemon and client process, the order swapped every
+round, and compares the median over rounds of each series' p50 and p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore_client import KVSpec, KVStoreClient
+
+CHUNK_TOKENS = 256
+LOOKUP_CHUNKS = 512
+LOAD_CHUNKS = 4
+
+
+def start_daemon(run_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    socket_path = run_dir / "kvstored.sock"
+    config = {
+        "log_level": "warning",
+        "chunk_tokens": CHUNK_TOKENS,
+        "server": {"unix_socket": str(socket_path)},
+        "tiers": {"cpu": {"bytes": "512MiB", "slab_bytes": "64MiB"}},
+    }
+    (run_dir / "kvstored.yaml").write_text(yaml.safe_dump(config))
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.daemon", "--config", str(run_dir / "kvstored.yaml")],
+        stderr=subprocess.DEVNULL,
+    )
+    address = f"unix://{socket_path}"
+    deadline = time.monotonic() + 60
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return daemon, address
+            except grpc.RpcError:
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("kvstored did not start") from None
+                time.sleep(0.05)
+
+
+def timed(calls: int, warmup: int, call: object) -> list[float]:
+    assert callable(call)
+    for _ in range(warmup):
+        call()
+    out = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        out.append((time.perf_counter() - start) * 1e6)
+    return out
+
+
+SERIES = ("lookup_512", "load_4", "store_present_4")
+MAX_RATIO = 1.05  # this tree's p50 and p99 against the other's
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def probe(tree: Path, calls: int) -> dict[str, list[float]]:
+    """One round: the probe run with `tree`'s kvstore on the path."""
+    with tempfile.TemporaryDirectory(prefix="kvstore-probe-out-") as out_dir:
+        out = Path(out_dir) / "probe.json"
+        # The tree's three packages under their import names, ahead of any installed copy.
+        names = Path(out_dir) / "path"
+        names.mkdir()
+        for name, folder in (
+            ("kvstore", "kvstore"),
+            ("kvstore_client", "client"),
+            ("kvstore_kernels", "kernels"),
+        ):
+            (names / name).symlink_to(tree.resolve() / folder, target_is_directory=True)
+        env = {**os.environ, "PYTHONPATH": str(names)}
+        subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), str(out), "--calls", str(calls)],
+            env=env,
+            check=True,
+            cwd=out_dir,
+        )
+        result: dict[str, list[float]] = json.loads(out.read_text())
+        return result
+
+
+def compare_trees(this: Path, other: Path, rounds: int, calls: int) -> dict[str, Any]:
+    """p50 and p99 (us) of each series, per round and as the median over rounds, for both trees;
+    `ratio`: this tree's over the other's."""
+    trees = {"this": this, "against": other}
+    per_round: dict[str, dict[str, list[dict[str, float]]]] = {
+        name: {s: [] for s in SERIES} for name in trees
+    }
+    for r in range(rounds):
+        for name in ("this", "against") if r % 2 == 0 else ("against", "this"):
+            result = probe(trees[name], calls)
+            for series in SERIES:
+                values = result[series]
+                per_round[name][series].append(
+                    {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
+                )
+    summary: dict[str, Any] = {
+        "rounds": rounds,
+        "calls": calls,
+        "trees": {k: str(v) for k, v in trees.items()},
+    }
+    for series in SERIES:
+        row: dict[str, Any] = {}
+        for q in ("p50", "p99"):
+            medians = {name: statistics.median(x[q] for x in per_round[name][series]) for name in trees}
+            row[q] = {**medians, "ratio": medians["this"] / medians["against"]}
+        row["per_round"] = {name: per_round[name][series] for name in trees}
+        summary[series] = row
+    summary["holds"] = all(
+        summary[series][q]["ratio"] <= MAX_RATIO
+        for series in ("lookup_512", "load_4")
+        for q in ("p50", "p99")
+    )
+    return summary
+
+
+def tiny_spec() -> KVSpec:
+    return KVSpec(
+        model="bench/latency-probe-lookup",
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        dtype=torch.bfloat16,
+        block_size=16,
+        layout="flash_attn",
+        chunk_tokens=CHUNK_TOKENS,
+    )  # 8 KiB pages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    spec = KVSpec(
+        model="bench/latency-probe",
+        num_layers=4,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        block_size=16,
+        layout="flash_attn",
+        chunk_tokens=CHUNK_TOKENS,
+    )  # 4 MiB pages
+    blocks_per_chunk = CHUNK_TOKENS // 16
+    num_blocks = LOAD_CHUNKS * blocks_per_chunk
+    gen = torch.Generator().manual_seed(0)
+    source = [
+        torch.randn(2, num_blocks, 16, 8, 128, generator=gen).to(torch.bfloat16).to(device) for _ in range(4)
+    ]
+    target = [torch.empty_like(t) for t in source]
+    block_ids = torch.arange(num_blocks)
+    load_tokens = list(range(LOAD_CHUNKS * CHUNK_TOKENS))
+    lookup_tokens = list(range(10**6, 10**6 + LOOKUP_CHUNKS * CHUNK_TOKENS))
+    with tempfile.TemporaryDirectory(prefix="kvstore-probe-") as run:
+        daemon, address = start_daemon(Path(run))
+        try:
+            with (
+                KVStoreClient.connect(address, spec) as client,
+                KVStoreClient.connect(address, tiny_spec()) as indexer,
+            ):
+                if client.store(load_tokens, source, block_ids) != LOAD_CHUNKS:
+                    raise RuntimeError("the probe's prompt was not stored")
+                tiny = [torch.zeros(2, LOOKUP_CHUNKS * blocks_per_chunk, 16, 1, 8, dtype=torch.bfloat16)]
+                tiny_blocks = torch.arange(LOOKUP_CHUNKS * blocks_per_chunk)
+                if indexer.store(lookup_tokens, tiny, tiny_blocks) != LOOKUP_CHUNKS:
+                    raise RuntimeError("the probe's lookup prompt was not stored")
+                lookup_keys = indexer.keys(lookup_tokens)
+                if indexer.lookup(lookup_tokens, keys=lookup_keys) != len(lookup_tokens):
+                    raise RuntimeError("the probe's Lookup does not hit every key")
+                load_keys = client.keys(load_tokens)
+                results = {
+                    "lookup_512": timed(
+                        args.calls, 50, lambda: indexer.lookup(lookup_tokens, keys=lookup_keys)
+                    ),
+                    "load_4": timed(
+                        args.calls, 50, lambda: client.load(load_tokens, target, block_ids, keys=load_keys)
+                    ),
+                    "store_present_4": timed(
+                        args.calls, 50, lambda: client.store(load_tokens, source, block_ids, keys=load_keys)
+                    ),
+                }
+                if not all(torch.equal(a, b) for a, b in zip(source, target, strict=True)):
+                    raise RuntimeError("a timed load brought back other bytes than were stored")
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(30)
+    args.out.write_text(json.dumps(results))
+    os._exit(0)  # skip interpreter teardown of CUDA state
+
+
+if __name__ == "__main__":
+    main()
