@@ -4,8 +4,8 @@
 
 Imports `kvstore` and `kvstore_client` from whatever PYTHONPATH names (it never adds its own
 repository to the path; `probe` points it at one tree's packages) and uses only the public
-client API, which every version has: `connect`, `store`, `keys`, `lookup`, `load`. It starts that tree's kvstored on a temporary
-socket, stores one prompt, then times, call by call:
+client API, which every version has: `connect`, `store`, `keys`, `lookup`, `load`. It starts
+that tree's kvstored on a temporary socket, stores one prompt, then times, call by call:
 
 - `lookup` of 512 stored chunk keys (8 KiB pages of a one-layer spec; the keys passed in, so no
   hashing is timed);
