@@ -108,7 +108,10 @@ def probe(tree: Path, calls: int) -> dict[str, list[float]]:
             ("kvstore_kernels", "kernels"),
         ):
             (names / name).symlink_to(tree.resolve() / folder, target_is_directory=True)
-        env = {**os.environ, "PYTHONPATH": str(names)}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(names), os.environ.get("PYTHONPATH")])),
+        }
         subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), str(out), "--calls", str(calls)],
             env=env,
