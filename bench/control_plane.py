@@ -19,7 +19,7 @@ Prints tables and writes `bench/results/control_plane.json` (and a timestamped c
 
 3. With `--against TREE` (another checkout, e.g. `git worktree add ../before REV`): Lookup, load
    and store latency of this tree's daemon and client against TREE's, in alternating rounds of
-   fresh processes (`bench/latency_probe.py`): the median over rounds of each p50 and p99, and
+   fresh processes (`bench/latency_probe.py`): each p50 and p99 over all rounds' calls, and
    their ratio (target: at most 1.05 for Lookup and load).
 """
 
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     report(lookup, moved, goals)
     against = None
     if "against" in args.parts:
-        calls = 100 if args.quick else 500
+        calls = 100 if args.quick else 1500
         against = compare_trees(Path(__file__).resolve().parents[1], args.against, args.rounds, calls)
         report_against(against)
     parameters = {

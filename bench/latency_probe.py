@@ -18,7 +18,7 @@ Writes {"lookup_512": [us...], "load_4": [us...], "store_present_4": [us...]} to
 
 `compare_trees` (what `bench/control_plane.py --against TREE` runs) alternates rounds of this
 probe for two trees, each round a fresh daemon and client process, the order swapped every
-round, and compares the median over rounds of each series' p50 and p99.
+round, and compares each series' p50 and p99 over all rounds' calls.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -123,9 +122,11 @@ def probe(tree: Path, calls: int) -> dict[str, list[float]]:
 
 
 def compare_trees(this: Path, other: Path, rounds: int, calls: int) -> dict[str, Any]:
-    """p50 and p99 (us) of each series, per round and as the median over rounds, for both trees;
-    `ratio`: this tree's over the other's."""
+    """p50 and p99 (us) of each series for both trees over all their rounds' calls pooled (a
+    round's p99 alone rests on a handful of calls), with each round's own; `ratio`: this tree's
+    over the other's."""
     trees = {"this": this, "against": other}
+    pooled: dict[str, dict[str, list[float]]] = {name: {s: [] for s in SERIES} for name in trees}
     per_round: dict[str, dict[str, list[dict[str, float]]]] = {
         name: {s: [] for s in SERIES} for name in trees
     }
@@ -134,6 +135,7 @@ def compare_trees(this: Path, other: Path, rounds: int, calls: int) -> dict[str,
             result = probe(trees[name], calls)
             for series in SERIES:
                 values = result[series]
+                pooled[name][series] += values
                 per_round[name][series].append(
                     {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
                 )
@@ -144,9 +146,9 @@ def compare_trees(this: Path, other: Path, rounds: int, calls: int) -> dict[str,
     }
     for series in SERIES:
         row: dict[str, Any] = {}
-        for q in ("p50", "p99"):
-            medians = {name: statistics.median(x[q] for x in per_round[name][series]) for name in trees}
-            row[q] = {**medians, "ratio": medians["this"] / medians["against"]}
+        for q, at in (("p50", 0.5), ("p99", 0.99)):
+            quantile = {name: percentile(pooled[name][series], at) for name in trees}
+            row[q] = {**quantile, "ratio": quantile["this"] / quantile["against"]}
         row["per_round"] = {name: per_round[name][series] for name in trees}
         summary[series] = row
     summary["holds"] = all(
