@@ -18,9 +18,10 @@ Prints tables and writes `bench/results/control_plane.json` (and a timestamped c
     python bench/control_plane.py --parts against --against ../before  # this tree against another
 
 3. With `--against TREE` (another checkout, e.g. `git worktree add ../before REV`): Lookup, load
-   and store latency of this tree's daemon and client against TREE's, in alternating rounds of
-   fresh processes (`bench/latency_probe.py`): each p50 and p99 over all rounds' calls, and
-   their ratio (target: at most 1.05 for Lookup and load).
+   and store latency of this tree's daemon and client against TREE's, both running side by side
+   and timed in alternating batches (`bench/latency_probe.py`), in `--rounds` rounds of fresh
+   processes: each p50 and p99 over all calls, and their ratio (target: at most 1.05 for
+   Lookup and load).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--parts", nargs="+", choices=("lookup", "throughput", "against"), default=["lookup", "throughput"]
     )
     parser.add_argument("--against", type=Path, help="another kvstore source tree to compare latency with")
-    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds of --against (default 6)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of fresh processes for --against")
     parser.add_argument("--name", help="results name (default: control_plane, or control_plane-quick)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -452,7 +453,8 @@ def report(lookup: dict[str, Any] | None, moved: dict[str, Any] | None, goals: d
 
 
 def report_against(against: dict[str, Any]) -> None:
-    print(f"\nThis tree against {against['trees']['against']} ({against['rounds']} alternating rounds, µs)")
+    rounds, calls = against["rounds"], against["calls"]
+    print(f"\nThis tree against {against['trees']['against']} ({rounds} rounds of {calls} calls, µs)")
     rows = []
     for series in SERIES:
         for q in ("p50", "p99"):
@@ -486,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     report(lookup, moved, goals)
     against = None
     if "against" in args.parts:
-        calls = 100 if args.quick else 1500
+        calls = 200 if args.quick else 3000
         against = compare_trees(Path(__file__).resolve().parents[1], args.against, args.rounds, calls)
         report_against(against)
     parameters = {

@@ -1,24 +1,23 @@
-"""One round of `bench/control_plane.py --against`: a daemon and a client of one source tree, timed.
+"""Latency of one source tree's daemon and client, for `bench/control_plane.py --against TREE`.
 
-    PYTHONPATH=TREE python bench/latency_probe.py OUT.json [--calls N] [--device cpu|cuda]
+    PYTHONPATH=TREE python bench/latency_probe.py [--device cpu|cuda]
 
 Imports `kvstore` and `kvstore_client` from whatever PYTHONPATH names (it never adds its own
-repository to the path; `probe` points it at one tree's packages) and uses only the public
+repository to the path; `Probe` points it at one tree's packages) and uses only the public
 client API, which every version has: `connect`, `store`, `keys`, `lookup`, `load`. It starts
-that tree's kvstored on a temporary socket, stores one prompt, then times, call by call:
+that tree's kvstored on a temporary socket, stores two prompts, prints "ready", then answers
+commands on stdin, one a line: `SERIES N` times N calls of a series and prints their times
+(µs) as a JSON list; `quit` checks the loads' bytes and exits. The series:
 
-- `lookup` of 512 stored chunk keys (8 KiB pages of a one-layer spec; the keys passed in, so no
-  hashing is timed);
-- `load` of 4 chunks (16 MiB with the default geometry) into the KV cache, every load checked
-  byte for byte after the timing;
-- `store` of 4 chunks that are already stored (a Reserve that finds them all: the round trip
-  alone).
+- `lookup_512`: `lookup` of 512 stored chunk keys (8 KiB pages of a one-layer spec; the keys
+  passed in, so no hashing is timed);
+- `load_4`: `load` of 4 chunks (16 MiB) into the KV cache;
+- `store_present_4`: `store` of 4 chunks that are already stored (a Reserve that finds them
+  all: the round trip alone).
 
-Writes {"lookup_512": [us...], "load_4": [us...], "store_present_4": [us...]} to OUT.json.
-
-`compare_trees` (what `bench/control_plane.py --against TREE` runs) alternates rounds of this
-probe for two trees, each round a fresh daemon and client process, the order swapped every
-round, and compares each series' p50 and p99 over all rounds' calls.
+`compare_trees` runs one such process per tree side by side and alternates batches of calls
+between them (the order swapped every batch), so a noisy moment of the machine falls on both
+alike; it compares each series' p50 and p99 over all calls.
 """
 
 from __future__ import annotations
@@ -94,54 +93,82 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def probe(tree: Path, calls: int) -> dict[str, list[float]]:
-    """One round: the probe run with `tree`'s kvstore on the path."""
-    with tempfile.TemporaryDirectory(prefix="kvstore-probe-out-") as out_dir:
-        out = Path(out_dir) / "probe.json"
-        # The tree's three packages under their import names, ahead of any installed copy.
-        names = Path(out_dir) / "path"
-        names.mkdir()
+class Probe:
+    """A probe process running `tree`'s daemon and client."""
+
+    def __init__(self, tree: Path, work_dir: Path) -> None:
+        names = work_dir / "path"  # the tree's packages under their import names, ahead of any other
+        names.mkdir(parents=True)
         for name, folder in (
             ("kvstore", "kvstore"),
             ("kvstore_client", "client"),
             ("kvstore_kernels", "kernels"),
         ):
             (names / name).symlink_to(tree.resolve() / folder, target_is_directory=True)
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(names), os.environ.get("PYTHONPATH")])),
-        }
-        subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), str(out), "--calls", str(calls)],
-            env=env,
-            check=True,
-            cwd=out_dir,
+        path = os.pathsep.join(filter(None, [str(names), os.environ.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve())],
+            env={**os.environ, "PYTHONPATH": path},
+            cwd=work_dir,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
-        result: dict[str, list[float]] = json.loads(out.read_text())
-        return result
+        if self._line() != "ready":
+            raise RuntimeError(f"the probe of {tree} did not start")
+
+    def _line(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def run(self, series: str, calls: int) -> list[float]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{series} {calls}\n")
+        self.process.stdin.flush()
+        times: list[float] = json.loads(self._line())
+        return times
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("quit\n")
+        self.process.stdin.flush()
+        verdict = self._line()
+        self.process.wait(60)
+        if verdict != "bytes ok":
+            raise RuntimeError(f"the probe's loads: {verdict}")
 
 
-def compare_trees(this: Path, other: Path, rounds: int, calls: int) -> dict[str, Any]:
-    """p50 and p99 (us) of each series for both trees over all their rounds' calls pooled (a
-    round's p99 alone rests on a handful of calls), with each round's own; `ratio`: this tree's
-    over the other's."""
+def compare_trees(this: Path, other: Path, rounds: int, calls: int, batch: int = 100) -> dict[str, Any]:
+    """p50 and p99 (us) of each series for both trees over `calls` calls each, made in batches
+    alternating between the trees; `ratio`: this tree's over the other's."""
     trees = {"this": this, "against": other}
     pooled: dict[str, dict[str, list[float]]] = {name: {s: [] for s in SERIES} for name in trees}
     per_round: dict[str, dict[str, list[dict[str, float]]]] = {
         name: {s: [] for s in SERIES} for name in trees
     }
-    for r in range(rounds):
-        for name in ("this", "against") if r % 2 == 0 else ("against", "this"):
-            result = probe(trees[name], calls)
-            for series in SERIES:
-                values = result[series]
-                pooled[name][series] += values
-                per_round[name][series].append(
-                    {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
-                )
+    for r in range(rounds):  # each round: fresh processes for both trees
+        with tempfile.TemporaryDirectory(prefix="kvstore-probe-") as work:
+            probes = {name: Probe(tree, Path(work) / name) for name, tree in trees.items()}
+            try:
+                for series in SERIES:
+                    for name in probes:
+                        probes[name].run(series, 50)  # warm-up
+                    got: dict[str, list[float]] = {name: [] for name in trees}
+                    for b in range(max(1, calls // batch)):
+                        for name in ("this", "against") if (b + r) % 2 == 0 else ("against", "this"):
+                            got[name] += probes[name].run(series, batch)
+                    for name, values in got.items():
+                        pooled[name][series] += values
+                        per_round[name][series].append(
+                            {"p50": percentile(values, 0.5), "p99": percentile(values, 0.99)}
+                        )
+            finally:
+                for probe in probes.values():
+                    probe.close()
     summary: dict[str, Any] = {
         "rounds": rounds,
         "calls": calls,
+        "batch": batch,
         "trees": {k: str(v) for k, v in trees.items()},
     }
     for series in SERIES:
@@ -174,8 +201,6 @@ def tiny_spec() -> KVSpec:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -216,23 +241,25 @@ def main() -> None:
                 if indexer.lookup(lookup_tokens, keys=lookup_keys) != len(lookup_tokens):
                     raise RuntimeError("the probe's Lookup does not hit every key")
                 load_keys = client.keys(load_tokens)
-                results = {
-                    "lookup_512": timed(
-                        args.calls, 50, lambda: indexer.lookup(lookup_tokens, keys=lookup_keys)
-                    ),
-                    "load_4": timed(
-                        args.calls, 50, lambda: client.load(load_tokens, target, block_ids, keys=load_keys)
-                    ),
-                    "store_present_4": timed(
-                        args.calls, 50, lambda: client.store(load_tokens, source, block_ids, keys=load_keys)
-                    ),
+                calls = {
+                    "lookup_512": lambda: indexer.lookup(lookup_tokens, keys=lookup_keys),
+                    "load_4": lambda: client.load(load_tokens, target, block_ids, keys=load_keys),
+                    "store_present_4": lambda: client.store(load_tokens, source, block_ids, keys=load_keys),
                 }
-                if not all(torch.equal(a, b) for a, b in zip(source, target, strict=True)):
-                    raise RuntimeError("a timed load brought back other bytes than were stored")
+                timed_calls = dict.fromkeys(calls, 0)
+                print("ready", flush=True)
+                for line in sys.stdin:
+                    command = line.split()
+                    if command[0] == "quit":
+                        break
+                    timed_calls[command[0]] += int(command[1])
+                    print(json.dumps(timed(int(command[1]), 0, calls[command[0]])), flush=True)
+                loaded = bool(timed_calls["load_4"])
+                same = not loaded or all(torch.equal(a, b) for a, b in zip(source, target, strict=True))
+                print("bytes ok" if same else "a timed load brought back other bytes", flush=True)
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(30)
-    args.out.write_text(json.dumps(results))
     os._exit(0)  # skip interpreter teardown of CUDA state
 
 
