@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -175,7 +176,13 @@ def compare_trees(this: Path, other: Path, rounds: int, calls: int, batch: int =
         row: dict[str, Any] = {}
         for q, at in (("p50", 0.5), ("p99", 0.99)):
             quantile = {name: percentile(pooled[name][series], at) for name in trees}
-            row[q] = {**quantile, "ratio": quantile["this"] / quantile["against"]}
+            by_round = {name: statistics.median(x[q] for x in per_round[name][series]) for name in trees}
+            row[q] = {
+                **quantile,
+                "ratio": quantile["this"] / quantile["against"],
+                "round_medians": by_round,
+                "round_median_ratio": by_round["this"] / by_round["against"],
+            }
         row["per_round"] = {name: per_round[name][series] for name in trees}
         summary[series] = row
     summary["holds"] = all(
