@@ -33,6 +33,7 @@ import torch
 
 import kvstore_kernels
 from kvstore.errors import (
+    DAEMON_STOPPING,
     DeadlineExceeded,
     FailedPrecondition,
     KVStoreError,
@@ -42,7 +43,7 @@ from kvstore.errors import (
     from_rpc_error,
 )
 from kvstore.keys import chunk_keys, pack_keys
-from kvstore.peers import process_start_time
+from kvstore.peers import boot_id, process_start_time
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.spec import KVSpec
@@ -222,10 +223,11 @@ class KVStoreClient:
             raise from_rpc_error(exc, method) from None
 
     def _lost(self, exc: BaseException) -> None:
-        """A call found the daemon not serving: the outage begins (one warning), the local channel
-        closes, and the next call may try to connect again at once."""
+        """A call found the daemon not serving: the outage begins (one warning; the next call may
+        try to connect again at once), and the local channel closes."""
         if not self._outage:
             self._outage = True
+            self._reconnect_at = 0.0
             log.warning(
                 "kvstored at %s is not serving (%s): lookups and loads are misses and stores are "
                 "dropped until it serves again",
@@ -235,32 +237,38 @@ class KVStoreClient:
         else:
             log.debug("kvstored still not serving: %s", exc)
         self._close_local_channel()
-        self._reconnect_at = 0.0
 
     def _reconnect(self) -> None:
-        """Connects again (at most every RECONNECT_INTERVAL_S); Unavailable if it cannot now."""
-        now = time.monotonic()
-        if now < self._reconnect_at:
+        """Connects again (at most every RECONNECT_INTERVAL_S); Unavailable if it cannot now.
+
+        Whatever fails here is the outage going on (a daemon restarted with a config this client
+        cannot use included), never an error of the caller's call. Where nothing answers at the
+        socket the daemon is gone: its arena is let go at once, so that its memory is free for
+        the next daemon's."""
+        if time.monotonic() < self._reconnect_at:
             raise Unavailable(f"kvstored at {self.address} is not serving; trying again shortly")
-        self._reconnect_at = now + RECONNECT_INTERVAL_S
         try:
             self._handshake()
-        except KVStoreError as exc:
-            if not is_outage(exc):
-                raise
+        except Exception as exc:
+            self._reconnect_at = time.monotonic() + RECONNECT_INTERVAL_S
+            if isinstance(exc, Unavailable) and DAEMON_STOPPING not in str(exc):
+                self._drop_arena()
             self._lost(exc)
-            self._reconnect_at = now + RECONNECT_INTERVAL_S
-            raise Unavailable(str(exc)) from None
-        except OSError as exc:  # the arena could not be mapped (replaced meanwhile)
-            self._lost(exc)
-            self._reconnect_at = now + RECONNECT_INTERVAL_S
-            raise Unavailable(str(exc)) from None
+            raise Unavailable(f"kvstored at {self.address}: {exc}") from None
+
+    def _drop_arena(self) -> None:
+        self._renewer.forget()  # leases of a daemon that is gone
+        self._gpu_pools.close()
+        self._gpu_pools = GpuPools(None, {})
+        self._unmap_arena()
+        self._arena_identity = None
 
     def _call(self, method: str, make_request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
         """`_rpc` with the outage handled: in an outage it first connects again; a call that finds
         the daemon restarted (a stale epoch, a forgotten namespace, a closed channel) connects
         again and is made once more, with a request made anew. Raises Unavailable when the
-        daemon cannot serve it now; other errors are the request's own."""
+        daemon cannot serve it now (a slow one included: a miss, not a second wait); other
+        errors are the request's own."""
         if self._outage:
             self._reconnect()
         try:
@@ -269,6 +277,8 @@ class KVStoreClient:
             if not is_outage(exc):
                 raise
             self._lost(exc)
+            if isinstance(exc, DeadlineExceeded):
+                raise Unavailable(str(exc)) from None
         self._reconnect()
         try:
             return self._rpc(method, make_request(), meanwhile)
@@ -299,27 +309,36 @@ class KVStoreClient:
             device_pci_bus_id=device_bus_id(),
         )
         reply = self._rpc("Connect", request)
-        self.spec = spec.with_chunk_tokens(reply.chunk_tokens)
+        # Checked before anything is kept: a daemon restarted with an incompatible config leaves
+        # this client as it was (and in an outage, when it connects again).
         if reply.chunk_tokens % spec.block_size:
             raise ValueError(
                 f"chunk_tokens: the daemon's {reply.chunk_tokens} is not a multiple of "
                 f"block_size {spec.block_size}; pass KVSpec(chunk_tokens=...)"
             )
+        new_spec = spec.with_chunk_tokens(reply.chunk_tokens)
+        if new_spec.page.namespace() != reply.namespace or new_spec.page.page_bytes != reply.page_bytes:
+            raise RuntimeError(
+                "the daemon computed another namespace or page size for this spec: "
+                "client and daemon run incompatible kvstore versions"
+            )
+        self.spec = new_spec
         self.namespace: bytes = reply.namespace
         self.page_bytes: int = reply.page_bytes
         self.max_message_bytes: int = reply.max_message_bytes
         self.lease_ttl_s: float = reply.lease_ttl_ms / 1000  # a lease's life when the request names none
         self._renewer.ttl_s = self.lease_ttl_s
-        if self.spec.page.namespace() != self.namespace or self.spec.page.page_bytes != self.page_bytes:
-            raise RuntimeError(
-                "the daemon computed another namespace or page size for this spec: "
-                "client and daemon run incompatible kvstore versions"
-            )
         identity = (reply.arena.device, reply.arena.inode)
-        if reply.epoch != self.epoch or identity != self._arena_identity or self.arena is None:
+        # A daemon without epochs (epoch 0) cannot prove its arena unchanged: map it again.
+        if (
+            not reply.epoch
+            or reply.epoch != self.epoch
+            or identity != self._arena_identity
+            or self.arena is None
+        ):
             self._renewer.forget()  # leases of another daemon
             self._gpu_pools.close()
-            self._map_arena(reply.arena.shm_path, reply.arena.size, identity)
+            self._map_arena(reply.arena, identity)
             self._arena_identity = identity
             self.epoch = reply.epoch if self.arena is not None else 0
             if self.arena is not None:  # same host: the GPU tier's pools can be opened too
@@ -344,11 +363,18 @@ class KVStoreClient:
             self._local.close()
             self._local = None
 
-    def _map_arena(self, path: str, size: int, identity: tuple[int, int]) -> None:
-        """Maps the daemon's arena, once the file at `path` is proven to be the one the daemon
-        maps (`identity`: st_dev, st_ino); ConnectionError if it is another (replaced meanwhile)."""
+    def _map_arena(self, arena: Any, identity: tuple[int, int]) -> None:
+        """Maps the daemon's arena (`pb.Arena`), once the file at its path is proven to be the one
+        the daemon maps: on this host (boot id) and the same file (`identity`: st_dev, st_ino).
+        Otherwise page bytes go inline, or (shared_memory=True) ConnectionError."""
         self._unmap_arena()
         if self._want_shared_memory is False:
+            return
+        path, size = arena.shm_path, arena.size
+        if arena.boot_id and arena.boot_id != boot_id():
+            if self._want_shared_memory:
+                raise ConnectionError(f"the daemon runs on another host: its arena {path!r} cannot be mapped")
+            log.info("the daemon runs on another host: page bytes go inline")
             return
         try:
             fd = os.open(path, os.O_RDWR)
@@ -363,9 +389,11 @@ class KVStoreClient:
         try:
             st = os.fstat(fd)
             if identity != (0, 0) and (st.st_dev, st.st_ino) != identity:
-                raise ConnectionError(
-                    f"the file at {path} is not the daemon's arena (the daemon restarted meanwhile)"
-                )
+                message = f"the file at {path} is not the daemon's arena (the daemon restarted meanwhile?)"
+                if self._want_shared_memory:
+                    raise ConnectionError(message)
+                log.warning("%s: page bytes go inline until the client connects again", message)
+                return
             self._arena = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -400,7 +428,8 @@ class KVStoreClient:
         if self._registered and self.arena is not None:
             for stream in self._streams.values():
                 stream.synchronize()
-            torch.cuda.synchronize()  # transfers on the caller's streams too
+            for device in range(torch.cuda.device_count()):  # transfers on the caller's streams too
+                torch.cuda.synchronize(device)
             torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
             self._registered = False
         self.arena = None
@@ -547,8 +576,11 @@ class KVStoreClient:
                 kvstore_kernels.gather(self.spec, kv_caches, block_ids, chunks, staging, offsets, layers)
                 self._put(reply.lease_id, staging)
                 event = None
-        except Unavailable as exc:  # an inline Put the daemon did not take
-            self._lost(exc)
+        except (Unavailable, NotFound) as exc:  # an inline Put the daemon did not take
+            if isinstance(exc, Unavailable):
+                self._lost(exc)
+            else:  # the lease expired while the bytes were sent, or the daemon restarted
+                log.warning("store lease %d: %s; nothing stored", lease.lease_id, exc)
             self._renewer.drop(lease.lease_id)
             return StoreHandle(None, lambda: 0, _ignore, 0)
         except BaseException:
@@ -556,9 +588,11 @@ class KVStoreClient:
             self._abort_quietly(lease)
             raise
 
-        return StoreHandle(
+        handle = StoreHandle(
             event, lambda: self._commit(lease), lambda exc: self._abort_quietly(lease), len(chunks)
         )
+        self._renewer.owned_by(lease.lease_id, handle)  # a handle dropped unwaited: no more renewals
+        return handle
 
     def _commit(self, lease: pb.LeaseRequest) -> int:
         """Commits a store lease whose pages are written; 0 where nothing could be stored (the
@@ -615,7 +649,6 @@ class KVStoreClient:
         moved = self._layer_range(layers)
         keys = self._keys_of(token_ids, keys)
         device = cache_device(kv_caches)
-        in_place = self._gpu_pools.readable(device)  # GPU-tier pools read in place
         asked = time.monotonic()  # the daemon's lease deadline is at least this + lease_ttl_s
         ahead = [block_ids, stream]
 
@@ -645,7 +678,7 @@ class KVStoreClient:
                         namespace=self.namespace,
                         keys=pack_keys(keys),
                         lease=True,
-                        gpu_pools=in_place,
+                        gpu_pools=self._gpu_pools.readable(device),  # pools read in place
                         acquire=self.arena is not None,
                         epoch=self.epoch,
                     ),
@@ -697,10 +730,13 @@ class KVStoreClient:
                 )
                 event = None
         except KVStoreError as exc:
-            if not is_outage(exc):
+            if is_outage(exc):
+                self._lost(exc)  # the lease went with the daemon
+            elif isinstance(exc, NotFound):  # it expired (pages read back too slowly), or was reaped
+                log.warning("load lease %d: %s; loading nothing", lease.lease_id, exc)
+            else:
                 self._release_quietly(lease)
                 raise
-            self._lost(exc)  # the lease went with the daemon
             self._renewer.drop(lease.lease_id)
             return LoadHandle(None, lambda: 0, _ignore, 0, moved)
         except BaseException:
@@ -730,7 +766,9 @@ class KVStoreClient:
             return 0
 
         fail = lambda exc: self._release_quietly(lease)  # noqa: E731
-        return LoadHandle(event, release, fail, tokens, moved, layer_events)
+        handle = LoadHandle(event, release, fail, tokens, moved, layer_events)
+        self._renewer.owned_by(lease.lease_id, handle)
+        return handle
 
     def _layer_range(self, layers: range | None) -> range:
         if layers is None:

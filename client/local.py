@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -33,7 +34,7 @@ class LocalChannel:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         self._sock.connect(path)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a failed call closes the channel while holding it
         self._unread: list[str] = []  # methods sent without waiting whose replies are still unread
         self._buffer = bytearray()  # received bytes not yet taken as a reply
 
@@ -114,4 +115,9 @@ class LocalChannel:
         self._buffer += part
 
     def close(self) -> None:
-        self._sock.close()
+        """Closes the channel; a call blocked on it in another thread (the lease renewal) wakes
+        with an error first, so its descriptor is never closed under it (nor reused)."""
+        with contextlib.suppress(OSError):  # not connected any more
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:
+            self._sock.close()

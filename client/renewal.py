@@ -5,7 +5,8 @@ stores nothing. A worker that is slow but alive (a gather queued behind a long f
 that commits later) keeps its leases by renewing them: `hold(lease_id)` when a lease is taken,
 `drop(lease_id)` when it ends. Every `ttl/6` the thread renews, in one call, each lease held
 for a third of its TTL since it was taken or last renewed; most leases end long before that, and
-then the thread sends nothing.
+then the thread sends nothing. A lease whose handle was dropped without `wait()`
+(`owned_by`) is renewed no more, and the daemon caps every lease at `leases.max_ttl_s`.
 
 The thread never connects again and never raises: a lease it cannot renew expires as it would
 have. A process that is stopped (SIGSTOP, or every thread paused) renews nothing, which is the
@@ -17,16 +18,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 
 class LeaseRenewer:
     def __init__(self, renew: Callable[[Sequence[int]], Sequence[int]], ttl_s: float = 30.0) -> None:
-        self._renew = renew  # renews the given leases; returns those still held
+        # Renews the given leases and returns those still held. A bound method is held weakly:
+        # the thread must not keep its client (and the client's arena mapping) alive.
+        self._renew: Callable[[], Callable[[Sequence[int]], Sequence[int]] | None] = (
+            weakref.WeakMethod(renew) if hasattr(renew, "__self__") else lambda: renew
+        )
         self._lock = threading.Lock()
         self._held: dict[int, float] = {}  # lease id -> when it was taken or last renewed
+        self._owners: dict[int, weakref.ref[Any]] = {}  # lease id -> the handle that ends it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.ttl_s = ttl_s
@@ -38,14 +46,22 @@ class LeaseRenewer:
                 self._thread = threading.Thread(target=self._run, name="kvstore-lease-renewal", daemon=True)
                 self._thread.start()
 
+    def owned_by(self, lease_id: int, handle: object) -> None:
+        """`handle` ends the lease: once it is gone (dropped without `wait()`), no renewal."""
+        with self._lock:
+            if lease_id in self._held:
+                self._owners[lease_id] = weakref.ref(handle)
+
     def drop(self, lease_id: int) -> None:
         with self._lock:
             self._held.pop(lease_id, None)
+            self._owners.pop(lease_id, None)
 
     def forget(self) -> None:
         """Drops every lease (they belonged to a daemon that is gone)."""
         with self._lock:
             self._held.clear()
+            self._owners.clear()
 
     def held(self) -> list[int]:
         with self._lock:
@@ -61,11 +77,16 @@ class LeaseRenewer:
         """Renews the leases held a third of their TTL since taken or last renewed; returns them."""
         now = time.monotonic()
         with self._lock:
+            for lease_id, owner in list(self._owners.items()):
+                if owner() is None:  # its handle was dropped without wait(): let the lease expire
+                    del self._owners[lease_id]
+                    self._held.pop(lease_id, None)
             due = [lease_id for lease_id, since in self._held.items() if now - since >= self.ttl_s / 3]
-        if not due:
+        renew = self._renew()
+        if not due or renew is None:
             return []
         try:
-            renewed = set(self._renew(due))
+            renewed = set(renew(due))
         except Exception as exc:  # the daemon is not serving: the leases expire as they would have
             log.debug("renewing %d leases failed: %s", len(due), exc)
             return []
@@ -75,10 +96,13 @@ class LeaseRenewer:
                     continue  # ended meanwhile
                 if lease_id in renewed:
                     self._held[lease_id] = now
-                else:
-                    del self._held[lease_id]  # expired or ended on the daemon
+                else:  # expired, ended, or at its longest on the daemon
+                    del self._held[lease_id]
+                    self._owners.pop(lease_id, None)
         return [lease_id for lease_id in due if lease_id in renewed]
 
     def _run(self) -> None:
         while not self._stop.wait(self.ttl_s / 6):
+            if self._renew() is None:  # its client is gone
+                return
             self.renew_due()

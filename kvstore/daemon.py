@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -199,22 +200,31 @@ async def serve(config: Config) -> None:
         await asyncio.gather(*closing)
         server, local = None, None
     finally:
+        # Each step on its own: one that fails is logged and the rest still run, so the socket,
+        # the lock file and the arena go whatever happened before.
         if reaper is not None:
             reaper.cancel()
         if server is not None:  # start-up stopped after the server started
-            await server.stop(0)
+            await _cleanup("the gRPC server", server.stop(0))
         if local is not None:
-            await local.stop()
+            await _cleanup("the local channel", local.stop())
         if gpu is not None:
-            await asyncio.to_thread(gpu.close)
+            await _cleanup("the GPU tier", asyncio.to_thread(gpu.close))
         if disk is not None:
-            await asyncio.to_thread(disk.close)
+            await _cleanup("the disk tier", asyncio.to_thread(disk.close))
         if remote is not None:
-            await asyncio.to_thread(remote.close, config.server.grace_s)
+            await _cleanup("the remote tier", asyncio.to_thread(remote.close, config.server.grace_s))
         if arena is not None:
-            arena.close(unlink=True)
+            await _cleanup("the arena", asyncio.to_thread(arena.close, True))
         claim.release()
     log.info("stopped")
+
+
+async def _cleanup(what: str, step: Awaitable[object]) -> None:
+    try:
+        await step
+    except Exception:
+        log.exception("closing %s failed", what)
 
 
 async def _drain(store: Store, grace_s: float) -> float:

@@ -42,6 +42,9 @@ class DeadlineExceeded(KVStoreError, TimeoutError):
     """The daemon did not answer in time."""
 
 
+DAEMON_STOPPING = "kvstored is stopping"  # in the Unavailable a stopping daemon answers with
+
+
 class StaleEpoch(KVStoreError):
     """The call names offsets of an arena this daemon does not own (it restarted): nothing was
     done; the client maps the current arena and connects again."""

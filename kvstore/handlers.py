@@ -24,9 +24,9 @@ import time
 from collections.abc import Awaitable
 
 from kvstore import __version__
-from kvstore.errors import InvalidArgument, StaleEpoch, Unavailable
+from kvstore.errors import DAEMON_STOPPING, InvalidArgument, StaleEpoch, Unavailable
 from kvstore.keys import unpack_keys
-from kvstore.peers import Peer
+from kvstore.peers import Peer, boot_id
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import PageSpec
 from kvstore.stats import stats_message
@@ -79,19 +79,18 @@ class Handlers:
         self.local_socket = local_socket
         self.started = time.monotonic()
         self.epoch = store.cpu.arena.epoch
+        self.boot_id = boot_id()
         self.stopping = False
+        self._writers: dict[tuple[int, int], Peer] = {}  # gRPC writers, checked once each
 
     def _check_serving(self) -> None:
         if self.stopping:
-            raise Unavailable("kvstored is stopping; it serves again once restarted")
+            raise Unavailable(f"{DAEMON_STOPPING}; it serves again once restarted")
 
-    def _check_epoch(self, method: str, epoch: int, required: bool = False) -> None:
-        """Refuses a call from another arena's epoch (and, where offsets are handed out, one
-        that names none)."""
-        if epoch == self.epoch or (epoch == 0 and not required):
+    def _check_epoch(self, method: str, epoch: int) -> None:
+        """Refuses a call from another arena's epoch (0: the caller names none; not checked)."""
+        if epoch == self.epoch or epoch == 0:
             return
-        if epoch == 0:
-            raise InvalidArgument(f"{method} hands out arena offsets: send the arena epoch from Connect")
         raise StaleEpoch(
             f"the request is for arena epoch {epoch:#x}, but this daemon's arena is epoch "
             f"{self.epoch:#x} (the daemon restarted): map the current arena and Connect again"
@@ -107,7 +106,11 @@ class Handlers:
             chunk_tokens=ns.spec.chunk_tokens,
             page_bytes=ns.spec.page_bytes,
             arena=pb.Arena(
-                shm_path=self.shm_path, size=arena.size, device=arena.identity[0], inode=arena.identity[1]
+                shm_path=self.shm_path,
+                size=arena.size,
+                device=arena.identity[0],
+                inode=arena.identity[1],
+                boot_id=self.boot_id,
             ),
             epoch=self.epoch,
             lease_ttl_ms=int(self.store.lease_ttl_s * 1000),
@@ -126,7 +129,7 @@ class Handlers:
 
     def Lookup(self, request: pb.LookupRequest, peer: Peer | None = None) -> pb.LookupResponse:
         self._check_serving()
-        self._check_epoch("Lookup", request.epoch, required=request.acquire)
+        self._check_epoch("Lookup", request.epoch)
         result = self.store.lookup(
             request.namespace,
             unpack_keys(request.keys),
@@ -147,10 +150,19 @@ class Handlers:
         self._check_epoch("Reserve", request.epoch)
         writer = None
         if request.epoch:  # the caller writes the slots in place: they are fenced if its lease expires
-            writer = peer or Peer.declared(request.writer_pid, request.writer_start_time)
+            writer = peer or self._declared_writer(request.writer_pid, request.writer_start_time)
         keys = unpack_keys(request.keys)
         result = self.store.reserve(request.namespace, keys, _ttl(request.lease_ttl_ms), writer)
         return pb.ReserveResponse(lease_id=result.lease_id, offsets=result.offsets)
+
+    def _declared_writer(self, pid: int, start_time: int) -> Peer:
+        """The gRPC writer `pid` says it is, checked against /proc once per (pid, start time)."""
+        writer = self._writers.get((pid, start_time))
+        if writer is None:
+            if len(self._writers) >= 4096:
+                self._writers.clear()
+            writer = self._writers[(pid, start_time)] = Peer.declared(pid, start_time)
+        return writer
 
     def Commit(self, request: pb.LeaseRequest, peer: Peer | None = None) -> pb.CommitResponse:
         self._check_epoch("Commit", request.epoch)
@@ -162,7 +174,7 @@ class Handlers:
     def Acquire(
         self, request: pb.LeaseRequest, peer: Peer | None = None
     ) -> pb.AcquireResponse | Awaitable[pb.AcquireResponse]:
-        self._check_epoch("Acquire", request.epoch, required=True)
+        self._check_epoch("Acquire", request.epoch)
         result = self.store.acquire(request.namespace, request.lease_id)
         if inspect.isawaitable(result):
             return self._acquired_later(result)

@@ -45,10 +45,12 @@ class Lease:
     writer_active: bool = False  # an inline Put is writing the pages
     broken: str = ""  # why the pages cannot be committed (a Put that failed part-way)
     gpu_pools: frozenset[int] = frozenset()  # load: the GPU pools its reader opened
+    renew_until: float = 0.0  # no renewal takes the deadline past this (leases.max_ttl_s after it began)
 
 
 class LeaseTable:
-    def __init__(self) -> None:
+    def __init__(self, max_age_s: float = float("inf")) -> None:
+        self.max_age_s = max_age_s  # renewals end this long after a lease began
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
 
@@ -69,14 +71,22 @@ class LeaseTable:
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
         lease = Lease(lease_id, namespace, kind, entries, expires_at, ttl_s, keys or [], writer)
+        lease.renew_until = expires_at - ttl_s + max(ttl_s, self.max_age_s)
         self._leases[lease_id] = lease
         heapq.heappush(self._deadlines, (expires_at, lease_id))
         return lease
 
-    def renew(self, lease: Lease, now: float) -> None:
-        """Moves the lease's deadline to `now + ttl_s` (its old heap entry is skipped when due)."""
-        lease.expires_at = now + lease.ttl_s
-        heapq.heappush(self._deadlines, (lease.expires_at, lease.id))
+    def renew(self, lease: Lease, now: float) -> bool:
+        """Moves the lease's deadline to `now + ttl_s`, but not past `renew_until` (a client that
+        forgot a lease cannot keep it for ever); whether it moved. Its old heap entry is skipped
+        when due."""
+        if lease.expires_at >= lease.renew_until:
+            return False
+        deadline = min(now + lease.ttl_s, lease.renew_until)
+        if deadline > lease.expires_at:
+            lease.expires_at = deadline
+            heapq.heappush(self._deadlines, (deadline, lease.id))
+        return True
 
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)

@@ -21,6 +21,15 @@ from typing import Any
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
+def boot_id() -> str:
+    """This host's boot id: two processes that read the same one share a kernel (and /dev/shm)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def process_start_time(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot); None if there is no such process."""
     try:
@@ -54,7 +63,12 @@ class Peer:
 
     @classmethod
     def declared(cls, pid: int, start_time: int) -> Peer:
-        return cls(pid=pid, start_time=start_time)
+        """A gRPC caller's word for itself, checked against this host's /proc: a pid that is not
+        there with that start time (a caller in another pid namespace, or a wrong one) gives
+        an unknown peer, which is never taken for gone."""
+        if pid and start_time and process_start_time(pid) == start_time:
+            return cls(pid=pid, start_time=start_time)
+        return cls()
 
     def gone(self) -> bool:
         """Whether this process can no longer write (False while that cannot be known)."""

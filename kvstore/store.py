@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     from kvstore.tiers.disk import DiskTier
     from kvstore.tiers.gpu import GpuTier
     from kvstore.tiers.remote import RemoteTier
+
+log = logging.getLogger(__name__)
 
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_NAMESPACES = 4096
@@ -205,7 +208,7 @@ class Store:
         self.pins: PinTable[Entry] = PinTable(int(pin_fraction * cpu.capacity))
         self.guard_chains = policy.chain_safe
         self.namespaces: dict[bytes, Namespace] = {}
-        self.leases = LeaseTable()
+        self.leases = LeaseTable(max_age_s=max_lease_ttl_s)
         self.quarantine_s = quarantine_s
         self.quarantined: dict[int, Quarantine] = {}  # expired store leases, by id: slots kept from reuse
         self.counters: Counter[str] = Counter()
@@ -643,6 +646,15 @@ class Store:
                 writer = fenced.lease.writer
                 if writer is None or not writer.gone():
                     continue
+            writer = fenced.lease.writer
+            if now >= fenced.until and writer is not None and writer.pid and not writer.gone():
+                log.warning(
+                    "lease %d: its writer (pid %d) is alive but stalled for leases.quarantine_s; its %d "
+                    "fenced slots are reused now",
+                    lease_id,
+                    writer.pid,
+                    len(fenced.offsets),
+                )
             self._end_quarantine(fenced.lease.namespace, lease_id)
             self.counters["quarantines_ended"] += 1
 
@@ -657,8 +669,7 @@ class Store:
         renewed = []
         for lease_id in lease_ids:
             lease = self.leases.get(lease_id)
-            if lease is not None and lease.namespace == ns_id:
-                self.leases.renew(lease, now)
+            if lease is not None and lease.namespace == ns_id and self.leases.renew(lease, now):
                 renewed.append(lease_id)
         self.counters["renewed_leases"] += len(renewed)
         return renewed

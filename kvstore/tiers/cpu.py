@@ -68,10 +68,14 @@ class Arena:
         log.info("arena %s: %d MiB in %.2f s", path, size >> 20, time.perf_counter() - started)
 
     def close(self, unlink: bool = True) -> None:
-        self.view.release()
-        self._mmap.close()
-        if unlink:
-            self.path.unlink(missing_ok=True)
+        try:
+            self.view.release()
+            self._mmap.close()
+        except BufferError:  # a tier still holds a view of it: the mapping goes with the process
+            log.warning("arena %s still in use at close; it is unmapped when the daemon exits", self.path)
+        finally:
+            if unlink:
+                self.path.unlink(missing_ok=True)
 
 
 class CpuTier:
