@@ -271,22 +271,17 @@ class KVStoreClient:
         errors are the request's own."""
         if self._outage:
             self._reconnect()
-        try:
-            return self._rpc(method, make_request(), meanwhile)
-        except KVStoreError as exc:
-            if not is_outage(exc):
-                raise
-            self._lost(exc)
-            if isinstance(exc, DeadlineExceeded):
-                raise Unavailable(str(exc)) from None
-        self._reconnect()
-        try:
-            return self._rpc(method, make_request(), meanwhile)
-        except KVStoreError as exc:
-            if not is_outage(exc):
-                raise
-            self._lost(exc)
-            raise Unavailable(str(exc)) from None
+        for again in (False, True):
+            try:
+                return self._rpc(method, make_request(), meanwhile)
+            except KVStoreError as exc:
+                if not is_outage(exc):
+                    raise
+                self._lost(exc)
+                if again or isinstance(exc, DeadlineExceeded):
+                    raise Unavailable(str(exc)) from None
+            self._reconnect()
+        raise AssertionError("unreachable")
 
     def _handshake(self) -> None:
         spec = self._requested_spec
