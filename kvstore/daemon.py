@@ -168,11 +168,11 @@ async def serve(config: Config) -> None:
         server.add_insecure_port(f"unix://{socket_path}")
         if config.server.tcp:
             server.add_insecure_port(config.server.tcp)
-        await server.start()
-        os.chmod(socket_path, config.server.socket_mode)
-        if local_path is not None:
+        if local_path is not None:  # first: a worker that connects over gRPC finds it at once
             local = LocalChannelServer(handlers, local_path, config.server.local_poll_ms / 1000)
             await local.start(config.server.socket_mode)
+        await server.start()
+        os.chmod(socket_path, config.server.socket_mode)
         starting()
         gc.freeze()  # the objects built at start never die: keep them out of every collection
         for service in ("", SERVICE_NAME):

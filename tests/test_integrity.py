@@ -170,6 +170,7 @@ def test_a_worker_left_on_the_old_arena_maps_the_new_one_before_moving_a_byte(
                 assert time.monotonic() < deadline, "A did not serve again in time"
                 time.sleep(0.05)
         assert a.epoch != old_epoch and a.epoch == b.epoch
+        assert (a._local is not None, b._local is not None) == (local_channel, local_channel)
         assert load_checked(a, 1) == BLOCKS * 16  # B's page, through A's new mapping
         assert load_checked(b, 2) == BLOCKS * 16  # A's page reached the new arena
         assert load_checked(a, 0) == 0  # the old daemon's page is gone, not read from the old arena
@@ -376,10 +377,11 @@ def test_a_slow_but_live_writer_renews_its_lease_and_stores(daemon_factory: Call
 # --- shutdown and start-up --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("local_channel", [True, False], ids=["local-channel", "grpc-only"])
 def test_a_store_in_flight_at_sigterm_commits_and_new_work_is_a_miss(
-    daemon_factory: Callable[..., Daemon],
+    daemon_factory: Callable[..., Daemon], local_channel: bool
 ) -> None:
-    daemon = daemon_factory()
+    daemon = daemon_factory(server__local_channel=local_channel)
     with KVStoreClient.connect(daemon.address, SPEC) as client:
         handle = client.store_async(prompt(0), cache_for(0), torch.arange(BLOCKS))  # reserved, written
         daemon.process.send_signal(signal.SIGTERM)
