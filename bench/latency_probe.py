@@ -193,17 +193,17 @@ def compare_trees(this: Path, other: Path, rounds: int, calls: int, batch: int =
     return summary
 
 
-def tiny_spec() -> KVSpec:
+def probe_spec(model: str, layers: int, kv_heads: int, head_dim: int) -> KVSpec:
     return KVSpec(
-        model="bench/latency-probe-lookup",
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=8,
+        model=model,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         dtype=torch.bfloat16,
         block_size=16,
         layout="flash_attn",
         chunk_tokens=CHUNK_TOKENS,
-    )  # 8 KiB pages
+    )
 
 
 def main() -> None:
@@ -211,16 +211,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
-    spec = KVSpec(
-        model="bench/latency-probe",
-        num_layers=4,
-        num_kv_heads=8,
-        head_dim=128,
-        dtype=torch.bfloat16,
-        block_size=16,
-        layout="flash_attn",
-        chunk_tokens=CHUNK_TOKENS,
-    )  # 4 MiB pages
+    spec = probe_spec("bench/latency-probe", 4, 8, 128)  # 4 MiB pages
     blocks_per_chunk = CHUNK_TOKENS // 16
     num_blocks = LOAD_CHUNKS * blocks_per_chunk
     gen = torch.Generator().manual_seed(0)
@@ -236,7 +227,7 @@ def main() -> None:
         try:
             with (
                 KVStoreClient.connect(address, spec) as client,
-                KVStoreClient.connect(address, tiny_spec()) as indexer,
+                KVStoreClient.connect(address, probe_spec("bench/latency-probe-lookup", 1, 1, 8)) as indexer,
             ):
                 if client.store(load_tokens, source, block_ids) != LOAD_CHUNKS:
                     raise RuntimeError("the probe's prompt was not stored")
