@@ -10,6 +10,11 @@ this is the one module that knows how each engine arranges its cache.
 - `num_blocks_of(spec, tensor)`: how many blocks one cache tensor holds.
 - `kv_views(spec, kv_caches, layer, batch_index)`: the canonical views of one layer.
 
+The `vllm` layout is vLLM's (0.33 and later) per-layer view `[blocks, kv_heads, block_size,
+k|v content]`: K and V of a (block, head, token) side by side in the last dimension, under any
+of the stride orders vLLM allocates (LBHNC, LBNHC, or block-outermost BLHNC / BLNHC, where one
+block holds every layer: vLLM's cross-layer cache, still one view per layer).
+
 The `hf` layout has no blocks: sequence position `p` is presented as block
 `p // block_size`, token `p % block_size`, so a chunk's blocks are consecutive.
 """
@@ -35,6 +40,7 @@ def expected_shape(spec: KVSpec) -> tuple[tuple[str, int | None], ...]:
         "flashinfer": (("num_blocks", None), ("k|v", 2), bs, heads, dim),
         "cross_layer": (("num_blocks", None), ("num_layers", spec.num_layers), ("k|v", 2), bs, heads, dim),
         "mla": (("num_blocks", None), bs, ("latent_dim", spec.head_dim)),
+        "vllm": (("num_blocks", None), heads, bs, ("k|v content", 2 * spec.head_dim)),
         "hf": (("batch", None), heads, ("seq", None), dim),
     }
     return shapes[spec.layout]
@@ -78,6 +84,9 @@ def kv_views(spec: KVSpec, kv_caches: KVCaches, layer: int, batch_index: int = 0
         return kv_caches[:, layer, 0], kv_caches[:, layer, 1]
     if layout == "mla":
         return (kv_caches[layer].unsqueeze(2),)
+    if layout == "vllm":
+        cache, dim = kv_caches[layer], spec.head_dim
+        return cache[..., :dim].transpose(1, 2), cache[..., dim:].transpose(1, 2)
     key, value = kv_caches[layer]
     return _hf_blocks(spec, key, batch_index), _hf_blocks(spec, value, batch_index)
 

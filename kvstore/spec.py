@@ -29,7 +29,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "float8_e4m3fn": 1,
 }
 
-LAYOUTS = ("flash_attn", "flashinfer", "cross_layer", "mla", "hf")
+LAYOUTS = ("flash_attn", "flashinfer", "cross_layer", "mla", "hf", "vllm")
 
 
 def dtype_name(dtype: Any) -> str:

@@ -34,7 +34,7 @@ import kvstore_kernels  # noqa: E402
 from kvstore.spec import KVSpec  # noqa: E402
 from kvstore_kernels import reference  # noqa: E402
 
-LAYOUTS = ["flash_attn", "flashinfer", "cross_layer", "mla", "hf"]
+LAYOUTS = ["flash_attn", "flashinfer", "cross_layer", "mla", "hf", "vllm"]
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn"]
 IMPLS = ["torch", "triton", "copy_engine", "staged"]
 POISONS = (0xA5, 0x5A)
@@ -141,6 +141,7 @@ def _base_and_view(spec: KVSpec, num_blocks: int, strided: bool) -> tuple[tuple[
         "cross_layer": (num_blocks, layers, 2, bs, h, d),
         "mla": (num_blocks, bs, d),
         "hf": (BATCH, h, seq, d),
+        "vllm": (num_blocks, h, bs, 2 * d),  # vLLM's LBHNC
     }
     if not strided:
         return plain[spec.layout], lambda t: t
@@ -150,6 +151,7 @@ def _base_and_view(spec: KVSpec, num_blocks: int, strided: bool) -> tuple[tuple[
         "cross_layer": ((num_blocks, layers, 2, bs, h + 1, d), lambda t: t[..., :h, :]),
         "mla": ((num_blocks, bs, d + 3), lambda t: t[..., :d]),
         "hf": ((BATCH, seq, h, d), lambda t: t.transpose(1, 2)),
+        "vllm": ((num_blocks, bs, h, 2 * d), lambda t: t.transpose(1, 2)),  # vLLM's LBNHC
     }[spec.layout]
 
 
@@ -213,6 +215,9 @@ def _selector(spec: KVSpec, caches: Any, layer: int, kv: int, batch_index: int) 
         return caches.select(2, kv).select(1, layer)
     if spec.layout == "mla":
         return caches[layer]
+    if spec.layout == "vllm":  # [block, head, offset, k|v content]
+        dim = spec.head_dim
+        return caches[layer][..., kv * dim : (kv + 1) * dim].transpose(1, 2)
     return caches[layer][kv][batch_index].transpose(0, 1)
 
 
