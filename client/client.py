@@ -485,7 +485,11 @@ class KVStoreClient:
         `store`: the worker recomputes rather than fails. `keys`: `self.keys(token_ids)` where
         the caller already has them (here and in `store_async` and `load_async`).
         """
-        keys = self._keys_of(token_ids, keys)
+        return self.lookup_chunks(self._keys_of(token_ids, keys)) * self.spec.page.chunk_tokens
+
+    def lookup_chunks(self, keys: Sequence[bytes]) -> int:
+        """How many leading chunks of `keys` (any run of consecutive chunk keys, not only from the
+        first chunk of a prompt) are stored; 0 when the daemon cannot be reached (logged)."""
         if not keys:
             return 0
         try:
@@ -494,7 +498,7 @@ class KVStoreClient:
             )
         except Unavailable:
             return 0
-        hit: int = reply.hit_chunks * self.spec.page.chunk_tokens
+        hit: int = reply.hit_chunks
         return hit
 
     def store(
@@ -584,7 +588,7 @@ class KVStoreClient:
             raise
 
         handle = StoreHandle(
-            event, lambda: self._commit(lease), lambda exc: self._abort_quietly(lease), len(chunks)
+            event, lambda: self._commit(lease), lambda exc: self._abort_quietly(lease), len(chunks), chunks
         )
         self._renewer.owned_by(lease.lease_id, handle)  # a handle dropped unwaited: no more renewals
         return handle

@@ -13,7 +13,7 @@ for layer i's run alone, so a model's layer i runs while later layers still cros
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -65,9 +65,11 @@ class StoreHandle(TransferHandle):
         finish: Callable[[], int],
         fail: Callable[[BaseException], None],
         chunks: int,
+        positions: Sequence[int] = (),
     ) -> None:
         super().__init__(event, finish, fail)
         self.chunks = chunks  # chunks being written (not yet stored)
+        self.positions = positions  # their indices among the call's chunks
 
 
 class LoadHandle(TransferHandle):

@@ -1,0 +1,74 @@
+"""What the connector's scheduler side tells its workers each step, and what they tell it back.
+
+Chunk `c` of a request is its prompt tokens `[c * chunk_tokens, (c + 1) * chunk_tokens)`; its
+blocks are `block_ids[c * blocks_per_chunk : (c + 1) * blocks_per_chunk]` of the request's
+block table. Token ids travel as little-endian int32 bytes (one copy, cheap to pickle); each
+worker hashes them under its own TP rank's namespace.
+
+- `LoadSpec`: load chunks `[first, stop)` into `block_ids` (the blocks of those chunks); vLLM
+  already holds the first `skip` blocks of chunk `first` (its own prefix cache), which the load
+  must not write.
+- `SaveSpec`: store chunks `[first, stop)` from `block_ids`.
+- `StepMetadata`: one step's loads and saves, the finished requests whose blocks vLLM holds until
+  every worker has saved them (`held`), and the preempted ones, whose saves must end before their
+  blocks are reused.
+- `StoredChunks`: worker -> scheduler, the chunks a step committed or found missing, for KV events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    req_id: str
+    tokens: bytes  # int32 LE prompt tokens of chunks [0, stop)
+    chunk_tokens: int
+    first: int
+    stop: int
+    skip: int
+    block_ids: tuple[int, ...]
+
+    def target_blocks(self, blocks_per_chunk: int, first: int, stop: int) -> list[int]:
+        """The blocks chunks `[first, stop)` write: their blocks without the `skip` vLLM holds."""
+        start = max((first - self.first) * blocks_per_chunk, self.skip)
+        return list(self.block_ids[start : (stop - self.first) * blocks_per_chunk])
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    req_id: str
+    tokens: bytes  # int32 LE prompt tokens of chunks [0, stop)
+    chunk_tokens: int
+    first: int
+    stop: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class StepMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    held: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class StoredChunks(KVConnectorWorkerMetadata):
+    """The chunks a worker's commits stored (key, parent key or None, int32 LE tokens) and the keys
+    its loads found gone, under that worker's namespace: TP rank 0 reports, the others do not."""
+
+    stored: list[tuple[bytes, bytes | None, bytes]] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, StoredChunks):
+            self.stored.extend(other.stored)
+            self.removed.extend(other.removed)
+        return self

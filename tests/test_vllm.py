@@ -1,0 +1,318 @@
+"""The vLLM connector driven by vLLM's own Scheduler, with a real kvstored and CPU KV caches.
+
+Every forward of the stand-in model (`tests.vllm_engine`) checks that each token a request
+attends to holds exactly the KV of its prefix, so a test that runs to the end has proven that
+no loaded byte differed from what was stored and that no block vLLM counted as loaded was left
+unwritten. The KV caches start poisoned, and are poisoned again before the request under test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: tests/install-vllm (the README's test command runs it)")
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from kvstore.tiers.disk_files import record_path  # noqa: E402
+from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
+from kvstore_client.vllm import ConnectorConfig  # noqa: E402
+from tests.conftest import Daemon  # noqa: E402
+from tests.vllm_engine import SAMPLED, Engine, Model, vllm_config  # noqa: E402
+
+CHUNK = 32
+MODEL = Model()
+PAGE_BYTES = MODEL.num_layers * 2 * CHUNK * MODEL.num_kv_heads * MODEL.head_dim * 2  # 6 KiB
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7_919 + i * 31) % 30_000 + 10 for i in range(length)]
+
+
+@pytest.fixture
+def kvstored(daemon_factory: Callable[..., Daemon]) -> Daemon:
+    return daemon_factory(chunk_tokens=CHUNK)
+
+
+@pytest.fixture
+def make_engine(tmp_path: Path) -> Iterator[Callable[..., Engine]]:
+    engines: list[Engine] = []
+
+    def make(
+        daemon: Daemon | str, *, tp_size: int = 1, extra: dict[str, Any] | None = None, **options: Any
+    ) -> Engine:
+        address = daemon if isinstance(daemon, str) else daemon.address
+        layout = options.pop("layout", KVCacheLayout.LBNHC)
+        model_dir = MODEL.write_config(tmp_path / f"model-tp{tp_size}", tp_size)
+        settings = {"address": address, "model": "test-llama", **(extra or {})}
+        engine = Engine(vllm_config(model_dir, settings, tp_size=tp_size, **options), MODEL, layout=layout)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def serve(engine: Engine, request_id: str, tokens: list[int], max_tokens: int = 1) -> int:
+    """Runs one request alone on poisoned caches; the prompt tokens the model computed for it."""
+    engine.poison()
+    engine.computed_prompt_tokens = 0
+    engine.add(request_id, tokens, max_tokens)
+    engine.run()
+    return engine.computed_prompt_tokens
+
+
+def stored_keys(engine: Engine) -> list[Any]:
+    return [key for event in engine.events if isinstance(event, BlockStored) for key in event.block_hashes]
+
+
+# -- hits --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLHNC])
+def test_a_shared_prefix_is_loaded_into_other_blocks_with_the_same_bytes(
+    kvstored: Daemon, make_engine: Callable[..., Engine], load_mode: str, layout: KVCacheLayout
+) -> None:
+    engine = make_engine(kvstored, extra={"load_mode": load_mode}, layout=layout)
+    a = prompt(1, 200)
+    assert serve(engine, "A", a) == 200
+    b = a[:150] + prompt(2, 100)  # shares 4 whole chunks (128 tokens) with A
+    loads: list[Any] = []
+    original = engine.connector.update_state_after_alloc
+
+    def spy(request: Any, blocks: Any, num_external_tokens: int) -> None:
+        loads.append((num_external_tokens, list(blocks.get_block_ids()[0])))
+        original(request, blocks, num_external_tokens)
+
+    engine.connector.update_state_after_alloc = spy
+    assert serve(engine, "B", b) == 250 - 128
+    assert loads[0][0] == 128
+    stats = engine.scheduler.connector_prefix_cache_stats
+    assert stats is not None
+    assert engine.tokens["B"] == [SAMPLED]
+
+
+def test_a_whole_prompt_hit_leaves_one_token_to_compute(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(kvstored)
+    a = prompt(3, 192)  # 6 whole chunks
+    assert serve(engine, "A", a) == 192
+    assert serve(engine, "A-again", a, max_tokens=3) == 1
+    assert engine.tokens["A-again"] == [SAMPLED] * 3
+
+
+def test_a_partial_chunk_held_by_vllms_prefix_cache_is_never_written(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    """vLLM's own cache holds 48 tokens (1.5 chunks); kvstore holds 6 chunks: chunk 1's first
+    block is vLLM's and must not be written, its second block and chunks 2..5 are loaded."""
+    writer = make_engine(kvstored)
+    a = prompt(4, 200)
+    assert serve(writer, "A", a) == 200
+    engine = make_engine(kvstored, prefix_caching=True)
+    assert serve(engine, "X", a[:48] + prompt(5, 20)) == 68 - 32  # chunk 0 came from kvstore
+    engine.computed_prompt_tokens = 0
+    engine.add("B", a + prompt(6, 10), 1)  # no poison: vLLM's cached blocks must stay as they are
+    engine.run()
+    assert engine.computed_prompt_tokens == 210 - 192
+
+
+def test_vllms_own_prefix_cache_and_kvstore_together_compute_less(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(kvstored, prefix_caching=True)
+    a = prompt(7, 256)
+    assert serve(engine, "A", a) == 256
+    engine.scheduler.reset_prefix_cache()  # vLLM forgets, kvstore does not
+    assert serve(engine, "B", a + prompt(8, 40)) == 296 - 256
+
+
+# -- failures ----------------------------------------------------------------
+
+
+def test_a_chunk_that_cannot_be_read_back_is_recomputed_from_there(
+    tmp_path: Path, daemon_factory: Callable[..., Daemon], make_engine: Callable[..., Engine]
+) -> None:
+    disk = tmp_path / "disk"
+    daemon = daemon_factory(
+        chunk_tokens=CHUNK,
+        tiers__cpu__bytes=f"{40 * PAGE_BYTES // 1024}KiB",
+        tiers__cpu__slab_bytes=f"{40 * PAGE_BYTES // 1024}KiB",
+        tiers__disk__enabled=True,
+        tiers__disk__path=str(disk),
+        tiers__disk__bytes="64MiB",
+    )
+    engine = make_engine(daemon)
+    a = prompt(9, 256)  # 8 chunks
+    assert serve(engine, "A", a) == 256
+    for i in range(8):  # 64 more pages: A's go to disk
+        serve(engine, f"filler-{i}", prompt(100 + i, 256))
+    spec = KVSpec(
+        model="test-llama", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", layout="vllm"
+    )
+    with KVStoreClient.connect(daemon.address, spec) as client:
+        wait_on_disk(client)
+        record = record_path(disk, client.namespace, client.keys(a)[5])
+        data = bytearray(record.read_bytes())
+        data[-50] ^= 0xFF
+        record.write_bytes(bytes(data))
+    removed_before = sum(isinstance(event, BlockRemoved) for event in engine.events)
+    assert serve(engine, "B", a + prompt(10, 20)) == 276 - 5 * CHUNK  # chunks 0..4 load, then recompute
+    assert sum(isinstance(event, BlockRemoved) for event in engine.events) == removed_before + 1
+
+
+def wait_on_disk(client: KVStoreClient, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        disk = client.stats()["tiers"]["disk"]
+        if disk["queue_depth"] == 0 and disk["writing"] == 0 and disk["unsynced"] == 0:
+            return
+        assert time.monotonic() < deadline, disk
+        time.sleep(0.05)
+
+
+def test_pages_gone_between_lookup_and_load_are_recomputed(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(kvstored)
+    a = prompt(11, 160)
+    assert serve(engine, "A", a) == 160
+    original = engine.workers[0].start_load_kv
+    cleared: list[int] = []
+
+    def clear_then_load(context: Any) -> None:  # after the scheduler's lookup, before the load
+        client = engine.workers[0]._worker._conn.get()
+        if not cleared and client is not None:
+            cleared.append(client.clear())
+        original(context)
+
+    engine.workers[0].start_load_kv = clear_then_load
+    assert serve(engine, "B", a + prompt(12, 10)) == 170
+    assert cleared == [5]
+
+
+def test_a_stopped_daemon_is_a_miss_and_a_restarted_one_serves_again(
+    tmp_path: Path, daemon_factory: Callable[..., Daemon], make_engine: Callable[..., Engine], caplog: Any
+) -> None:
+    daemon = daemon_factory("first", chunk_tokens=CHUNK)
+    engine = make_engine(daemon)
+    a = prompt(13, 128)
+    assert serve(engine, "A", a) == 128
+    assert daemon.stop() == 0
+    started = time.monotonic()
+    assert serve(engine, "B", a + prompt(14, 10)) == 138  # nothing raised, everything computed
+    assert time.monotonic() - started < 5
+    assert serve(engine, "C", prompt(15, 96)) == 96  # its save is dropped
+    again = daemon_factory("first", chunk_tokens=CHUNK)  # the same socket, an empty daemon
+    assert again.address == daemon.address
+    time.sleep(0.3)
+    assert serve(engine, "D", prompt(16, 96)) == 96
+    assert serve(engine, "E", prompt(16, 96) + [5]) == 1  # D's chunks, saved after the restart
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "not serving" in r.getMessage()]
+    assert 1 <= len(warnings) <= 3  # one per client (scheduler, worker) for the outage
+
+
+def test_a_daemon_that_is_down_at_start_up_costs_nothing(
+    tmp_path: Path, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(f"unix://{tmp_path}/nothing-here.sock")
+    assert serve(engine, "A", prompt(17, 100)) == 100
+    assert serve(engine, "B", prompt(17, 100)) == 100
+
+
+def test_bad_extra_config_names_the_key() -> None:
+    with pytest.raises(ValueError, match="load_mode"):
+        ConnectorConfig.from_extra({"load_mode": "eager"})
+    with pytest.raises(ValueError, match="unknown key.*adress"):
+        ConnectorConfig.from_extra({"adress": "unix:///x"})
+    with pytest.raises(ValueError, match="lookup_timeout_s"):
+        ConnectorConfig.from_extra({"lookup_timeout_s": -1})
+
+
+# -- roles, tensor parallelism, saves in flight, events ---------------------------
+
+
+def test_two_tp_ranks_each_store_and_load_their_own_heads(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(kvstored, tp_size=2)
+    a = prompt(18, 200)
+    assert serve(engine, "A", a) == 200
+    assert serve(engine, "B", a[:100] + prompt(19, 50)) == 150 - 96
+    # Rank 1's pages alone gone: the scheduler's lookup agrees with what every rank can load.
+    spec = KVSpec(
+        model="test-llama", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16",
+        layout="vllm", tp_rank=1, tp_size=2,
+    )  # fmt: skip
+    with KVStoreClient.connect(kvstored.address, spec) as rank1:
+        assert rank1.lookup(a) == 192
+        assert rank1.clear() == 7  # A's 6 chunks and B's own fourth
+    assert serve(engine, "C", a + [1]) == 201
+
+
+def test_a_producer_saves_and_a_consumer_loads_through_one_daemon(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    prefill = make_engine(kvstored, kv_role="kv_producer")
+    decode = make_engine(kvstored, kv_role="kv_consumer")
+    a = prompt(20, 160)
+    assert serve(prefill, "A", a) == 160
+    assert serve(prefill, "A-again", a) == 160  # a producer loads nothing
+    assert serve(decode, "A", a + [3], max_tokens=4) == 1
+    assert serve(decode, "B", prompt(21, 64)) == 64
+    assert serve(prefill, "B", prompt(21, 64) + [1]) == 65  # the consumer saved nothing
+    assert stored_keys(decode) == []
+
+
+def test_a_finished_request_keeps_its_blocks_until_its_save_is_committed(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(kvstored)
+    worker = engine.workers[0]._worker
+    commits: list[str] = []
+    original = worker._commit
+
+    def commit(req_id: str) -> None:
+        if worker._saving.get(req_id):
+            # The request is finished and its blocks are still the request's: vLLM has not freed them.
+            assert req_id in engine.scheduler.requests
+            assert engine.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            commits.append(req_id)
+        original(req_id)
+
+    worker._commit = commit
+    worker.commit_done = lambda: None  # gathers still running at every step's end, as a slow GPU's
+    engine.add("A", prompt(22, 128), 1)
+    engine.run()
+    assert commits == ["A"]
+    assert "A" not in engine.scheduler.requests  # freed once the save was reported
+    assert serve(engine, "B", prompt(22, 128) + [1]) == 1
+
+
+def test_kv_events_name_each_stored_chunk_and_each_found_gone(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(kvstored)
+    a = prompt(23, 100)
+    serve(engine, "A", a)
+    stored = [event for event in engine.events if isinstance(event, BlockStored)]
+    spec = KVSpec(
+        model="test-llama", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", layout="vllm"
+    )
+    with KVStoreClient.connect(kvstored.address, spec) as client:
+        keys = client.keys(a)
+    assert [event.block_hashes for event in stored] == [[key] for key in keys]
+    assert [event.parent_block_hash for event in stored] == [None, *keys[:-1]]
+    assert [event.token_ids for event in stored] == [a[i * CHUNK : (i + 1) * CHUNK] for i in range(3)]
+    assert {event.medium for event in stored} == {"CPU"} and {event.block_size for event in stored} == {CHUNK}
+    serve(engine, "A-again", a)
+    assert len([event for event in engine.events if isinstance(event, BlockStored)]) == 3  # nothing new

@@ -1,0 +1,361 @@
+"""A vLLM engine on the CPU for the connector's tests and benchmark: vLLM's real Scheduler, the
+connector loaded by vLLM's KVConnectorFactory, one worker connector per TP rank over real CPU
+KV-cache tensors laid out by vLLM's own `allocate_kv_cache`, and a stand-in for the model.
+
+The stand-in model writes, for each scheduled token, K and V that are a function of the token's
+whole prefix (a rolling hash of the token ids) and of the layer and TP rank: two requests that
+share a prefix compute the same bytes for it, as a real model does. Before it writes, each
+forward checks that every token the request attends to (its computed prefix, loaded or not) holds
+exactly the KV of that prefix: a load that left a wrong byte, or a block vLLM was told is loaded
+and is not, fails the step (`WrongKV`). The steps follow vLLM's worker: handle_preemptions, bind,
+start_load_kv (before the forward when a load is synchronous, after it otherwise),
+wait_for_layer_load per layer, wait_for_save, get_finished, load errors, worker metadata, and
+the outputs of all ranks aggregated by vLLM's KVOutputAggregator.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+CONNECTOR = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore_client.vllm"}
+EOS = 2
+SAMPLED = 7  # the token every decode step samples
+POISON = 0x7E  # the byte every KV tensor starts as
+
+
+class WrongKV(AssertionError):
+    """A forward found a computed token whose KV is not the KV of its prefix."""
+
+
+@dataclass(frozen=True)
+class Model:
+    num_layers: int = 3
+    num_kv_heads: int = 2  # per TP rank
+    head_dim: int = 8
+    dtype: torch.dtype = torch.float16
+
+    def write_config(self, directory: Path, tp_size: int) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        heads = 4 * self.num_kv_heads * tp_size
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": heads * self.head_dim,
+            "head_dim": self.head_dim,
+            "intermediate_size": 64,
+            "num_attention_heads": heads,
+            "num_key_value_heads": self.num_kv_heads * tp_size,
+            "num_hidden_layers": self.num_layers,
+            "max_position_embeddings": 65536,
+            "vocab_size": 32000,
+            "torch_dtype": str(self.dtype).removeprefix("torch."),
+        }
+        (directory / "config.json").write_text(json.dumps(config))
+        return directory
+
+
+def vllm_config(
+    model_dir: Path,
+    extra: dict[str, Any],
+    *,
+    kv_role: str = "kv_both",
+    prefix_caching: bool = False,
+    tp_size: int = 1,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 256,
+    max_model_len: int = 65536,
+    failure_policy: str = "recompute",
+) -> VllmConfig:
+    model = ModelConfig(
+        model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True, dtype="float16"
+    )
+    config = VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=64,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=CONNECTOR["kv_connector"],
+            kv_connector_module_path=CONNECTOR["kv_connector_module_path"],
+            kv_role=cast(Any, kv_role),
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy=cast(Any, failure_policy),
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    config.parallel_config.tensor_parallel_size = tp_size
+    return config
+
+
+@dataclass
+class Engine:
+    """A scheduler and its workers; `step()` runs one engine step."""
+
+    config: VllmConfig
+    model: Model
+    num_blocks: int = 256
+    layout: KVCacheLayout = KVCacheLayout.LBNHC
+    workers: list[Any] = field(default_factory=list)
+    caches: list[list[torch.Tensor]] = field(default_factory=list)
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # each request's sampled tokens
+    finished: dict[str, Any] = field(default_factory=dict)  # request id -> finish reason
+    computed_prompt_tokens: int = 0  # prompt tokens the stand-in model computed
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        global _hash_ready
+        if not _hash_ready:
+            init_none_hash(sha256)
+            _hash_ready = True
+        block_size = self.config.cache_config.block_size
+        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.model.num_layers)]
+        spec = FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=self.model.num_kv_heads,
+            head_size=self.model.head_dim,
+            dtype=self.model.dtype,
+        )
+        page, layers = spec.page_size_bytes, self.model.num_layers
+        outer_layers = self.layout.is_layer_compact
+        tensor = KVCacheTensor(
+            size=page * self.num_blocks * layers,
+            layers=self.layer_names,
+            layer_stride=page * self.num_blocks if outer_layers else page,
+            block_stride=page if outer_layers else page * layers,
+        )
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=self.num_blocks,
+            kv_cache_tensors=[tensor],
+            kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)],
+        )
+        self.config.cache_config.num_gpu_blocks = self.num_blocks
+        self.config.cache_config.kv_cache_layout = self.layout.name
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=self.kv_cache_config,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=block_size,
+        )
+        self.events: list[Any] = []  # what the scheduler publishes to vLLM's KV-event publisher
+        self.scheduler.kv_event_publisher = cast(Any, _Recorder(self.events))
+        tp_size = self.config.parallel_config.tensor_parallel_size
+        self.aggregator = KVOutputAggregator(tp_size)
+        for rank in range(tp_size):
+            worker_config = _copy_config(self.config)
+            worker_config.parallel_config.rank = rank
+            connector = KVConnectorFactory.create_connector(
+                config=worker_config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config
+            )
+            views = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), self.layout)
+            for view in views.values():
+                view.view(torch.uint8).fill_(POISON)
+            connector.register_kv_caches(views)
+            self.workers.append(connector)
+            self.caches.append([views[name] for name in self.layer_names])
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params.update_from_generation_config({}, EOS)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(self.config.cache_config.block_size, sha256),
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def poison(self) -> None:
+        """Every KV byte of every rank back to the poison (what a fresh engine would hold)."""
+        for caches in self.caches:
+            for cache in caches:
+                cache.view(torch.uint8).fill_(POISON)
+
+    def step(self) -> Any:
+        output = self.scheduler.schedule()
+        meta = output.kv_connector_metadata
+        outputs: list[ModelRunnerOutput | None] = []
+        for rank, worker in enumerate(self.workers):
+            worker.handle_preemptions(meta)
+            worker.bind_connector_metadata(meta)
+            if output.has_sync_kv_loads:
+                worker.start_load_kv(None)
+            self._forward(rank, worker, output)
+            if not output.has_sync_kv_loads:
+                worker.start_load_kv(None)
+            worker.wait_for_save()
+            sending, recving = worker.get_finished(output.finished_req_ids)
+            kv_output = KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=recving,
+                invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=worker.build_connector_worker_meta(),
+            )
+            worker.clear_connector_metadata()
+            outputs.append(self._runner_output(output, kv_output))
+        self.steps += 1
+        aggregated = self.aggregator.aggregate(outputs)
+        if aggregated is None:
+            raise AssertionError("KVOutputAggregator returned no output for rank 0")
+        result = self.scheduler.update_from_output(output, aggregated)
+        for client_outputs in result.values():
+            for row in client_outputs.outputs:
+                self.tokens.setdefault(row.request_id, []).extend(row.new_token_ids)
+                if row.finish_reason is not None:
+                    self.finished[row.request_id] = row.finish_reason
+        return result
+
+    def run(self, limit: int = 10_000) -> None:
+        """Steps until every request is done and every held block is back."""
+        for _ in range(limit):
+            if not self.scheduler.requests and not self.scheduler.waiting:
+                return
+            self.step()
+        raise AssertionError(f"the engine did not drain in {limit} steps")
+
+    def _scheduled(self, output: Any) -> list[tuple[str, int, int]]:
+        """(request id, tokens computed before this step, tokens scheduled now) of each request."""
+        rows = [(new.req_id, new.num_computed_tokens) for new in output.scheduled_new_reqs]
+        cached = output.scheduled_cached_reqs
+        rows += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        return [(req_id, done, output.num_scheduled_tokens[req_id]) for req_id, done in rows]
+
+    def _forward(self, rank: int, worker: Any, output: Any) -> None:
+        scheduled = self._scheduled(output)
+        for layer, name in enumerate(self.layer_names):
+            worker.wait_for_layer_load(name)
+            cache = self.caches[rank][layer]
+            for req_id, done, count in scheduled:
+                request = self.scheduler.requests[req_id]
+                tokens = request.all_token_ids
+                blocks = self._block_ids(req_id)
+                if done:
+                    held = _gather(cache, blocks, 0, done, self.config.cache_config.block_size)
+                    want = expected_kv(tokens[:done], layer, rank, self.model)
+                    if not torch.equal(held.view(torch.uint8), want.view(torch.uint8)):
+                        wrong = (held.view(torch.uint8) != want.view(torch.uint8)).reshape(done, -1).any(1)
+                        raise WrongKV(
+                            f"{req_id}: rank {rank} layer {layer}: token {int(wrong.nonzero()[0])} of the "
+                            f"{done} computed holds the wrong KV"
+                        )
+                values = expected_kv(tokens[: done + count], layer, rank, self.model)[done:]
+                _scatter(cache, blocks, done, values, self.config.cache_config.block_size)
+        if rank == 0:
+            self.computed_prompt_tokens += sum(
+                max(0, min(done + count, self.scheduler.requests[req_id].num_prompt_tokens) - done)
+                for req_id, done, count in scheduled
+            )
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def _runner_output(self, output: Any, kv_output: KVConnectorOutput) -> ModelRunnerOutput:
+        scheduled = self._scheduled(output)
+        req_ids = [req_id for req_id, _, _ in scheduled]
+        sampled = [
+            [SAMPLED] if done + count >= self.scheduler.requests[req_id].num_tokens else []
+            for req_id, done, count in scheduled
+        ]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=None if kv_output.is_empty() else kv_output,
+        )
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+        self.connector.shutdown()
+
+
+_hash_ready = False
+
+
+class _Recorder:
+    """vLLM's EventPublisher interface, keeping every published event."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    def publish(self, batch: Any) -> None:
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _copy_config(config: VllmConfig) -> VllmConfig:
+    import copy
+
+    return copy.deepcopy(config)
+
+
+def expected_kv(tokens: Sequence[int], layer: int, rank: int, model: Model) -> torch.Tensor:
+    """[len(tokens), heads, 2 * head_dim]: the stand-in model's K|V of each position."""
+    prefix = torch.empty(len(tokens), dtype=torch.int64)
+    value = 17
+    for position, token in enumerate(tokens):
+        value = (value * 1_000_003 + int(token) + 1) % 2_147_483_629
+        prefix[position] = value
+    width = model.num_kv_heads * 2 * model.head_dim
+    salt = (layer + 1) * 7919 + rank * 104_729
+    lanes = torch.arange(width, dtype=torch.int64)
+    mixed = ((prefix[:, None] + salt) * 2_654_435_761 + lanes * 40_503) % 65_521
+    return (mixed.to(torch.float32) / 65_521 - 0.5).to(model.dtype).view(len(tokens), model.num_kv_heads, -1)
+
+
+def _positions(
+    blocks: Sequence[int], start: int, stop: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(start, stop)
+    table = torch.as_tensor(blocks, dtype=torch.int64)
+    return table[positions // block_size], positions % block_size
+
+
+def _gather(
+    cache: torch.Tensor, blocks: Sequence[int], start: int, stop: int, block_size: int
+) -> torch.Tensor:
+    index, offset = _positions(blocks, start, stop, block_size)
+    return cache[index, :, offset]
+
+
+def _scatter(
+    cache: torch.Tensor, blocks: Sequence[int], start: int, values: torch.Tensor, block_size: int
+) -> None:
+    index, offset = _positions(blocks, start, start + len(values), block_size)
+    cache[index, :, offset] = values
