@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from kvstore.tiers.disk_files import record_path  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 from kvstore_client.vllm import ConnectorConfig  # noqa: E402
+from kvstore_client.vllm import scheduler as vllm_scheduler  # noqa: E402
 from tests.conftest import Daemon  # noqa: E402
 from tests.vllm_engine import SAMPLED, Engine, Model, vllm_config  # noqa: E402
 
@@ -98,6 +99,18 @@ def test_a_shared_prefix_is_loaded_into_other_blocks_with_the_same_bytes(
     stats = engine.scheduler.connector_prefix_cache_stats
     assert stats is not None
     assert engine.tokens["B"] == [SAMPLED]
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_lookup_past_its_first_window_finds_the_whole_prefix(
+    kvstored: Daemon, make_engine: Callable[..., Engine], monkeypatch: Any, tp_size: int
+) -> None:
+    monkeypatch.setattr(vllm_scheduler, "PROBE_TOKENS", 2 * CHUNK)  # a first window of 2 chunks
+    engine = make_engine(kvstored, tp_size=tp_size)
+    a = prompt(24, 250)
+    assert serve(engine, "A", a) == 250
+    assert serve(engine, "B", a[:200] + prompt(25, 10)) == 210 - 192  # 6 chunks: 2, then 4 more
+    assert serve(engine, "C", a[:40] + prompt(26, 30)) == 70 - 32  # the first window ends it
 
 
 def test_a_whole_prompt_hit_leaves_one_token_to_compute(

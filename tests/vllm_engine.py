@@ -66,7 +66,7 @@ class Model:
             "num_attention_heads": heads,
             "num_key_value_heads": self.num_kv_heads * tp_size,
             "num_hidden_layers": self.num_layers,
-            "max_position_embeddings": 65536,
+            "max_position_embeddings": 262_144,
             "vocab_size": 32000,
             "torch_dtype": str(self.dtype).removeprefix("torch."),
         }
@@ -76,7 +76,7 @@ class Model:
 
 def vllm_config(
     model_dir: Path,
-    extra: dict[str, Any],
+    extra: dict[str, Any] | None,
     *,
     kv_role: str = "kv_both",
     prefix_caching: bool = False,
@@ -86,9 +86,19 @@ def vllm_config(
     max_model_len: int = 65536,
     failure_policy: str = "recompute",
 ) -> VllmConfig:
+    """A CPU VllmConfig for `model_dir`; `extra`: the connector's extra config (None: no connector)."""
     model = ModelConfig(
         model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True, dtype="float16"
     )
+    transfer = None
+    if extra is not None:
+        transfer = KVTransferConfig(
+            kv_connector=CONNECTOR["kv_connector"],
+            kv_connector_module_path=CONNECTOR["kv_connector_module_path"],
+            kv_role=cast(Any, kv_role),
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy=cast(Any, failure_policy),
+        )
     config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(
@@ -99,13 +109,7 @@ def vllm_config(
             is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector=CONNECTOR["kv_connector"],
-            kv_connector_module_path=CONNECTOR["kv_connector_module_path"],
-            kv_role=cast(Any, kv_role),
-            kv_connector_extra_config=extra,
-            kv_load_failure_policy=cast(Any, failure_policy),
-        ),
+        kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
     )
     config.parallel_config.tensor_parallel_size = tp_size
@@ -120,6 +124,7 @@ class Engine:
     model: Model
     num_blocks: int = 256
     layout: KVCacheLayout = KVCacheLayout.LBNHC
+    check: bool = True  # the stand-in model writes and checks KV (off: the benchmark times scheduling)
     workers: list[Any] = field(default_factory=list)
     caches: list[list[torch.Tensor]] = field(default_factory=list)
     tokens: dict[str, list[int]] = field(default_factory=dict)  # each request's sampled tokens
@@ -166,7 +171,7 @@ class Engine:
         self.scheduler.kv_event_publisher = cast(Any, _Recorder(self.events))
         tp_size = self.config.parallel_config.tensor_parallel_size
         self.aggregator = KVOutputAggregator(tp_size)
-        for rank in range(tp_size):
+        for rank in range(tp_size if self.config.kv_transfer_config is not None else 0):
             worker_config = _copy_config(self.config)
             worker_config.parallel_config.rank = rank
             connector = KVConnectorFactory.create_connector(
@@ -225,9 +230,16 @@ class Engine:
             worker.clear_connector_metadata()
             outputs.append(self._runner_output(output, kv_output))
         self.steps += 1
-        aggregated = self.aggregator.aggregate(outputs)
-        if aggregated is None:
-            raise AssertionError("KVOutputAggregator returned no output for rank 0")
+        self.computed_prompt_tokens += sum(
+            max(0, min(done + count, self.scheduler.requests[req_id].num_prompt_tokens) - done)
+            for req_id, done, count in self._scheduled(output)
+        )
+        if self.workers:
+            aggregated = self.aggregator.aggregate(outputs)
+            if aggregated is None:
+                raise AssertionError("KVOutputAggregator returned no output for rank 0")
+        else:
+            aggregated = self._runner_output(output, KVConnectorOutput())
         result = self.scheduler.update_from_output(output, aggregated)
         for client_outputs in result.values():
             for row in client_outputs.outputs:
@@ -239,7 +251,7 @@ class Engine:
     def run(self, limit: int = 10_000) -> None:
         """Steps until every request is done and every held block is back."""
         for _ in range(limit):
-            if not self.scheduler.requests and not self.scheduler.waiting:
+            if not self.scheduler.has_requests():
                 return
             self.step()
         raise AssertionError(f"the engine did not drain in {limit} steps")
@@ -255,6 +267,8 @@ class Engine:
         scheduled = self._scheduled(output)
         for layer, name in enumerate(self.layer_names):
             worker.wait_for_layer_load(name)
+            if not self.check:
+                continue
             cache = self.caches[rank][layer]
             for req_id, done, count in scheduled:
                 request = self.scheduler.requests[req_id]
@@ -271,11 +285,6 @@ class Engine:
                         )
                 values = expected_kv(tokens[: done + count], layer, rank, self.model)[done:]
                 _scatter(cache, blocks, done, values, self.config.cache_config.block_size)
-        if rank == 0:
-            self.computed_prompt_tokens += sum(
-                max(0, min(done + count, self.scheduler.requests[req_id].num_prompt_tokens) - done)
-                for req_id, done, count in scheduled
-            )
 
     def _block_ids(self, req_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
@@ -300,7 +309,8 @@ class Engine:
     def close(self) -> None:
         for worker in self.workers:
             worker.shutdown()
-        self.connector.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
 
 
 _hash_ready = False

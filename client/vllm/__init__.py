@@ -146,7 +146,11 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         scheduler = self._scheduler_side()
-        tokens = scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            tokens = scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:  # a prompt kvstore cannot key: vLLM computes it, as without kvstore
+            log.exception("looking up %s failed; it is computed", request.request_id)
+            return 0, False
         return tokens, tokens > 0 and self.config.load_mode == "async"
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
