@@ -122,6 +122,17 @@ def with_interference(
 
 
 def throughput_variants(setup: Setup, to_page: bool, num_sms: int) -> dict[str, Enqueue]:
+    if setup.layout.startswith("vllm"):  # blocks are not packed runs: no per-block copy baselines
+        return {
+            "memcpy": memcpy(setup, to_page),
+            "kernel": kernel(setup, to_page, None),
+            "staged": staged_path(setup, to_page),
+            "auto": setup.call(to_page, None),
+            "auto/cold": setup.call(to_page, None, cold=True),
+            "auto/per-layer": setup.per_layer(to_page),
+            "memcpy x4": repeated(memcpy(setup, to_page), 4),
+            "auto x4": repeated(setup.call(to_page, None), 4),
+        }
     variants = {
         "memcpy": memcpy(setup, to_page),
         # The staged path's copies alone: one per 32 MiB page, on one side stream or two in turn.

@@ -65,7 +65,7 @@ class Setup:
     """One layout's cache, block tables, pinned buffers and baselines' tensors."""
 
     def __init__(self, layout: str, tokens: int, seed: int = 0) -> None:
-        self.spec = spec = make_spec(layout)
+        self.spec = spec = make_spec(layout.split("/")[0])
         self.layout = layout
         self.num_pages = tokens // CHUNK_TOKENS
         blocks_needed = self.num_pages * spec.blocks_per_chunk
@@ -74,6 +74,10 @@ class Setup:
             "flash_attn": [(2, num_blocks, 16, 8, 128)] * 32,
             "flashinfer": [(num_blocks, 2, 16, 8, 128)] * 32,
             "cross_layer": (num_blocks, 32, 2, 16, 8, 128),
+            # vLLM 0.33's views [blocks, heads, tokens, K|V]: LBNHC (tokens before heads in memory)
+            # and BLHNC (block-outermost: one block holds every layer, vLLM's cross-layer cache).
+            "vllm": [(num_blocks, 16, 8, 256)] * 32,
+            "vllm/cross": (num_blocks, 32, 8, 16, 256),
         }[layout]
         gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -83,6 +87,11 @@ class Setup:
             )
 
         self.caches: Any = rand(shape) if isinstance(shape, tuple) else [rand(s) for s in shape]
+        if layout == "vllm":
+            self.caches = [cache.transpose(1, 2) for cache in self.caches]
+        elif layout == "vllm/cross":
+            blocks_outermost: Any = self.caches
+            self.caches = [blocks_outermost[:, layer] for layer in range(32)]
         order = np.random.default_rng(seed).permutation(num_blocks)
         self.table, self.table2 = order[:blocks_needed].tolist(), order[blocks_needed:].tolist()
         self.page_bytes = spec.page.page_bytes
@@ -131,6 +140,19 @@ class Setup:
             if cold:
                 cache_facts.forget()
             function(self.spec, self.caches, table, self.chunks, buffer, self.offsets, options=options)
+            return self.bytes
+
+        return enqueue
+
+    def per_layer(self, to_page: bool) -> Enqueue:
+        """One public call per layer, back to back: what a save (or load) issued layer by layer
+        from inside the forward costs, against one call for every layer ("auto")."""
+        function = kvstore_kernels.gather if to_page else kvstore_kernels.scatter
+        layers = [range(layer, layer + 1) for layer in range(self.spec.num_layers)]
+
+        def enqueue() -> int:
+            for layer in layers:
+                function(self.spec, self.caches, self.table, self.chunks, self.buffer, self.offsets, layer)
             return self.bytes
 
         return enqueue

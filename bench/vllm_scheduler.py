@@ -170,11 +170,13 @@ def daemon_config(cpu_pages: int, page_bytes: int, policy: str) -> dict[str, Any
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--requests", type=int, default=2000, help="the first N requests of the trace")
-    parser.add_argument("--cpu-pages", type=int, default=8192, help="kvstore's CPU tier, in 512-token pages")
-    parser.add_argument("--gpu-blocks", type=int, default=16384, help="vLLM's own KV cache, in 16-token blocks")
+    parser.add_argument("--cpu-pages", type=int, default=8192, help="kvstore's CPU tier (512-token pages)")
+    parser.add_argument("--gpu-blocks", type=int, default=16384, help="vLLM's own cache (16-token blocks)")
     parser.add_argument("--policy", default=EvictionConfig().policy)
     args = parser.parse_args()
 
@@ -201,7 +203,8 @@ def main() -> None:
             print(f"{name}: {runs[name]['elapsed_s']} s", flush=True)
 
     share, expected = runs["kvstore"]["served_share"], predicted.hit_ratio
-    own, both = runs["vllm_prefix_cache"]["computed_tokens"], runs["vllm_prefix_cache+kvstore"]["computed_tokens"]
+    own = runs["vllm_prefix_cache"]["computed_tokens"]
+    both = runs["vllm_prefix_cache+kvstore"]["computed_tokens"]
     lookup = runs["kvstore"]["lookup"]
     print_table(
         ["run", "prompt tokens computed", "served by kvstore", "lookup p50 µs", "lookup p99 µs"],
