@@ -487,15 +487,14 @@ class KVStoreClient:
         """
         return self.lookup_chunks(self._keys_of(token_ids, keys)) * self.spec.page.chunk_tokens
 
-    def lookup_chunks(self, keys: Sequence[bytes], meanwhile: Callable[[], Any] | None = None) -> int:
+    def lookup_chunks(self, keys: Sequence[bytes]) -> int:
         """How many leading chunks of `keys` (any run of consecutive chunk keys, not only from the
-        first chunk of a prompt) are stored; 0 when the daemon cannot be reached (logged).
-        `meanwhile()` runs while the daemon answers (on the local channel), and must not raise."""
+        first chunk of a prompt) are stored; 0 when the daemon cannot be reached (logged)."""
         if not keys:
             return 0
         try:
             reply = self._call(
-                "Lookup", lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys)), meanwhile
+                "Lookup", lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys))
             )
         except Unavailable:
             return 0

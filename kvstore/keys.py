@@ -43,12 +43,20 @@ def chunk_keys(
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens: expected a positive integer, got {chunk_tokens}")
     data = _token_bytes(token_ids)
+    if include_partial and len(data) % (chunk_tokens * 4):
+        whole = len(data) - len(data) % (chunk_tokens * 4)
+        keys = chain_keys(namespace, data[:whole], chunk_tokens)
+        return [*keys, xxhash.xxh3_128_digest((keys[-1] if keys else namespace) + data[whole:])]
+    return chain_keys(namespace, data, chunk_tokens)
+
+
+def chain_keys(prev: bytes, packed: bytes | bytearray | memoryview, chunk_tokens: int) -> list[bytes]:
+    """Keys of the whole chunks of `packed` (token ids already as int32 LE bytes), the chain
+    continued from `prev`: the namespace, or the key of the chunk before `packed`'s first."""
     step = chunk_tokens * 4
-    stop = len(data) if include_partial else len(data) - len(data) % step
     keys: list[bytes] = []
-    prev = namespace
-    for start in range(0, stop, step):
-        prev = xxhash.xxh3_128_digest(prev + data[start : start + step])
+    for start in range(0, len(packed) - len(packed) % step, step):
+        prev = xxhash.xxh3_128_digest(prev + packed[start : start + step])
         keys.append(prev)
     return keys
 

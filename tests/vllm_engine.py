@@ -189,6 +189,12 @@ class Engine:
         return self.scheduler.connector
 
     def add(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> Request:
+        request = self.request(request_id, prompt, max_tokens)
+        self.scheduler.add_request(request)
+        return request
+
+    def request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> Request:
+        """A vLLM Request for `prompt`, not yet given to the scheduler."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         params.update_from_generation_config({}, EOS)
         request = Request(
@@ -198,7 +204,6 @@ class Engine:
             pooling_params=None,
             block_hasher=get_request_block_hasher(self.config.cache_config.block_size, sha256),
         )
-        self.scheduler.add_request(request)
         return request
 
     def poison(self) -> None:

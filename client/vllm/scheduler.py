@@ -17,20 +17,19 @@ bounded by that deadline and never raises (`KVStoreClient`).
 
 from __future__ import annotations
 
-import functools
 import struct
 from typing import Any
 
 import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
-from kvstore.keys import chunk_keys
+from kvstore.keys import chain_keys
 from kvstore_client.vllm.config import ConnectorConfig, engine_spec
 from kvstore_client.vllm.connection import LazyClient
 from kvstore_client.vllm.metadata import LoadSpec, SaveSpec, StepMetadata, StoredChunks
 
 MEDIUM = "CPU"  # where a committed page lands first: the daemon's shared-memory arena
-PROBE_TOKENS = 4096  # a lookup's first window (see `num_new_matched_tokens`)
+PROBE_TOKENS = 2048  # a lookup's first window (see `num_new_matched_tokens`)
 
 
 class _Request:
@@ -50,11 +49,15 @@ class _Request:
         self.saved = 0  # leading chunks saved, or known stored
         self.saving = False  # some save was handed to the workers
 
-    def tokens(self, stop: int) -> bytes:
-        """The first `stop` tokens, packed."""
+    def pack(self, stop: int) -> None:
+        """Packs the prompt's tokens up to `stop`."""
         have = len(self.packed) // 4
         if have < stop:
             self.packed += struct.pack(f"<{stop - have}i", *self.prompt[have:stop])
+
+    def tokens(self, stop: int) -> bytes:
+        """The first `stop` tokens, packed."""
+        self.pack(stop)
         return bytes(self.packed[: stop * 4])
 
     def chunk_keys(self, client: Any, stop: int) -> list[bytes]:
@@ -62,9 +65,9 @@ class _Request:
         keys = self.keys.setdefault(client.namespace, [])
         if len(keys) < stop:
             chunk = client.spec.page.chunk_tokens
-            start = len(keys)
-            tokens = np.frombuffer(self.tokens(stop * chunk), "<i4")[start * chunk :]
-            keys += chunk_keys(keys[-1] if keys else client.namespace, tokens, chunk)
+            self.pack(stop * chunk)
+            with memoryview(self.packed) as packed, packed[len(keys) * chunk * 4 : stop * chunk * 4] as new:
+                keys += chain_keys(keys[-1] if keys else client.namespace, new, chunk)
         return keys[:stop]
 
 
@@ -120,12 +123,10 @@ class SchedulerSide:
         first, whole = num_computed_tokens // chunk, state.num_prompt // chunk
         if whole <= first:
             return 0
-        # Rank 0 first looks up the chunks of PROBE_TOKENS, then, where all of them hit, the rest,
-        # whose keys are made while the daemon answers the first (a save needs the tokens packed
-        # anyway): a lookup costs the first window's packing and one round trip, or two.
+        # Rank 0 first looks up the chunks of PROBE_TOKENS, then, where all of them hit, the rest:
+        # the tokens past the first miss are never packed for a lookup (most prompts miss early).
         stop = min(whole, first + max(1, PROBE_TOKENS // chunk))
-        rest = functools.partial(state.chunk_keys, clients[0], whole)
-        hit = first + clients[0].lookup_chunks(state.chunk_keys(clients[0], stop)[first:], rest)
+        hit = first + clients[0].lookup_chunks(state.chunk_keys(clients[0], stop)[first:])
         if hit == stop < whole:
             hit += clients[0].lookup_chunks(state.chunk_keys(clients[0], whole)[stop:])
         for client in clients[1:]:  # every rank must hold what is promised
