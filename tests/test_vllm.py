@@ -311,6 +311,26 @@ def test_a_finished_request_keeps_its_blocks_until_its_save_is_committed(
     assert serve(engine, "B", prompt(22, 128) + [1]) == 1
 
 
+@pytest.mark.parametrize("when", ["loading", "prefilling"])
+def test_a_request_aborted_mid_load_or_mid_prefill_gives_every_block_back(
+    kvstored: Daemon, make_engine: Callable[..., Engine], when: str
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    engine = make_engine(kvstored, max_num_batched_tokens=64)
+    a = prompt(26, 192)
+    assert serve(engine, "A", a) == 192
+    engine.add("B", a + prompt(27, 200) if when == "loading" else prompt(27, 300), 1)
+    engine.step()  # B's load (or its first 64 prompt tokens and their save) is under way
+    engine.scheduler.finish_requests("B", RequestStatus.FINISHED_ABORTED)
+    engine.run()
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == engine.num_blocks - 1  # block 0 is vLLM's null block
+    worker = engine.workers[0]._worker
+    assert not worker._keys and not worker._loading and not worker._saving
+    assert serve(engine, "C", a + [9]) == 1  # the daemon still serves A's chunks whole
+
+
 def test_kv_events_name_each_stored_chunk_and_each_found_gone(
     kvstored: Daemon, make_engine: Callable[..., Engine]
 ) -> None:

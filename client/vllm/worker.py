@@ -87,6 +87,7 @@ class WorkerSide:
         self._step_loads: list[_Load] = []  # layer-wise loads of the current step
         self._saving: dict[str, list[tuple[StoreHandle, SaveSpec]]] = {}
         self._errors: set[int] = set()
+        self._finished: set[str] = set()  # finished while loading: forgotten once loaded
         self._report = StoredChunks()
 
     # -- set-up -------------------------------------------------------------
@@ -208,6 +209,8 @@ class WorkerSide:
         done = {req_id for req_id, load in self._loading.items() if load.done()}
         for req_id in done:
             self._finish(self._loading.pop(req_id))
+            if req_id in self._finished:  # aborted while its pages were loading
+                self._forget(req_id)
         return done
 
     def _finish(self, load: _Load) -> None:
@@ -287,13 +290,20 @@ class WorkerSide:
         """`held`, each once its saves are committed (now: the blocks go back to vLLM this step)."""
         self.settle(held)
         for req_id in held:
-            self._keys.pop(req_id, None)
+            self._forget(req_id)
         return set(held)
 
     def forget(self, req_ids: set[str]) -> None:
+        """Drops what is kept for finished requests; one still loading is dropped once loaded."""
         for req_id in req_ids:
-            if req_id not in self._saving and req_id not in self._loading:
-                self._keys.pop(req_id, None)
+            if req_id in self._loading:
+                self._finished.add(req_id)
+            elif req_id not in self._saving:
+                self._forget(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        self._keys.pop(req_id, None)
+        self._finished.discard(req_id)
 
     def take_report(self) -> StoredChunks | None:
         if not self._report.stored and not self._report.removed:
