@@ -26,29 +26,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 
 @dataclass(frozen=True)
-class LoadSpec:
+class SaveSpec:
+    """Chunks `[first, stop)` of a request and their blocks."""
+
     req_id: str
     tokens: bytes  # int32 LE prompt tokens of chunks [0, stop)
     chunk_tokens: int
     first: int
     stop: int
-    skip: int
     block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadSpec(SaveSpec):
+    skip: int = 0  # blocks of chunk `first` that vLLM holds: never written
 
     def target_blocks(self, blocks_per_chunk: int, first: int, stop: int) -> list[int]:
         """The blocks chunks `[first, stop)` write: their blocks without the `skip` vLLM holds."""
         start = max((first - self.first) * blocks_per_chunk, self.skip)
         return list(self.block_ids[start : (stop - self.first) * blocks_per_chunk])
-
-
-@dataclass(frozen=True)
-class SaveSpec:
-    req_id: str
-    tokens: bytes  # int32 LE prompt tokens of chunks [0, stop)
-    chunk_tokens: int
-    first: int
-    stop: int
-    block_ids: tuple[int, ...]
 
 
 @dataclass
