@@ -83,22 +83,23 @@ def test_a_shared_prefix_is_loaded_into_other_blocks_with_the_same_bytes(
     kvstored: Daemon, make_engine: Callable[..., Engine], load_mode: str, layout: KVCacheLayout
 ) -> None:
     engine = make_engine(kvstored, extra={"load_mode": load_mode}, layout=layout)
+    metas: list[Any] = []
+    build = engine.connector.build_connector_meta
+    engine.connector.build_connector_meta = lambda output: metas.append(build(output)) or metas[-1]
     a = prompt(1, 200)
-    assert serve(engine, "A", a) == 200
+    engine.add("A", a, max_tokens=20)  # A decodes on, holding its blocks, while B loads
+    for _ in range(3):
+        engine.step()
+    a_blocks = {block for meta in metas for save in meta.saves for block in save.block_ids}
+    assert engine.computed_prompt_tokens == 200 and len(a_blocks) == 12
     b = a[:150] + prompt(2, 100)  # shares 4 whole chunks (128 tokens) with A
-    loads: list[Any] = []
-    original = engine.connector.update_state_after_alloc
-
-    def spy(request: Any, blocks: Any, num_external_tokens: int) -> None:
-        loads.append((num_external_tokens, list(blocks.get_block_ids()[0])))
-        original(request, blocks, num_external_tokens)
-
-    engine.connector.update_state_after_alloc = spy
-    assert serve(engine, "B", b) == 250 - 128
-    assert loads[0][0] == 128
-    stats = engine.scheduler.connector_prefix_cache_stats
-    assert stats is not None
-    assert engine.tokens["B"] == [SAMPLED]
+    engine.add("B", b, 1)  # its blocks start as the poison every unused block holds
+    engine.run()
+    assert engine.computed_prompt_tokens == 200 + 250 - 128
+    (load,) = [load for meta in metas for load in meta.loads]
+    assert (load.req_id, load.first, load.stop, load.skip) == ("B", 0, 4, 0)
+    assert not a_blocks & set(load.block_ids)  # other blocks than A's
+    assert engine.tokens == {"A": [SAMPLED] * 20, "B": [SAMPLED]}
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
