@@ -85,7 +85,12 @@ def test_a_shared_prefix_is_loaded_into_other_blocks_with_the_same_bytes(
     engine = make_engine(kvstored, extra={"load_mode": load_mode}, layout=layout)
     metas: list[Any] = []
     build = engine.connector.build_connector_meta
-    engine.connector.build_connector_meta = lambda output: metas.append(build(output)) or metas[-1]
+
+    def recording(output: Any) -> Any:
+        metas.append(build(output))
+        return metas[-1]
+
+    engine.connector.build_connector_meta = recording
     a = prompt(1, 200)
     engine.add("A", a, max_tokens=20)  # A decodes on, holding its blocks, while B loads
     for _ in range(3):
