@@ -8,6 +8,7 @@ unwritten. The KV caches start poisoned, and are poisoned again before the reque
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from kvstore.tiers.disk_files import record_path  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 from kvstore_client.vllm import ConnectorConfig  # noqa: E402
 from kvstore_client.vllm import scheduler as vllm_scheduler  # noqa: E402
-from tests.conftest import Daemon  # noqa: E402
+from tests.conftest import Daemon, wait_flushed  # noqa: E402
 from tests.vllm_engine import SAMPLED, Engine, Model, vllm_config  # noqa: E402
 
 CHUNK = 32
@@ -179,7 +180,7 @@ def test_a_chunk_that_cannot_be_read_back_is_recomputed_from_there(
         model="test-llama", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", layout="vllm"
     )
     with KVStoreClient.connect(daemon.address, spec) as client:
-        wait_on_disk(client)
+        wait_flushed(client)
         record = record_path(disk, client.namespace, client.keys(a)[5])
         data = bytearray(record.read_bytes())
         data[-50] ^= 0xFF
@@ -187,16 +188,6 @@ def test_a_chunk_that_cannot_be_read_back_is_recomputed_from_there(
     removed_before = sum(isinstance(event, BlockRemoved) for event in engine.events)
     assert serve(engine, "B", a + prompt(10, 20)) == 276 - 5 * CHUNK  # chunks 0..4 load, then recompute
     assert sum(isinstance(event, BlockRemoved) for event in engine.events) == removed_before + 1
-
-
-def wait_on_disk(client: KVStoreClient, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        disk = client.stats()["tiers"]["disk"]
-        if disk["queue_depth"] == 0 and disk["writing"] == 0 and disk["unsynced"] == 0:
-            return
-        assert time.monotonic() < deadline, disk
-        time.sleep(0.05)
 
 
 def test_pages_gone_between_lookup_and_load_are_recomputed(
@@ -219,14 +210,19 @@ def test_pages_gone_between_lookup_and_load_are_recomputed(
     assert cleared == [5]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_stopped_daemon_is_a_miss_and_a_restarted_one_serves_again(
-    tmp_path: Path, daemon_factory: Callable[..., Daemon], make_engine: Callable[..., Engine], caplog: Any
+    tmp_path: Path,
+    daemon_factory: Callable[..., Daemon],
+    make_engine: Callable[..., Engine],
+    caplog: Any,
+    sig: signal.Signals,
 ) -> None:
     daemon = daemon_factory("first", chunk_tokens=CHUNK)
     engine = make_engine(daemon)
     a = prompt(13, 128)
     assert serve(engine, "A", a) == 128
-    assert daemon.stop() == 0
+    assert daemon.stop(sig) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
     started = time.monotonic()
     assert serve(engine, "B", a + prompt(14, 10)) == 138  # nothing raised, everything computed
     assert time.monotonic() - started < 5
