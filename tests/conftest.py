@@ -132,6 +132,22 @@ def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
     return daemon_factory()
 
 
+def wait_flushed(client: Any, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The daemon's disk-tier stats once nothing is queued, being written, unsynced or read."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats: dict[str, Any] = client.stats()["tiers"]["disk"]
+        if (
+            stats["queue_depth"] == 0
+            and stats["writing"] == 0
+            and stats["unsynced"] == 0
+            and stats["reads_queued"] == 0
+        ):
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
 def python_env() -> dict[str, str]:
     """Environment for child Python processes that import this checkout."""
     env = dict(os.environ)

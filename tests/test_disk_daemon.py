@@ -16,7 +16,7 @@ import torch
 
 from kvstore.tiers.disk_files import record_path
 from kvstore_client import KVSpec, KVStoreClient
-from tests.conftest import Daemon, python_env, start_daemon
+from tests.conftest import Daemon, python_env, start_daemon, wait_flushed
 
 CHUNK = 16
 SPEC = KVSpec(
@@ -55,21 +55,6 @@ def cache_for(i: int, chunks: int) -> list[torch.Tensor]:
 def disk_stats(client: KVStoreClient) -> dict[str, Any]:
     stats: dict[str, Any] = client.stats()["tiers"]["disk"]
     return stats
-
-
-def wait_flushed(client: KVStoreClient, timeout_s: float = 30.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = disk_stats(client)
-        if (
-            stats["queue_depth"] == 0
-            and stats["writing"] == 0
-            and stats["unsynced"] == 0
-            and stats["reads_queued"] == 0
-        ):
-            return stats
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
 
 
 def load_and_compare(client: KVStoreClient, i: int, chunks: int) -> int:

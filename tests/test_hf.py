@@ -13,7 +13,7 @@ from kvstore.tiers.disk_files import record_path
 from kvstore_client import KVSpec, KVStoreClient
 from kvstore_client.client import layer_groups
 from kvstore_client.hf import HFPrefixCache, cache_tensors
-from tests.conftest import Daemon
+from tests.conftest import Daemon, wait_flushed
 
 transformers = pytest.importorskip("transformers")
 
@@ -183,7 +183,7 @@ def test_pages_lost_on_disk_give_the_valid_prefix_and_a_correct_forward(
         assert save(prefix, model, a) == 10
         for seed in range(11, 14):  # push prompt a out to disk
             save(prefix, model, prompt(160, seed))
-        _wait_flushed(client)
+        wait_flushed(client)
         keys = client.keys(a[0].tolist())
         record = record_path(disk, client.namespace, keys[4])
         data = bytearray(record.read_bytes())
@@ -195,23 +195,6 @@ def test_pages_lost_on_disk_give_the_valid_prefix_and_a_correct_forward(
         assert hit == 4 * CHUNK  # chunk 4 failed its checksum: the chunks before it are served
         got = last_logits(model, question, cache, hit)
         assert (got - last_logits(model, question)).abs().max().item() <= TOLERANCE
-
-
-def _wait_flushed(client: KVStoreClient, timeout_s: float = 30.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        disk = client.stats()["tiers"]["disk"]
-        if (
-            disk["queue_depth"] == 0
-            and disk["writing"] == 0
-            and disk["unsynced"] == 0
-            and disk["reads_queued"] == 0
-        ):
-            return
-        assert time.monotonic() < deadline, disk
-        time.sleep(0.05)
 
 
 def test_a_daemon_gone_is_a_miss_not_an_error(daemon_factory: Callable[..., Daemon], model: Any) -> None:

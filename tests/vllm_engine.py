@@ -15,6 +15,7 @@ the outputs of all ranks aggregated by vLLM's KVOutputAggregator.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -172,7 +173,7 @@ class Engine:
         tp_size = self.config.parallel_config.tensor_parallel_size
         self.aggregator = KVOutputAggregator(tp_size)
         for rank in range(tp_size if self.config.kv_transfer_config is not None else 0):
-            worker_config = _copy_config(self.config)
+            worker_config = copy.deepcopy(self.config)
             worker_config.parallel_config.rank = rank
             connector = KVConnectorFactory.create_connector(
                 config=worker_config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config
@@ -332,12 +333,6 @@ class _Recorder:
 
     def shutdown(self) -> None:
         pass
-
-
-def _copy_config(config: VllmConfig) -> VllmConfig:
-    import copy
-
-    return copy.deepcopy(config)
 
 
 def expected_kv(tokens: Sequence[int], layer: int, rank: int, model: Model) -> torch.Tensor:
