@@ -17,7 +17,10 @@ Prints tables and writes `bench/results/control_plane.json` (and a timestamped c
     python bench/control_plane.py --quick    # seconds: CI-sized
     python bench/control_plane.py --parts against --against ../before  # this tree against another
 
-3. With `--against TREE` (another checkout, e.g. `git worktree add ../before REV`): Lookup, load
+3. Lookup latency of a daemon on uvloop against one on asyncio's own event loop
+   (`server.event_loop`), both running, timed in turns: the local channel, gRPC, and the
+   client's `lookup_chunks`, with the ratio of their p50s.
+4. With `--against TREE` (another checkout, e.g. `git worktree add ../before REV`): Lookup, load
    and store latency of this tree's daemon and client against TREE's, both running side by side
    and timed in alternating batches (`bench/latency_probe.py`), in `--rounds` rounds of fresh
    processes: each p50 and p99 over all calls, and their ratio (target: at most 1.05 for
@@ -27,6 +30,7 @@ Prints tables and writes `bench/results/control_plane.json` (and a timestamped c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
 import sys
@@ -60,6 +64,7 @@ DEFAULT_SLAB_BYTES = 256 << 20
 TARGET_LOOKUP_P50_US = 200.0
 TARGET_LOOKUP_P99_US = 1000.0
 TARGET_SHM_SPEEDUP = 5.0
+EVENT_LOOPS = ("uvloop", "asyncio")  # server.event_loop: the default where uvloop is installed, and the other
 
 FULL = {"tokens": 4096, "layers": 32, "arena": "2GiB", "repeats": 5, "lookup_calls": 3000, "warmup": 300}
 QUICK = {"tokens": 512, "layers": 2, "arena": "64MiB", "repeats": 2, "lookup_calls": 200, "warmup": 20}
@@ -79,7 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--warmup", type=int, help="untimed calls before each latency series")
     parser.add_argument(
-        "--parts", nargs="+", choices=("lookup", "throughput", "against"), default=["lookup", "throughput"]
+        "--parts",
+        nargs="+",
+        choices=("lookup", "throughput", "event_loop", "against"),
+        default=["lookup", "throughput", "event_loop"],
     )
     parser.add_argument("--against", type=Path, help="another kvstore source tree to compare latency with")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of fresh processes for --against")
@@ -466,6 +474,78 @@ def report_against(against: dict[str, Any]) -> None:
     print(f"Lookup and load p50/p99 within {MAX_RATIO:.2f}x of the other tree: {verdict}")
 
 
+# -- 3. The daemon's event loop -------------------------------------------------
+
+
+def bench_event_loops(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Lookup latency of one daemon on uvloop and one on asyncio's own loop, side by side and timed
+    in turns: the local channel (1 and 64 keys), gRPC (1 key), and the client's `lookup_chunks`."""
+    spec = lookup_spec()
+    tokens = torch.randint(0, 128_000, (64 * CHUNK_TOKENS,), generator=torch.Generator().manual_seed(3))
+    num_blocks = len(tokens) // BLOCK_SIZE
+    series: dict[str, Callable[[], object]] = {}
+    with contextlib.ExitStack() as stack:
+        for loop in EVENT_LOOPS:
+            daemon = stack.enter_context(
+                running_daemon(
+                    config | {"log_level": "info", "server": config["server"] | {"event_loop": loop}}
+                )
+            )
+            if f"event loop {loop})" not in daemon.log():
+                raise RuntimeError(
+                    f"the daemon asked for event loop {loop} did not run on it:\n{daemon.log()}"
+                )
+            client = stack.enter_context(KVStoreClient.connect(daemon.address, spec))
+            grpc_client = stack.enter_context(
+                KVStoreClient.connect(daemon.address, spec, local_channel=False)
+            )
+            if client.store(tokens, kv_caches(spec, num_blocks, random=True), torch.arange(num_blocks)) != 64:
+                raise RuntimeError(f"{loop}: the lookup pages were not all stored")
+            keys = client.keys(tokens)
+            for name, rpc, n in (
+                ("rpc", client._rpc, 1),
+                ("rpc", client._rpc, 64),
+                ("grpc", grpc_client._rpc, 1),
+            ):
+                packed = pack_keys(keys[:n])
+                if lookup_rpc(rpc, client.namespace, packed).hit_chunks != n:
+                    raise RuntimeError(f"{loop}: a Lookup of {n} stored keys did not hit all of them")
+                series[f"{loop}/{name}_{n}"] = functools.partial(lookup_rpc, rpc, client.namespace, packed)
+            series[f"{loop}/lookup_chunks_8"] = functools.partial(client.lookup_chunks, keys[:8])
+        samples: dict[str, list[float]] = {name: [] for name in series}
+        for call in series.values():
+            time_calls(call, args.warmup)
+        rounds = 10
+        for _ in range(rounds):
+            for name, call in series.items():
+                samples[name] += time_calls(call, max(args.lookup_calls // rounds, 10))
+    results: dict[str, Any] = {name: Latency.of(values)._asdict() for name, values in samples.items()}
+    base, other = EVENT_LOOPS
+    results["p50_ratio"] = {
+        name.split("/", 1)[1]: results[name]["p50_us"] / results[f"{other}/{name.split('/', 1)[1]}"]["p50_us"]
+        for name in series
+        if name.startswith(f"{base}/")
+    }
+    return results
+
+
+def report_event_loops(results: dict[str, Any]) -> None:
+    base, other = EVENT_LOOPS
+    print(f"\nLookup latency by the daemon's event loop (p50 / p99 µs; {base} / {other} p50)")
+    print_table(
+        ["call", base, other, "ratio"],
+        [
+            [
+                call,
+                f"{results[f'{base}/{call}']['p50_us']:.0f} / {results[f'{base}/{call}']['p99_us']:.0f}",
+                f"{results[f'{other}/{call}']['p50_us']:.0f} / {results[f'{other}/{call}']['p99_us']:.0f}",
+                f"{ratio:.2f}",
+            ]
+            for call, ratio in results["p50_ratio"].items()
+        ],
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import kvstore_kernels  # both parts store pages through the client, which copies with it
@@ -485,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
             moved = bench_throughput(daemon, args) if "throughput" in args.parts else None
     goals = targets(lookup, moved)
     report(lookup, moved, goals)
+    event_loops = bench_event_loops(config, args) if "event_loop" in args.parts else None
+    if event_loops is not None:
+        report_event_loops(event_loops)
     against = None
     if "against" in args.parts:
         calls = 200 if args.quick else 3000
@@ -519,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
             "parameters": parameters,
             "lookup": lookup,
             "throughput": moved,
+            "event_loops": event_loops,
             "targets": goals,
             "against": against,
             "elapsed_s": time.perf_counter() - started,

@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,13 +178,14 @@ async def serve(config: Config) -> None:
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "kvstored %s serving on unix://%s%s (%sCPU tier %d MiB, chunk_tokens %d)",
+            "kvstored %s serving on unix://%s%s (%sCPU tier %d MiB, chunk_tokens %d, event loop %s)",
             __version__,
             socket_path,
             f" and tcp {config.server.tcp}" if config.server.tcp else "",
             f"GPU tier {gpu.capacity >> 20} MiB, " if gpu is not None else "",
             cpu_config.bytes >> 20,
             config.chunk_tokens,
+            type(loop).__module__.split(".")[0],
         )
 
         reaper = asyncio.create_task(_reap(store, config.leases.reap_interval_s))
@@ -264,9 +265,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop `server.event_loop` names: uvloop's where it is installed ("auto", "uvloop"),
+    asyncio's own (None) for "asyncio" or where "auto" finds no uvloop."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ConfigError(
+                "server.event_loop", "uvloop is not installed (pip install uvloop), or set auto or asyncio"
+            ) from None
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
 def _checked(config: Config) -> Config:
-    """Checks what the loader cannot see alone: the policy name, the token file."""
+    """Checks what the loader cannot see alone: the policy name, the token file, the event loop."""
     make_policy(config.eviction.policy)
+    event_loop_factory(config.server.event_loop)
     _ = config.server.token
     return config
 
@@ -297,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        asyncio.run(serve(config))
+        with asyncio.Runner(loop_factory=event_loop_factory(config.server.event_loop)) as runner:
+            runner.run(serve(config))
     except StoppedDuringStart:
         log.info("stopped during start-up")
         return 0

@@ -113,6 +113,10 @@ def test_check_config(tmp_path: Path) -> None:
     bad.write_text("eviction:\n  policy: fifo\n")
     result = kvstored("--check-config", str(bad))
     assert result.returncode == 1 and "eviction.policy: unknown policy 'fifo'" in result.stderr
+    bad.write_text("server:\n  event_loop: libev\n")
+    result = kvstored("--check-config", str(bad))
+    assert result.returncode == 1
+    assert "server.event_loop: expected one of auto, uvloop, asyncio, got 'libev'" in result.stderr
 
 
 def test_tcp_listener_needs_a_token(tmp_path: Path, daemon_factory: Callable[..., Daemon]) -> None:

@@ -41,6 +41,24 @@ def raw_call(path: str, method: int, payload: bytes) -> tuple[int, bytes]:
         return status, sock.recv(length, socket.MSG_WAITALL)
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_either_event_loop_serves_both_channels(daemon_factory: Callable[..., Daemon], loop: str) -> None:
+    daemon = daemon_factory(server__event_loop=loop)
+    assert f"event loop {loop})" in daemon.log()
+    tokens = list(range(512))
+    cache = [torch.randn(2, 32, 16, 2, 16).half() for _ in range(2)]
+    with (
+        KVStoreClient.connect(daemon.address, SPEC) as fast,
+        KVStoreClient.connect(daemon.address, SPEC, local_channel=False) as slow,
+    ):
+        assert fast._local is not None
+        assert fast.store(tokens, cache, torch.arange(32)) == 2
+        for client in (fast, slow):
+            target = [torch.full_like(t, float("nan")) for t in cache]
+            assert client.load(tokens, target, torch.arange(32)) == 512
+            assert all(torch.equal(got, want) for got, want in zip(target, cache, strict=True))
+
+
 def test_clients_on_the_host_use_it_and_agree_with_grpc(daemon: Daemon) -> None:
     path = local_path(daemon)
     assert (
