@@ -470,9 +470,14 @@ class KVStoreClient:
         return chunk_keys(self.namespace, token_ids, self.spec.page.chunk_tokens)
 
     def _keys_of(self, token_ids: Any, keys: Sequence[bytes] | None) -> Sequence[bytes]:
-        """The whole chunks' keys: `keys` (the caller's, the first ones when it has more), or hashed."""
+        """The whole chunks' keys: `keys` (the caller's, the first ones when it has more; all of
+        them where `token_ids` is None: the keys alone name the chunks), or hashed."""
         if keys is None:
+            if token_ids is None:
+                raise ValueError("token_ids: None needs keys, one per chunk")
             return self.keys(token_ids)
+        if token_ids is None:
+            return keys
         chunks = len(token_ids) // self.spec.page.chunk_tokens
         if len(keys) < chunks:
             raise ValueError(f"keys: {len(keys)} keys for {chunks} whole chunks of token_ids")
@@ -483,7 +488,8 @@ class KVStoreClient:
 
         A daemon that cannot be reached counts as a miss (logged), as it does for `load` and
         `store`: the worker recomputes rather than fails. `keys`: `self.keys(token_ids)` where
-        the caller already has them (here and in `store_async` and `load_async`).
+        the caller already has them (here and in `store_async` and `load_async`, where
+        `token_ids` may then be None: the keys alone name the chunks).
         """
         return self.lookup_chunks(self._keys_of(token_ids, keys)) * self.spec.page.chunk_tokens
 

@@ -4,6 +4,12 @@
 Keys are 16 bytes, identical in every process and rank, and a key identifies its
 whole prefix. Only full chunks get keys unless `include_partial` asks for the
 trailing partial chunk, whose key covers exactly its tokens.
+
+A chunk whose KV depends on more than its tokens (an engine's LoRA adapter, the images
+behind its placeholder tokens, a per-tenant cache salt) carries extra bytes, hashed after
+its tokens: `k_i = xxh3_128(k_{i-1} || tokens_i || extra_i)`. A chunk without them keys as
+above, so an engine that knows only token ids shares those chunks; one with them can never
+match one without (the hashed input is longer) nor one with other extras.
 """
 
 from __future__ import annotations
@@ -50,13 +56,23 @@ def chunk_keys(
     return chain_keys(namespace, data, chunk_tokens)
 
 
-def chain_keys(prev: bytes, packed: bytes | bytearray | memoryview, chunk_tokens: int) -> list[bytes]:
+def chain_keys(
+    prev: bytes,
+    packed: bytes | bytearray | memoryview,
+    chunk_tokens: int,
+    extras: Sequence[bytes] | None = None,
+) -> list[bytes]:
     """Keys of the whole chunks of `packed` (token ids already as int32 LE bytes), the chain
-    continued from `prev`: the namespace, or the key of the chunk before `packed`'s first."""
+    continued from `prev`: the namespace, or the key of the chunk before `packed`'s first.
+    `extras`, one per whole chunk, are hashed after their chunk's tokens (see above)."""
     step = chunk_tokens * 4
+    starts = range(0, len(packed) - len(packed) % step, step)
+    if extras is not None and len(extras) != len(starts):
+        raise ValueError(f"extras: expected one per whole chunk ({len(starts)}), got {len(extras)}")
     keys: list[bytes] = []
-    for start in range(0, len(packed) - len(packed) % step, step):
-        prev = xxhash.xxh3_128_digest(prev + packed[start : start + step])
+    for index, start in enumerate(starts):
+        data = prev + packed[start : start + step]
+        prev = xxhash.xxh3_128_digest(data + extras[index] if extras is not None else data)
         keys.append(prev)
     return keys
 

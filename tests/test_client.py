@@ -171,6 +171,22 @@ def test_lookup_is_the_exact_prefix(daemon: Daemon) -> None:
         assert bool((target[0][:, 32:] == -7.0).all())
 
 
+def test_keys_alone_name_the_chunks_of_a_store_and_a_load(daemon: Daemon) -> None:
+    spec = make_spec()
+    tokens = tokens_of(3 * CHUNK, seed=11)
+    cache = random_cache(spec, 48, seed=12)
+    with KVStoreClient.connect(daemon.address, spec) as client:
+        keys = client.keys(tokens)
+        assert client.store_async(None, cache, torch.arange(48), keys=keys).wait() == 3
+        assert client.lookup(tokens) == 3 * CHUNK  # the same pages as the tokens name
+        target = empty_cache(spec, 48)
+        assert client.load_async(None, target, torch.arange(32), keys=keys[:2]).wait() == 2 * CHUNK
+        assert_blocks_equal(target, torch.arange(32), cache, torch.arange(32))
+        assert bool((target[0][:, 32:] == -7.0).all())
+        with pytest.raises(ValueError, match="token_ids: None needs keys, one per chunk"):
+            client.store_async(None, cache, torch.arange(48))
+
+
 def test_models_do_not_share_pages(daemon: Daemon) -> None:
     tokens = tokens_of(512, seed=10)
     with (

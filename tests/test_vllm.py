@@ -8,6 +8,7 @@ unwritten. The KV caches start poisoned, and are poisoned again before the reque
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -19,8 +20,11 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM: tests/install-vllm (the README's test command runs it)")
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+from kvstore.keys import chain_keys  # noqa: E402
 from kvstore.tiers.disk_files import record_path  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 from kvstore_client.vllm import ConnectorConfig  # noqa: E402
@@ -30,6 +34,9 @@ from tests.vllm_engine import SAMPLED, Engine, Model, vllm_config  # noqa: E402
 
 CHUNK = 32
 MODEL = Model()
+SPEC = KVSpec(  # what a client of the test model's pages connects with (rank 0 of 1)
+    model="test-llama", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", layout="vllm"
+)
 PAGE_BYTES = MODEL.num_layers * 2 * CHUNK * MODEL.num_kv_heads * MODEL.head_dim * 2  # 6 KiB
 
 
@@ -62,11 +69,11 @@ def make_engine(tmp_path: Path) -> Iterator[Callable[..., Engine]]:
         engine.close()
 
 
-def serve(engine: Engine, request_id: str, tokens: list[int], max_tokens: int = 1) -> int:
+def serve(engine: Engine, request_id: str, tokens: list[int], max_tokens: int = 1, **fields: Any) -> int:
     """Runs one request alone on poisoned caches; the prompt tokens the model computed for it."""
     engine.poison()
     engine.computed_prompt_tokens = 0
-    engine.add(request_id, tokens, max_tokens)
+    engine.add(request_id, tokens, max_tokens, **fields)
     engine.run()
     return engine.computed_prompt_tokens
 
@@ -130,6 +137,81 @@ def test_a_whole_prompt_hit_leaves_one_token_to_compute(
     assert engine.tokens["A-again"] == [SAMPLED] * 3
 
 
+# -- what a chunk's KV depends on beside its tokens -----------------------------
+
+
+def test_lora_and_cache_salt_requests_share_chunks_only_with_their_own_kind(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(kvstored)
+    a = prompt(30, 160)  # 5 whole chunks
+    adapter = LoRARequest("adapter-x", 1, "/adapters/x")
+    assert serve(engine, "plain", a) == 160
+    assert serve(engine, "salted", a, cache_salt="tenant-a") == 160  # not the plain request's KV
+    assert serve(engine, "other-tenant", a, cache_salt="tenant-b") == 160
+    assert serve(engine, "lora", a, lora_request=adapter) == 160
+    assert serve(engine, "lora-moved", a, lora_request=LoRARequest("adapter-x", 1, "/adapters/x2")) == 160
+    # each kind hits its own chunks, whole (one token left to compute), with the bytes it stored
+    assert serve(engine, "salted-again", a, cache_salt="tenant-a") == 1
+    assert serve(engine, "lora-again", a, lora_request=LoRARequest("adapter-x", 7, "/adapters/x")) == 1
+    assert serve(engine, "plain-again", a) == 1
+    keys = stored_keys(engine)
+    assert len(keys) == 5 * 5 == len(set(keys))  # five kinds, five chunks each, no key shared
+
+
+def test_media_key_the_chunks_they_cover_and_every_chunk_after(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(kvstored)
+    a = prompt(31, 160)
+    assert serve(engine, "plain", a) == 160
+
+    def image(identifier: str, offset: int) -> MultiModalFeatureSpec:
+        return MultiModalFeatureSpec(
+            data=None, modality="image", identifier=identifier, mm_position=PlaceholderRange(offset, 20)
+        )
+
+    def keys(request_id: str, *features: MultiModalFeatureSpec) -> list[bytes]:
+        request = engine.request(request_id, a, mm_features=list(features))
+        extras = vllm_scheduler.chunk_extras(request, 5, CHUNK)
+        return chain_keys(b"n" * 16, vllm_scheduler.struct.pack("<160i", *a), CHUNK, extras)
+
+    plain = chain_keys(b"n" * 16, vllm_scheduler.struct.pack("<160i", *a), CHUNK)
+    cat, dog, cat_later = (
+        keys("cat", image("cat", 70)),
+        keys("dog", image("dog", 70)),
+        keys("c2", image("cat", 75)),
+    )
+    assert cat[:2] == dog[:2] == cat_later[:2] == plain[:2]  # before the image: the plain keys
+    assert len({cat[i] for i in range(2, 5)} | {dog[i] for i in range(2, 5)} | set(plain[2:])) == 9
+    assert len(set(cat[2:]) | set(cat_later[2:])) == 6  # the same image elsewhere is other KV
+    assert keys("cat-again", image("cat", 70)) == cat
+    request = engine.request("with-image", a, mm_features=[image("cat", 70)])
+    assert engine.connector.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, True)
+    engine.connector.request_finished(request, [])
+
+
+def test_a_prompt_that_shares_a_prefix_takes_its_keys_from_the_memo(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(kvstored)
+    a = prompt(32, 320)  # 10 whole chunks: A's saves put all ten keys in the memo
+    assert serve(engine, "A", a) == 320
+    b = a[:200] + prompt(33, 100)  # 6 whole chunks (192 tokens) in common
+    request = engine.request("B", b)
+    assert engine.connector.get_num_new_matched_tokens(request, 0) == (192, True)
+    scheduler = engine.connector._scheduler
+    state = scheduler._requests["B"]
+    with KVStoreClient.connect(kvstored.address, SPEC) as client:
+        assert state.keys[client.namespace] == client.keys(b)  # the memo's keys are the tokens' keys
+    assert state.packed_from == 192 and len(state.packed) == (288 - 192) * 4  # none of A's tokens packed
+    engine.connector.request_finished(request, [])
+    memo = vllm_scheduler._Memo(2, capacity=4)
+    keys = [bytes([i]) * 16 for i in range(6)]
+    memo.add(keys, [bytes([100 + i]) * 32 for i in range(12)], 0)
+    assert list(memo.keys.values()) == keys[2:]  # at most `capacity`, the oldest dropped
+
+
 def test_a_partial_chunk_held_by_vllms_prefix_cache_is_never_written(
     kvstored: Daemon, make_engine: Callable[..., Engine]
 ) -> None:
@@ -176,10 +258,7 @@ def test_a_chunk_that_cannot_be_read_back_is_recomputed_from_there(
     assert serve(engine, "A", a) == 256
     for i in range(8):  # 64 more pages: A's go to disk
         serve(engine, f"filler-{i}", prompt(100 + i, 256))
-    spec = KVSpec(
-        model="test-llama", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", layout="vllm"
-    )
-    with KVStoreClient.connect(daemon.address, spec) as client:
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
         wait_flushed(client)
         record = record_path(disk, client.namespace, client.keys(a)[5])
         data = bytearray(record.read_bytes())
@@ -264,11 +343,7 @@ def test_two_tp_ranks_each_store_and_load_their_own_heads(
     assert serve(engine, "A", a) == 200
     assert serve(engine, "B", a[:100] + prompt(19, 50)) == 150 - 96
     # Rank 1's pages alone gone: the scheduler's lookup agrees with what every rank can load.
-    spec = KVSpec(
-        model="test-llama", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16",
-        layout="vllm", tp_rank=1, tp_size=2,
-    )  # fmt: skip
-    with KVStoreClient.connect(kvstored.address, spec) as rank1:
+    with KVStoreClient.connect(kvstored.address, dataclasses.replace(SPEC, tp_rank=1, tp_size=2)) as rank1:
         assert rank1.lookup(a) == 192
         assert rank1.clear() == 7  # A's 6 chunks and B's own fourth
     assert serve(engine, "C", a + [1]) == 201
@@ -329,7 +404,9 @@ def test_a_request_aborted_mid_load_or_mid_prefill_gives_every_block_back(
     pool = engine.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == engine.num_blocks - 1  # block 0 is vLLM's null block
     worker = engine.workers[0]._worker
-    assert not worker._keys and not worker._loading and not worker._saving
+    assert not worker._finished and not worker._loading and not worker._saving
+    scheduler = engine.connector._scheduler
+    assert not scheduler._requests and not scheduler._prompts  # nothing kept of a request that is gone
     assert serve(engine, "C", a + [9]) == 1  # the daemon still serves A's chunks whole
 
 
@@ -340,10 +417,7 @@ def test_kv_events_name_each_stored_chunk_and_each_found_gone(
     a = prompt(23, 100)
     serve(engine, "A", a)
     stored = [event for event in engine.events if isinstance(event, BlockStored)]
-    spec = KVSpec(
-        model="test-llama", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", layout="vllm"
-    )
-    with KVStoreClient.connect(kvstored.address, spec) as client:
+    with KVStoreClient.connect(kvstored.address, SPEC) as client:
         keys = client.keys(a)
     assert [event.block_hashes for event in stored] == [[key] for key in keys]
     assert [event.parent_block_hash for event in stored] == [None, *keys[:-1]]

@@ -189,13 +189,14 @@ class Engine:
     def connector(self) -> Any:
         return self.scheduler.connector
 
-    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> Request:
-        request = self.request(request_id, prompt, max_tokens)
+    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1, **fields: Any) -> Request:
+        request = self.request(request_id, prompt, max_tokens, **fields)
         self.scheduler.add_request(request)
         return request
 
-    def request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> Request:
-        """A vLLM Request for `prompt`, not yet given to the scheduler."""
+    def request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1, **fields: Any) -> Request:
+        """A vLLM Request for `prompt`, not yet given to the scheduler; `fields` go to Request
+        (`cache_salt`, `lora_request`, `mm_features`, ...)."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         params.update_from_generation_config({}, EOS)
         request = Request(
@@ -204,6 +205,7 @@ class Engine:
             sampling_params=params,
             pooling_params=None,
             block_hasher=get_request_block_hasher(self.config.cache_config.block_size, sha256),
+            **fields,
         )
         return request
 

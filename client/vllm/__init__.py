@@ -161,7 +161,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._scheduler_side().build_metadata(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._scheduler_side().record(connector_output.kv_connector_worker_meta)
+        self._scheduler_side().record(
+            connector_output.kv_connector_worker_meta, connector_output.finished_sending
+        )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().finished(request), None

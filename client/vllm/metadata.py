@@ -2,8 +2,9 @@
 
 Chunk `c` of a request is its prompt tokens `[c * chunk_tokens, (c + 1) * chunk_tokens)`; its
 blocks are `block_ids[c * blocks_per_chunk : (c + 1) * blocks_per_chunk]` of the request's
-block table. Token ids travel as little-endian int32 bytes (one copy, cheap to pickle); each
-worker hashes them under its own TP rank's namespace.
+block table. The chunks travel as their keys, one tuple per TP rank (each rank stores its heads
+under its own namespace, `StepMetadata.namespaces`): the scheduler side makes them once, most
+from its memo of earlier prompts' keys, so no token id is packed, hashed or pickled twice.
 
 - `LoadSpec`: load chunks `[first, stop)` into `block_ids` (the blocks of those chunks); vLLM
   already holds the first `skip` blocks of chunk `first` (its own prefix cache), which the load
@@ -30,7 +31,8 @@ class SaveSpec:
     """Chunks `[first, stop)` of a request and their blocks."""
 
     req_id: str
-    tokens: bytes  # int32 LE prompt tokens of chunks [0, stop)
+    keys: tuple[tuple[bytes, ...], ...]  # per TP rank: the keys of chunks [first, stop)
+    parent: bytes | None  # rank 0's key of chunk first - 1 (None for chunk 0), for KV events
     chunk_tokens: int
     first: int
     stop: int
@@ -49,6 +51,7 @@ class LoadSpec(SaveSpec):
 
 @dataclass
 class StepMetadata(KVConnectorMetadata):
+    namespaces: tuple[bytes, ...] = ()  # per TP rank: the namespace its keys are made under
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     held: set[str] = field(default_factory=set)
@@ -57,10 +60,10 @@ class StepMetadata(KVConnectorMetadata):
 
 @dataclass
 class StoredChunks(KVConnectorWorkerMetadata):
-    """The chunks a worker's commits stored (key, parent key or None, int32 LE tokens) and the keys
-    its loads found gone, under that worker's namespace: TP rank 0 reports, the others do not."""
+    """The chunks a worker's commits stored (request, chunk index, key, parent key or None) and the
+    keys its loads found gone, under that worker's namespace: TP rank 0 reports, the others do not."""
 
-    stored: list[tuple[bytes, bytes | None, bytes]] = field(default_factory=list)
+    stored: list[tuple[str, int, bytes, bytes | None]] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:

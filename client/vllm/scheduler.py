@@ -18,10 +18,11 @@ bounded by that deadline and never raises (`KVStoreClient`).
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from kvstore.keys import chain_keys
 from kvstore_client.vllm.config import ConnectorConfig, engine_spec
@@ -30,45 +31,139 @@ from kvstore_client.vllm.metadata import LoadSpec, SaveSpec, StepMetadata, Store
 
 MEDIUM = "CPU"  # where a committed page lands first: the daemon's shared-memory arena
 PROBE_TOKENS = 2048  # a lookup's first window (see `num_new_matched_tokens`)
+MEMO_CHUNKS = 1 << 16  # chunk keys remembered per TP rank by vLLM's block hash (~10 MiB)
+
+
+def chunk_extras(request: Any, chunks: int, chunk_tokens: int) -> list[bytes] | None:
+    """What chunks `[0, chunks)` of `request` depend on beside their tokens, as extra key bytes
+    (`kvstore.keys`): vLLM's own per-block identity (its LoRA adapter's name and path, the
+    images or other media behind the chunk's placeholder tokens with their offsets, the
+    request's cache salt on the first chunk, the prompt embeddings a mixed prompt puts in place
+    of some tokens), taken over the chunk's tokens. None for a request of token ids alone: its
+    chunks key by their tokens, shared with any engine."""
+    if not (
+        request.lora_request
+        or request.mm_features
+        or request.cache_salt
+        or getattr(request, "prompt_embeds", None) is not None
+    ):
+        return None
+    extras = []
+    for index in range(chunks):
+        keys, _ = generate_block_hash_extra_keys(request, index * chunk_tokens, (index + 1) * chunk_tokens, 0)
+        extras.append(repr(keys).encode() if keys else b"")
+    return extras
 
 
 class _Request:
-    """What the scheduler side keeps of one request. The prompt is packed (int32 LE) and hashed
-    chunk by chunk as far as a lookup or a save needs: packing is most of a lookup's cost
-    (~11 ns a token), and most lookups end a few chunks in."""
+    """What the scheduler side keeps of one request. Its chunk keys come first from the memo of
+    keys already made for a vLLM block hash (`SchedulerSide._memo`: a prompt that shares a
+    prefix with an earlier one shares its keys, found with one dict lookup per chunk); the
+    rest are hashed from the prompt, packed (int32 LE) only as far as a lookup or a save
+    needs: packing is most of that cost (~11-35 ns a token)."""
 
-    __slots__ = ("prompt", "packed", "num_prompt", "keys", "local", "block_ids", "saved", "saving")
+    __slots__ = (
+        "request",
+        "hashes",
+        "prompt",
+        "packed",
+        "packed_from",
+        "num_prompt",
+        "keys",
+        "_extras",
+        "local",
+        "block_ids",
+        "saved",
+        "saving",
+    )
 
-    def __init__(self, prompt: list[int]) -> None:
+    def __init__(self, request: Any, prompt: list[int], hashes: Sequence[bytes]) -> None:
+        self.request = request
+        self.hashes = hashes  # vLLM's block hashes of the request, or () where they cannot be used
         self.prompt = prompt
-        self.packed = bytearray()
+        self.packed = bytearray()  # tokens [packed_from, ...), packed
+        self.packed_from = 0
         self.num_prompt = len(prompt)
         self.keys: dict[bytes, list[bytes]] = {}  # per namespace (TP rank): its first chunks' keys
+        self._extras: list[bytes] | None | bool = False  # not yet made
         self.local = 0  # tokens vLLM had computed when the lookup was made
         self.block_ids: list[int] = []
         self.saved = 0  # leading chunks saved, or known stored
         self.saving = False  # some save was handed to the workers
 
-    def pack(self, stop: int) -> None:
-        """Packs the prompt's tokens up to `stop`."""
-        have = len(self.packed) // 4
-        if have < stop:
-            self.packed += struct.pack(f"<{stop - have}i", *self.prompt[have:stop])
+    def window(self, start: int, stop: int) -> bytes | bytearray:
+        """The prompt's tokens `[start, stop)`, packed. Packed tokens are kept from where the first
+        window began, so that another rank's keys over the same tokens pack nothing again."""
+        if not self.packed:
+            self.packed_from = start
+        begin, end = self.packed_from, self.packed_from + len(self.packed) // 4
+        if start < begin:  # before what is kept (a rank whose memo holds less): packed apart
+            return struct.pack(f"<{stop - start}i", *self.prompt[start:stop])
+        if end < stop:
+            self.packed += struct.pack(f"<{stop - end}i", *self.prompt[end:stop])
+        return self.packed
 
-    def tokens(self, stop: int) -> bytes:
-        """The first `stop` tokens, packed."""
-        self.pack(stop)
-        return bytes(self.packed[: stop * 4])
+    def extras(self, chunk_tokens: int) -> list[bytes] | None:
+        """`chunk_extras` of the prompt's whole chunks (made once)."""
+        if self._extras is False:
+            self._extras = chunk_extras(self.request, self.num_prompt // chunk_tokens, chunk_tokens)
+        return self._extras  # type: ignore[return-value]
 
-    def chunk_keys(self, client: Any, stop: int) -> list[bytes]:
-        """The keys of chunks `[0, stop)` under `client`'s namespace (made once, extended as needed)."""
+    def known(self, client: Any, stop: int, memo: _Memo) -> int:
+        """How many leading chunks' keys under `client`'s namespace are made or in the memo (up to
+        `stop`), taken from it."""
         keys = self.keys.setdefault(client.namespace, [])
         if len(keys) < stop:
-            chunk = client.spec.page.chunk_tokens
-            self.pack(stop * chunk)
-            with memoryview(self.packed) as packed, packed[len(keys) * chunk * 4 : stop * chunk * 4] as new:
-                keys += chain_keys(keys[-1] if keys else client.namespace, new, chunk)
+            memo.extend(keys, self.hashes, stop)
+        return len(keys)
+
+    def chunk_keys(self, client: Any, stop: int, memo: _Memo) -> list[bytes]:
+        """The keys of chunks `[0, stop)` under `client`'s namespace (made once, extended as needed)."""
+        keys = self.keys.setdefault(client.namespace, [])
+        if self.known(client, stop, memo) < stop:
+            chunk, have = client.spec.page.chunk_tokens, len(keys)
+            packed = self.window(have * chunk, stop * chunk)
+            offset = (have * chunk - self.packed_from) * 4 if packed is self.packed else 0
+            extras = self.extras(chunk)
+            with memoryview(packed) as view, view[offset : offset + (stop - have) * chunk * 4] as new:
+                prev = keys[-1] if keys else client.namespace
+                keys += chain_keys(prev, new, chunk, extras[have:stop] if extras is not None else None)
+            memo.add(keys, self.hashes, have)
         return keys[:stop]
+
+
+class _Memo:
+    """Chunk keys of one namespace by vLLM's block hash of the chunk's last block. vLLM hashes
+    every request's blocks (chained, with the same extras as `chunk_extras`) before the
+    scheduler sees it; equal hashes mean an equal prefix, so its chunk keys are equal too. At
+    most `capacity` entries, the oldest dropped first."""
+
+    def __init__(self, hashes_per_chunk: int, capacity: int = MEMO_CHUNKS) -> None:
+        self.per_chunk = hashes_per_chunk
+        self.capacity = capacity
+        self.keys: dict[bytes, bytes] = {}
+
+    def extend(self, keys: list[bytes], block_hashes: Sequence[bytes], stop: int) -> None:
+        """Appends the memo's keys for chunks `len(keys)..` up to `stop` or the first it lacks."""
+        per_chunk, memo = self.per_chunk, self.keys
+        if not per_chunk:
+            return
+        end = min(stop * per_chunk, len(block_hashes))
+        for index in range((len(keys) + 1) * per_chunk - 1, end, per_chunk):
+            key = memo.get(block_hashes[index])
+            if key is None:
+                return
+            keys.append(key)
+
+    def add(self, keys: list[bytes], block_hashes: Sequence[bytes], first: int) -> None:
+        """Remembers chunks `[first, len(keys))`' keys by their last block's hash."""
+        per_chunk, memo = self.per_chunk, self.keys
+        if not per_chunk:
+            return
+        for chunk in range(first, min(len(keys), len(block_hashes) // per_chunk)):
+            memo[block_hashes[(chunk + 1) * per_chunk - 1]] = keys[chunk]
+        while len(memo) > self.capacity:
+            del memo[next(iter(memo))]
 
 
 class SchedulerSide:
@@ -88,12 +183,19 @@ class SchedulerSide:
             for rank in range(tp_size)
         ]
         self.block_size = vllm_config.cache_config.block_size
+        # vLLM hashes each request's blocks at this size (HMA aside, its block size)
+        self.hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
+        self._memos: dict[bytes, _Memo] = {}  # per namespace (TP rank)
         self.loads, self.saves = loads, saves
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
         self._held: set[str] = set()
         self._events: list[KVCacheEvent] = []
+        # the prompts of requests with saves handed to the workers, until every rank reported
+        # them done: a stored chunk's token ids for its BlockStored event
+        self._prompts: dict[str, list[int]] = {}
         self.chunk_tokens = 0  # the daemon's, once connected
+        self.namespaces: tuple[bytes, ...] = ()  # per TP rank, once connected
 
     def _state(self, request: Any) -> _Request | None:
         state = self._requests.get(request.request_id)
@@ -101,14 +203,27 @@ class SchedulerSide:
             prompt = request.prompt_token_ids
             if not prompt:  # prompt embeddings: no token ids to key them by
                 return None
-            state = self._requests[request.request_id] = _Request(prompt)
+            hashes = request.block_hashes
+            if len(hashes) != request.num_tokens // self.hash_block:  # not hashed as expected: no memo
+                hashes = ()
+            state = self._requests[request.request_id] = _Request(request, prompt, hashes)
         return state
+
+    def _memo(self, client: Any) -> _Memo:
+        memo = self._memos.get(client.namespace)
+        if memo is None:
+            chunk = client.spec.page.chunk_tokens
+            # a chunk that does not end on a hashed block has no hash to be found by
+            per_chunk = chunk // self.hash_block if chunk % self.hash_block == 0 else 0
+            memo = self._memos[client.namespace] = _Memo(per_chunk)
+        return memo
 
     def _clients(self) -> list[Any] | None:
         clients = [rank.get() for rank in self._ranks]
         if any(client is None for client in clients):
             return None
         self.chunk_tokens = clients[0].spec.page.chunk_tokens
+        self.namespaces = tuple(client.namespace for client in clients)
         return clients
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -123,16 +238,19 @@ class SchedulerSide:
         first, whole = num_computed_tokens // chunk, state.num_prompt // chunk
         if whole <= first:
             return 0
-        # Rank 0 first looks up the chunks of PROBE_TOKENS, then, where all of them hit, the rest:
-        # the tokens past the first miss are never packed for a lookup (most prompts miss early).
-        stop = min(whole, first + max(1, PROBE_TOKENS // chunk))
-        hit = first + clients[0].lookup_chunks(state.chunk_keys(clients[0], stop)[first:])
+        # Rank 0 first looks up the chunks whose keys the memo holds, or those of PROBE_TOKENS where
+        # it holds fewer, then, where all of them hit, the rest: the tokens past the first miss
+        # are never packed for a lookup (most prompts miss early).
+        memo = self._memo(clients[0])
+        known = state.known(clients[0], whole, memo)
+        stop = min(whole, max(known, first + max(1, PROBE_TOKENS // chunk)))
+        hit = first + clients[0].lookup_chunks(state.chunk_keys(clients[0], stop, memo)[first:])
         if hit == stop < whole:
-            hit += clients[0].lookup_chunks(state.chunk_keys(clients[0], whole)[stop:])
+            hit += clients[0].lookup_chunks(state.chunk_keys(clients[0], whole, memo)[stop:])
         for client in clients[1:]:  # every rank must hold what is promised
             if hit <= first:
                 break
-            hit = first + client.lookup_chunks(state.chunk_keys(client, hit)[first:])
+            hit = first + client.lookup_chunks(state.chunk_keys(client, hit, self._memo(client))[first:])
         end = min(hit * chunk, request.num_tokens - 1)
         if self.block_size == 1 and end % chunk:  # the last chunk's last block would be missing
             end -= end % chunk
@@ -145,10 +263,14 @@ class SchedulerSide:
         chunk, local = self.chunk_tokens, state.local
         first, stop = local // chunk, -(-(local + num_external_tokens) // chunk)
         per_chunk = chunk // self.block_size
+        # the lookup made every rank's keys as far as the hit: a rank without them loads nothing
+        # and its blocks are recomputed (`WorkerSide`)
+        keys = [state.keys.get(namespace, [])[first:stop] for namespace in self.namespaces]
         self._pending_loads.append(
             LoadSpec(
                 req_id=request.request_id,
-                tokens=state.tokens(stop * chunk),
+                keys=tuple(map(tuple, keys)),
+                parent=state.keys[self.namespaces[0]][first - 1] if first else None,
                 chunk_tokens=chunk,
                 first=first,
                 stop=stop,
@@ -161,19 +283,22 @@ class SchedulerSide:
 
     def build_metadata(self, scheduler_output: Any) -> StepMetadata:
         meta = StepMetadata(
+            namespaces=self.namespaces,
             loads=self._pending_loads,
             held=self._held,
             preempted=set(scheduler_output.preempted_req_ids or ()),
         )
         self._pending_loads, self._held = [], set()
-        if not self.saves or not self.chunk_tokens:
+        clients = self._clients() if self.saves and self.chunk_tokens else None
+        if clients is None:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
-                self._plan_save(meta, new.req_id, state, new.num_computed_tokens + scheduled[new.req_id])
+                computed = new.num_computed_tokens + scheduled[new.req_id]
+                self._plan_save(meta, clients, new.req_id, state, computed)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -184,25 +309,31 @@ class SchedulerSide:
                 state.block_ids = list(new_block_ids[0]) if new_block_ids else []
             elif new_block_ids:
                 state.block_ids.extend(new_block_ids[0])
-            self._plan_save(meta, req_id, state, cached.num_computed_tokens[index] + scheduled.get(req_id, 0))
+            computed = cached.num_computed_tokens[index] + scheduled.get(req_id, 0)
+            self._plan_save(meta, clients, req_id, state, computed)
         return meta
 
-    def _plan_save(self, meta: StepMetadata, req_id: str, state: _Request, computed: int) -> None:
+    def _plan_save(
+        self, meta: StepMetadata, clients: list[Any], req_id: str, state: _Request, computed: int
+    ) -> None:
         chunk = self.chunk_tokens
         per_chunk = chunk // self.block_size
-        stop = min(computed, state.num_prompt) // chunk
-        if stop <= state.saved or len(state.block_ids) < stop * per_chunk:
+        first, stop = state.saved, min(computed, state.num_prompt) // chunk
+        if stop <= first or len(state.block_ids) < stop * per_chunk:
             return
+        keys = [state.chunk_keys(client, stop, self._memo(client)) for client in clients]
         meta.saves.append(
             SaveSpec(
                 req_id=req_id,
-                tokens=state.tokens(stop * chunk),
+                keys=tuple(tuple(rank_keys[first:stop]) for rank_keys in keys),
+                parent=keys[0][first - 1] if first else None,
                 chunk_tokens=chunk,
-                first=state.saved,
+                first=first,
                 stop=stop,
-                block_ids=tuple(state.block_ids[state.saved * per_chunk : stop * per_chunk]),
+                block_ids=tuple(state.block_ids[first * per_chunk : stop * per_chunk]),
             )
         )
+        self._prompts[req_id] = state.prompt
         state.saved, state.saving = stop, True
 
     def finished(self, request: Any) -> bool:
@@ -213,16 +344,24 @@ class SchedulerSide:
         self._held.add(request.request_id)
         return True
 
-    def record(self, worker_meta: Any) -> None:
-        if not isinstance(worker_meta, StoredChunks):
-            return
-        for key, parent, tokens in worker_meta.stored:
+    def record(self, worker_meta: Any, finished_sending: set[str] | None) -> None:
+        """Events for what the workers stored and found gone; `finished_sending`: the requests
+        whose saves every rank has ended."""
+        if isinstance(worker_meta, StoredChunks):
+            self._record(worker_meta)
+        for req_id in finished_sending or ():
+            self._prompts.pop(req_id, None)
+
+    def _record(self, worker_meta: StoredChunks) -> None:
+        chunk = self.chunk_tokens
+        for req_id, index, key, parent in worker_meta.stored:
+            prompt = self._prompts.get(req_id, ())
             self._events.append(
                 BlockStored(
                     block_hashes=[key],
                     parent_block_hash=parent,
-                    token_ids=np.frombuffer(tokens, "<i4").tolist(),
-                    block_size=len(tokens) // 4,
+                    token_ids=list(prompt[index * chunk : (index + 1) * chunk]),
+                    block_size=chunk,
                     lora_id=None,
                     medium=MEDIUM,
                     lora_name=None,

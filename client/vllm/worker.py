@@ -24,7 +24,6 @@ import contextlib
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 
 import kvstore_kernels
@@ -82,7 +81,7 @@ class WorkerSide:
         self._caches: Any = None
         self._scratch: list[torch.Tensor] | None = None
         self._stream: Any = None
-        self._keys: dict[str, list[bytes]] = {}
+        self._namespaces: tuple[bytes, ...] = ()  # the step's, per TP rank (`StepMetadata`)
         self._loading: dict[str, _Load] = {}  # async loads in flight
         self._step_loads: list[_Load] = []  # layer-wise loads of the current step
         self._saving: dict[str, list[tuple[StoreHandle, SaveSpec]]] = {}
@@ -111,11 +110,14 @@ class WorkerSide:
             return None
         return client
 
-    def _keys_of(self, client: KVStoreClient, req_id: str, tokens: bytes, stop: int) -> list[bytes]:
-        keys = self._keys.get(req_id)
-        if keys is None or len(keys) < stop:
-            keys = self._keys[req_id] = client.keys(np.frombuffer(tokens, "<i4"))
-        return keys
+    def _keys_of(self, client: KVStoreClient, spec: SaveSpec) -> tuple[bytes, ...] | None:
+        """This rank's keys of chunks `[spec.first, spec.stop)`; None where the scheduler made none
+        for it or made them under another namespace than this rank's client has."""
+        rank = self.spec.tp_rank
+        if rank >= len(self._namespaces) or self._namespaces[rank] != client.namespace:
+            return None
+        keys = spec.keys[rank] if rank < len(spec.keys) else ()
+        return keys if len(keys) == spec.stop - spec.first else None
 
     def _ordered_stream(self) -> Any:
         """The side stream, after the work queued so far (a block's last writer, the forward)."""
@@ -126,6 +128,7 @@ class WorkerSide:
     # -- loads --------------------------------------------------------------
 
     def start_loads(self, meta: StepMetadata) -> None:
+        self._namespaces = meta.namespaces
         for spec in meta.loads:
             load = self._start_load(spec)
             if self.layerwise:
@@ -137,9 +140,10 @@ class WorkerSide:
         client = self._client(spec.chunk_tokens)
         if client is None:
             return _Load(spec, [])
-        chunk, per_chunk = spec.chunk_tokens, spec.chunk_tokens // self.spec.block_size
-        tokens = np.frombuffer(spec.tokens, "<i4")
-        keys = self._keys_of(client, spec.req_id, spec.tokens, spec.stop)
+        keys = self._keys_of(client, spec)
+        if keys is None:
+            return _Load(spec, [])
+        per_chunk = spec.chunk_tokens // self.spec.block_size
         stream = self._ordered_stream()
         parts: list[tuple[LoadHandle, int, int]] = []
         first, copied = spec.first, None
@@ -147,10 +151,10 @@ class WorkerSide:
             if spec.skip:  # vLLM holds the chunk's first blocks: the chunk goes through the scratch cache
                 scratch = self._scratch_cache(per_chunk)
                 handle = client.load_async(
-                    tokens[first * chunk : (first + 1) * chunk],
+                    None,
                     scratch,
                     list(range(per_chunk)),
-                    keys=keys[first : first + 1],
+                    keys=keys[:1],
                     stream=stream,
                 )
                 parts.append((handle, first, first + 1))
@@ -160,10 +164,10 @@ class WorkerSide:
                 first += 1
             if first < spec.stop and all(handle.tokens for handle, _, _ in parts):
                 handle = client.load_async(
-                    tokens[first * chunk : spec.stop * chunk],
+                    None,
                     self._caches,
                     list(spec.block_ids[(first - spec.first) * per_chunk :]),
-                    keys=keys[first : spec.stop],
+                    keys=keys[first - spec.first :],
                     stream=stream,
                     layerwise=self.layerwise,
                 )
@@ -227,9 +231,7 @@ class WorkerSide:
                 valid = first + tokens // spec.chunk_tokens
             if self.reports and handle.tokens < (stop - first) * spec.chunk_tokens:
                 gone = first + handle.tokens // spec.chunk_tokens  # the daemon no longer holds it
-                keys = self._keys.get(spec.req_id)
-                if keys is not None and gone < len(keys):
-                    self._report.removed.append(keys[gone])
+                self._report.removed.append(spec.keys[0][gone - spec.first])
         if valid < spec.stop:
             self._errors.update(spec.target_blocks(per_chunk, valid, spec.stop))
 
@@ -240,18 +242,20 @@ class WorkerSide:
     # -- saves --------------------------------------------------------------
 
     def start_saves(self, meta: StepMetadata) -> None:
+        self._namespaces = meta.namespaces
         for spec in meta.saves if self.saves else ():
             client = self._client(spec.chunk_tokens)
             if client is None:
                 continue
-            chunk = spec.chunk_tokens
-            keys = self._keys_of(client, spec.req_id, spec.tokens, spec.stop)
+            keys = self._keys_of(client, spec)
+            if keys is None:
+                continue
             try:
                 handle = client.store_async(
-                    np.frombuffer(spec.tokens, "<i4")[spec.first * chunk : spec.stop * chunk],
+                    None,
                     self._caches,
                     list(spec.block_ids),
-                    keys=keys[spec.first : spec.stop],
+                    keys=keys,
                     stream=self._ordered_stream(),
                 )
             except Exception:
@@ -271,15 +275,11 @@ class WorkerSide:
             except Exception:
                 log.exception("committing a save of %s failed; its chunks are not stored", req_id)
                 continue
-            if self.reports and handle.positions:
-                keys = self._keys.get(req_id, [])
-                chunk = spec.chunk_tokens
+            if self.reports:
+                keys = spec.keys[0]
                 for position in handle.positions:
-                    index = spec.first + position
-                    if index < len(keys):
-                        parent = keys[index - 1] if index else None
-                        tokens = spec.tokens[index * chunk * 4 : (index + 1) * chunk * 4]
-                        self._report.stored.append((keys[index], parent, tokens))
+                    parent = keys[position - 1] if position else spec.parent
+                    self._report.stored.append((req_id, spec.first + position, keys[position], parent))
 
     def settle(self, req_ids: set[str]) -> None:
         """Commits (waiting for their gathers) every save of `req_ids`: their blocks may be reused next."""
@@ -302,7 +302,6 @@ class WorkerSide:
                 self._forget(req_id)
 
     def _forget(self, req_id: str) -> None:
-        self._keys.pop(req_id, None)
         self._finished.discard(req_id)
 
     def take_report(self) -> StoredChunks | None:
