@@ -17,8 +17,10 @@ The connector's scheduler-side cost: the time inside its scheduler methods per s
 request looked up (get_num_new_matched_tokens: keys, one Lookup per TP rank), median and p99,
 in the engine's run and again for every prompt back to back once the run is over (the same
 lookups without the worker's stores and loads between them, on a daemon that holds the pages).
-It runs where vLLM's scheduler runs, on the host CPU; vLLM does not install on the GPU machine,
-so these times come from the machine the benchmark ran on (`meta` in the JSON).
+It runs where vLLM's scheduler runs, on the host CPU, and reports of each lookup the part spent
+waiting for the daemon's answers. The times are the machine's it ran on (`meta` in the JSON):
+`bench/carry-vllm` builds what a device call carries to run it on the GPU machine's host
+(`bench/NOTES-vllm.md` has the command).
 
     python -m bench.vllm_scheduler [--requests 2000] [--cpu-pages 8192] [--gpu-blocks 16384]
 """
@@ -40,6 +42,7 @@ from bench.common import Latency, print_table, running_daemon, write_results
 from kvstore.config import EvictionConfig
 from kvstore.replay import replay
 from kvstore.trace import Trace, load_trace
+from kvstore_client.client import KVStoreClient
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 BLOCK_TOKENS = 512  # the trace's block
@@ -69,14 +72,31 @@ def prompts_of(trace: Trace) -> list[list[int]]:
 
 
 class Timer:
-    """Wraps the scheduler connector's methods: time per call and per step."""
+    """Wraps the scheduler connector's methods: time per call and per step, and of each lookup
+    the part spent waiting for the daemon's answers (`KVStoreClient.lookup_chunks`)."""
 
     def __init__(self, connector: Any) -> None:
         self.lookups: list[float] = []
+        self.round_trips: list[float] = []  # per lookup: the time inside lookup_chunks
         self.step_s = 0.0
         self.steps: list[float] = []
+        self._waited = 0.0
         for name in SCHEDULER_METHODS:
             setattr(connector, name, self._timed(name, getattr(connector, name)))
+        lookup_chunks = KVStoreClient.lookup_chunks
+
+        def timed_lookup(client: KVStoreClient, keys: Any) -> int:
+            started = time.perf_counter()
+            try:
+                return lookup_chunks(client, keys)
+            finally:
+                self._waited += time.perf_counter() - started
+
+        self._restore = lambda: setattr(KVStoreClient, "lookup_chunks", lookup_chunks)
+        KVStoreClient.lookup_chunks = timed_lookup  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        self._restore()
 
     def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
@@ -89,6 +109,8 @@ class Timer:
                 self.step_s += elapsed
                 if name == "get_num_new_matched_tokens":
                     self.lookups.append(elapsed)
+                    self.round_trips.append(self._waited)
+                self._waited = 0.0
 
         return timed
 
@@ -143,6 +165,8 @@ def run(
                     timer.end_step()
         elapsed = time.perf_counter() - started
         looked_up = len(timer.lookups) if timer is not None else 0
+        if timer is not None:
+            timer.close()
         if engine.connector is not None:  # every prompt looked up again, back to back
             for index, tokens in enumerate(prompts):
                 request = engine.request(f"again-{index}", tokens)
@@ -167,6 +191,9 @@ def run(
     }
     if timer is not None:
         result["lookup"] = Latency.of(timer.lookups[:looked_up])._asdict()
+        result["lookup_round_trips"] = Latency.of(timer.round_trips[:looked_up])._asdict()
+        own = [total - waited for total, waited in zip(timer.lookups, timer.round_trips, strict=True)]
+        result["lookup_own_work"] = Latency.of(own[:looked_up])._asdict()
         result["lookup_back_to_back"] = Latency.of(again)._asdict()
         result["connector_per_step"] = Latency.of(timer.steps)._asdict()
     return result
@@ -220,16 +247,30 @@ def main() -> None:
     both = runs["vllm_prefix_cache+kvstore"]["computed_tokens"]
     lookup = runs["kvstore"]["lookup"]
     print_table(
-        ["run", "prompt tokens computed", "served by kvstore", "lookup p50/p99 µs", "back to back"],
+        [
+            "run",
+            "prompt tokens computed",
+            "served by kvstore",
+            "lookup p50/p99 µs",
+            "of which daemon p50",
+            "own work p50",
+            "back to back",
+        ],
         [
             [
                 name,
                 f"{r['computed_tokens']:,}",
-                f"{r['served_share']:.2%}" if r["kvstore"] else "-",
-                f"{r['lookup']['p50_us']:.0f} / {r['lookup']['p99_us']:.0f}" if r["kvstore"] else "-",
-                f"{r['lookup_back_to_back']['p50_us']:.0f} / {r['lookup_back_to_back']['p99_us']:.0f}"
-                if r["kvstore"]
-                else "-",
+                *(
+                    [
+                        f"{r['served_share']:.2%}",
+                        f"{r['lookup']['p50_us']:.0f} / {r['lookup']['p99_us']:.0f}",
+                        f"{r['lookup_round_trips']['p50_us']:.0f}",
+                        f"{r['lookup_own_work']['p50_us']:.0f}",
+                        "{p50_us:.0f} / {p99_us:.0f}".format(**r["lookup_back_to_back"]),
+                    ]
+                    if r["kvstore"]
+                    else ["-"] * 5
+                ),
             ]
             for name, r in runs.items()
         ],
@@ -242,6 +283,8 @@ def main() -> None:
         "lookup_p50_us": round(lookup["p50_us"], 1),
         "lookup_p50_within_300us": lookup["p50_us"] <= 300,
         "lookup_back_to_back_p50_us": round(runs["kvstore"]["lookup_back_to_back"]["p50_us"], 1),
+        "lookup_round_trips_p50_us": round(runs["kvstore"]["lookup_round_trips"]["p50_us"], 1),
+        "lookup_own_work_p50_us": round(runs["kvstore"]["lookup_own_work"]["p50_us"], 1),
     }
     print(
         f"\nkvctl replay predicts {expected:.2%} for {args.cpu_pages} pages; kvstore served {share:.2%} "
