@@ -47,7 +47,7 @@ from kvstore.peers import boot_id, process_start_time
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.spec import KVSpec
-from kvstore.stats import stats_to_dict
+from kvstore.wire import page_spec_message, stats_to_dict
 from kvstore_client.gpu_pools import GpuPools, device_bus_id
 from kvstore_client.handles import LoadHandle, StoreHandle
 from kvstore_client.local import LocalChannel
@@ -118,7 +118,7 @@ def layer_groups(layers: range, runs: int) -> list[range]:
 
 
 def default_address() -> str:
-    from kvstore.config import default_socket_path
+    from kvstore.paths import default_socket_path
 
     return f"unix://{default_socket_path()}"
 
@@ -288,19 +288,7 @@ class KVStoreClient:
         page = spec._page(spec.chunk_tokens or spec.block_size)
         request = pb.ConnectRequest(
             client_name=self.name,
-            spec=pb.PageSpec(
-                model=page.model,
-                num_layers=page.num_layers,
-                num_kv_heads=page.num_kv_heads,
-                head_dim=page.head_dim,
-                dtype=page.dtype,
-                chunk_tokens=spec.chunk_tokens or 0,
-                latent=page.latent,
-                kv_sharing=dict(page.kv_sharing),
-                tp_rank=page.tp_rank,
-                tp_size=page.tp_size,
-                salt=page.salt,
-            ),
+            spec=page_spec_message(page, chunk_tokens=spec.chunk_tokens or 0),  # 0: the daemon's
             device_pci_bus_id=device_bus_id(),
         )
         reply = self._rpc("Connect", request)

@@ -14,7 +14,7 @@
 - `device_bus_id()`: the PCI bus id of this process's current CUDA device ("" without one),
   which Connect sends so that the namespace's pages go to the pool on that device.
 
-Needs torch with CUDA; the IPC calls go through `kvstore.tiers.cudart` on the CUDA runtime
+Needs torch with CUDA; the IPC calls go through `kvstore.cudart` on the CUDA runtime
 library that torch already loaded.
 """
 
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 import kvstore_kernels
+from kvstore.cudart import CudaError, CudaRuntime, CudaUnavailable, load_runtime
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.tiers import Tier
-from kvstore.tiers.cudart import CudaError, CudaRuntime, CudaUnavailable, load_runtime
+from kvstore.wire import Tier
 
 log = logging.getLogger(__name__)
 

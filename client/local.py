@@ -19,12 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.errors import Unavailable, error_for
-from kvstore.handlers import UNARY_METHODS
-from kvstore.local import HEADER, METHOD_NAMES
+from kvstore.wire import HEADER, METHOD_IDS, UNARY_METHODS
 
 log = logging.getLogger(__name__)
 
-_METHOD_IDS = {name: i for i, name in enumerate(METHOD_NAMES)}
 RECV_BYTES = 1 << 16
 
 
@@ -46,7 +44,7 @@ class LocalChannel:
         failed: BaseException | None = None
         try:
             with self._lock:
-                self._sock.sendall(HEADER.pack(len(payload), _METHOD_IDS[method]) + payload)
+                self._sock.sendall(HEADER.pack(len(payload), METHOD_IDS[method]) + payload)
                 self._read_unread()  # the daemon works on this request meanwhile
                 if meanwhile is not None:
                     try:
@@ -69,7 +67,7 @@ class LocalChannel:
     def frame(method: str, request: Any) -> bytes:
         """`request` as the channel sends it: made ahead, it is sent later with `send_frame`."""
         payload = request.SerializeToString()
-        return HEADER.pack(len(payload), _METHOD_IDS[method]) + payload
+        return HEADER.pack(len(payload), METHOD_IDS[method]) + payload
 
     def send(self, method: str, request: Any) -> None:
         """Sends `request` without waiting for the reply (read, and an error logged, with the next call's)."""

@@ -24,15 +24,16 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.config import EvictionConfig, default_socket_path
+from kvstore.config import EvictionConfig
 from kvstore.errors import KVStoreError, from_rpc_error
 from kvstore.keys import KEY_BYTES, pack_keys
+from kvstore.paths import default_socket_path
 from kvstore.policy import policy_names
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.replay import bounds, replay, report
-from kvstore.stats import stats_to_dict
 from kvstore.trace import TraceError, load_trace
+from kvstore.wire import stats_to_dict
 
 
 def human_bytes(n: float) -> str:

@@ -4,7 +4,7 @@
   `ConfigError` whose message names the dotted key and what was expected
   (`tiers.cpu.bytes: expected a size like 8GiB, got 'lots'`); `load_config` prefixes the file.
 - `parse_size("8GiB")`: byte sizes, binary (KiB, MiB, GiB, TiB) or decimal (KB, MB, GB, TB) units.
-- `default_runtime_dir()` / `default_socket_path()`: where `unix_socket: auto` puts the socket.
+- `unix_socket: auto` puts the socket at `kvstore.paths.default_socket_path()`.
 
 The loader is generic: it walks each dataclass's typed fields, converts each value by its type
 (`Size` and `Mode` mark byte sizes and octal file modes), checks the bounds kept in the field's
@@ -27,6 +27,8 @@ from types import NoneType, UnionType
 from typing import Annotated, Any, get_args, get_origin, get_type_hints
 
 import yaml
+
+from kvstore.paths import default_socket_path
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -82,25 +84,6 @@ def format_size(num_bytes: int) -> str:
         if num_bytes and num_bytes % unit == 0:
             return f"{num_bytes // unit}{name}"
     return str(num_bytes)
-
-
-def default_runtime_dir() -> Path:
-    """/run/kvstore as root; else $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/kvstore or /tmp/kvstore-<uid>."""
-    uid = os.geteuid()
-    if uid == 0:
-        return Path("/run/kvstore")
-    # A service with RuntimeDirectory= and User= gets no XDG_RUNTIME_DIR, but systemd names its directory.
-    systemd_dir = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    if systemd_dir:
-        return Path(systemd_dir)
-    xdg_dir = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg_dir:
-        return Path(xdg_dir) / "kvstore"
-    return Path(f"/tmp/kvstore-{uid}")
-
-
-def default_socket_path() -> Path:
-    return default_runtime_dir() / "kvstored.sock"
 
 
 def _setting(default: Any, **checks: Any) -> Any:

@@ -28,44 +28,13 @@ from kvstore.errors import DAEMON_STOPPING, InvalidArgument, StaleEpoch, Unavail
 from kvstore.keys import unpack_keys
 from kvstore.peers import Peer, boot_id
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.spec import PageSpec
 from kvstore.stats import stats_message
 from kvstore.store import AcquireResult, Store
-
-# name: (request type, reply type), in wire order: the local channel numbers methods by position.
-UNARY_METHODS: dict[str, tuple[type, type]] = {
-    "Connect": (pb.ConnectRequest, pb.ConnectResponse),
-    "Lookup": (pb.LookupRequest, pb.LookupResponse),
-    "Reserve": (pb.ReserveRequest, pb.ReserveResponse),
-    "Commit": (pb.LeaseRequest, pb.CommitResponse),
-    "Abort": (pb.LeaseRequest, pb.LeaseResponse),
-    "Acquire": (pb.LeaseRequest, pb.AcquireResponse),
-    "Release": (pb.LeaseRequest, pb.LeaseResponse),
-    "Stats": (pb.StatsRequest, pb.StatsResponse),
-    "Clear": (pb.ClearRequest, pb.ClearResponse),
-    "Pin": (pb.PinRequest, pb.PinResponse),
-    "Renew": (pb.RenewRequest, pb.RenewResponse),
-}
+from kvstore.wire import page_spec_of
 
 
 def _ttl(ms: int) -> float | None:
     return ms / 1000 if ms else None
-
-
-def page_spec(msg: pb.PageSpec, default_chunk_tokens: int) -> PageSpec:
-    return PageSpec(
-        model=msg.model,
-        num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads,
-        head_dim=msg.head_dim,
-        dtype=msg.dtype,
-        chunk_tokens=msg.chunk_tokens or default_chunk_tokens,
-        latent=msg.latent,
-        kv_sharing=tuple(msg.kv_sharing.items()),
-        tp_rank=msg.tp_rank,
-        tp_size=msg.tp_size or 1,
-        salt=msg.salt,
-    )
 
 
 class Handlers:
@@ -98,7 +67,7 @@ class Handlers:
 
     def Connect(self, request: pb.ConnectRequest, peer: Peer | None = None) -> pb.ConnectResponse:
         self._check_serving()
-        ns = self.store.connect(page_spec(request.spec, self.chunk_tokens), request.device_pci_bus_id)
+        ns = self.store.connect(page_spec_of(request.spec, self.chunk_tokens), request.device_pci_bus_id)
         arena = self.store.cpu.arena
         return pb.ConnectResponse(
             gpu_pools=self._gpu_pools(),

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import struct
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
@@ -40,21 +39,15 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from kvstore.errors import status_of
-from kvstore.handlers import UNARY_METHODS, Handlers
+from kvstore.handlers import Handlers
 from kvstore.peers import Peer
+from kvstore.wire import HEADER, MAX_FRAME_BYTES, METHOD_NAMES, UNARY_METHODS, frame
 
 log = logging.getLogger(__name__)
 
-HEADER = struct.Struct("<IB")
-METHOD_NAMES = tuple(UNARY_METHODS)
-MAX_FRAME_BYTES = 16 << 20
 _OK = 0
 _INTERNAL = 13
 _INVALID_ARGUMENT = 3
-
-
-def frame(code: int, body: bytes) -> bytes:
-    return HEADER.pack(len(body), code) + body
 
 
 class LocalChannelServer:

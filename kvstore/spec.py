@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import xxhash
@@ -191,18 +191,14 @@ class KVSpec:
         self._page(self.chunk_tokens or self.block_size)  # validates the page fields
 
     def _page(self, chunk_tokens: int) -> PageSpec:
+        shared = {f.name: getattr(self, f.name) for f in fields(PageSpec) if hasattr(self, f.name)}
         return PageSpec(
-            model=self.model,
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            chunk_tokens=chunk_tokens,
-            latent=self.layout == "mla",
-            kv_sharing=tuple(self.kv_sharing.items()),
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            salt=self.salt,
+            **shared
+            | {
+                "chunk_tokens": chunk_tokens,
+                "latent": self.layout == "mla",
+                "kv_sharing": tuple(self.kv_sharing.items()),
+            }
         )
 
     @classmethod

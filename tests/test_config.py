@@ -17,12 +17,11 @@ from kvstore.config import (
     EvictionConfig,
     LeaseConfig,
     ServerConfig,
-    default_runtime_dir,
-    default_socket_path,
     load_config,
     parse_config,
     parse_size,
 )
+from kvstore.paths import default_runtime_dir, default_socket_path
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TOKEN_HINT = "(clients send it as 'authorization: Bearer <token>' metadata)"

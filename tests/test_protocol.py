@@ -7,6 +7,7 @@ any client in any language sees on the wire.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -23,6 +24,7 @@ from kvstore.keys import chunk_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.spec import PageSpec
+from kvstore.wire import page_spec_message, page_spec_of
 
 Code = grpc.StatusCode
 
@@ -667,3 +669,14 @@ def test_health_and_reflection_describe_the_service(daemon: Any) -> None:
     ]
     methods = {method.name for file in files for service in file.service for method in service.method}
     assert methods == {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
+
+
+def test_a_page_spec_crosses_the_wire_field_for_field() -> None:
+    assert {f.name for f in dataclasses.fields(PageSpec)} == set(pb.PageSpec.DESCRIPTOR.fields_by_name)
+    page = PageSpec(
+        model="m", num_layers=4, num_kv_heads=1, head_dim=64, dtype="bfloat16", chunk_tokens=128,
+        latent=True, kv_sharing=((3, 1),), tp_rank=1, tp_size=2, salt="tenant",
+    )  # fmt: skip
+    assert page_spec_of(page_spec_message(page), 256) == page
+    asked = page_spec_message(page, chunk_tokens=0, tp_size=0, tp_rank=0)  # unset: the defaults
+    assert page_spec_of(asked, 256) == dataclasses.replace(page, chunk_tokens=256, tp_size=1, tp_rank=0)

@@ -4,12 +4,6 @@
 per hit chunk, packed as bytes.
 """
 
-from enum import IntEnum
+from kvstore.wire import Tier
 
-
-class Tier(IntEnum):
-    NONE = 0
-    GPU = 1
-    CPU = 2
-    DISK = 3
-    REMOTE = 4
+__all__ = ["Tier"]

@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.config import GpuTierConfig
+from kvstore.cudart import CudaError, CudaRuntime, CudaUnavailable, load_runtime
 from kvstore.tiers.cpu import Arena
-from kvstore.tiers.cudart import CudaError, CudaRuntime, CudaUnavailable, load_runtime
 from kvstore.tiers.slab import SlabAllocator
 
 log = logging.getLogger(__name__)

@@ -1,15 +1,24 @@
-"""The CUDA runtime calls of the GPU tier, through ctypes on libcudart: the daemon needs no torch.
+"""The repository's one binding of the CUDA runtime, through ctypes on libcudart: the daemon's GPU
+tier, the client's GPU pools and the kernels' copy-engine paths all call it (no torch needed).
 
 - `load_runtime()`: the runtime, loaded once (`CudaRuntime`), or `CudaUnavailable` saying why
   there is none (no library, no driver, no device).
 - devices: `device_count()`, `set_device(d)`, `pci_bus_id(d)`, `device_by_pci_bus_id(bus_id)`.
-- memory: `malloc(size)`, `free(ptr)`, `host_register(ptr, size)`, `host_unregister(ptr)`.
+- memory: `malloc(size)`, `free(ptr)`, `memset(ptr, value, size)`, `host_register(ptr, size)`,
+  `host_unregister(ptr)`.
 - CUDA IPC: `ipc_handle(ptr)` (64 bytes), `ipc_open(handle)` (on the current device), `ipc_close(ptr)`.
-- copies: `stream_create()`, `memcpy_async(dst, src, size, stream)`, `stream_synchronize(stream)`.
+- streams and events: `stream_create()`, `stream_destroy(s)`, `stream_synchronize(s)`;
+  `event_create()`, `event_record(event, stream)`, `stream_wait_event(stream, event)`,
+  `event_synchronize(event)`: raw events (no timing) by handle, a microsecond a call where
+  torch's `Event` wrappers take several.
+- copies: `memcpy_async(dst, src, size, stream)`, `memcpy_2d_async(...)`, and
+  `memcpy_batch_async(dsts, srcs, sizes, stream)`: many 1-D copies in one call
+  (cudaMemcpyBatchAsync, CUDA 12.8+, `can_batch`; its CUDA 13 form has no `failIdx` argument;
+  it refuses the legacy default stream, handle 0).
 
-The library is the one this process already loaded (a worker's torch), else an nvidia wheel's
-(torch's CUDA wheels install one: found as kernels/cudart.py finds it), else the system's.
-Every call's status is checked; a failure is a `CudaError` naming the call.
+The library is the one this process already loaded (a worker's torch: then the current device
+and the streams are the ones torch uses), else an nvidia wheel's, else the system's. Every
+call's status is checked; a failure is a `CudaError` naming the call.
 """
 
 from __future__ import annotations
@@ -20,8 +29,15 @@ import os
 import sys
 from functools import cache
 
+import numpy as np
+
 IPC_HANDLE_BYTES = 64
-_MEMCPY_DEFAULT = 4  # direction from the unified address space
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the unified address space
+_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
+_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1  # cudaMemcpyFlagPreferOverlapWithCompute: leave the SMs alone
+_EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming: the cheapest event to record and wait on
+_BATCH_MIN_VERSION = 12080
+_NO_FAIL_INDEX_VERSION = 13000
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 _STREAM_NON_BLOCKING = 1
 _NO_DEVICE = 100  # cudaErrorNoDevice
@@ -43,16 +59,31 @@ class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
 
 
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
 class CudaRuntime:
-    """libcudart's calls that the GPU tier makes, with their argument types declared."""
+    """libcudart's calls, with their argument types declared."""
 
     def __init__(self, library: ctypes.CDLL, path: str) -> None:
         self.path = path
         self._lib = lib = library
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaGetLastError.restype = ctypes.c_int
         size_t, ptr, c_int = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int
         signatures: dict[str, list[type]] = {
+            "cudaRuntimeGetVersion": [ctypes.POINTER(c_int)],
             "cudaGetDeviceCount": [ctypes.POINTER(c_int)],
             "cudaSetDevice": [c_int],
             "cudaDeviceGetPCIBusId": [ctypes.c_char_p, c_int, c_int],
@@ -69,15 +100,32 @@ class CudaRuntime:
             "cudaStreamDestroy": [ptr],
             "cudaStreamSynchronize": [ptr],
             "cudaMemcpyAsync": [ptr, ptr, size_t, c_int, ptr],
+            "cudaMemcpy2DAsync": [ptr, size_t, ptr, size_t, size_t, size_t, c_int, ptr],
+            "cudaEventCreateWithFlags": [ctypes.POINTER(ptr), ctypes.c_uint],
+            "cudaEventRecord": [ptr, ptr],
+            "cudaStreamWaitEvent": [ptr, ptr, ctypes.c_uint],
+            "cudaEventSynchronize": [ptr],
         }
         for name, argtypes in signatures.items():
             function = getattr(lib, name)
             function.argtypes = argtypes
             function.restype = c_int
+        version = ctypes.c_int()
+        self._check(lib.cudaRuntimeGetVersion(ctypes.byref(version)), "cudaRuntimeGetVersion")
+        self.version = version.value
+        self.can_batch = self.version >= _BATCH_MIN_VERSION and hasattr(lib, "cudaMemcpyBatchAsync")
+        if self.can_batch:
+            fail_index = [] if self.version >= _NO_FAIL_INDEX_VERSION else [ptr]
+            lib.cudaMemcpyBatchAsync.argtypes = [ptr, ptr, ptr, size_t, ptr, ptr, size_t, *fail_index, ptr]
+            lib.cudaMemcpyBatchAsync.restype = c_int
+        self._attrs = _MemcpyAttributes(
+            srcAccessOrder=_SRC_ACCESS_ORDER_STREAM, flags=_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+        )
+        self._attrs_index = ctypes.c_size_t(0)
 
     def _check(self, status: int, call: str) -> None:
         if status:
-            self._lib.cudaGetLastError()  # clear it, or the next unrelated check reports it
+            self._lib.cudaGetLastError()  # clear it, or the next unrelated check (torch's) reports it
             message = self._lib.cudaGetErrorString(status).decode(errors="replace")
             raise CudaError(f"{call} failed: {message} (cudaError {status})")
 
@@ -154,6 +202,52 @@ class CudaRuntime:
 
     def memcpy_async(self, dst: int, src: int, size: int, stream: int) -> None:
         self._check(self._lib.cudaMemcpyAsync(dst, src, size, _MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+
+    def memcpy_2d_async(
+        self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int
+    ) -> None:
+        status = self._lib.cudaMemcpy2DAsync(
+            dst, dst_pitch, src, src_pitch, width, height, _MEMCPY_DEFAULT, stream
+        )
+        self._check(status, "cudaMemcpy2DAsync")
+
+    def memcpy_batch_async(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        """Copy `sizes[i]` bytes from `srcs[i]` to `dsts[i]` for every i, in one call (uint64 arrays).
+
+        `stream` must not be 0, the legacy default stream."""
+        if not self.can_batch:
+            raise CudaError(f"cudaMemcpyBatchAsync needs CUDA 12.8+; this runtime is {self.version}")
+        if not stream:
+            raise ValueError("cudaMemcpyBatchAsync refuses the legacy default stream (handle 0)")
+        arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes)]
+        fail_index = [] if self.version >= _NO_FAIL_INDEX_VERSION else [ctypes.byref(ctypes.c_size_t())]
+        status = self._lib.cudaMemcpyBatchAsync(
+            *(a.ctypes.data for a in arrays),
+            len(arrays[0]),
+            ctypes.byref(self._attrs),
+            ctypes.byref(self._attrs_index),
+            1,
+            *fail_index,
+            stream,
+        )
+        self._check(status, "cudaMemcpyBatchAsync")
+
+    def event_create(self) -> int:
+        """A new event on the current device (never destroyed: the callers keep theirs for good)."""
+        event = ctypes.c_void_p()
+        status = self._lib.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING)
+        self._check(status, "cudaEventCreateWithFlags")
+        return int(event.value or 0)
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._check(self._lib.cudaEventRecord(event, stream), "cudaEventRecord")
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """`stream` waits for the event's latest record (none yet: no wait)."""
+        self._check(self._lib.cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
+
+    def event_synchronize(self, event: int) -> None:
+        self._check(self._lib.cudaEventSynchronize(event), "cudaEventSynchronize")
 
 
 @cache

@@ -1,0 +1,105 @@
+"""What the daemon and its clients share on the wire, beside the generated protobuf modules.
+
+- `UNARY_METHODS`: the unary calls of kvstore.v1.KVStore, name -> (request type, reply type), in
+  wire order: the local channel numbers methods by position (`METHOD_NAMES`).
+- The local channel's framing (`kvstore.local` serves it, `kvstore_client.local` calls it):
+  `HEADER` (u32 length, u8 method or status), `frame(code, body)`, `MAX_FRAME_BYTES`.
+- `Tier`: the wire's tier numbers; a Lookup reports one per hit chunk, packed as bytes.
+- `page_spec_message(page)` / `page_spec_of(message, default_chunk_tokens)`: a `PageSpec` and
+  its `kvstore.v1.PageSpec`, field by field from the dataclass (one field list, `kvstore.spec`).
+- `stats_to_dict(reply)`: a Stats reply as the plain dict `KVStoreClient.stats()` returns and
+  `kvctl stats --json` prints: `{"version", "uptime_s", "tiers": {name: {...}},
+  "namespaces": [{...}], "counters": {...}}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from enum import IntEnum
+from typing import Any
+
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.spec import PageSpec
+
+UNARY_METHODS: dict[str, tuple[type, type]] = {
+    "Connect": (pb.ConnectRequest, pb.ConnectResponse),
+    "Lookup": (pb.LookupRequest, pb.LookupResponse),
+    "Reserve": (pb.ReserveRequest, pb.ReserveResponse),
+    "Commit": (pb.LeaseRequest, pb.CommitResponse),
+    "Abort": (pb.LeaseRequest, pb.LeaseResponse),
+    "Acquire": (pb.LeaseRequest, pb.AcquireResponse),
+    "Release": (pb.LeaseRequest, pb.LeaseResponse),
+    "Stats": (pb.StatsRequest, pb.StatsResponse),
+    "Clear": (pb.ClearRequest, pb.ClearResponse),
+    "Pin": (pb.PinRequest, pb.PinResponse),
+    "Renew": (pb.RenewRequest, pb.RenewResponse),
+}
+METHOD_NAMES = tuple(UNARY_METHODS)
+METHOD_IDS = {name: index for index, name in enumerate(METHOD_NAMES)}
+
+HEADER = struct.Struct("<IB")  # request: length, method index; reply: length, grpc.StatusCode value
+MAX_FRAME_BYTES = 16 << 20
+
+
+def frame(code: int, body: bytes) -> bytes:
+    return HEADER.pack(len(body), code) + body
+
+
+class Tier(IntEnum):
+    NONE = 0
+    GPU = 1
+    CPU = 2
+    DISK = 3
+    REMOTE = 4
+
+
+_PAGE_FIELDS = tuple(field.name for field in dataclasses.fields(PageSpec))
+
+
+def page_spec_message(page: PageSpec, **fields: Any) -> pb.PageSpec:
+    """`page` as the wire's PageSpec; `fields` replace some of its values (a Connect asks for
+    chunk_tokens 0 where it takes the daemon's)."""
+    values = {name: getattr(page, name) for name in _PAGE_FIELDS}
+    values["kv_sharing"] = dict(page.kv_sharing)
+    return pb.PageSpec(**(values | fields))
+
+
+def page_spec_of(message: pb.PageSpec, default_chunk_tokens: int) -> PageSpec:
+    """The PageSpec a Connect names; unset chunk_tokens and tp_size take the defaults."""
+    values = {name: getattr(message, name) for name in _PAGE_FIELDS}
+    values["kv_sharing"] = tuple(message.kv_sharing.items())
+    values["chunk_tokens"] = message.chunk_tokens or default_chunk_tokens
+    values["tp_size"] = message.tp_size or 1
+    return PageSpec(**values)
+
+
+def _number(value: float) -> int | float:
+    return int(value) if float(value).is_integer() else value
+
+
+def stats_to_dict(msg: pb.StatsResponse) -> dict[str, Any]:
+    return {
+        "version": msg.version,
+        "uptime_s": round(msg.uptime_s, 3),
+        "tiers": {
+            t.name: {
+                "bytes_used": t.bytes_used,
+                "bytes_capacity": t.bytes_capacity,
+                "pages": t.pages,
+                **{k: _number(v) for k, v in sorted(t.extra.items())},
+            }
+            for t in msg.tiers
+        },
+        "namespaces": [
+            {
+                "namespace": n.namespace.hex(),
+                "model": n.model,
+                "pages": n.pages,
+                "bytes": n.stored_bytes,
+                "page_bytes": n.page_bytes,
+            }
+            for n in msg.namespaces
+        ],
+        "counters": {k: _number(v) for k, v in sorted(msg.counters.items())},
+    }

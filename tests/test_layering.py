@@ -1,0 +1,134 @@
+"""The import rules of the repository, read from the source.
+
+- The client (`client/`, `kvstore_client`) and the kernels (`kernels/`, `kvstore_kernels`) import
+  from the `kvstore` package only the modules both sides share (`SHARED`): the wire format,
+  keys, specs, errors, the CUDA runtime binding, default paths and process identity.
+- The shared modules import only each other; the daemon never imports the client or the kernels.
+- No two modules of the repository import each other, directly or through others, at import time
+  (imports inside functions and under `if TYPE_CHECKING:` aside).
+- `import kvstore_client` loads none of the daemon's modules (checked in a fresh interpreter).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import python_env
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "kvstore": ROOT / "kvstore",
+    "kvstore_client": ROOT / "client",
+    "kvstore_kernels": ROOT / "kernels",
+}
+SHARED = {
+    "kvstore",  # the package itself: __version__
+    "kvstore.cudart",
+    "kvstore.errors",
+    "kvstore.keys",
+    "kvstore.paths",
+    "kvstore.peers",
+    "kvstore.proto",
+    "kvstore.proto.kvstore_pb2",
+    "kvstore.proto.kvstore_pb2_grpc",
+    "kvstore.spec",
+    "kvstore.wire",
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imports(path: Path, *, top_level_only: bool) -> set[str]:
+    """The repository's modules `path` imports (at import time only, with `top_level_only`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if top_level_only and isinstance(node, ast.If | ast.Try) and not _type_checking(node):
+            nodes.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        found.update(name for name in names if name in MODULES)
+    return found
+
+
+def _type_checking(node: ast.stmt) -> bool:
+    """`if TYPE_CHECKING:`: imports for annotations, never run."""
+    return isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def test_the_client_and_the_kernels_import_only_the_shared_modules() -> None:
+    wrong = {
+        f"{name} imports {target}"
+        for name, path in MODULES.items()
+        if not name.startswith("kvstore.") and name != "kvstore"
+        for target in imports(path, top_level_only=False)
+        if target.split(".")[0] == "kvstore" and target not in SHARED
+    }
+    assert not wrong, sorted(wrong)
+    kernels_to_client = {
+        f"{name} imports {target}"
+        for name, path in MODULES.items()
+        if name.startswith("kvstore_kernels")
+        for target in imports(path, top_level_only=False)
+        if target.startswith("kvstore_client")
+    }
+    assert not kernels_to_client, sorted(kernels_to_client)
+
+
+def test_the_shared_modules_import_only_each_other_and_the_daemon_no_client() -> None:
+    wrong = {
+        f"{name} imports {target}"
+        for name, path in MODULES.items()
+        if name.split(".")[0] == "kvstore"
+        for target in imports(path, top_level_only=False)
+        if (name in SHARED and target not in SHARED) or target.split(".")[0] != "kvstore"
+    }
+    assert not wrong, sorted(wrong)
+
+
+def test_no_import_cycle() -> None:
+    graph = {name: imports(path, top_level_only=True) - {name} for name, path in MODULES.items()}
+    cycles = set()
+    for start in graph:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for target in graph[node]:
+                if target == start:
+                    cycles.add(" -> ".join(sorted(trail)))
+                elif target not in seen:
+                    seen.add(target)
+                    stack.append((target, [*trail, target]))
+    assert not cycles, sorted(cycles)
+
+
+def test_importing_the_client_loads_none_of_the_daemon() -> None:
+    probe = "import sys, kvstore_client; print(' '.join(sorted(sys.modules)))"
+    loaded = set(
+        subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=python_env()
+        ).stdout.split()
+    )
+    daemon = {name for name in MODULES if name.split(".")[0] == "kvstore" and name not in SHARED}
+    assert not loaded & daemon, sorted(loaded & daemon)
+    assert "yaml" not in loaded and "kvstore.paths" not in loaded
