@@ -71,8 +71,9 @@ def test_the_gpu_tier_is_off_by_default_and_its_settings_are_checked() -> None:
 def test_without_a_gpu_the_daemon_says_so_once_and_serves_from_the_cpu_tier(
     daemon_factory: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no device, whatever this machine has
-    daemon = daemon_factory(tiers__gpu={"enabled": True, "bytes": "16MiB", "slab_bytes": "16MiB"})
+    with monkeypatch.context() as env:  # the daemon's environment only: this process keeps its GPUs
+        env.setenv("CUDA_VISIBLE_DEVICES", "")  # no device, whatever this machine has
+        daemon = daemon_factory(tiers__gpu={"enabled": True, "bytes": "16MiB", "slab_bytes": "16MiB"})
     assert daemon.log().count("GPU tier off:") == 1, daemon.log()
     spec = KVSpec(
         model="no-gpu", num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, block_size=16
