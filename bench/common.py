@@ -5,8 +5,10 @@
   ends it with SIGTERM and returns its exit status.
 - `Latency.of(samples_s)`: p50 / p99 / mean of timed calls, in microseconds.
 - `print_table(headers, rows)`: a plain-text table on stdout.
-- `write_results(name, payload)`: `bench/results/<name>-<UTC timestamp>.json` and
-  `bench/results/<name>.json` (the latest), each with a `meta` block describing the machine.
+- `write_results(name, payload)`: `bench/results/<name>.json` (the latest, kept in git) and a
+  copy of every run in `bench/results/runs/<name>-<UTC timestamp>.json` (ignored by git: a run
+  that a note cites is copied beside `<name>.json` by hand), each with a `meta` block
+  describing the machine.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
+RUNS_DIR = RESULTS_DIR / "runs"  # every run, timestamped; ignored by git
 STARTUP_TIMEOUT_S = 60.0
 _PR_SET_PDEATHSIG = 1
 
@@ -259,12 +262,13 @@ def _cpu_model() -> str:
 
 
 def write_results(name: str, payload: dict[str, Any]) -> Path:
-    """Write `payload` plus a `meta` block to a timestamped file and to `<name>.json`; returns the latter."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    """Write `payload` plus a `meta` block to `runs/<name>-<timestamp>.json` and to `<name>.json`;
+    returns the latter."""
+    RUNS_DIR.mkdir(parents=True, exist_ok=True)
     document = {"meta": machine_meta(), **payload}
     text = json.dumps(document, indent=2, default=str) + "\n"
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    (RESULTS_DIR / f"{name}-{stamp}.json").write_text(text)
+    (RUNS_DIR / f"{name}-{stamp}.json").write_text(text)
     latest = RESULTS_DIR / f"{name}.json"
     latest.write_text(text)
     return latest

@@ -23,8 +23,8 @@ stream has run the copy (record an event after the call). Pass the block table o
 host (list, numpy, CPU tensor) to have it checked; a CUDA block table is not read back:
 see `validate`. The checks of the cache tensors (and the views made of them) are remembered
 per tensor fingerprint (`cache_facts`), so a call on tensors seen before checks only its
-block table, chunks, offsets and buffer: about 0.1-0.2 ms of host time on the H100 host for
-8k tokens of an 8B model, against ~0.6-1.1 ms for the first call on new tensors.
+block table, chunks, offsets and buffer: a fraction of the first call's host time
+(bench/NOTES-transfer.md, item 9a).
 `register(spec, kv_caches)` checks an engine's tensors once and returns them as
 `RegisteredCaches`: calls given that object skip the fingerprints too (the engine promises
 the tensors keep their storage, shape and strides, as vLLM's `register_kv_caches` does).

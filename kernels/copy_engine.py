@@ -9,9 +9,9 @@
   `cudaMemcpy2DAsync` per 2-D copy, or all 1-D copies in one `cudaMemcpyBatchAsync`. With
   CPU tensors the same list runs with `memmove`, which is how the CPU tests check it.
 
-Sources are read in stream order, so work queued before the call is seen. On the H100 a
-2-D copy per block keeps pace with the kernel (48 GB/s each way, ~9 us of host time per
-call); the 1-D batch of 32 KiB copies does not (23-35 GB/s, bench/NOTES-transfer.md).
+Sources are read in stream order, so work queued before the call is seen. A 2-D copy per
+block keeps pace with the kernel, for a few microseconds of host time per call; the 1-D batch
+of 32 KiB copies does not (bench/NOTES-transfer.md, items 5 and 6).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The GPU tier's hot path: a scatter from a device buffer into registered caches, blocks checked ahead.
 
 A load from the daemon's GPU tier is one kernel launch reading a pool on the cache's device:
-the copy takes ~0.7 ms for 8k tokens of an 8B model on the H100, and the general path's host
-work before it (`plan_transfer`, the route, the geometry, the launch arguments) took ~0.26 ms
-of warm host time on the H100 host, spent in a few hundred small Python steps. When the
+the copy is short, so the general path's host work before it (`plan_transfer`, the route, the
+geometry, the launch arguments: a few hundred small Python steps) is a large part of the load
+(bench/NOTES-gpu-tier.md, "Round of 13:06-14:00Z" and "Figures behind the code"). When the
 caller has done the slow checks once (`register` for the cache, `check_blocks` for the table,
 as `KVStoreClient.load` does), everything but the page addresses is the same from one load to
 the next, so this path keeps it per (registered cache, spec, layers, buffer) and does per call

@@ -10,8 +10,8 @@ engine's cache when the views are packed within a block (`contiguous`).
   copy-engine path (`copy_engine`); the Triton kernel computes the same on the GPU.
 - `geometry_of(spec, plan)`: the same as `Geometry(spec, plan)`, but what depends on the cache
   alone (the views' addresses and strides, the page offsets) is kept from an earlier transfer
-  with the same remembered cache facts and layers: only the page addresses are new (a GPU-tier
-  load of 8k tokens of an 8B model: ~0.1 ms less host time on the H100 host).
+  with the same remembered cache facts and layers: only the page addresses are new (what that
+  saves a GPU-tier load: bench/NOTES-gpu-tier.md).
 """
 
 from __future__ import annotations

@@ -6,32 +6,25 @@
   (Triton), "copy_engine" (DMA straight from the cache) or "staged" (the kernel packs into
   a device ring, the copy engines move it), and why.
 
-The auto rule, in order. Figures: H100 PCIe Gen5, 8k tokens of an 8B model (1 GiB each way,
-32 pages of 32 MiB), bench/NOTES-transfer.md (runs of 2026-11-22 09:51Z-10:06Z); "x memcpy"
-is against one cudaMemcpyAsync of the same bytes (54-55 GB/s each way), "slowdown" that of a
-stream of bf16 8192^3 matrix products beside the transfer.
+The auto rule, in order. Each path is weighed by its rate against one cudaMemcpyAsync of the
+same bytes and by what it costs the model: how much it slows matrix products running beside
+the transfer, i.e. how many SMs it holds and for how long. The figures behind each step (H100,
+8k tokens of an 8B model) are in bench/NOTES-transfer.md, "The auto rule's figures".
 1. `KVSTORE_KERNELS=torch` or `=triton` forces the reference or the kernel.
 2. A CPU cache, or a CUDA cache with a pageable host buffer: the reference.
 3. A buffer in device memory: the kernel, one program per 32 KiB step (`triton_copy.DEVICE_*`):
-   1.44 TB/s back to back reading a GPU-tier pool, 0.98x a device copy of the same bytes
-   (bench/gpu_tier.py --sweep, 10:22Z); the copy engines, 32768 copies of 32 KiB in one
-   batched call, moved 8 GB/s.
+   it reads a GPU-tier pool at nearly the rate of a device copy, where the copy engines'
+   batched 32 KiB copies are far slower.
 4. A pinned buffer whose staging slots hold at least one stored layer of a page: the staged
-   path, every layout, host or device block table. One isolated public call on cache
-   tensors seen before: 0.93-0.95x memcpy each way (timed in turn with memcpy, 10:06Z:
-   gather 0.946 / 0.934, scatter 0.933 / 0.933 for flash_attn / cross_layer), the gap mostly
-   host time before the first piece; the first call on new tensors 0.89-0.91x; calls back
-   to back 0.97-1.00x; the plan prepared 0.94-0.97x. `max_programs=16`: 0.93-0.95x too, but
-   slowdown 1.10-1.15. Default slowdown 0.99-1.01 (products keep the copy at 52-53 GB/s).
-   Both ways at once, two public calls from one thread: 0.96-0.97x the two-way memcpy
-   (slowdown 1.02-1.03). Its 32 pack programs hold their SMs ~50 us per 32 MiB page (~9% of
-   the 610 us the page spends on PCIe).
+   path, every layout, host or device block table. Closest to memcpy each way and both ways
+   at once, and the model barely slows: its pack programs hold their SMs for a small part of
+   the time each page spends on PCIe. What it lacks is mostly host time before the first
+   piece (less on tensors seen before, none left to hide in calls issued back to back).
 5. Otherwise the copy engines where one 2-D copy per block moves the transfer (pinned
    buffer, block table on the host, every (layer, k|v) segment of a block at one pitch on
-   both sides, as in the cross_layer layout): 0.88-0.91x, no SM, both ways 0.86-0.90x.
+   both sides, as in the cross_layer layout): a little slower, and no SM.
 6. Otherwise the kernel, with the measured program count per direction (`triton_copy`):
-   0.81-0.93x at 2 programs, but those SMs are held for the whole transfer (slowdown
-   1.09-1.17, both ways 0.57-0.64x).
+   slower still, and its SMs are held for the whole transfer.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@
 
 Why: the kernel alone must issue PCIe reads and writes from the SMs, which holds SMs for
 the whole transfer and slows the model's kernels; the copy engines alone move 1-D copies
-of one block slowly (23-35 GB/s, `copy_engine`). Packing first turns any layout into one
-large copy per piece, and SMs are busy only while packing (about a tenth of the time).
+of one block slowly (`copy_engine`). Packing first turns any layout into one large copy per
+piece, and SMs are busy only while packing, a small part of the time (bench/NOTES-transfer.md,
+item 8).
 
 A block id outside the cache (possible only with a device block table) is skipped by the
 unpack, as by the kernel; the pack writes zeros for it, so a slot's stale bytes, which
@@ -48,15 +49,14 @@ from kvstore.spec import KVSpec, PageSpec
 from .geometry import Geometry
 from .validate import Transfer
 
-# Measured on the H100 with 8B-geometry pages of 32 MiB (bench/NOTES-transfer.md):
-# - 4 slots of 32 MiB (a page per copy): 0.93-0.98x memcpy; slots of 16 MiB: 0.93-0.97x, but
-#   only 42-43 GB/s beside matrix products (52 with 32 MiB slots). The ring is sized by the
-#   largest piece, so small pages take 4 small slots whatever the cap.
-# - Pack programs: a 32 MiB pack takes ~80 us at 16 programs, ~50 at 32, ~40 at 64. Matrix
-#   products beside the transfer slow 1.00-1.02x at 32 or 64 programs, 1.09-1.17x at 8 or 16:
-#   long bursts hurt more than wide ones.
-# - Overlap (packing the next piece during this piece's copy) is worth 0.04-0.07x memcpy
-#   alone, and keeps the copy at 51-53 GB/s beside matrix products against 22-27 serial.
+# Chosen on the H100 with 8B-geometry pages of 32 MiB (bench/NOTES-transfer.md, item 8):
+# - 4 slots of a whole page each: as fast alone as half-page slots, and faster beside matrix
+#   products. The ring is sized by the largest piece, so small pages take 4 small slots
+#   whatever the cap.
+# - 32 pack programs: short wide bursts slow the model's products less than long narrow ones
+#   (8 or 16 programs); 64 slow them no less than 32.
+# - Overlap (packing the next piece during this piece's copy): faster alone, and it keeps the
+#   copy near the link's rate beside matrix products, where a serial pack and copy do not.
 NUM_SLOTS = 4
 DEFAULT_STAGING_BYTES = 128 << 20  # per direction and device: 4 slots of 32 MiB, one 8B page each
 DEFAULT_PROGRAMS = 32  # pack/unpack programs, so SMs, for the few tens of microseconds of a burst

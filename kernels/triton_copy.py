@@ -41,18 +41,15 @@ from .geometry import Geometry, geometry_of
 from .layouts import KVCaches
 from .validate import Transfer, plan_transfer
 
-# Programs (so at most that many SMs) when the buffer is in host memory, per direction. On the
-# H100 with DEFAULT_TUNING, 2 programs move 49-50 GB/s GPU->host and 45-47 GB/s host->GPU (4
-# programs: 49-50 and 47-49), and each program held for a whole transfer slows the model's
-# matrix products more (GPU->host: 1.1x at 2 programs, 1.2-1.35x at 4, 1.7-2.1x at 8, 10-16x
-# with one per SM): see bench/NOTES-transfer.md.
+# Programs (so at most that many SMs) when the buffer is in host memory, per direction. With
+# DEFAULT_TUNING 2 programs already move nearly what more would, and each program held for a
+# whole transfer slows the model's matrix products more: bench/NOTES-transfer.md (item 4, and
+# "The auto rule's figures").
 HOST_PROGRAMS = {"gather": 2, "scatter": 2}
 # A buffer in device memory (the GPU tier's pools): one program per 32 KiB step, no persistent
-# loop. bench/gpu_tier.py --sweep (H100, 10:22Z, 1 GiB of 32 KiB segments reading a pool): every
-# shape with 8-byte words, 4 to 64 KiB per step, moves 1427-1443 GB/s back to back at its best
-# program count (the device copy: 1468); this one 1440. 132 programs suffice with 32 KiB per
-# program in flight, not with 4-8 KiB (0.79-1.15 TB/s). An isolated scatter from the pool: 1.72 ms
-# at 64 programs (the old default, 16 KiB x 4), 1.50 at 132, 1.38 with one program per step.
+# loop. With 32 KiB in flight per program every shape reads a pool at nearly the device copy's
+# rate at its best program count, and an isolated scatter from a pool was fastest with one
+# program per step (bench/gpu_tier.py --sweep; bench/NOTES-gpu-tier.md).
 DEVICE_MAX_PROGRAMS = 1 << 20
 _WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
@@ -69,8 +66,8 @@ class Tuning(NamedTuple):
     word_bytes: int = 8  # the widest integer word moved (the addresses may allow less)
 
 
-# 64 KiB in flight per program: host reads need it (one 16 KiB load per step: 16 GB/s at 2
-# programs, against 46 GB/s with four).
+# 64 KiB in flight per program: host reads need it (one 16 KiB load per step moves a fraction
+# of the link's rate at 2 programs: bench/NOTES-transfer.md, item 1).
 DEFAULT_TUNING = Tuning()
 # A buffer in device memory: see DEVICE_MAX_PROGRAMS.
 DEVICE_TUNING = Tuning(tile_bytes=32768, segments_per_step=1)
@@ -346,8 +343,8 @@ class Launch:
 
 
 # Calling a compiled kernel's launcher directly skips Triton's per-launch argument binding and
-# specialisation (~60 us of Python per launch on the H100 host); KVSTORE_TRITON_DISPATCH=1 turns
-# it off.
+# specialisation, most of a launch's host time (bench/NOTES-transfer.md, item 9b);
+# KVSTORE_TRITON_DISPATCH=1 turns it off.
 _FAST_LAUNCH = os.environ.get("KVSTORE_TRITON_DISPATCH", "") in ("", "0") and list(
     getattr(_copy_pages, "arg_names", [])[5:8]
 ) == ["first_segment", "num_segments", "stage_base"]

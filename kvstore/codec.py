@@ -9,8 +9,8 @@
   copy); raises `ValueError` for a payload that does not decode to `raw_length` bytes.
 
 A byte-shuffle before lz4 (blosc-style high/low byte planes) was measured on KV from
-a transformers Llama and left out: 1.2x smaller for bf16, nothing for fp16, at a
-fifth of lz4's decompression speed (bench/NOTES-disk.md).
+a transformers Llama and left out: it shrinks bf16 a little and fp16 not at all, and
+decompresses far slower than lz4 (bench/NOTES-disk.md, "Codecs on real model KV").
 """
 
 from __future__ import annotations

@@ -78,8 +78,8 @@ def chain_keys(
 
 
 def _token_bytes(token_ids: Any) -> bytes:
-    """`token_array(token_ids).tobytes()`; a list of ints is packed without numpy (~5x faster for
-    8k tokens: numpy looks at each int's type first). A list it cannot pack (floats, ids out of
+    """`token_array(token_ids).tobytes()`; a list of ints is packed without numpy, which looks at
+    each int's type first (bench/NOTES-gpu-tier.md). A list it cannot pack (floats, ids out of
     int32, a leading bool) goes through `token_array`, which accepts or refuses it as always."""
     if isinstance(token_ids, list) and token_ids and type(token_ids[0]) is not bool:
         try:
@@ -115,4 +115,4 @@ def unpack_keys(packed: bytes) -> Sequence[bytes]:
             f"keys: expected a concatenation of {KEY_BYTES}-byte keys, got {len(packed)} bytes "
             f"({left} bytes left over)"
         )
-    return _key_struct(count).unpack(packed)  # one C call: 5x faster than slicing in Python
+    return _key_struct(count).unpack(packed)  # one C call, not a Python slice per key

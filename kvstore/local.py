@@ -1,9 +1,9 @@
 """The local channel: the unary calls of kvstore.v1.KVStore on a plain unix socket.
 
 Same-host workers make several control calls per request (Lookup, Acquire,
-Release, Reserve, Commit); through gRPC each costs a full HTTP/2 round trip
-(about 0.5 ms on the GPU host). Here a call is one frame each way, carrying the
-same protobuf messages to the same handlers:
+Release, Reserve, Commit); through gRPC each costs a full HTTP/2 round trip,
+several times this channel's (bench/NOTES-control-plane.md). Here a call is one
+frame each way, carrying the same protobuf messages to the same handlers:
 
     request:  u32 length (little-endian) | u8 method (index in UNARY_METHODS) | request message
     reply:    u32 length                 | u8 status (grpc.StatusCode value)  | reply message, or

@@ -60,7 +60,7 @@ class _Request:
     keys already made for a vLLM block hash (`SchedulerSide._memo`: a prompt that shares a
     prefix with an earlier one shares its keys, found with one dict lookup per chunk); the
     rest are hashed from the prompt, packed (int32 LE) only as far as a lookup or a save
-    needs: packing is most of that cost (~11-35 ns a token)."""
+    needs: packing is most of that cost (bench/NOTES-vllm.md)."""
 
     __slots__ = (
         "request",
