@@ -160,7 +160,7 @@ def profile_load(
     each load)."""
     steps: dict[str, list[float]] = {}
     device = target[0].device
-    stream = client._side_stream(device)
+    stream = client._streams.side(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     given = keys
     for attempt in range(repeats + 1):
@@ -314,7 +314,7 @@ def host_steps(
     from kvstore_kernels import check_blocks, staging
     from kvstore_kernels.geometry import geometry_of as kept_geometry
 
-    stream = client._side_stream(pool.device)
+    stream = client._streams.side(pool.device)
     checked = check_blocks(SPEC, registered, block_ids, chunks, writes_cache=True)
     plan = plan_transfer(SPEC, registered, checked, range(chunks), pool, offsets, None, 0, writes_cache=True)
     geometry = kept_geometry(SPEC, plan)

@@ -11,8 +11,8 @@ import torch
 
 from kvstore.tiers.disk_files import record_path
 from kvstore_client import KVSpec, KVStoreClient
-from kvstore_client.client import layer_groups
 from kvstore_client.hf import HFPrefixCache, cache_tensors
+from kvstore_client.transfers import layer_groups
 from tests.conftest import Daemon, wait_flushed
 
 transformers = pytest.importorskip("transformers")

@@ -233,13 +233,13 @@ def test_a_client_maps_only_the_daemons_own_arena_file(
     with KVStoreClient.connect(daemon.address, SPEC, shared_memory=True) as client:
         arena = pb.Arena(shm_path=str(daemon.arena_path), size=1 << 20, device=1, inode=2)
         with pytest.raises(ConnectionError, match="is not the daemon's arena"):
-            client._map_arena(arena, (1, 2))
+            client._mapped.map(arena, (1, 2))
         assert client.arena is None
         other_host = pb.Arena(shm_path=str(daemon.arena_path), size=1 << 20, boot_id="another-host")
         with pytest.raises(ConnectionError, match="runs on another host"):
-            client._map_arena(other_host, (0, 0))
+            client._mapped.map(other_host, (0, 0))
     # Without shared_memory=True such a daemon's pages go inline, and still load byte for byte.
-    monkeypatch.setattr("kvstore_client.client.boot_id", lambda: "another-host")
+    monkeypatch.setattr("kvstore_client.arena.boot_id", lambda: "another-host")
     with KVStoreClient.connect(daemon.address, SPEC) as client:
         assert client.arena is None and client.epoch == 0
         assert client.store(prompt(0), cache_for(0), torch.arange(BLOCKS)) == BLOCKS

@@ -50,13 +50,13 @@ def calls_of(client: KVStoreClient) -> list[str]:
     """The control calls `client` makes from now on, by method name, in order (a call sent without
     waiting for its reply is marked so)."""
     made: list[str] = []
-    rpc = client._rpc
+    rpc = client._conn.rpc
 
     def recording(method: str, request: Any, meanwhile: Any = None) -> Any:
         made.append(method)
         return rpc(method, request, meanwhile)
 
-    client._rpc = recording  # type: ignore[method-assign]
+    client._conn.rpc = recording  # type: ignore[method-assign]
     local = client._local
     if local is not None:
         send = local.send_frame

@@ -1,0 +1,168 @@
+"""A worker's line to kvstored: gRPC, the local channel on the daemon's host, and outages.
+
+- `rpc(method, request, meanwhile=None)`: one call, over the local channel where it is open
+  (`meanwhile()` runs while the daemon answers), else gRPC.
+- `call(method, make_request, meanwhile=None)`: `rpc` with outages handled. In an outage it
+  first connects again; a call that finds the daemon restarted (a stale epoch, a forgotten
+  namespace, a closed channel) connects again and is made once more, with a request made anew.
+  Unavailable when the daemon cannot serve it now (a slow one included: a miss, not a second
+  wait); other errors are the request's own.
+- `lost(exc)`: a call found the daemon not serving: one warning for the outage, the local
+  channel closed. `reconnect()` runs the owner's handshake again, at most every
+  RECONNECT_INTERVAL_S; where nothing answers at the socket the daemon is gone, and `on_gone()`
+  lets its arena go at once, so that its memory is free for the next daemon's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from kvstore.errors import (
+    DAEMON_STOPPING,
+    DeadlineExceeded,
+    KVStoreError,
+    NotFound,
+    StaleEpoch,
+    Unavailable,
+    from_rpc_error,
+)
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.local import LocalChannel
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_LIMIT = 64 << 20
+_NOT_REGISTERED = "is not registered with this daemon"
+RECONNECT_INTERVAL_S = 0.25  # in an outage, the least time between two attempts to connect again
+# gRPC's own reconnection backoff (default: up to 120 s) would keep a restarted daemon unused.
+_RECONNECT_BACKOFF_MS = 250
+
+
+def is_outage(exc: KVStoreError) -> bool:
+    """Whether `exc` says the daemon cannot serve now (down, stopping, restarted, too slow),
+    as opposed to a fault of the request."""
+    if isinstance(exc, Unavailable | DeadlineExceeded | StaleEpoch):
+        return True
+    if isinstance(exc, NotFound):
+        return _NOT_REGISTERED in str(exc)
+    return getattr(exc, "code", None) is grpc.StatusCode.CANCELLED
+
+
+def default_address() -> str:
+    from kvstore.paths import default_socket_path
+
+    return f"unix://{default_socket_path()}"
+
+
+class Connection:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        token: str | None,
+        handshake: Callable[[], None],
+        on_gone: Callable[[], None],
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [
+            ("grpc.max_receive_message_length", _CHANNEL_LIMIT),
+            ("grpc.max_send_message_length", _CHANNEL_LIMIT),
+            ("grpc.initial_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
+            ("grpc.min_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
+            ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
+        ]
+        self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = pb_grpc.KVStoreStub(self.channel)
+        self.local: LocalChannel | None = None
+        self.outage = False  # a call found the daemon not serving since the last connect
+        self._reconnect_at = 0.0  # in an outage: no attempt to connect again before this
+        self._handshake = handshake
+        self._on_gone = on_gone
+
+    def rpc(self, method: str, request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
+        """The reply to `request`; `meanwhile()` runs while the daemon answers (over the local
+        channel; before the call over gRPC)."""
+        if self.local is not None:
+            return self.local.call(method, request, meanwhile)
+        if meanwhile is not None:
+            meanwhile()
+        try:
+            return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, method) from None
+
+    def call(self, method: str, make_request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
+        if self.outage:
+            self.reconnect()
+        for again in (False, True):
+            try:
+                return self.rpc(method, make_request(), meanwhile)
+            except KVStoreError as exc:
+                if not is_outage(exc):
+                    raise
+                self.lost(exc)
+                if again or isinstance(exc, DeadlineExceeded):
+                    raise Unavailable(str(exc)) from None
+            self.reconnect()
+        raise AssertionError("unreachable")
+
+    def lost(self, exc: BaseException) -> None:
+        if not self.outage:
+            self.outage = True
+            self._reconnect_at = 0.0
+            log.warning(
+                "kvstored at %s is not serving (%s): lookups and loads are misses and stores are "
+                "dropped until it serves again",
+                self.address,
+                exc,
+            )
+        else:
+            log.debug("kvstored still not serving: %s", exc)
+        self.close_local()
+
+    def reconnect(self) -> None:
+        """Connects again; Unavailable if it cannot now. Whatever fails here is the outage going on
+        (a daemon restarted with a config this client cannot use included), never an error of
+        the caller's call."""
+        if time.monotonic() < self._reconnect_at:
+            raise Unavailable(f"kvstored at {self.address} is not serving; trying again shortly")
+        try:
+            self._handshake()
+        except Exception as exc:
+            self._reconnect_at = time.monotonic() + RECONNECT_INTERVAL_S
+            if isinstance(exc, Unavailable) and DAEMON_STOPPING not in str(exc):
+                self._on_gone()
+            self.lost(exc)
+            raise Unavailable(f"kvstored at {self.address}: {exc}") from None
+
+    def serving(self, epoch: int) -> None:
+        """A handshake went through: the outage, if any, is over."""
+        if self.outage:
+            log.info("kvstored at %s serves again (arena epoch %#x)", self.address, epoch)
+            self.outage = False
+
+    def open_local(self, path: str) -> None:
+        """Unary calls go over the daemon's local channel at `path` where it is reachable."""
+        self.close_local()
+        if not path:
+            return
+        try:
+            self.local = LocalChannel(path, self.timeout_s)
+        except OSError as exc:
+            log.info("local channel %s not reachable (%s): control calls use gRPC", path, exc)
+
+    def close_local(self) -> None:
+        if self.local is not None:
+            self.local.close()
+            self.local = None
+
+    def close(self) -> None:
+        self.close_local()
+        self.channel.close()
