@@ -14,7 +14,7 @@ end here, on the loop again (`loop.call_soon_threadsafe`). Nothing here waits fo
 - `left(entry)`, `free_slot(entry)`: bookkeeping for a GPU-tier page leaving the index.
 
 While a page moves up it is read from the arena; once it is up, its arena slot is freed as
-soon as no lease holds it (`Store._settle`). A page moving down is read from the arena once
+soon as no lease holds it (`Store.settle`). A page moving down is read from the arena once
 its copy lands (its `loaded` future); its GPU slot is reused at once, which is safe because
 every copy into and out of a pool runs in order on that pool's one stream.
 """
@@ -22,20 +22,39 @@ every copy into and out of a pool runs in order on that pool's one stream.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.index import Entry, TierUsage
+from kvstore.pins import PinTable
 from kvstore.policy import EvictionPolicy
 from kvstore.tiers import Tier
+from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.gpu import Copy, GpuPool, GpuTier
 
-if TYPE_CHECKING:
-    from kvstore.store import Entry, Store, TierUsage
+
+class StoreSide(Protocol):
+    """What the placement uses of the store (`kvstore.store.Store`): its CPU tier, its CPU
+    policy and pins, its counters, and three calls."""
+
+    cpu: CpuTier
+    policy: EvictionPolicy
+    pins: PinTable[Entry]
+    counters: Counter[str]
+
+    def make_cpu_room(self, page_bytes: int, count: int, protected: list[Entry]) -> None: ...
+
+    def remove(self, entry: Entry, evicted: bool = False) -> None: ...
+
+    def settle(self, entry: Entry) -> None: ...
 
 
 class GpuPlacement:
-    def __init__(self, store: Store, gpu: GpuTier, policy: EvictionPolicy, promote_after_hits: int) -> None:
+    def __init__(
+        self, store: StoreSide, gpu: GpuTier, policy: EvictionPolicy, promote_after_hits: int
+    ) -> None:
         self.store = store
         self.gpu = gpu
         self.policy = policy  # the GPU tier's own: it orders the pages in the GPU tier only
@@ -132,8 +151,8 @@ class GpuPlacement:
             if not ok:
                 self.counters["gpu_copy_failures"] += 1
                 if not victim.removed:
-                    store._remove(victim)  # its bytes are lost: a miss from now on
-            store._settle(victim)
+                    store.remove(victim)  # its bytes are lost: a miss from now on
+            store.settle(victim)
         for entry in batch:
             entry.gpu_pending = False
             if ok and not entry.removed:
@@ -146,7 +165,7 @@ class GpuPlacement:
             elif not ok:
                 self.counters["gpu_copy_failures"] += 1
                 self.free_slot(entry)
-            store._settle(entry)
+            store.settle(entry)
 
     # -- down, for a reader without the pool --------------------------------
 
@@ -186,7 +205,7 @@ class GpuPlacement:
             entry.loaded.set_result(ok)
             if not ok:
                 self.counters["gpu_copy_failures"] += 1
-            self.store._settle(entry)
+            self.store.settle(entry)
 
     # -- bookkeeping --------------------------------------------------------
 
@@ -202,8 +221,6 @@ class GpuPlacement:
         entry.gpu = -1
 
     def usage(self) -> TierUsage:
-        from kvstore.store import TierUsage
-
         extra: dict[str, float] = {
             "devices": len(self.gpu.pools),
             "copies_in_flight": self.gpu.pending_copies,

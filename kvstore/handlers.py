@@ -25,11 +25,12 @@ from collections.abc import Awaitable
 
 from kvstore import __version__
 from kvstore.errors import DAEMON_STOPPING, InvalidArgument, StaleEpoch, Unavailable
+from kvstore.index import AcquireResult
 from kvstore.keys import unpack_keys
 from kvstore.peers import Peer, boot_id
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.stats import stats_message
-from kvstore.store import AcquireResult, Store
+from kvstore.store import Store
 from kvstore.wire import page_spec_of
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kvstore.index import StoreStats
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.store import StoreStats
 
 
 def stats_message(stats: StoreStats, version: str, uptime_s: float) -> pb.StatsResponse:

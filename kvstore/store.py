@@ -24,7 +24,7 @@ page pinned with `pin` is out of its care until the pin ends. Each tier has its
 own policy: a page in the GPU tier is in the GPU tier's policy's care.
 
 A page has an arena slot (`offset`), a GPU slot (`gpu`), or both while it moves
-or while a lease that read one copy still holds it; `_settle` frees the copy it
+or while a lease that read one copy still holds it; `settle` frees the copy it
 no longer needs once no lease holds it and no copy is in flight.
 """
 
@@ -36,10 +36,20 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, cast
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvstore.index import (
+    AcquireResult,
+    Entry,
+    LookupResult,
+    Namespace,
+    NamespaceUsage,
+    PinResult,
+    ReserveResult,
+    StoreStats,
+    TierUsage,
+)
 from kvstore.keys import KEY_BYTES, chunk_keys
 from kvstore.leases import Lease, LeaseKind, LeaseTable, Quarantine
 from kvstore.peers import Peer
@@ -65,117 +75,6 @@ _REMOTE = bytes([Tier.REMOTE])
 PROMOTION_TIMEOUT_S = 10.0
 WRITER_CHECK_S = 1.0  # how often a quarantine looks whether its writer is gone
 SENDING_FRACTION = 0.25  # of the CPU tier: the most held pinned while the remote tier sends it
-
-
-class Entry:
-    __slots__ = (
-        "namespace",
-        "key",
-        "offset",
-        "committed",
-        "pins",
-        "removed",
-        "parent",
-        "children",
-        "loaded",
-        "gpu",
-        "pool",
-        "gpu_pending",
-        "on_gpu",
-        "hits",
-        "source",
-    )
-
-    def __init__(self, namespace: Namespace, key: bytes, offset: int) -> None:
-        self.namespace = namespace
-        self.key = key
-        self.offset = offset  # arena slot; -1: none (the page is in the GPU tier only)
-        self.committed = False
-        self.pins = 0
-        self.removed = False  # dropped from the index while pinned: freed at the last release
-        self.parent: Entry | None = None  # the page before it in a committed chain
-        self.children = 0  # committed pages whose parent it is
-        self.loaded: asyncio.Future[bool] | None = None  # its arena slot is being filled: done when read
-        self.gpu = -1  # slot in GPU pool `pool`; -1: none
-        self.pool = 0
-        self.gpu_pending = False  # its GPU slot is being filled from the arena
-        self.on_gpu = False  # it belongs to the GPU tier (its arena copy goes once nobody reads it)
-        self.hits = 0  # leased hits while in the CPU tier, towards promote_after_hits
-        self.source = Tier.CPU  # while its arena slot is filled (`loaded`): the tier it comes from
-
-    @property
-    def cpu_ready(self) -> bool:
-        """Its arena slot holds the page."""
-        loaded = self.loaded
-        return self.offset >= 0 and (loaded is None or (loaded.done() and loaded.result()))
-
-    @property
-    def gpu_ready(self) -> bool:
-        """Its GPU slot holds the page."""
-        return self.gpu >= 0 and not self.gpu_pending
-
-    @property
-    def busy(self) -> bool:
-        """A copy into or out of one of its slots is in flight."""
-        return self.gpu_pending or (self.loaded is not None and not self.loaded.done())
-
-
-@dataclass(eq=False)
-class Namespace:
-    id: bytes
-    spec: PageSpec
-    entries: dict[bytes, Entry] = field(default_factory=dict)
-    pages: int = 0  # committed pages
-    gpu_pool: int = -1  # the GPU pool its pages go to (its workers' device); -1: the emptiest
-
-    @property
-    def label(self) -> str:
-        return f"{self.id.hex()[:12]} ({self.spec.model})"
-
-
-class LookupResult(NamedTuple):
-    hit_chunks: int
-    tiers: bytes  # one Tier per hit chunk
-    lease_id: int
-
-
-class ReserveResult(NamedTuple):
-    lease_id: int
-    offsets: list[int]  # -1: already stored or being stored, skip
-
-
-class AcquireResult(NamedTuple):
-    offsets: list[int]  # in the arena, or in GPU pool `pools[i]` where tiers[i] is Tier.GPU
-    page_bytes: int
-    tiers: bytes = b""  # one Tier per offset (empty: all in the arena)
-    pools: tuple[int, ...] = ()
-
-
-class PinResult(NamedTuple):
-    pinned_chunks: int  # the stored prefix of the keys, now pinned
-    pinned_pages: int  # every page pinned in the tier
-    pinned_bytes: int
-
-
-class TierUsage(NamedTuple):
-    name: str
-    bytes_used: int
-    bytes_capacity: int
-    pages: int
-    extra: dict[str, float] | None = None
-
-
-class NamespaceUsage(NamedTuple):
-    namespace: bytes
-    model: str
-    pages: int
-    page_bytes: int
-
-
-class StoreStats(NamedTuple):
-    tiers: list[TierUsage]
-    namespaces: list[NamespaceUsage]
-    counters: dict[str, float]
 
 
 class Store:
@@ -405,7 +304,7 @@ class Store:
             entry.removed = True
         if entry.loaded is not None and not entry.loaded.done():
             entry.loaded.set_result(ok)
-        self._settle(entry)
+        self.settle(entry)
 
     def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult | Awaitable[AcquireResult]:
         """Offsets of the lease's leading pages that are in the CPU tier.
@@ -458,10 +357,10 @@ class Store:
     def _unpin(self, lease: Lease) -> int:
         for entry in lease.entries:
             entry.pins -= 1
-            self._settle(entry)
+            self.settle(entry)
         return len(lease.entries)
 
-    def _settle(self, entry: Entry) -> None:
+    def settle(self, entry: Entry) -> None:
         """Frees the slots an entry no longer needs, once no lease holds it and no copy is in flight:
         both if it left the index, its arena slot if it belongs to the GPU tier."""
         if entry.pins or entry.busy:
@@ -595,7 +494,7 @@ class Store:
         """A page sent from its slot (or dropped): its slot is free to go."""
         self._sending_bytes -= page_bytes
         entry.pins -= 1
-        self._settle(entry)
+        self.settle(entry)
 
     def abort(self, ns_id: bytes, lease_id: int) -> int:
         fenced = self.quarantined.get(lease_id)
@@ -733,10 +632,10 @@ class Store:
                 f"or raise tiers.cpu.bytes"
             )
         for entry in victims:
-            self._remove(entry, evicted=True)
+            self.remove(entry, evicted=True)
         self.counters["evicted_chunks"] += len(victims)
 
-    def _remove(self, entry: Entry, evicted: bool = False) -> None:
+    def remove(self, entry: Entry, evicted: bool = False) -> None:
         """Drop a committed entry from the index; its slot is freed now, or at its last release."""
         ns = entry.namespace
         del ns.entries[entry.key]
@@ -751,7 +650,7 @@ class Store:
         if entry.on_gpu and self.gpu_placement is not None:
             self.gpu_placement.left(entry)
         entry.removed = True
-        self._settle(entry)
+        self.settle(entry)
 
     def _policy_of(self, entry: Entry) -> EvictionPolicy:
         placement = self.gpu_placement
@@ -845,7 +744,7 @@ class Store:
         cleared = 0
         for ns in targets:
             for entry in [e for e in ns.entries.values() if e.committed]:
-                self._remove(entry)
+                self.remove(entry)
                 cleared += 1
         if self.disk is not None:
             cleared += self.disk.clear(ns_id)

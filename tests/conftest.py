@@ -90,12 +90,16 @@ def start_daemon(tmp_path: Path, name: str = "kvstored", **overrides: Any) -> Da
     run_dir.mkdir(parents=True, exist_ok=True)
     socket_path = run_dir / "kvstored.sock"
     config_path = write_config(run_dir / "kvstored.yaml", socket_path, **overrides)
-    log_path = run_dir / "kvstored.log"
+    return launch_daemon(["--config", str(config_path)], config_path, socket_path, run_dir / "kvstored.log")
+
+
+def launch_daemon(
+    args: list[str], config_path: Path, socket_path: Path, log_path: Path, **popen: Any
+) -> Daemon:
+    """`python -m kvstore.daemon ARGS` (its output in `log_path`), once it serves at `socket_path`."""
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.daemon", "--config", str(config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "kvstore.daemon", *args], stdout=log, stderr=subprocess.STDOUT, **popen
         )
     daemon = Daemon(process, config_path, socket_path, log_path)
     try:

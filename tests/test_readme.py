@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from tests.conftest import Daemon, python_env, wait_serving
+from tests.conftest import Daemon, launch_daemon, python_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -142,22 +142,9 @@ def tour_daemon(tour_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[Daem
     else:
         assert socket_path == Path(tour_env["XDG_RUNTIME_DIR"]) / "kvstore" / "kvstored.sock"
     made_dir = not socket_path.parent.exists()
-    log_path = tmp_path / "kvstored.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.daemon", *argv[1:]],
-            env=tour_env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    daemon = Daemon(process, config_path, socket_path, log_path)
-    try:
-        wait_serving(daemon.address, process, log_path)
-    except BaseException:
-        process.kill()
-        process.wait()
-        raise
+    daemon = launch_daemon(
+        argv[1:], config_path, socket_path, tmp_path / "kvstored.log", env=tour_env, cwd=ROOT
+    )
     yield daemon, config
     assert daemon.stop() == 0, daemon.log()
     for suffix in ("", ".local", ".lock"):

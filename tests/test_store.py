@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvstore.index import AcquireResult
 from kvstore.keys import chunk_keys
 from kvstore.policy import make_policy
 from kvstore.spec import PageSpec
-from kvstore.store import AcquireResult, Store
+from kvstore.store import Store
 from kvstore.tiers.cpu import Arena, CpuTier
 
 SPEC = PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)

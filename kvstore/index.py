@@ -1,0 +1,131 @@
+"""The page index: what the store knows of each page and namespace, and what its calls return.
+
+- `Entry`: one page of one namespace: its arena slot and GPU slot, whether it is committed,
+  the leases and pins that hold it, its place in a committed chain, copies in flight.
+- `Namespace`: a page spec's pages by key.
+- The results of the store's calls (`LookupResult`, `ReserveResult`, `AcquireResult`,
+  `PinResult`) and its figures (`TierUsage`, `NamespaceUsage`, `StoreStats`).
+
+Plain data: the store (`kvstore.store`) and the GPU placement (`kvstore.gpu_placement`) change
+these fields; nothing here calls either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvstore.spec import PageSpec
+from kvstore.tiers import Tier
+
+
+class Entry:
+    __slots__ = (
+        "namespace",
+        "key",
+        "offset",
+        "committed",
+        "pins",
+        "removed",
+        "parent",
+        "children",
+        "loaded",
+        "gpu",
+        "pool",
+        "gpu_pending",
+        "on_gpu",
+        "hits",
+        "source",
+    )
+
+    def __init__(self, namespace: Namespace, key: bytes, offset: int) -> None:
+        self.namespace = namespace
+        self.key = key
+        self.offset = offset  # arena slot; -1: none (the page is in the GPU tier only)
+        self.committed = False
+        self.pins = 0
+        self.removed = False  # dropped from the index while pinned: freed at the last release
+        self.parent: Entry | None = None  # the page before it in a committed chain
+        self.children = 0  # committed pages whose parent it is
+        self.loaded: asyncio.Future[bool] | None = None  # its arena slot is being filled: done when read
+        self.gpu = -1  # slot in GPU pool `pool`; -1: none
+        self.pool = 0
+        self.gpu_pending = False  # its GPU slot is being filled from the arena
+        self.on_gpu = False  # it belongs to the GPU tier (its arena copy goes once nobody reads it)
+        self.hits = 0  # leased hits while in the CPU tier, towards promote_after_hits
+        self.source = Tier.CPU  # while its arena slot is filled (`loaded`): the tier it comes from
+
+    @property
+    def cpu_ready(self) -> bool:
+        """Its arena slot holds the page."""
+        loaded = self.loaded
+        return self.offset >= 0 and (loaded is None or (loaded.done() and loaded.result()))
+
+    @property
+    def gpu_ready(self) -> bool:
+        """Its GPU slot holds the page."""
+        return self.gpu >= 0 and not self.gpu_pending
+
+    @property
+    def busy(self) -> bool:
+        """A copy into or out of one of its slots is in flight."""
+        return self.gpu_pending or (self.loaded is not None and not self.loaded.done())
+
+
+@dataclass(eq=False)
+class Namespace:
+    id: bytes
+    spec: PageSpec
+    entries: dict[bytes, Entry] = field(default_factory=dict)
+    pages: int = 0  # committed pages
+    gpu_pool: int = -1  # the GPU pool its pages go to (its workers' device); -1: the emptiest
+
+    @property
+    def label(self) -> str:
+        return f"{self.id.hex()[:12]} ({self.spec.model})"
+
+
+class LookupResult(NamedTuple):
+    hit_chunks: int
+    tiers: bytes  # one Tier per hit chunk
+    lease_id: int
+
+
+class ReserveResult(NamedTuple):
+    lease_id: int
+    offsets: list[int]  # -1: already stored or being stored, skip
+
+
+class AcquireResult(NamedTuple):
+    offsets: list[int]  # in the arena, or in GPU pool `pools[i]` where tiers[i] is Tier.GPU
+    page_bytes: int
+    tiers: bytes = b""  # one Tier per offset (empty: all in the arena)
+    pools: tuple[int, ...] = ()
+
+
+class PinResult(NamedTuple):
+    pinned_chunks: int  # the stored prefix of the keys, now pinned
+    pinned_pages: int  # every page pinned in the tier
+    pinned_bytes: int
+
+
+class TierUsage(NamedTuple):
+    name: str
+    bytes_used: int
+    bytes_capacity: int
+    pages: int
+    extra: dict[str, float] | None = None
+
+
+class NamespaceUsage(NamedTuple):
+    namespace: bytes
+    model: str
+    pages: int
+    page_bytes: int
+
+
+class StoreStats(NamedTuple):
+    tiers: list[TierUsage]
+    namespaces: list[NamespaceUsage]
+    counters: dict[str, float]
