@@ -1,8 +1,8 @@
 """Helpers every benchmark shares.
 
-- `start_daemon(config)` / `running_daemon(config)`: a real `kvstored` process in its own
-  temporary directory, started from a config dict and ready (health SERVING); `Daemon.stop()`
-  ends it with SIGTERM and returns its exit status.
+- `running_daemon(config)`, `Daemon`: a real `kvstored` process in its own temporary
+  directory, started from a config dict and ready (health SERVING): the harness the tests use
+  too (`tests.harness`).
 - `Latency.of(samples_s)`: p50 / p99 / mean of timed calls, in microseconds.
 - `print_table(headers, rows)`: a plain-text table on stdout.
 - `write_results(name, payload)`: `bench/results/<name>.json` (the latest, kept in git) and a
@@ -14,169 +14,22 @@
 from __future__ import annotations
 
 import contextlib
-import copy
-import ctypes
 import datetime as dt
 import json
 import os
 import platform
-import shutil
-import signal
 import socket
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tests.harness import REPO_ROOT, Daemon, running_daemon
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["Daemon", "Latency", "machine_meta", "print_table", "running_daemon", "write_results"]
+
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 RUNS_DIR = RESULTS_DIR / "runs"  # every run, timestamped; ignored by git
-STARTUP_TIMEOUT_S = 60.0
-_PR_SET_PDEATHSIG = 1
-
-
-class Daemon:
-    """A kvstored process started by `start_daemon`; owns its run directory."""
-
-    def __init__(
-        self,
-        process: subprocess.Popen[bytes],
-        run_dir: Path,
-        socket_path: Path,
-        log_path: Path,
-        owns_run_dir: bool,
-    ) -> None:
-        self.process = process
-        self.run_dir = run_dir
-        self.socket_path = socket_path
-        self.log_path = log_path
-        self._owns_run_dir = owns_run_dir
-
-    @property
-    def address(self) -> str:
-        return f"unix://{self.socket_path}"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU time the daemon has used so far (Linux /proc)."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM, wait for the exit status; the run directory is removed if we created it."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            code = self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise RuntimeError(f"kvstored did not stop {timeout_s} s after SIGTERM:\n{self.log()}") from None
-        if self._owns_run_dir:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-        return code
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that has Linux send the daemon SIGTERM when the benchmark dies (even by SIGKILL),
-    so the daemon still removes its arena; None where prctl is not available."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)  # resolved before the fork: the child only calls it
-    parent = os.getpid()
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-def _wait_serving(daemon: Daemon) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    with grpc.insecure_channel(daemon.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if daemon.process.poll() is not None:
-                raise RuntimeError(f"kvstored exited with {daemon.process.returncode}:\n{daemon.log()}")
-            with contextlib.suppress(grpc.RpcError):
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            time.sleep(0.05)
-    raise TimeoutError(f"kvstored did not report SERVING within {STARTUP_TIMEOUT_S} s:\n{daemon.log()}")
-
-
-def start_daemon(config: dict[str, Any], run_dir: Path | None = None) -> Daemon:
-    """Start kvstored with `config` (a dict in the YAML's shape) and wait until it serves.
-
-    The socket goes in `run_dir` (a new temporary directory, removed at `stop()`, when None)
-    unless `config["server"]["unix_socket"]` names one.
-    """
-    import yaml
-
-    owns_run_dir = run_dir is None
-    run_dir = Path(tempfile.mkdtemp(prefix="kvstore-bench-")) if run_dir is None else run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config = copy.deepcopy(config)
-    server = config.setdefault("server", {})
-    server.setdefault("unix_socket", str(run_dir / "kvstored.sock"))
-    socket_path = Path(server["unix_socket"])
-    config_path = run_dir / "kvstored.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    log_path = run_dir / "kvstored.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.daemon", "--config", str(config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=_child_env(),
-            cwd=REPO_ROOT,
-            preexec_fn=_die_with_parent(),
-        )
-    daemon = Daemon(process, run_dir, socket_path, log_path, owns_run_dir)
-    try:
-        _wait_serving(daemon)
-    except BaseException:
-        process.kill()
-        process.wait()
-        if owns_run_dir:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    return daemon
-
-
-@contextlib.contextmanager
-def running_daemon(config: dict[str, Any]) -> Iterator[Daemon]:
-    """A started daemon, stopped with SIGTERM on exit; a non-zero exit status is an error."""
-    daemon = start_daemon(config)
-    try:
-        yield daemon
-    finally:
-        log = daemon.log()
-        code = daemon.stop()
-        if code != 0:
-            raise RuntimeError(f"kvstored exited with {code} after SIGTERM:\n{log}")
 
 
 class Latency(NamedTuple):

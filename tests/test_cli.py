@@ -9,7 +9,7 @@ import sys
 import torch
 
 from kvstore_client import KVSpec, KVStoreClient
-from tests.conftest import Daemon
+from tests.harness import Daemon
 
 
 def kvctl(daemon: Daemon | None, *args: str, address: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvstore_client import KVSpec, KVStoreClient, ResourceExhausted
-from tests.conftest import Daemon, python_env
+from tests.harness import Daemon, python_env
 
 BLOCK = 16
 CHUNK = 256

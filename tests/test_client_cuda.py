@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore_client import KVSpec, KVStoreClient
-from tests.conftest import Daemon
+from tests.harness import Daemon
 
 pytestmark = [
     pytest.mark.gpu,

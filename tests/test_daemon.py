@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.keys import chunk_keys, pack_keys
 from kvstore.proto import kvstore_pb2 as pb
-from tests.conftest import Daemon, start_daemon, write_config
+from tests.harness import Daemon, start_daemon, write_config
 
 SPEC = pb.PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
 

@@ -16,7 +16,7 @@ import torch
 
 from kvstore.tiers.disk_files import record_path
 from kvstore_client import KVSpec, KVStoreClient
-from tests.conftest import Daemon, python_env, start_daemon, wait_flushed
+from tests.harness import Daemon, python_env, start_daemon, wait_flushed
 
 CHUNK = 16
 SPEC = KVSpec(

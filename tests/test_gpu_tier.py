@@ -39,7 +39,7 @@ from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.gpu import GpuPool, GpuTier, _address
 from kvstore.tiers.slab import SlabAllocator
 from kvstore_client import KVSpec, KVStoreClient
-from tests.conftest import Daemon, python_env
+from tests.harness import Daemon, python_env
 
 SPEC = PageSpec(model="gpu-test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
 PAGE = SPEC.page_bytes  # 4 KiB

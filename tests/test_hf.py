@@ -13,7 +13,7 @@ from kvstore.tiers.disk_files import record_path
 from kvstore_client import KVSpec, KVStoreClient
 from kvstore_client.hf import HFPrefixCache, cache_tensors
 from kvstore_client.transfers import layer_groups
-from tests.conftest import Daemon, wait_flushed
+from tests.harness import Daemon, wait_flushed
 
 transformers = pytest.importorskip("transformers")
 
@@ -287,7 +287,7 @@ def test_the_example_runs_on_cpu_and_matches_recompute() -> None:
     import subprocess
     import sys
 
-    from tests.conftest import python_env
+    from tests.harness import python_env
 
     root = Path(__file__).resolve().parents[1]
     command = [sys.executable, str(root / "examples" / "hf_prefix_reuse.py"), "--prompt-tokens", "520"]

@@ -33,7 +33,7 @@ import torch
 from kvstore.keys import chunk_keys, pack_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient
-from tests.conftest import Daemon, python_env, start_daemon, write_config
+from tests.harness import Daemon, python_env, start_daemon, write_config
 from tests.integrity_worker import BLOCKS, POISON, SPEC, cache_for, prompt, wrong_blocks
 
 SERVE_AGAIN_S = 3.0

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import python_env
+from tests.harness import python_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {

@@ -21,7 +21,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tiers import Tier
 from kvstore_client import KVSpec, KVStoreClient
 from kvstore_client.local import LocalChannel
-from tests.conftest import Daemon, start_daemon
+from tests.harness import Daemon, start_daemon
 
 SPEC = KVSpec(
     model="local-test", num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, block_size=16

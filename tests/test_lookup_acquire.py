@@ -23,7 +23,7 @@ from kvstore.keys import pack_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tiers import Tier
 from kvstore_client import KVSpec, KVStoreClient
-from tests.conftest import Daemon
+from tests.harness import Daemon
 
 CHUNK = 16
 SPEC = KVSpec(

@@ -18,7 +18,7 @@ from kvstore.policy import POLICIES, EvictionPolicy, make_policy, policy_names
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store import Store
 from kvstore.tiers.cpu import Arena, CpuTier
-from tests.conftest import Daemon
+from tests.harness import Daemon
 from tests.test_store import PAGE, SPEC, load_chain, page_bytes, store_chain
 
 

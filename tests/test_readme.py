@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from tests.conftest import Daemon, launch_daemon, python_env
+from tests.harness import Daemon, launch_daemon, python_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

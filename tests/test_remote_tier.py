@@ -22,7 +22,7 @@ from kvstore.tiers import Tier  # noqa: E402
 from kvstore.tiers.records import HEADER_BYTES  # noqa: E402
 from kvstore.tiers.remote import RemoteTier  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
-from tests.conftest import Daemon, RedisServer  # noqa: E402
+from tests.harness import Daemon, RedisServer  # noqa: E402
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))

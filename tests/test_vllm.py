@@ -29,7 +29,7 @@ from kvstore.tiers.disk_files import record_path  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 from kvstore_client.vllm import ConnectorConfig  # noqa: E402
 from kvstore_client.vllm import scheduler as vllm_scheduler  # noqa: E402
-from tests.conftest import Daemon, wait_flushed  # noqa: E402
+from tests.harness import Daemon, wait_flushed  # noqa: E402
 from tests.vllm_engine import SAMPLED, Engine, Model, vllm_config  # noqa: E402
 
 CHUNK = 32
