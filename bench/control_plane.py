@@ -257,7 +257,7 @@ def bench_lookup(daemon: Daemon, args: argparse.Namespace) -> dict[str, Any]:
             rpc("Acquire", lease)
             rpc("Release", lease)
 
-        health = health_pb2_grpc.HealthStub(client._channel)
+        health = health_pb2_grpc.HealthStub(client._conn.channel)
         rpc_series["health_check"] = functools.partial(
             health.Check, health_pb2.HealthCheckRequest(), timeout=client.timeout_s
         )
