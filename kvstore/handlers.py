@@ -19,14 +19,14 @@ served, so stores and loads under way complete.
 
 from __future__ import annotations
 
-import inspect
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 
 from kvstore import __version__
 from kvstore.errors import DAEMON_STOPPING, InvalidArgument, StaleEpoch, Unavailable
 from kvstore.index import AcquireResult
 from kvstore.keys import unpack_keys
+from kvstore.leases import Lease
 from kvstore.peers import Peer, boot_id
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.stats import stats_message
@@ -145,13 +145,13 @@ class Handlers:
         self, request: pb.LeaseRequest, peer: Peer | None = None
     ) -> pb.AcquireResponse | Awaitable[pb.AcquireResponse]:
         self._check_epoch("Acquire", request.epoch)
-        result = self.store.acquire(request.namespace, request.lease_id)
-        if inspect.isawaitable(result):
-            return self._acquired_later(result)
-        return self._acquired(result)
+        ready = self.store.acquire_now(request.namespace, request.lease_id)
+        if ready is not None:
+            return self._acquired(ready)
+        return self._acquired_later(request)  # pages still read in from disk: the reply waits
 
-    async def _acquired_later(self, pending: Awaitable[AcquireResult]) -> pb.AcquireResponse:
-        return self._acquired(await pending)
+    async def _acquired_later(self, request: pb.LeaseRequest) -> pb.AcquireResponse:
+        return self._acquired(await self.store.acquire(request.namespace, request.lease_id))
 
     @staticmethod
     def _acquired(result: AcquireResult) -> pb.AcquireResponse:
@@ -162,6 +162,58 @@ class Handlers:
             tiers=result.tiers,
             pools=result.pools,
         )
+
+    # -- inline page bytes (clients that cannot map the arena) -------------------------------
+
+    async def put(self, messages: AsyncIterator[pb.PutRequest]) -> pb.PutResponse:
+        """A Put stream: a PutHeader naming the store lease, then exactly its pages' bytes. Each
+        write is checked against the lease (`Store.write_leased`); a Put that fails part-way
+        marks the lease broken, so its Commit stores nothing."""
+        first = await anext(aiter(messages), None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise InvalidArgument("Put: the first message must be a PutHeader naming the store lease")
+        lease, slots = self.store.begin_put(first.header.namespace, first.header.lease_id)
+        try:
+            position = await self._write_pages(lease, slots.offsets, slots.page_bytes, messages)
+        except BaseException as exc:
+            self.store.end_put(lease, f"its Put failed part-way ({exc})")
+            raise
+        self.store.end_put(lease)
+        return pb.PutResponse(bytes_written=position)
+
+    async def _write_pages(
+        self, lease: Lease, offsets: list[int], page_bytes: int, messages: AsyncIterator[pb.PutRequest]
+    ) -> int:
+        total, position = len(offsets) * page_bytes, 0
+        async for message in messages:
+            if message.WhichOneof("part") != "data":
+                raise InvalidArgument("Put: only the first message may be a PutHeader; the rest carry data")
+            data = memoryview(message.data)
+            if position + len(data) > total:
+                raise InvalidArgument(
+                    f"Put: more than the {total} bytes of the lease's "
+                    f"{len(offsets)} pages of {page_bytes} bytes"
+                )
+            while data:
+                page, within = divmod(position, page_bytes)
+                n = min(page_bytes - within, len(data))
+                self.store.write_leased(lease, offsets[page], data[:n], within)
+                data, position = data[n:], position + n
+        if position != total:
+            raise InvalidArgument(
+                f"Put: received {position} bytes; the lease's {len(offsets)} pages "
+                f"of {page_bytes} bytes need exactly {total}"
+            )
+        return position
+
+    async def get(self, request: pb.LeaseRequest, message_bytes: int) -> AsyncIterator[bytes]:
+        """A load lease's pages in pieces of at most `message_bytes`, each read while the lease
+        holds it (`Store.read_leased`)."""
+        lease, result = await self.store.begin_get(request.namespace, request.lease_id)
+        for offset in result.offsets:
+            for start in range(0, result.page_bytes, message_bytes):
+                length = min(message_bytes, result.page_bytes - start)
+                yield self.store.read_leased(lease, offset + start, length)
 
     def Release(self, request: pb.LeaseRequest, peer: Peer | None = None) -> pb.LeaseResponse:
         return pb.LeaseResponse(pages=self.store.release(request.namespace, request.lease_id))

@@ -15,7 +15,6 @@ stored once). Pages are 4 KiB
 from __future__ import annotations
 
 import asyncio
-import inspect
 import tempfile
 import time
 from collections import Counter
@@ -117,9 +116,7 @@ async def _replay(
                 hit_blocks += found.hit_chunks
                 tier_hits.update(found.tiers)
                 if found.lease_id:
-                    acquired = store.acquire(ns, found.lease_id)
-                    if inspect.isawaitable(acquired):
-                        await acquired
+                    await store.acquire(ns, found.lease_id)
                     store.release(ns, found.lease_id)
                 try:
                     reserved = store.reserve(ns, list(dict.fromkeys(keys)))  # an id repeated: stored once

@@ -4,8 +4,12 @@ Primitives (each a few dict operations; they run on the daemon's event loop):
 - `connect(spec)`: register a page spec, returning its namespace.
 - `lookup(ns, keys, lease)`: longest committed prefix; a lease pins the hits.
 - `reserve(ns, keys)` -> `commit` | `abort`: slots for the keys not stored yet.
-- `acquire(ns, lease)` -> `release`: offsets of a load lease's pages (`acquire_now`: the
-  same when nothing must be waited for, so a Lookup can answer it).
+- `acquire(ns, lease)` -> `release`: offsets of a load lease's pages, awaited while some are
+  still read from disk (`acquire_now`: the same at once when nothing must be waited for, else
+  None; a Lookup answers with it).
+- `write_leased` / `read_leased`: page bytes of a lease sent inline (Put/Get), checked against
+  the lease before every write and read, so a lease that expired mid-stream never touches a
+  slot that was handed to someone else.
 - `renew(ns, lease_ids)`: a live client's leases last another TTL.
 - `pin(ns, keys, ttl)`: keeps the stored prefix of `keys` out of eviction until the TTL ends.
 - With a GPU tier (`gpu_placement`): pages move up to it on repeated leased hits or a pin, and
@@ -35,7 +39,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -239,7 +243,7 @@ class Store:
         self.counters["hit_chunks"] += found
         self.counters["missed_chunks"] += len(keys) - found
         if touch:
-            self._tell("hit", self._policy_pages([e for e in hits if e.committed]))
+            self._tell_hit(self._policy_pages([e for e in hits if e.committed]))
             if disk is not None and found:
                 disk.touch(ns.id, keys[:found])
         tiers = bytes(_tier(e) for e in hits) + _DISK * len(on_disk) + _REMOTE * len(on_remote)
@@ -306,29 +310,23 @@ class Store:
             entry.loaded.set_result(ok)
         self.settle(entry)
 
-    def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult | Awaitable[AcquireResult]:
-        """Offsets of the lease's leading pages that are in the CPU tier.
-
-        While some are still being promoted from disk, returns an awaitable that waits for them
-        (up to PROMOTION_TIMEOUT_S); a page that could not be read ends the ready prefix.
-        """
+    async def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult:
+        """Offsets of the lease's leading pages that are in the CPU tier (or a GPU pool its reader
+        reads), once the pages still being promoted from disk are in (waited for up to
+        PROMOTION_TIMEOUT_S); a page that could not be read ends the ready prefix."""
         lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
         pending = _pending(lease)
-        if not pending:
-            return self._ready(lease)
-        return self._acquire_later(lease, pending)
+        if pending:
+            await asyncio.wait(pending, timeout=PROMOTION_TIMEOUT_S)
+            if self.leases.get(lease.id) is not lease:
+                raise NotFound(f"lease {lease.id} expired while its pages were read from disk")
+        return self._ready(lease)
 
     def acquire_now(self, ns_id: bytes, lease_id: int) -> AcquireResult | None:
         """`acquire`'s answer if it needs no waiting (no page of the lease is still being read from
         disk or copied into the arena), else None: the reader then calls `acquire`."""
         lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
         return None if _pending(lease) else self._ready(lease)
-
-    async def _acquire_later(self, lease: Lease, pending: list[asyncio.Future[bool]]) -> AcquireResult:
-        await asyncio.wait(pending, timeout=PROMOTION_TIMEOUT_S)
-        if self.leases.get(lease.id) is not lease:
-            raise NotFound(f"lease {lease.id} expired while its pages were read from disk")
-        return self._ready(lease)
 
     def _ready(self, lease: Lease) -> AcquireResult:
         offsets: list[int] = []
@@ -406,7 +404,7 @@ class Store:
         self.counters["reserves"] += 1
         self.counters["skipped_chunks"] += len(present)
         # Present pages stay recent while the new ones are written; the commit touches them again.
-        self._tell("stored", self._policy_pages([e for e in present if e.committed]))
+        self._tell_stored(self._policy_pages([e for e in present if e.committed]))
         if not new_keys:
             return ReserveResult(0, offsets)
         entries = []
@@ -441,6 +439,23 @@ class Store:
         if error:
             lease.broken = error
 
+    def write_leased(self, lease: Lease, offset: int, data: memoryview, within: int) -> None:
+        """Writes `data` at `within` bytes into the page at `offset`, while `lease` holds it."""
+        if self.leases.get(lease.id) is not lease:
+            raise NotFound(f"lease {lease.id} expired while its pages were being written")
+        self.cpu.write(offset, data, within)
+
+    async def begin_get(self, ns_id: bytes, lease_id: int) -> tuple[Lease, AcquireResult]:
+        """A load lease and its pages (`acquire`), for one inline Get."""
+        result = await self.acquire(ns_id, lease_id)
+        return self._lease(ns_id, lease_id, LeaseKind.LOAD), result
+
+    def read_leased(self, lease: Lease, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset` in the arena, while `lease` holds them."""
+        if self.leases.get(lease.id) is not lease:
+            raise NotFound(f"lease {lease.id} expired while its pages were being read")
+        return bytes(self.cpu.read(offset, length))
+
     def commit(self, ns_id: bytes, lease_id: int) -> int:
         if self._end_quarantine(ns_id, lease_id):  # its writer has finished: it commits after writing
             raise FailedPrecondition(
@@ -456,7 +471,7 @@ class Store:
         for entry in lease.entries:
             entry.committed = True
         ns.pages += len(lease.entries)
-        self._tell("stored", self._policy_pages(self._link(ns, lease.keys)))
+        self._tell_stored(self._policy_pages(self._link(ns, lease.keys)))
         self.counters["stored_chunks"] += len(lease.entries)
         page_bytes = ns.spec.page_bytes
         if self.disk is not None and self.disk.write_through:
@@ -580,14 +595,25 @@ class Store:
         pins = self.pins
         return [entry for entry in entries if entry not in pins] if pins else entries
 
-    def _tell(self, event: str, entries: list[Entry]) -> None:
-        """Tells each tier's policy `hit` or `stored` about its own pages of `entries`."""
+    def _tell_hit(self, entries: list[Entry]) -> None:
+        """Each tier's policy hears of a use of its own pages of `entries`."""
+        for policy, pages in self._by_tier(entries):
+            policy.hit(pages)
+
+    def _tell_stored(self, entries: list[Entry]) -> None:
+        """Each tier's policy hears that its own pages of `entries` are stored."""
+        for policy, pages in self._by_tier(entries):
+            policy.stored(pages)
+
+    def _by_tier(self, entries: list[Entry]) -> list[tuple[EvictionPolicy, list[Entry]]]:
+        """`entries` by the policy in whose care each is: the GPU tier's or the CPU tier's."""
         placement = self.gpu_placement
         if placement is None or not placement.pages:
-            getattr(self.policy, event)(entries)
-            return
-        getattr(self.policy, event)([e for e in entries if not e.on_gpu])
-        getattr(placement.policy, event)([e for e in entries if e.on_gpu])
+            return [(self.policy, entries)]
+        return [
+            (self.policy, [e for e in entries if not e.on_gpu]),
+            (placement.policy, [e for e in entries if e.on_gpu]),
+        ]
 
     def _link(self, ns: Namespace, keys: Sequence[bytes]) -> list[Entry]:
         """The committed entries of a chain, in order; each is linked to the one before it."""
@@ -735,7 +761,7 @@ class Store:
             self._end_quarantines(now)
         unpinned = self.pins.pop_expired(now)
         if unpinned:
-            self._tell("stored", unpinned)
+            self._tell_stored(unpinned)
             self.counters["expired_pins"] += len(unpinned)
         return len(expired)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import inspect
 import signal
 import subprocess
 import sys
@@ -168,9 +167,7 @@ class Rig:
     async def load(self, keys: list[bytes], pools: tuple[int, ...] = (0,), release: bool = True) -> Loaded:
         """A leased load: where Acquire says each page is, and its bytes read from there."""
         hit = self.store.lookup(self.ns, keys, lease=True, gpu_pools=pools)
-        acquired = self.store.acquire(self.ns, hit.lease_id)
-        if inspect.isawaitable(acquired):
-            acquired = await acquired
+        acquired = await self.store.acquire(self.ns, hit.lease_id)
         pages = [
             self.pool_memory.raw[offset : offset + PAGE]
             if tier == Tier.GPU

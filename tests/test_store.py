@@ -60,7 +60,7 @@ def store_chain(store: Store, tokens: list[int]) -> list[bytes]:
 
 def acquired(store: Store, ns: bytes, lease_id: int) -> AcquireResult:
     """Acquire of a lease whose pages are all in memory: answered at once (no disk tier here)."""
-    result = store.acquire(ns, lease_id)
+    result = store.acquire_now(ns, lease_id)
     assert isinstance(result, AcquireResult)
     return result
 
@@ -181,7 +181,7 @@ def test_namespaces_are_isolated(tmp_path: Path, clock: Clock) -> None:
     assert store.lookup(other_ns, keys).hit_chunks == 0  # same raw keys, other namespace
     lease = store.lookup(SPEC.namespace(), keys, lease=True).lease_id
     with pytest.raises(NotFound, match="another namespace"):
-        store.acquire(other_ns, lease)
+        store.acquire_now(other_ns, lease)
 
 
 def test_lease_kinds_are_enforced(tmp_path: Path, clock: Clock) -> None:
