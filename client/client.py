@@ -19,36 +19,33 @@ than a third of their TTL are renewed by a background thread (`LeaseRenewer`).
 
 The parts: `connection` (gRPC, the local channel, outages), `arena` (the mapped arena),
 `transfers` (streams and the gather/scatter calls), `inline` (Put/Get bytes), `gpu_pools` (the
-GPU tier's pools, read in place); this module is the façade that runs the protocol over them.
+GPU tier's pools, read in place), and the two paths over them, `stores` and `loads` (`session`
+names what they share). `KVStoreClient` is the façade: it connects, makes the parts, and
+answers lookups, stats and clears itself.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 import kvstore_kernels
-from kvstore.errors import FailedPrecondition, KVStoreError, NotFound, Unavailable
-from kvstore.keys import chunk_keys, pack_keys
+from kvstore.errors import Unavailable
+from kvstore.keys import pack_keys
 from kvstore.peers import process_start_time
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import KVSpec
 from kvstore.wire import page_spec_message, stats_to_dict
 from kvstore_client.arena import MappedArena
-from kvstore_client.connection import Connection, default_address, is_outage
+from kvstore_client.connection import Connection, default_address
 from kvstore_client.gpu_pools import GpuPools, device_bus_id
-from kvstore_client.handles import LoadHandle, StoreHandle
-from kvstore_client.inline import get_pages, put_pages
+from kvstore_client.loads import LoadPath
 from kvstore_client.local import LocalChannel
 from kvstore_client.renewal import LeaseRenewer
-from kvstore_client.transfers import Streams, cache_device, layer_groups
+from kvstore_client.stores import StorePath
+from kvstore_client.transfers import Streams
 
 log = logging.getLogger(__name__)
 
@@ -65,34 +62,7 @@ LAYERWISE_TRANSFER = kvstore_kernels.TransferOptions()
 LAYERWISE_RUNS = 2
 
 
-def _ignore(exc: BaseException) -> None:
-    pass
-
-
-@dataclass
-class _LoadTargets:
-    """Where a load's pages go: the block table and the stream, readied while its Lookup is in
-    flight (`ready`) and taken as they are after it."""
-
-    block_ids: Any
-    stream: Any
-
-    def ready(self, client: KVStoreClient, kv_caches: Any, chunks: int, layers: range) -> None:
-        """Checks the block table of every chunk that can hit and orders the side stream after the
-        caller's. None of it depends on the Lookup's reply; nothing here may fail the call, whose
-        reply holds a lease: what fails is done again after the reply, where an error releases it."""
-        try:
-            self.block_ids = kvstore_kernels.check_blocks(
-                client.spec, kv_caches, self.block_ids, chunks, layers, writes_cache=True
-            )
-            device = cache_device(kv_caches)
-            if self.stream is None and device.type == "cuda":
-                self.stream = client._streams.ordered_side(device)
-        except Exception:
-            log.debug("checking the block table ahead failed; it is checked with the scatter", exc_info=True)
-
-
-class KVStoreClient:
+class KVStoreClient(StorePath, LoadPath):
     def __init__(
         self,
         address: str,
@@ -160,16 +130,6 @@ class KVStoreClient:
         )
 
     # -- the parts, as tests and benchmarks reach them ----------------------
-
-    @property
-    def arena(self) -> torch.Tensor | None:
-        """The daemon's arena mapped here, as uint8 (None: page bytes go inline)."""
-        return self._mapped.tensor
-
-    @property
-    def epoch(self) -> int:
-        """The mapped arena's epoch (0: none mapped)."""
-        return self._mapped.epoch
 
     @property
     def shared_memory(self) -> bool:
@@ -275,24 +235,6 @@ class KVStoreClient:
         """
         return kvstore_kernels.register(self.spec, kv_caches)
 
-    def keys(self, token_ids: Any) -> list[bytes]:
-        """Keys of the whole chunks of `token_ids`."""
-        return chunk_keys(self.namespace, token_ids, self.spec.page.chunk_tokens)
-
-    def _keys_of(self, token_ids: Any, keys: Sequence[bytes] | None) -> Sequence[bytes]:
-        """The whole chunks' keys: `keys` (the caller's, the first ones when it has more; all of
-        them where `token_ids` is None: the keys alone name the chunks), or hashed."""
-        if keys is None:
-            if token_ids is None:
-                raise ValueError("token_ids: None needs keys, one per chunk")
-            return self.keys(token_ids)
-        if token_ids is None:
-            return keys
-        chunks = len(token_ids) // self.spec.page.chunk_tokens
-        if len(keys) < chunks:
-            raise ValueError(f"keys: {len(keys)} keys for {chunks} whole chunks of token_ids")
-        return keys[:chunks]
-
     def lookup(self, token_ids: Any, *, keys: Sequence[bytes] | None = None) -> int:
         """Number of leading tokens whose KV is stored (a multiple of chunk_tokens).
 
@@ -317,30 +259,6 @@ class KVStoreClient:
         hit: int = reply.hit_chunks
         return hit
 
-    def store(
-        self,
-        token_ids: Any,
-        kv_caches: Any,
-        block_ids: Any,
-        layers: range | None = None,
-        *,
-        keys: Sequence[bytes] | None = None,
-    ) -> int:
-        """Store the whole chunks of `token_ids` from the KV cache; returns how many were new."""
-        return self.store_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys).wait()
-
-    def load(
-        self,
-        token_ids: Any,
-        kv_caches: Any,
-        block_ids: Any,
-        layers: range | None = None,
-        *,
-        keys: Sequence[bytes] | None = None,
-    ) -> int:
-        """Load the longest stored prefix of `token_ids` into the KV cache; returns tokens loaded."""
-        return self.load_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys).wait()
-
     def stats(self) -> dict[str, Any]:
         return stats_to_dict(self._conn.call("Stats", pb.StatsRequest))
 
@@ -348,314 +266,3 @@ class KVStoreClient:
         """Drop every page of this client's namespace; returns how many."""
         pages: int = self._conn.call("Clear", lambda: pb.ClearRequest(namespace=self.namespace)).pages
         return pages
-
-    # -- store: Reserve, gather, Commit -------------------------------------
-
-    def store_async(
-        self,
-        token_ids: Any,
-        kv_caches: Any,
-        block_ids: Any,
-        *,
-        stream: Any = None,
-        layers: range | None = None,
-        keys: Sequence[bytes] | None = None,
-    ) -> StoreHandle:
-        """Reserve the new chunks and enqueue their gather; `wait()` commits them.
-
-        On CUDA the gather runs on `stream` (default: this client's side stream, which first
-        waits for the caller's current stream), so the caller's stream is never blocked.
-        """
-        keys = self._keys_of(token_ids, keys)
-        reply = self._reserve(keys) if keys else None
-        chunks = [i for i, offset in enumerate(reply.offsets) if offset >= 0] if reply else []
-        if reply is None or not chunks:
-            return StoreHandle(None, lambda: 0, _ignore, 0)
-        lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
-        self._renewer.hold(lease.lease_id)
-        try:
-            event = self._gather(reply, chunks, kv_caches, block_ids, layers, stream)
-        except (Unavailable, NotFound) as exc:  # an inline Put the daemon did not take
-            if isinstance(exc, Unavailable):
-                self._conn.lost(exc)
-            else:  # the lease expired while the bytes were sent, or the daemon restarted
-                log.warning("store lease %d: %s; nothing stored", lease.lease_id, exc)
-            self._renewer.drop(lease.lease_id)
-            return StoreHandle(None, lambda: 0, _ignore, 0)
-        except BaseException:
-            Streams.settle(kv_caches)
-            self._end_quietly("Abort", lease)
-            raise
-        handle = StoreHandle(
-            event,
-            functools.partial(self._commit, lease),
-            lambda exc: self._end_quietly("Abort", lease),
-            len(chunks),
-            chunks,
-        )
-        self._renewer.owned_by(lease.lease_id, handle)  # a handle dropped unwaited: no more renewals
-        return handle
-
-    def _reserve(self, keys: Sequence[bytes]) -> Any:
-        """The Reserve reply for `keys` (slots for the new ones), or None in an outage."""
-        pid, start_time = self._writer
-
-        def request() -> pb.ReserveRequest:
-            # The epoch says the pages are written in place (and fenced if the lease expires).
-            return pb.ReserveRequest(
-                namespace=self.namespace,
-                keys=pack_keys(keys),
-                epoch=self.epoch,
-                writer_pid=pid if self.epoch else 0,
-                writer_start_time=start_time if self.epoch else 0,
-            )
-
-        try:
-            return self._conn.call("Reserve", request)
-        except Unavailable:
-            return None
-
-    def _gather(
-        self, reply: Any, chunks: list[int], kv_caches: Any, block_ids: Any, layers: range | None, stream: Any
-    ) -> torch.cuda.Event | None:
-        """Writes the reserved chunks' pages: into the arena's slots (enqueued; its event), or
-        inline through Put (done)."""
-        if self.arena is not None:
-            offsets = [reply.offsets[i] for i in chunks]
-            return self._streams.enqueue(
-                kvstore_kernels.gather,
-                self.spec,
-                kv_caches,
-                block_ids,
-                chunks,
-                self.arena,
-                offsets,
-                layers,
-                stream,
-            )
-        staging = torch.empty(len(chunks) * self.page_bytes, dtype=torch.uint8)
-        offsets = [i * self.page_bytes for i in range(len(chunks))]
-        kvstore_kernels.gather(self.spec, kv_caches, block_ids, chunks, staging, offsets, layers)
-        put_pages(
-            self._conn.stub,
-            self.namespace,
-            reply.lease_id,
-            staging,
-            self.max_message_bytes,
-            self.timeout_s,
-            self._conn.metadata,
-            is_outage,
-        )
-        return None
-
-    def _commit(self, lease: pb.LeaseRequest) -> int:
-        """Commits a store lease whose pages are written; 0 where nothing could be stored (the
-        daemon restarted, stopped, or the lease expired), with a warning."""
-        self._renewer.drop(lease.lease_id)
-        if lease.epoch != self.epoch:
-            log.debug(
-                "store lease %d: the daemon restarted before its Commit; nothing stored", lease.lease_id
-            )
-            return 0
-        try:
-            committed: int = self._conn.rpc("Commit", lease).committed
-        except KVStoreError as exc:
-            if is_outage(exc):
-                self._conn.lost(exc)
-            elif isinstance(exc, NotFound | FailedPrecondition):
-                log.warning("store lease %d: %s; nothing stored", lease.lease_id, exc)
-            else:
-                raise
-            return 0
-        return committed
-
-    # -- load: Lookup(lease), scatter, Release ------------------------------
-
-    def load_async(
-        self,
-        token_ids: Any,
-        kv_caches: Any,
-        block_ids: Any,
-        *,
-        stream: Any = None,
-        layers: range | None = None,
-        layerwise: bool = False,
-        keys: Sequence[bytes] | None = None,
-    ) -> LoadHandle:
-        """Pin the longest stored prefix and enqueue its scatter; `wait()` releases it.
-
-        `handle.tokens` is what is being loaded: whole chunks, as many as the daemon could
-        deliver (a chunk that could not be read back from disk ends the prefix). `wait()`
-        returns the number of leading tokens that are valid in the KV cache: that, or 0 if the
-        lease lapsed while the pages were read (their slots may have been reused meanwhile).
-        With `layerwise`, runs of layers (`layer_groups`: 1, 1, 2, 4, ... layers, at most
-        `layerwise_runs` of them) are moved and signalled on their own (`wait_layer(i)`), so a
-        forward can start on layer 0 while later layers are still in flight. A daemon that
-        cannot be reached gives an empty load (0 tokens, logged), never an exception.
-        """
-        moved = self._layer_range(layers)
-        keys = self._keys_of(token_ids, keys)
-        asked = time.monotonic()  # the daemon's lease deadline is at least this + lease_ttl_s
-        targets = _LoadTargets(block_ids, stream)
-        reply = self._lookup_leased(keys, kv_caches, moved, targets) if keys else None
-        if reply is None or reply.hit_chunks == 0:
-            return LoadHandle(None, lambda: 0, _ignore, 0, moved)
-        lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
-        self._renewer.hold(lease.lease_id)
-        try:
-            ready, event, layer_events = self._scatter(reply, lease, kv_caches, targets, moved, layerwise)
-        except KVStoreError as exc:
-            if is_outage(exc):
-                self._conn.lost(exc)  # the lease went with the daemon
-            elif isinstance(exc, NotFound):  # it expired (pages read back too slowly), or was reaped
-                log.warning("load lease %d: %s; loading nothing", lease.lease_id, exc)
-            else:
-                self._end_quietly("Release", lease)
-                raise
-            self._renewer.drop(lease.lease_id)
-            return LoadHandle(None, lambda: 0, _ignore, 0, moved)
-        except BaseException:
-            Streams.settle(kv_caches)
-            self._end_quietly("Release", lease)
-            raise
-        tokens = ready * self.spec.page.chunk_tokens
-        release = functools.partial(
-            self._release,
-            lease,
-            tokens,
-            asked,
-            LocalChannel.frame("Release", lease),  # made while the copy runs
-        )
-        handle = LoadHandle(
-            event, release, lambda exc: self._end_quietly("Release", lease), tokens, moved, layer_events
-        )
-        self._renewer.owned_by(lease.lease_id, handle)
-        return handle
-
-    def _lookup_leased(
-        self, keys: Sequence[bytes], kv_caches: Any, layers: range, targets: _LoadTargets
-    ) -> Any:
-        """The leased Lookup of `keys` (with the Acquire on the daemon's host), or None in an
-        outage; `targets` are readied while it is in flight."""
-        device = cache_device(kv_caches)
-
-        def request() -> pb.LookupRequest:
-            return pb.LookupRequest(
-                namespace=self.namespace,
-                keys=pack_keys(keys),
-                lease=True,
-                gpu_pools=self._gpu_pools.readable(device),  # pools read in place
-                acquire=self.arena is not None,
-                epoch=self.epoch,
-            )
-
-        meanwhile = functools.partial(targets.ready, self, kv_caches, len(keys), layers)
-        try:
-            return self._conn.call("Lookup", request, meanwhile if self.arena is not None else None)
-        except Unavailable:
-            return None
-
-    def _scatter(
-        self,
-        reply: Any,
-        lease: pb.LeaseRequest,
-        kv_caches: Any,
-        targets: _LoadTargets,
-        layers: range,
-        layerwise: bool,
-    ) -> tuple[int, torch.cuda.Event | None, dict[int, torch.cuda.Event | None] | None]:
-        """Moves the leased pages into the KV cache: from the arena and the GPU pools (enqueued,
-        per run of layers where `layerwise`), or inline through Get. Returns the chunks that
-        are coming, the event after all of them and each layer's event (arena loads only)."""
-        if self.arena is None:
-            staging = get_pages(
-                self._conn.stub,
-                lease,
-                reply.hit_chunks,
-                self.page_bytes,
-                self.timeout_s,
-                self._conn.metadata,
-                is_outage,
-            )
-            ready = len(staging) // self.page_bytes
-            offsets = [i * self.page_bytes for i in range(ready)]
-            kvstore_kernels.scatter(
-                self.spec, kv_caches, targets.block_ids, range(ready), staging, offsets, layers
-            )
-            return ready, None, None
-        # A daemon that answered the Acquire with the Lookup saves a round trip (older ones never do).
-        acquired = reply.acquired if reply.HasField("acquired") else self._conn.rpc("Acquire", lease)
-        pieces = self._gpu_pools.pieces(acquired, self.arena)  # the arena's chunks, each pool's
-        groups = layer_groups(layers, self.layerwise_runs) if layerwise and layers else [layers]
-        scatter = kvstore_kernels.scatter
-        if layerwise and self._mapped.registered and cache_device(kv_caches).type == "cuda":
-            scatter = functools.partial(scatter, options=self.layerwise_options)
-        events = [
-            [
-                self._streams.enqueue(
-                    self._gpu_pools.scatter_for(buf, arena_scatter=scatter),
-                    self.spec,
-                    kv_caches,
-                    targets.block_ids,
-                    chunks,
-                    buf,
-                    offsets,
-                    group,
-                    targets.stream,
-                )
-                for buf, chunks, offsets in pieces  # one stream: the last event follows them all
-            ][-1]
-            for group in groups
-        ]
-        layer_events = {layer: event for group, event in zip(groups, events, strict=True) for layer in group}
-        return acquired.ready_chunks, events[-1], layer_events
-
-    def _release(self, lease: pb.LeaseRequest, tokens: int, asked: float, release_frame: bytes) -> int:
-        """Ends a load once its copy is done: the tokens it made valid (0 where the lease may have
-        lapsed during the copy, or the daemon restarted)."""
-        self._renewer.drop(lease.lease_id)
-        if self.epoch != lease.epoch:  # the daemon restarted since the Lookup: trust nothing read
-            log.debug("load lease %d: the daemon restarted during the copy; no tokens", lease.lease_id)
-            return 0
-        local = self._conn.local
-        if local is not None and time.monotonic() < asked + self.lease_ttl_s:
-            # The copy ended while the lease held its pages (same host, same monotonic clock):
-            # the tokens are valid whatever the Release answers, so it is sent without waiting.
-            try:
-                local.send_frame("Release", release_frame)
-            except Unavailable as exc:  # the lease expires on its own
-                log.debug("release of lease %d failed: %s", lease.lease_id, exc)
-            return tokens
-        if self._end_quietly("Release", lease):
-            return tokens
-        log.warning("load lease %d expired during the copy; reporting no tokens loaded", lease.lease_id)
-        return 0
-
-    def _layer_range(self, layers: range | None) -> range:
-        if layers is None:
-            return range(self.spec.num_layers)
-        if not isinstance(layers, range) or layers.step != 1:
-            raise ValueError(f"layers: expected a range with step 1, got {layers!r}")
-        if not 0 <= layers.start <= layers.stop <= self.spec.num_layers:
-            raise ValueError(f"layers: {layers!r} is outside 0..{self.spec.num_layers} engine layers")
-        return layers
-
-    def _end_quietly(self, method: str, lease: pb.LeaseRequest) -> bool:
-        """Ends a lease (Abort or Release); whether the daemon did. A failure is logged only: the
-        lease expires on its own, and the caller's own error matters more."""
-        self._renewer.drop(lease.lease_id)
-        if lease.epoch != self.epoch:
-            return False  # the daemon that held it is gone
-        try:
-            self._conn.rpc(method, lease)
-            return True
-        except Exception as exc:
-            quiet = isinstance(exc, KVStoreError) and is_outage(exc)
-            log.log(
-                logging.DEBUG if quiet else logging.WARNING,
-                "%s of lease %d failed: %s",
-                method,
-                lease.lease_id,
-                exc,
-            )
-            return False

@@ -1,0 +1,221 @@
+"""A load: a leased Lookup (answering the Acquire on the daemon's host) while the block table is
+readied, the scatter of the pages (from the arena and the GPU pools, or inline through Get),
+and the Release once the copy is done (`LoadHandle.wait`)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import kvstore_kernels
+from kvstore.errors import KVStoreError, NotFound, Unavailable
+from kvstore.keys import pack_keys
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore_client.connection import is_outage
+from kvstore_client.handles import LoadHandle
+from kvstore_client.inline import get_pages
+from kvstore_client.local import LocalChannel
+from kvstore_client.session import Session, ignore, log
+from kvstore_client.transfers import Streams, cache_device, layer_groups
+
+
+@dataclass
+class _LoadTargets:
+    """Where a load's pages go: the block table and the stream, readied while its Lookup is in
+    flight (`ready`) and taken as they are after it."""
+
+    block_ids: Any
+    stream: Any
+
+    def ready(self, client: Session, kv_caches: Any, chunks: int, layers: range) -> None:
+        """Checks the block table of every chunk that can hit and orders the side stream after the
+        caller's. None of it depends on the Lookup's reply; nothing here may fail the call, whose
+        reply holds a lease: what fails is done again after the reply, where an error releases it."""
+        try:
+            self.block_ids = kvstore_kernels.check_blocks(
+                client.spec, kv_caches, self.block_ids, chunks, layers, writes_cache=True
+            )
+            device = cache_device(kv_caches)
+            if self.stream is None and device.type == "cuda":
+                self.stream = client._streams.ordered_side(device)
+        except Exception:
+            log.debug("checking the block table ahead failed; it is checked with the scatter", exc_info=True)
+
+
+class LoadPath(Session):
+    def load(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        layers: range | None = None,
+        *,
+        keys: Sequence[bytes] | None = None,
+    ) -> int:
+        """Load the longest stored prefix of `token_ids` into the KV cache; returns tokens loaded."""
+        return self.load_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys).wait()
+
+    def load_async(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        *,
+        stream: Any = None,
+        layers: range | None = None,
+        layerwise: bool = False,
+        keys: Sequence[bytes] | None = None,
+    ) -> LoadHandle:
+        """Pin the longest stored prefix and enqueue its scatter; `wait()` releases it.
+
+        `handle.tokens` is what is being loaded: whole chunks, as many as the daemon could
+        deliver (a chunk that could not be read back from disk ends the prefix). `wait()`
+        returns the number of leading tokens that are valid in the KV cache: that, or 0 if the
+        lease lapsed while the pages were read (their slots may have been reused meanwhile).
+        With `layerwise`, runs of layers (`layer_groups`: 1, 1, 2, 4, ... layers, at most
+        `layerwise_runs` of them) are moved and signalled on their own (`wait_layer(i)`), so a
+        forward can start on layer 0 while later layers are still in flight. A daemon that
+        cannot be reached gives an empty load (0 tokens, logged), never an exception.
+        """
+        moved = self._layer_range(layers)
+        keys = self._keys_of(token_ids, keys)
+        asked = time.monotonic()  # the daemon's lease deadline is at least this + lease_ttl_s
+        targets = _LoadTargets(block_ids, stream)
+        reply = self._lookup_leased(keys, kv_caches, moved, targets) if keys else None
+        if reply is None or reply.hit_chunks == 0:
+            return LoadHandle(None, lambda: 0, ignore, 0, moved)
+        lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
+        self._renewer.hold(lease.lease_id)
+        try:
+            ready, event, layer_events = self._scatter(reply, lease, kv_caches, targets, moved, layerwise)
+        except KVStoreError as exc:
+            if is_outage(exc):
+                self._conn.lost(exc)  # the lease went with the daemon
+            elif isinstance(exc, NotFound):  # it expired (pages read back too slowly), or was reaped
+                log.warning("load lease %d: %s; loading nothing", lease.lease_id, exc)
+            else:
+                self._end_quietly("Release", lease)
+                raise
+            self._renewer.drop(lease.lease_id)
+            return LoadHandle(None, lambda: 0, ignore, 0, moved)
+        except BaseException:
+            Streams.settle(kv_caches)
+            self._end_quietly("Release", lease)
+            raise
+        tokens = ready * self.spec.page.chunk_tokens
+        release = functools.partial(
+            self._release,
+            lease,
+            tokens,
+            asked,
+            LocalChannel.frame("Release", lease),  # made while the copy runs
+        )
+        handle = LoadHandle(
+            event, release, lambda exc: self._end_quietly("Release", lease), tokens, moved, layer_events
+        )
+        self._renewer.owned_by(lease.lease_id, handle)
+        return handle
+
+    def _lookup_leased(
+        self, keys: Sequence[bytes], kv_caches: Any, layers: range, targets: _LoadTargets
+    ) -> Any:
+        """The leased Lookup of `keys` (with the Acquire on the daemon's host), or None in an
+        outage; `targets` are readied while it is in flight."""
+        device = cache_device(kv_caches)
+
+        def request() -> pb.LookupRequest:
+            return pb.LookupRequest(
+                namespace=self.namespace,
+                keys=pack_keys(keys),
+                lease=True,
+                gpu_pools=self._gpu_pools.readable(device),  # pools read in place
+                acquire=self.arena is not None,
+                epoch=self.epoch,
+            )
+
+        meanwhile = functools.partial(targets.ready, self, kv_caches, len(keys), layers)
+        try:
+            return self._conn.call("Lookup", request, meanwhile if self.arena is not None else None)
+        except Unavailable:
+            return None
+
+    def _scatter(
+        self,
+        reply: Any,
+        lease: pb.LeaseRequest,
+        kv_caches: Any,
+        targets: _LoadTargets,
+        layers: range,
+        layerwise: bool,
+    ) -> tuple[int, torch.cuda.Event | None, dict[int, torch.cuda.Event | None] | None]:
+        """Moves the leased pages into the KV cache: from the arena and the GPU pools (enqueued,
+        per run of layers where `layerwise`), or inline through Get. Returns the chunks that
+        are coming, the event after all of them and each layer's event (arena loads only)."""
+        if self.arena is None:
+            staging = get_pages(
+                self._conn.stub,
+                lease,
+                reply.hit_chunks,
+                self.page_bytes,
+                self.timeout_s,
+                self._conn.metadata,
+                is_outage,
+            )
+            ready = len(staging) // self.page_bytes
+            offsets = [i * self.page_bytes for i in range(ready)]
+            kvstore_kernels.scatter(
+                self.spec, kv_caches, targets.block_ids, range(ready), staging, offsets, layers
+            )
+            return ready, None, None
+        # A daemon that answered the Acquire with the Lookup saves a round trip (older ones never do).
+        acquired = reply.acquired if reply.HasField("acquired") else self._conn.rpc("Acquire", lease)
+        pieces = self._gpu_pools.pieces(acquired, self.arena)  # the arena's chunks, each pool's
+        groups = layer_groups(layers, self.layerwise_runs) if layerwise and layers else [layers]
+        scatter = kvstore_kernels.scatter
+        if layerwise and self._mapped.registered and cache_device(kv_caches).type == "cuda":
+            scatter = functools.partial(scatter, options=self.layerwise_options)
+        events = [
+            [
+                self._streams.enqueue(
+                    self._gpu_pools.scatter_for(buf, arena_scatter=scatter),
+                    self.spec,
+                    kv_caches,
+                    targets.block_ids,
+                    chunks,
+                    buf,
+                    offsets,
+                    group,
+                    targets.stream,
+                )
+                for buf, chunks, offsets in pieces  # one stream: the last event follows them all
+            ][-1]
+            for group in groups
+        ]
+        layer_events = {layer: event for group, event in zip(groups, events, strict=True) for layer in group}
+        return acquired.ready_chunks, events[-1], layer_events
+
+    def _release(self, lease: pb.LeaseRequest, tokens: int, asked: float, release_frame: bytes) -> int:
+        """Ends a load once its copy is done: the tokens it made valid (0 where the lease may have
+        lapsed during the copy, or the daemon restarted)."""
+        self._renewer.drop(lease.lease_id)
+        if self.epoch != lease.epoch:  # the daemon restarted since the Lookup: trust nothing read
+            log.debug("load lease %d: the daemon restarted during the copy; no tokens", lease.lease_id)
+            return 0
+        local = self._conn.local
+        if local is not None and time.monotonic() < asked + self.lease_ttl_s:
+            # The copy ended while the lease held its pages (same host, same monotonic clock):
+            # the tokens are valid whatever the Release answers, so it is sent without waiting.
+            try:
+                local.send_frame("Release", release_frame)
+            except Unavailable as exc:  # the lease expires on its own
+                log.debug("release of lease %d failed: %s", lease.lease_id, exc)
+            return tokens
+        if self._end_quietly("Release", lease):
+            return tokens
+        log.warning("load lease %d expired during the copy; reporting no tokens loaded", lease.lease_id)
+        return 0
