@@ -14,7 +14,7 @@ end here, on the loop again (`loop.call_soon_threadsafe`). Nothing here waits fo
 - `left(entry)`, `free_slot(entry)`: bookkeeping for a GPU-tier page leaving the index.
 
 While a page moves up it is read from the arena; once it is up, its arena slot is freed as
-soon as no lease holds it (`Store.settle`). A page moving down is read from the arena once
+soon as no lease holds it (`Eviction.settle`). A page moving down is read from the arena once
 its copy lands (its `loaded` future); its GPU slot is reused at once, which is safe because
 every copy into and out of a pool runs in order on that pool's one stream.
 """
@@ -35,9 +35,9 @@ from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.gpu import Copy, GpuPool, GpuTier
 
 
-class StoreSide(Protocol):
-    """What the placement uses of the store (`kvstore.store.Store`): its CPU tier, its CPU
-    policy and pins, its counters, and three calls."""
+class CpuSide(Protocol):
+    """What the placement uses of the CPU tier's eviction (`kvstore.eviction.Eviction`): the
+    tier, its policy and pins, the store's counters, and three calls."""
 
     cpu: CpuTier
     policy: EvictionPolicy
@@ -53,14 +53,14 @@ class StoreSide(Protocol):
 
 class GpuPlacement:
     def __init__(
-        self, store: StoreSide, gpu: GpuTier, policy: EvictionPolicy, promote_after_hits: int
+        self, eviction: CpuSide, gpu: GpuTier, policy: EvictionPolicy, promote_after_hits: int
     ) -> None:
-        self.store = store
+        self.eviction = eviction
         self.gpu = gpu
         self.policy = policy  # the GPU tier's own: it orders the pages in the GPU tier only
         self.promote_after_hits = promote_after_hits
         self.pages = 0  # pages that belong to the GPU tier
-        self.counters = store.counters
+        self.counters = eviction.counters
 
     # -- up -----------------------------------------------------------------
 
@@ -103,14 +103,14 @@ class GpuPlacement:
         copies: list[Copy] = []
         for victim in victims:  # first out, so that their slots can be filled after them in order
             size = victim.namespace.spec.page_bytes
-            victim.offset = self.store.cpu.slots.alloc(size)
+            victim.offset = self.eviction.cpu.slots.alloc(size)
             victim.loaded = loop.create_future()
             copies.append((arena + victim.offset, pool.base + victim.gpu, size))
             self.policy.evicted(victim)
             self.left(victim)
             self.free_slot(victim)
-            if victim not in self.store.pins:
-                self.store.policy.stored([victim])
+            if victim not in self.eviction.pins:
+                self.eviction.policy.stored([victim])
         for entry in batch:
             entry.gpu = pool.slots.alloc(page_bytes)
             entry.pool = pool.index
@@ -137,35 +137,35 @@ class GpuPlacement:
             counts[size] = counts.get(size, 0) + 1
         try:
             for size, count in counts.items():
-                self.store.make_cpu_room(size, count, protected)
+                self.eviction.make_cpu_room(size, count, protected)
         except ResourceExhausted:
             return False
         return True
 
     def _moved(self, victims: list[Entry], batch: list[Entry], ok: bool) -> None:
         """A promotion's copies finished (on the event loop)."""
-        store = self.store
+        eviction = self.eviction
         for victim in victims:
             assert victim.loaded is not None
             victim.loaded.set_result(ok)
             if not ok:
                 self.counters["gpu_copy_failures"] += 1
                 if not victim.removed:
-                    store.remove(victim)  # its bytes are lost: a miss from now on
-            store.settle(victim)
+                    eviction.remove(victim)  # its bytes are lost: a miss from now on
+            eviction.settle(victim)
         for entry in batch:
             entry.gpu_pending = False
             if ok and not entry.removed:
                 entry.on_gpu = True
                 self.pages += 1
-                if entry not in store.pins:
-                    store.policy.remove(entry)
+                if entry not in eviction.pins:
+                    eviction.policy.remove(entry)
                     self.policy.stored([entry])
                 self.counters["gpu_promoted_chunks"] += 1
             elif not ok:
                 self.counters["gpu_copy_failures"] += 1
                 self.free_slot(entry)
-            store.settle(entry)
+            eviction.settle(entry)
 
     # -- down, for a reader without the pool --------------------------------
 
@@ -185,7 +185,7 @@ class GpuPlacement:
         by_pool: dict[int, list[Copy]] = {}
         for entry in need:
             size = entry.namespace.spec.page_bytes
-            entry.offset = self.store.cpu.slots.alloc(size)
+            entry.offset = self.eviction.cpu.slots.alloc(size)
             entry.loaded = loop.create_future()
             pool = self.gpu.pools[entry.pool]
             by_pool.setdefault(pool.index, []).append((arena + entry.offset, pool.base + entry.gpu, size))
@@ -205,7 +205,7 @@ class GpuPlacement:
             entry.loaded.set_result(ok)
             if not ok:
                 self.counters["gpu_copy_failures"] += 1
-            self.store.settle(entry)
+            self.eviction.settle(entry)
 
     # -- bookkeeping --------------------------------------------------------
 

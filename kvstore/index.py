@@ -2,7 +2,7 @@
 
 - `Entry`: one page of one namespace: its arena slot and GPU slot, whether it is committed,
   the leases and pins that hold it, its place in a committed chain, copies in flight.
-- `Namespace`: a page spec's pages by key.
+- `Namespace`: a page spec's pages by key; `Namespaces`: those the daemon serves, bounded.
 - The results of the store's calls (`LookupResult`, `ReserveResult`, `AcquireResult`,
   `PinResult`) and its figures (`TierUsage`, `NamespaceUsage`, `StoreStats`).
 
@@ -13,9 +13,12 @@ these fields; nothing here calls either.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvstore.keys import KEY_BYTES
 from kvstore.spec import PageSpec
 from kvstore.tiers import Tier
 
@@ -72,6 +75,18 @@ class Entry:
         """A copy into or out of one of its slots is in flight."""
         return self.gpu_pending or (self.loaded is not None and not self.loaded.done())
 
+    @property
+    def hit_tier(self) -> Tier:
+        """Where a hit is read from: the GPU tier, the arena, or the disk or remote tier (being
+        read into the arena)."""
+        if self.gpu_ready:
+            return Tier.GPU
+        return Tier.CPU if self.committed else self.source
+
+    def in_pools(self, pools: frozenset[int]) -> bool:
+        """Whether a reader that opened GPU pools `pools` reads this page in place in the GPU tier."""
+        return self.gpu >= 0 and not self.gpu_pending and self.pool in pools
+
 
 @dataclass(eq=False)
 class Namespace:
@@ -84,6 +99,43 @@ class Namespace:
     @property
     def label(self) -> str:
         return f"{self.id.hex()[:12]} ({self.spec.model})"
+
+
+class Namespaces(dict[bytes, Namespace]):
+    """The namespaces a daemon serves, by id: at most `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def add(self, spec: PageSpec, in_use: Callable[[], set[bytes]]) -> Namespace:
+        """The spec's namespace, registered if new. At the limit, the namespaces with no pages
+        that are not `in_use` (leased) are forgotten first; their clients register them again."""
+        ns_id = spec.namespace()
+        ns = self.get(ns_id)
+        if ns is None:
+            if len(self) >= self.limit:
+                leased = in_use()
+                for empty in [n.id for n in self.values() if not n.entries and n.id not in leased]:
+                    del self[empty]
+            if len(self) >= self.limit:
+                raise ResourceExhausted(
+                    f"this daemon already serves {self.limit} namespaces that hold pages; "
+                    f"`kvctl clear` some of them"
+                )
+            ns = self[ns_id] = Namespace(ns_id, spec)
+        return ns
+
+    def registered(self, ns_id: bytes) -> Namespace:
+        ns = self.get(ns_id)
+        if ns is None:
+            if len(ns_id) != KEY_BYTES:
+                raise InvalidArgument(f"namespace: expected {KEY_BYTES} bytes, got {len(ns_id)}")
+            raise NotFound(
+                f"namespace {ns_id.hex()} is not registered with this daemon "
+                f"(it may have restarted): call Connect with its page spec first"
+            )
+        return ns
 
 
 class LookupResult(NamedTuple):

@@ -20,11 +20,18 @@ from __future__ import annotations
 
 import enum
 import heapq
+import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.errors import FailedPrecondition, NotFound
 from kvstore.peers import Peer
+
+log = logging.getLogger(__name__)
+
+WRITER_CHECK_S = 1.0  # how often a quarantine looks whether its writer is gone
 
 
 class LeaseKind(enum.Enum):
@@ -103,8 +110,31 @@ class LeaseTable:
                 expired.append(self._leases.pop(lease_id))
         return expired
 
+    def held(self, namespace: bytes, lease_id: int, kind: LeaseKind) -> Lease:
+        """The live lease `lease_id` of `namespace`, of `kind`; else a NotFound or
+        FailedPrecondition that says why."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.namespace != namespace:
+            raise NotFound(
+                f"lease {lease_id} not found in namespace {namespace.hex()[:12]}: it expired, was already "
+                f"released, or belongs to another namespace"
+            )
+        if lease.kind is not kind:
+            verb = "Commit/Abort/Put" if lease.kind is LeaseKind.STORE else "Acquire/Release/Get"
+            raise FailedPrecondition(f"lease {lease_id} is a {lease.kind.value} lease: use {verb} with it")
+        return lease
+
     def count(self, kind: LeaseKind) -> int:
         return sum(1 for lease in self._leases.values() if lease.kind is kind)
+
+    def figures(self) -> dict[str, float]:
+        leases = self._leases.values()
+        return {
+            "active_store_leases": self.count(LeaseKind.STORE),
+            "active_load_leases": self.count(LeaseKind.LOAD),
+            "active_leases": len(leases),
+            "active_puts": sum(1 for lease in leases if lease.writer_active),
+        }
 
     def all(self) -> list[Lease]:
         return list(self._leases.values())
@@ -119,3 +149,59 @@ class Quarantine:
     page_bytes: int
     until: float  # leases.quarantine_s after the expiry: freed then whatever the writer does
     next_check: float = 0.0  # when to look again whether the writer is gone
+
+
+class Quarantines:
+    """Fenced store leases by id; `free(offset)` gives a slot back to the arena."""
+
+    def __init__(self, quarantine_s: float, free: Callable[[int], None]) -> None:
+        self.quarantine_s = quarantine_s
+        self._free = free
+        self._fenced: dict[int, Quarantine] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._fenced)
+
+    def fence(self, lease: Lease, offsets: list[int], page_bytes: int, now: float) -> None:
+        self._fenced[lease.id] = Quarantine(lease, offsets, page_bytes, now + self.quarantine_s)
+
+    def end(self, namespace: bytes, lease_id: int) -> Quarantine | None:
+        """Frees the slots of a fenced lease of `namespace`, if `lease_id` is one; it, or None."""
+        fenced = self._fenced.get(lease_id)
+        if fenced is None or fenced.lease.namespace != namespace:
+            return None
+        del self._fenced[lease_id]
+        for offset in fenced.offsets:
+            self._free(offset)
+        return fenced
+
+    def end_due(self, now: float) -> int:
+        """Frees the quarantines whose writer is gone (looked at every WRITER_CHECK_S) or whose
+        time is up; returns how many."""
+        ended = 0
+        for lease_id, fenced in list(self._fenced.items()):
+            writer = fenced.lease.writer
+            if now < fenced.until:
+                if now < fenced.next_check:
+                    continue
+                fenced.next_check = now + WRITER_CHECK_S
+                if writer is None or not writer.gone():
+                    continue
+            elif writer is not None and writer.pid and not writer.gone():
+                log.warning(
+                    "lease %d: its writer (pid %d) is alive but stalled for leases.quarantine_s; its %d "
+                    "fenced slots are reused now",
+                    lease_id,
+                    writer.pid,
+                    len(fenced.offsets),
+                )
+            self.end(fenced.lease.namespace, lease_id)
+            ended += 1
+        return ended
+
+    def figures(self) -> dict[str, float]:
+        fenced = self._fenced.values()
+        return {
+            "quarantined_pages": sum(len(q.offsets) for q in fenced),
+            "quarantined_bytes": sum(len(q.offsets) * q.page_bytes for q in fenced),
+        }

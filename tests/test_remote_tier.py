@@ -395,7 +395,11 @@ def test_write_through_sends_pages_from_their_slots_intact_while_the_cpu_tier_tu
             stored += writer.store(prompt(i, 10), cache_for(i, 10), torch.arange(10))
         stats = wait_written(writer, stored)
         assert stored == 200 and stats["written"] == 200 and stats["dropped_writes"] == 0
-        assert writer.stats()["counters"]["remote_sending_bytes"] == 0
+        # The last pages' slots are unpinned on the daemon's loop just after their writes end.
+        deadline = time.monotonic() + 10
+        while (sending := writer.stats()["counters"]["remote_sending_bytes"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sending == 0
     with KVStoreClient.connect(second.address, SPEC) as reader:
         loaded = [load_and_compare(reader, i, 10) for i in range(20)]  # bytes compared inside
         assert sum(loaded) == stored * CHUNK

@@ -228,9 +228,9 @@ def test_request_validation(tmp_path: Path, clock: Clock) -> None:
 
 
 def test_namespace_table_is_bounded(tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvstore.store
+    import kvstore.store_state
 
-    monkeypatch.setattr(kvstore.store, "MAX_NAMESPACES", 3)
+    monkeypatch.setattr(kvstore.store_state, "MAX_NAMESPACES", 3)
     store = make_store(tmp_path, clock, 16)
     keys = store_chain(store, list(range(16)))  # SPEC's namespace holds a page
     specs = [replace(SPEC, salt=f"tenant-{i}") for i in range(5)]

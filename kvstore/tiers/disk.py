@@ -21,7 +21,8 @@ Primitives (any thread; the store calls them from its event loop):
   size, e.g. its CPU-tier slot) the page is read into it and `done` gets `into` back; it
   must not be reused before `done` runs. Reads go before queued writes.
 - `read(ns, key)`: the same, blocking; for tests and tools.
-- `contains`, `flushed` (on disk and synced per `tiers.disk.fsync`), `touch(ns, keys)`
+- `contains`, `present(ns, keys)` (how many leading keys are here),
+  `flushed` (on disk and synced per `tiers.disk.fsync`), `touch(ns, keys)`
   (marks them used, keys[0] most recent, so a chain's head outlives its tail), `remove`,
   `clear(ns)`.
 - `take_evicted()`: pages evicted for space since the last call.
@@ -46,6 +47,7 @@ from pathlib import Path
 
 from kvstore.codec import CODECS, Buffer
 from kvstore.config import DiskTierConfig
+from kvstore.tiers import Tier
 from kvstore.tiers import disk_files as files
 from kvstore.tiers.disk_files import Progress, RecordInfo
 from kvstore.tiers.disk_index import DiskIndex, Ident, Record
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 
 class DiskTier(DiskWorkers):
     name = "disk"
+    medium = Tier.DISK
 
     def __init__(self, config: DiskTierConfig) -> None:
         self.config = config
@@ -263,6 +266,20 @@ class DiskTier(DiskWorkers):
         with self._lock:
             queued = self._pending.get(ident)
             return self.enabled and (ident in self._index or (queued is not None and not queued.cancelled))
+
+    def present(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` are in this tier."""
+        found = 0
+        with self._lock:
+            if not self.enabled:
+                return 0
+            for key in keys:
+                ident = (namespace, key)
+                queued = self._pending.get(ident)
+                if ident not in self._index and (queued is None or queued.cancelled):
+                    break
+                found += 1
+        return found
 
     def flushed(self, namespace: bytes, key: bytes) -> bool:
         """The page is in its record file, synced as `tiers.disk.fsync` asks."""

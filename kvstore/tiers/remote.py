@@ -48,6 +48,7 @@ from typing import Any
 
 from kvstore.codec import CODECS, Buffer, compress
 from kvstore.config import ConfigError, RemoteTierConfig
+from kvstore.tiers import Tier
 from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, pack_header, unpack_header
 from kvstore.tiers.remote_resp import RecordConnection
 
@@ -79,6 +80,7 @@ def start_remote(config: RemoteTierConfig) -> RemoteTier:
 
 class RemoteTier:
     name = "remote"
+    medium = Tier.REMOTE
 
     def __init__(self, config: RemoteTierConfig, clock: Callable[[], float] = time.monotonic) -> None:
         import redis

@@ -1,0 +1,160 @@
+"""Room in the CPU tier: which pages leave it, and what becomes of a page that leaves the index.
+
+The store and the GPU placement call these on the daemon's event loop.
+
+- `make_cpu_room(page_bytes, count, protected)`: evicts committed, unpinned pages in policy
+  order until `count` slots of `page_bytes` are free; all or nothing. It never takes a page the
+  current operation needs (`protected`), nor one a lease holds or a copy is using, nor a page
+  while a page after it in a committed chain is held (a tail without its head is never hit),
+  unless the policy is a chain-blind baseline replayed as published (`chain_safe` false).
+  An evicted page goes to `demote` (the lower tiers write it behind).
+- `remove(entry)`: drops a committed page from the index; `settle(entry)` frees the slots it no
+  longer needs once no lease holds it and no copy is in flight.
+- `link(ns, keys)`: links a stored chain's pages to their parents (what the chain guard reads).
+- `tell_hit` / `tell_stored`: each tier's policy hears of its own pages (a page in the GPU tier
+  is in the GPU tier's policy's care); a page pinned with `pin` is in no policy's care
+  (`policy_pages`) until its pin ends.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, cast
+
+from kvstore.errors import ResourceExhausted
+from kvstore.index import Entry, Namespace
+from kvstore.pins import PinTable
+from kvstore.policy import EvictionPolicy
+from kvstore.tiers.cpu import CpuTier
+
+if TYPE_CHECKING:
+    from kvstore.gpu_placement import GpuPlacement
+
+
+class Eviction:
+    def __init__(
+        self,
+        cpu: CpuTier,
+        policy: EvictionPolicy,
+        pins: PinTable[Entry],
+        counters: Counter[str],
+        demote: Callable[[Entry], None] | None = None,
+    ) -> None:
+        self.cpu = cpu
+        self.policy = policy  # the CPU tier's
+        self.pins = pins
+        self.counters = counters
+        self.demote = demote
+        self.guard_chains = policy.chain_safe
+        self.placement: GpuPlacement | None = None  # set by the store when it has a GPU tier
+
+    # -- the policies -------------------------------------------------------
+
+    def policy_pages(self, entries: list[Entry]) -> list[Entry]:
+        """The entries in the policies' care: all but those pinned with `pin`."""
+        pins = self.pins
+        return [entry for entry in entries if entry not in pins] if pins else entries
+
+    def tell_hit(self, entries: list[Entry]) -> None:
+        """Each tier's policy hears of a use of its own pages of `entries`."""
+        for policy, pages in self._by_tier(entries):
+            policy.hit(pages)
+
+    def tell_stored(self, entries: list[Entry]) -> None:
+        """Each tier's policy hears that its own pages of `entries` are stored."""
+        for policy, pages in self._by_tier(entries):
+            policy.stored(pages)
+
+    def _by_tier(self, entries: list[Entry]) -> list[tuple[EvictionPolicy, list[Entry]]]:
+        placement = self.placement
+        if placement is None or not placement.pages:
+            return [(self.policy, entries)]
+        return [
+            (self.policy, [e for e in entries if not e.on_gpu]),
+            (placement.policy, [e for e in entries if e.on_gpu]),
+        ]
+
+    def policy_of(self, entry: Entry) -> EvictionPolicy:
+        placement = self.placement
+        return placement.policy if placement is not None and entry.on_gpu else self.policy
+
+    def link(self, ns: Namespace, keys: Sequence[bytes]) -> list[Entry]:
+        """The committed entries of a chain, in order; each is linked to the one before it."""
+        chain: list[Entry] = []
+        parent: Entry | None = None
+        for key in keys:
+            entry = ns.entries.get(key)
+            if entry is None or not entry.committed:
+                parent = None
+                continue
+            if entry.parent is None and parent is not None:
+                entry.parent = parent
+                parent.children += 1
+            chain.append(entry)
+            parent = entry
+        return chain
+
+    # -- room ---------------------------------------------------------------
+
+    def make_cpu_room(self, page_bytes: int, count: int, protected: list[Entry]) -> None:
+        """Evicts CPU-tier pages so that `count` slots of `page_bytes` are free; all or nothing."""
+        victims = self.cpu.slots.plan_free(page_bytes, count, self._evictable({id(e) for e in protected}))
+        if victims is None:
+            raise ResourceExhausted(
+                f"cannot reserve {count} page(s) of {page_bytes} bytes in the CPU tier "
+                f"({self.cpu.capacity} bytes, {self.cpu.bytes_used} in use): every page that could make "
+                f"room is pinned by a lease or being written; release leases, wait for them to expire, "
+                f"or raise tiers.cpu.bytes"
+            )
+        for entry in victims:
+            self.remove(entry, evicted=True)
+        self.counters["evicted_chunks"] += len(victims)
+
+    def _evictable(self, protected: set[int]) -> Iterator[tuple[int, Entry]]:
+        guard = self.guard_chains
+        planned: Counter[int] = Counter()  # per parent: its children already offered in this plan
+        for item in self.policy.candidates():
+            entry = cast(Entry, item)
+            if entry.pins or id(entry) in protected or entry.busy:
+                continue
+            if guard and entry.children and entry.children > planned[id(entry)]:
+                continue  # a later page of its chain is held: tails go first
+            if entry.parent is not None:
+                planned[id(entry.parent)] += 1
+            yield entry.offset, entry
+
+    # -- leaving ------------------------------------------------------------
+
+    def remove(self, entry: Entry, evicted: bool = False) -> None:
+        """Drops a committed entry from the index; its slots are freed now, or at its last release."""
+        ns = entry.namespace
+        del ns.entries[entry.key]
+        ns.pages -= 1
+        if entry.parent is not None:
+            entry.parent.children -= 1
+        if evicted:
+            self.policy.evicted(entry)
+            if self.demote is not None and entry.committed:
+                self.demote(entry)
+        elif not self.pins.unpin(entry):
+            self.policy_of(entry).remove(entry)
+        if entry.on_gpu and self.placement is not None:
+            self.placement.left(entry)
+        entry.removed = True
+        self.settle(entry)
+
+    def settle(self, entry: Entry) -> None:
+        """Frees the slots an entry no longer needs, once no lease holds it and no copy is in flight:
+        both if it left the index, its arena slot if it belongs to the GPU tier."""
+        if entry.pins or entry.busy:
+            return
+        if entry.removed:
+            if entry.offset >= 0:
+                self.cpu.slots.free(entry.offset)
+                entry.offset = -1
+            if entry.gpu >= 0 and self.placement is not None:
+                self.placement.free_slot(entry)
+        elif entry.on_gpu and entry.offset >= 0:
+            self.cpu.slots.free(entry.offset)
+            entry.offset = -1

@@ -1,0 +1,147 @@
+"""The load path: a Lookup finds the longest stored prefix and may lease it; Acquire gives the
+lease's page offsets once every page is in the arena (or a GPU pool the reader reads); the
+reader copies them out and Releases the lease (or Get streams them inline).
+
+- `lookup(ns, keys, lease)`: the prefix in the arena (or the GPU tier), then in the disk tier,
+  then in the remote tier; with `lease`, the pages found below the arena are read into it and
+  the lease holds them all.
+- `acquire(ns, lease)`: waits (up to PROMOTION_TIMEOUT_S) for the pages still read into the
+  arena; `acquire_now` answers at once when none is, else None (a Lookup answers with it).
+- `release(ns, lease)`; `begin_get` / `read_leased`: a lease's bytes sent inline, each read
+  checked against the lease, so a lease that expired mid-stream never reads a reused slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from kvstore.errors import NotFound
+from kvstore.index import AcquireResult, Entry, LookupResult
+from kvstore.leases import Lease, LeaseKind
+from kvstore.store_state import StoreState
+from kvstore.tiers import Tier
+
+PROMOTION_TIMEOUT_S = 10.0
+
+
+class Loads(StoreState):
+    def lookup(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease: bool = False,
+        ttl_s: float | None = None,
+        touch: bool = True,
+        gpu_pools: Sequence[int] = (),
+    ) -> LookupResult:
+        """The longest committed prefix of `keys`; with `lease`, pins it.
+
+        `touch`: the lookup counts as a use of the hit pages for the eviction policy. The daemon
+        counts the leased lookup of a load (and the store), not the query before it, so a page
+        that is looked up and then loaded counts once.
+        `gpu_pools`: the GPU pools the lease's reader has opened; its pages in other pools are
+        copied into the arena for it.
+        """
+        ns = self.namespaces.registered(ns_id)
+        self._check_keys(keys)
+        ttl_s = self._ttl(ttl_s)
+        hits: list[Entry] = []
+        for key in keys:
+            entry = ns.entries.get(key)
+            if entry is None or not (entry.committed or entry.loaded is not None):
+                break
+            hits.append(entry)
+        lower = self.lower
+        runs = lower.find(ns, keys[len(hits) :]) if lower is not None and len(hits) < len(keys) else []
+        if lease and runs and lower is not None:
+            lower.promote(ns, runs, hits)
+            runs = []  # promoted ones joined `hits`; the rest are no longer in the answer
+        found = len(hits) + sum(len(run) for _, run in runs)
+        self.counters["lookups"] += 1
+        self.counters["hit_chunks"] += found
+        self.counters["missed_chunks"] += len(keys) - found
+        if touch:
+            self.eviction.tell_hit(self.eviction.policy_pages([e for e in hits if e.committed]))
+            if lower is not None and found:
+                lower.touch(ns, keys[:found])
+        tiers = bytes(e.hit_tier for e in hits) + b"".join(bytes([s.medium]) * len(run) for s, run in runs)
+        lease_id = 0
+        placement = self.gpu_placement
+        if lease and hits and placement is not None:
+            hits = placement.readable(hits, gpu_pools)
+        if lease and hits:
+            for entry in hits:
+                entry.pins += 1
+            load = self.leases.add(ns_id, LeaseKind.LOAD, hits, self.clock() + ttl_s, ttl_s)
+            load.gpu_pools = frozenset(gpu_pools)
+            lease_id = load.id
+            if touch and placement is not None:
+                placement.hit(hits)
+        return LookupResult(found, tiers, lease_id)
+
+    async def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult:
+        """Offsets of the lease's leading pages that are in the CPU tier (or a GPU pool its reader
+        reads), once the pages still being promoted from disk are in (waited for up to
+        PROMOTION_TIMEOUT_S); a page that could not be read ends the ready prefix."""
+        lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
+        pending = _pending(lease)
+        if pending:
+            await asyncio.wait(pending, timeout=PROMOTION_TIMEOUT_S)
+            if self.leases.get(lease.id) is not lease:
+                raise NotFound(f"lease {lease.id} expired while its pages were read from disk")
+        return self._ready(lease)
+
+    def acquire_now(self, ns_id: bytes, lease_id: int) -> AcquireResult | None:
+        """`acquire`'s answer if it needs no waiting (no page of the lease is still being read from
+        disk or copied into the arena), else None: the reader then calls `acquire`."""
+        lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
+        return None if _pending(lease) else self._ready(lease)
+
+    def _ready(self, lease: Lease) -> AcquireResult:
+        offsets: list[int] = []
+        tiers = bytearray()
+        pools: list[int] = []
+        readable = lease.gpu_pools
+        for entry in lease.entries:
+            if entry.in_pools(readable):
+                offsets.append(entry.gpu)
+                tiers.append(Tier.GPU)
+                pools.append(entry.pool)
+            elif entry.committed and entry.cpu_ready:
+                offsets.append(entry.offset)
+                tiers.append(Tier.CPU)
+                pools.append(0)
+            else:
+                break
+        page_bytes = self.namespaces[lease.namespace].spec.page_bytes
+        return AcquireResult(offsets, page_bytes, bytes(tiers), tuple(pools))
+
+    def release(self, ns_id: bytes, lease_id: int) -> int:
+        lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
+        self.leases.pop(lease_id)
+        return self._unpin(lease)
+
+    def _unpin(self, lease: Lease) -> int:
+        for entry in lease.entries:
+            entry.pins -= 1
+            self.eviction.settle(entry)
+        return len(lease.entries)
+
+    async def begin_get(self, ns_id: bytes, lease_id: int) -> tuple[Lease, AcquireResult]:
+        """A load lease and its pages (`acquire`), for one inline Get."""
+        result = await self.acquire(ns_id, lease_id)
+        return self._lease(ns_id, lease_id, LeaseKind.LOAD), result
+
+    def read_leased(self, lease: Lease, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset` in the arena, while `lease` holds them."""
+        if self.leases.get(lease.id) is not lease:
+            raise NotFound(f"lease {lease.id} expired while its pages were being read")
+        return bytes(self.cpu.read(offset, length))
+
+
+def _pending(lease: Lease) -> list[asyncio.Future[bool]]:
+    """The copies a load lease's reader must wait for: pages on their way into the arena."""
+    pools = lease.gpu_pools
+    loading = [e for e in lease.entries if e.loaded is not None and not e.loaded.done()]
+    return [e.loaded for e in loading if not e.in_pools(pools)]

@@ -1,0 +1,137 @@
+"""The store path: Reserve gives slots for the keys not stored yet under a store lease; the
+writer fills them (in place through the arena, or inline through Put) and Commits, which
+makes them visible to lookups at once, or Aborts. An entry being written is never visible.
+
+- `reserve(ns, keys, writer)`: all or nothing: without room for every new page, none.
+- `begin_put` / `write_leased` / `end_put`: one inline Put at a time per lease, each write
+  checked against the lease; a Put that fails part-way breaks the lease (Commit refused).
+- `commit(ns, lease)`: the pages are stored, linked into their chain, written through to the
+  lower tiers that ask for it. A Commit after the lease expired is refused: nothing stored.
+- Expiry (`Store.expire`): a lease written inline only is dropped; one written in place is
+  fenced (`_fence`): its keys leave the index, its slots stay quarantined until its writer
+  is gone, its client ends it, or `leases.quarantine_s` passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvstore.index import AcquireResult, Entry, ReserveResult
+from kvstore.leases import Lease, LeaseKind
+from kvstore.peers import Peer
+from kvstore.store_state import StoreState
+
+
+class Writes(StoreState):
+    def reserve(
+        self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float | None = None, writer: Peer | None = None
+    ) -> ReserveResult:
+        """Slots for the keys not stored yet, under one store lease. `writer`: the process that
+        writes them in place (the arena), whose slots are fenced if the lease expires; None for a
+        client that writes through Put only."""
+        ns = self.namespaces.registered(ns_id)
+        self._check_keys(keys)
+        ttl_s = self._ttl(ttl_s)
+        present: list[Entry] = []
+        new_keys: list[bytes] = []
+        seen: set[bytes] = set()
+        offsets: list[int] = []
+        for i, key in enumerate(keys):
+            if key in seen:
+                raise InvalidArgument(f"keys[{i}] repeats an earlier key of the same request")
+            seen.add(key)
+            entry = ns.entries.get(key)
+            if entry is None:
+                new_keys.append(key)
+                offsets.append(0)
+            else:
+                present.append(entry)
+                offsets.append(-1)
+        if new_keys:
+            self.eviction.make_cpu_room(ns.spec.page_bytes, len(new_keys), protected=present)
+        self.counters["reserves"] += 1
+        self.counters["skipped_chunks"] += len(present)
+        # Present pages stay recent while the new ones are written; the commit touches them again.
+        self.eviction.tell_stored(self.eviction.policy_pages([e for e in present if e.committed]))
+        if not new_keys:
+            return ReserveResult(0, offsets)
+        entries = []
+        for key in new_keys:
+            entry = Entry(ns, key, self.cpu.slots.alloc(ns.spec.page_bytes))
+            ns.entries[key] = entry
+            entries.append(entry)
+        slots = iter(entries)
+        offsets = [offset if offset < 0 else next(slots).offset for offset in offsets]
+        lease = self.leases.add(
+            ns_id, LeaseKind.STORE, entries, self.clock() + ttl_s, ttl_s, list(keys), writer
+        )
+        return ReserveResult(lease.id, offsets)
+
+    def begin_put(self, ns_id: bytes, lease_id: int) -> tuple[Lease, AcquireResult]:
+        """Claims a store lease for one inline Put; a second concurrent Put is refused."""
+        lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
+        if lease.writer_active:
+            raise FailedPrecondition(f"lease {lease_id}: another Put is already writing its pages")
+        lease.writer_active = True
+        return lease, AcquireResult(
+            [entry.offset for entry in lease.entries], self.namespaces[ns_id].spec.page_bytes
+        )
+
+    def end_put(self, lease: Lease, error: str = "") -> None:
+        lease.writer_active = False
+        if error:
+            lease.broken = error
+
+    def write_leased(self, lease: Lease, offset: int, data: memoryview, within: int) -> None:
+        """Writes `data` at `within` bytes into the page at `offset`, while `lease` holds it."""
+        if self.leases.get(lease.id) is not lease:
+            raise NotFound(f"lease {lease.id} expired while its pages were being written")
+        self.cpu.write(offset, data, within)
+
+    def commit(self, ns_id: bytes, lease_id: int) -> int:
+        if self.quarantines.end(ns_id, lease_id):  # its writer has finished: it commits after writing
+            raise FailedPrecondition(
+                f"lease {lease_id} expired before its Commit (the writer did not renew it within its "
+                f"TTL, leases.ttl_s): nothing was stored; store the pages again"
+            )
+        lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
+        if lease.broken or lease.writer_active:
+            why = lease.broken or "a Put is still writing its pages"
+            raise FailedPrecondition(f"lease {lease_id} cannot be committed: {why}; Abort it and store again")
+        self.leases.pop(lease_id)
+        ns = self.namespaces[ns_id]
+        for entry in lease.entries:
+            entry.committed = True
+        ns.pages += len(lease.entries)
+        self.eviction.tell_stored(self.eviction.policy_pages(self.eviction.link(ns, lease.keys)))
+        self.counters["stored_chunks"] += len(lease.entries)
+        if self.lower is not None:
+            self.lower.committed(ns, lease.entries)
+        return len(lease.entries)
+
+    def abort(self, ns_id: bytes, lease_id: int) -> int:
+        fenced = self.quarantines.end(ns_id, lease_id)
+        if fenced is not None:
+            return len(fenced.offsets)
+        lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
+        self.leases.pop(lease_id)
+        self._drop_reservation(lease)
+        self.counters["aborted_chunks"] += len(lease.entries)
+        return len(lease.entries)
+
+    def _drop_reservation(self, lease: Lease) -> None:
+        ns = self.namespaces[lease.namespace]
+        for entry in lease.entries:
+            del ns.entries[entry.key]
+            self.cpu.slots.free(entry.offset)
+
+    def _fence(self, lease: Lease, now: float) -> None:
+        """An expired store lease written in place: its pages leave the index (their keys can be
+        stored again, into other slots) but its slots stay allocated until its writer is gone, its
+        client ends the lease, or leases.quarantine_s passes."""
+        ns = self.namespaces[lease.namespace]
+        for entry in lease.entries:
+            del ns.entries[entry.key]
+        self.quarantines.fence(lease, [entry.offset for entry in lease.entries], ns.spec.page_bytes, now)
+        self.counters["fenced_leases"] += 1
