@@ -370,11 +370,11 @@ def host_steps(
         "kvstore_kernels._run(plan)": lambda: kvstore_kernels._run(SPEC, plan, TransferOptions(), False),
         "triton_copy.launch(plan)": lambda: triton_copy.launch(SPEC, plan, to_page=False),
         "torch.cuda.device(d) enter+exit": in_device,
-        "_shape_of": lambda: triton_copy._shape_of(
+        "shape_of": lambda: triton_copy.shape_of(
             SPEC, plan, geometry, False, triton_copy.DEVICE_TUNING, False
         ),
         "tensor slice": lambda: launch.tables[5:],
-        "_no_launch_hooks()": triton_copy._no_launch_hooks,
+        "no_launch_hooks()": triton_copy.no_launch_hooks,
         "compiled.run alone": lambda: compiled.run(
             1,
             1,

@@ -151,7 +151,7 @@ class KVStoreClient(StorePath, LoadPath):
 
     def _handshake(self) -> None:
         spec = self._requested_spec
-        page = spec._page(spec.chunk_tokens or spec.block_size)
+        page = spec.page_for(spec.chunk_tokens or spec.block_size)
         request = pb.ConnectRequest(
             client_name=self.name,
             spec=page_spec_message(page, chunk_tokens=spec.chunk_tokens or 0),  # 0: the daemon's

@@ -4,8 +4,13 @@
   stream=None, options=None)`: engine KV cache -> one page per chunk at `buffer[offsets[j]:]`.
 - `scatter(...)`: pages -> engine KV cache, the exact inverse.
 - `TransferOptions(max_programs=None, engine="auto", staging_bytes=128 MiB)`: SM cap, engine
-  choice and the staged path's ring size (`routing`).
-- `reference` (`reference_gather`, `reference_scatter`): the torch implementation.
+  choice and the staged path's ring size (`routing`); `engine="torch"` takes the torch
+  reference (`reference`), the tests' oracle.
+
+These two are the only entry points with the transfer's arguments. Each checks them once
+(`validate.plan_transfer`) into a `Transfer`, and every path takes that checked plan:
+`triton_copy.launch`, `copy_engine.launch`, `staged.launch`, `reference.gather_plan` /
+`scatter_plan`.
 
 A page is layer-major, `[stored_layer][k|v][token][kv_head][head_dim]` (MLA:
 `[stored_layer][token][latent]`), whatever the engine's layout (`spec.layout`).
@@ -58,14 +63,8 @@ __all__ = [
     "register",
     "check_blocks",
     "CheckedBlocks",
-    "reference",
-    "reference_gather",
-    "reference_scatter",
     "backend_name",
 ]
-
-reference_gather = reference.gather
-reference_scatter = reference.scatter
 
 
 def gather(

@@ -92,7 +92,7 @@ def scatter(
     alignment = int(np.gcd.reduce(page_addrs))
     shape = route.shapes.get((pages, alignment))
     if shape is None:
-        shape = route.shapes[(pages, alignment)] = triton_copy._shape_of(
+        shape = route.shapes[(pages, alignment)] = triton_copy.shape_of(
             route.spec,
             route.plan,
             route.geometry.with_pages(pages, alignment),
@@ -102,8 +102,8 @@ def scatter(
         )
     geometry = route.geometry
     blocks = block_ids.blocks[chunk_array]
-    values = np.concatenate([page_addrs, blocks.ravel(), geometry._static_values])
-    starts = list(itertools.accumulate((pages, blocks.size, *geometry._static_lengths)))[:-1]
+    values = np.concatenate([page_addrs, blocks.ravel(), geometry.static_values])
+    starts = list(itertools.accumulate((pages, blocks.size, *geometry.static_lengths)))[:-1]
     device = route.buffer.device
     if stream is not None and stream.device != device:
         return False  # the general path names the mismatch
@@ -116,7 +116,7 @@ def scatter(
     pointers = (pointer, pointer + starts[0] * 8)
     key = triton_copy.specialisation(route.device, pointers, starts[1:], shape)
     compiled = triton_copy.compiled_for(key, 0, segments)
-    if compiled is None or not triton_copy._no_launch_hooks():
+    if compiled is None or not triton_copy.no_launch_hooks():
         return False  # the general path launches it (and compiles the kernel, for the next call)
     grid = max(1, min(-(-segments // shape.segments), triton_copy.DEVICE_MAX_PROGRAMS))
     triton_copy.run_compiled(
@@ -183,4 +183,4 @@ def _chunks(chunks: Any, checked: int) -> np.ndarray | None:
     return array.astype(np.int64, copy=False)
 
 
-_FAST_LAUNCH = triton_copy._FAST_LAUNCH
+_FAST_LAUNCH = triton_copy.FAST_LAUNCH

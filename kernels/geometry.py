@@ -61,8 +61,8 @@ class Geometry:
             for value in (block, *inner)
         ]
         static = [self.layer_addrs, strides, self.page_offsets]  # the tables' cache-only part
-        self._static_values = np.concatenate([np.asarray(part, dtype=np.int64) for part in static])
-        self._static_lengths = [len(part) for part in static]
+        self.static_values = np.concatenate([np.asarray(part, dtype=np.int64) for part in static])
+        self.static_lengths = [len(part) for part in static]
         self._set_pages(plan)
 
     def _set_pages(self, plan: Transfer) -> None:
@@ -105,13 +105,13 @@ class Geometry:
         elements), page offsets.
         """
         block_part = np.empty(0, dtype=np.int64) if blocks is None else blocks.ravel()
-        lengths = [len(self.page_addrs), block_part.size, *self._static_lengths]
+        lengths = [len(self.page_addrs), block_part.size, *self.static_lengths]
         starts = list(itertools.accumulate(lengths))[:-1]
         values = np.concatenate(
             [
                 np.asarray(self.page_addrs, dtype=np.int64),
                 block_part.astype(np.int64, copy=False),
-                self._static_values,
+                self.static_values,
             ]
         )
         return values, starts

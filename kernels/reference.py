@@ -1,67 +1,27 @@
 """Torch reference for page gather and scatter: the CPU path and the test oracle.
 
-- `gather`: engine KV cache -> pages in a flat uint8 buffer.
-- `scatter`: pages -> engine KV cache, the exact inverse.
+- `gather_plan(plan)`: engine KV cache -> pages in a flat uint8 buffer.
+- `scatter_plan(plan)`: pages -> engine KV cache, the exact inverse.
 
-Both take the arguments of `kvstore_kernels.gather`/`scatter`, validate them, and move
-each layer with one `index_select` (or `index_copy_`) over the blocks of all chunks per
-K/V view, plus one over the buffer's rows. A block table on a CUDA device is read back
-and checked first (this path waits for the stream anyway). Data is handled as integers of the dtype's
-width, so no float value (fp8, NaN payloads) is ever converted.
+Both take a checked plan (`validate.plan_transfer`; `kvstore_kernels.gather`/`scatter` with
+`TransferOptions(engine="torch")` make it and call them) and move each layer with one
+`index_select` (or `index_copy_`) over the blocks of all chunks per K/V view, plus one over
+the buffer's rows. A block table on a CUDA device is read back and checked first (this path
+waits for the stream anyway). Data is handled as integers of the dtype's width, so no float
+value (fp8, NaN payloads) is ever converted.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
-from kvstore.spec import KVSpec
-
 from . import staging
-from .layouts import KVCaches
-from .validate import Transfer, host_blocks, plan_transfer
+from .validate import Transfer, host_blocks
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def gather(
-    spec: KVSpec,
-    kv_caches: KVCaches,
-    block_ids: Any,
-    chunks: Sequence[int],
-    buffer: torch.Tensor,
-    offsets: Sequence[int],
-    layers: range | None = None,
-    *,
-    batch_index: int = 0,
-) -> None:
-    """Engine KV cache -> pages at `buffer[offsets[j]:]`, one per chunk `chunks[j]`."""
-    plan = plan_transfer(
-        spec, kv_caches, block_ids, chunks, buffer, offsets, layers, batch_index, writes_cache=False
-    )
-    gather_plan(plan)
-
-
-def scatter(
-    spec: KVSpec,
-    kv_caches: KVCaches,
-    block_ids: Any,
-    chunks: Sequence[int],
-    buffer: torch.Tensor,
-    offsets: Sequence[int],
-    layers: range | None = None,
-    *,
-    batch_index: int = 0,
-) -> None:
-    """Pages at `buffer[offsets[j]:]` -> the blocks of chunk `chunks[j]` in the engine KV cache."""
-    plan = plan_transfer(
-        spec, kv_caches, block_ids, chunks, buffer, offsets, layers, batch_index, writes_cache=True
-    )
-    scatter_plan(plan)
 
 
 def gather_plan(plan: Transfer) -> None:

@@ -1,7 +1,7 @@
 """Transfer options and the rule that picks what moves a validated transfer.
 
 - `TransferOptions(max_programs=None, engine="auto", staging_bytes=128 MiB)`: what a caller
-  may ask for.
+  may ask for; `engine` names a path, or "auto".
 - `choose(spec, plan, options, to_page=...)`: a `Route`: "torch" (the reference), "kernel"
   (Triton), "copy_engine" (DMA straight from the cache) or "staged" (the kernel packs into
   a device ring, the copy engines move it), and why.
@@ -39,7 +39,7 @@ from . import copy_engine, staged
 from .geometry import Geometry, geometry_of
 from .validate import Transfer
 
-ENGINES = ("auto", "kernel", "copy_engine", "staged")
+ENGINES = ("auto", "kernel", "copy_engine", "staged", "torch")
 BACKENDS = ("auto", "triton", "torch")
 
 
@@ -49,7 +49,8 @@ class TransferOptions:
 
     `max_programs`: at most this many kernel programs, so at most that many SMs (None: the
     measured default of the path); it applies to the kernel and to the staged path's pack and
-    unpack. `engine`: "kernel", "copy_engine", "staged", or "auto" (the module's rule).
+    unpack. `engine`: "kernel", "copy_engine", "staged", "torch" (the reference), or "auto"
+    (the module's rule).
     `staging_bytes`: the staged path's device ring per direction (`staged.NUM_SLOTS` slots);
     allocated on the first staged transfer, it grows to the largest slot asked for.
     """

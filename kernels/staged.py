@@ -82,11 +82,11 @@ def layers_per_piece(spec: KVSpec, plan: Transfer, staging_bytes: int) -> int:
 def why_not(spec: KVSpec, plan: Transfer, staging_bytes: int) -> str | None:
     """Why the staged path cannot move `plan` (None: it can)."""
     if plan.device.type == "cpu":
-        from . import triton_copy
+        from . import triton_kernel
 
         if plan.buffer.device.type != "cpu":
             return "the buffer is not on the CPU"
-        if not triton_copy.is_interpreted():
+        if not triton_kernel.is_interpreted():
             return "CPU tensors need TRITON_INTERPRET=1 set before import (the kernel packs the pages)"
     elif plan.buffer.device.type != "cpu":
         return "the buffer is in device memory; the copy engines gain nothing there (use the kernel)"

@@ -1,24 +1,15 @@
-"""Triton page gather and scatter: one persistent launch moves every layer of every page.
+"""Launching the Triton kernel (`triton_kernel.copy_pages`) on a validated transfer.
 
-- `gather` / `scatter`: the public signatures plus `max_programs` and `tuning`.
-- `launch(spec, plan, to_page=..., max_programs=..., tuning=...)`: run a validated transfer.
+- `launch(spec, plan, to_page=..., max_programs=..., tuning=...)`: run a checked plan
+  (`validate.Transfer`) in one launch; `kvstore_kernels.gather`/`scatter` call it where
+  the route (`routing`) picks the kernel.
 - `Launch(spec, plan, geometry, to_page=..., tuning=..., staged=...)`: the kernel's arguments,
   tables uploaded once; `Launch.run(first, end, programs, stage_base)` moves segments
   `first..end-1` (the staged path, `staged`, runs one launch per piece of a page).
 - `Tuning`: the kernel's shape (bytes per load, segments per step, warps, cache hints);
   `DEFAULT_TUNING` is the measured choice, other values are for benchmarks.
-- `_copy_pages`: the kernel. Its unit of work is a segment (see `geometry`). At most
-  `max_programs` programs stride over steps of `segments_per_step` segments, moving each in
-  tiles of up to `tile_bytes`: host reads need many bytes in flight per program, and few
-  programs leave the SMs to the model.
-
-Addresses travel as int64 tables (layer base pointers, page addresses), so the cache's
-layers and a pinned host buffer need no single base tensor; the kernel casts them with
-`.to(tl.pointer_type(...))`. Data moves as integer words of 1-8 bytes, the widest that
-every address and stride allows, so no dtype (fp8, bf16) needs special casing. A cache
-whose views are not contiguous within a block is honoured through its strides. A block id
-outside `0..num_blocks-1` (possible only with a device block table) moves nothing (a staged
-gather writes zeros for it in its staging slot instead, so no stale slot bytes reach a page).
+- `shape_of`, `specialisation`, `compiled_for`, `run_compiled`: a launch's arguments made once
+  per shape, and a compiled kernel called through its launcher (`device_scatter` uses them).
 """
 
 from __future__ import annotations
@@ -32,14 +23,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
 from kvstore.spec import KVSpec
 
-from . import staging
+from . import staging, triton_kernel
 from .geometry import Geometry, geometry_of
-from .layouts import KVCaches
-from .validate import Transfer, plan_transfer
+from .validate import Transfer
 
 # Programs (so at most that many SMs) when the buffer is in host memory, per direction. With
 # DEFAULT_TUNING 2 programs already move nearly what more would, and each program held for a
@@ -51,7 +40,6 @@ HOST_PROGRAMS = {"gather": 2, "scatter": 2}
 # rate at its best program count, and an isolated scatter from a pool was fastest with one
 # program per step (bench/gpu_tier.py --sweep; bench/NOTES-gpu-tier.md).
 DEVICE_MAX_PROGRAMS = 1 << 20
-_WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
 
 class Tuning(NamedTuple):
@@ -73,158 +61,9 @@ DEFAULT_TUNING = Tuning()
 DEVICE_TUNING = Tuning(tile_bytes=32768, segments_per_step=1)
 
 
-# Per-launch values of the staged path: not specialised, so one compiled kernel serves every piece.
-@triton.jit(do_not_specialize=["first_segment", "num_segments", "stage_base"])
-def _copy_pages(
-    tables,  # int64: page addresses, then the parts that start at the *_at offsets
-    blocks,  # int64 [pages, blocks_per_chunk]: a part of `tables`, or a device tensor
-    layer_addrs_at,
-    layer_strides_at,  # per (layer, k|v): block stride in bytes; token, head, dim strides in elements
-    layer_page_offsets_at,
-    first_segment,  # this launch moves segments first_segment..num_segments-1
-    num_segments,
-    stage_base,  # STAGED: every page of this launch starts here (a staging slot, less its offset)
-    num_layer_kv,  # runtime, not constexpr: a new layer range must not recompile
-    blocks_per_chunk,
-    num_blocks,
-    SEGMENT_WORDS: tl.constexpr,
-    TILE: tl.constexpr,
-    SEGMENTS: tl.constexpr,
-    CONTIGUOUS: tl.constexpr,
-    HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    WORDS_PER_ELEMENT: tl.constexpr,
-    WORD: tl.constexpr,
-    WORD_BYTES: tl.constexpr,
-    ALIGN: tl.constexpr,
-    TO_PAGE: tl.constexpr,
-    STAGED: tl.constexpr,
-    LOAD_CACHE: tl.constexpr,
-    STORE_CACHE: tl.constexpr,
-    EVICTION: tl.constexpr,
-):
-    layer_addrs = tables + layer_addrs_at
-    layer_strides = tables + layer_strides_at
-    layer_page_offsets = tables + layer_page_offsets_at
-    num_steps = tl.cdiv(num_segments - first_segment, SEGMENTS)
-    # A while loop, not range(program_id, ...): the interpreter cannot index with a traced scalar.
-    step = tl.program_id(0)
-    while step < num_steps:
-        segment = first_segment + step * SEGMENTS + tl.arange(0, SEGMENTS)
-        in_range = segment < num_segments
-        block_in_chunk = segment % blocks_per_chunk
-        layer_kv = (segment // blocks_per_chunk) % num_layer_kv
-        page = segment // (blocks_per_chunk * num_layer_kv)
-        block = tl.load(blocks + page * blocks_per_chunk + block_in_chunk, mask=in_range, other=0)
-        live = in_range & (block >= 0) & (block < num_blocks)
-        # A staged gather writes zeros for a block outside the cache: a slot's stale bytes are another page's.
-        writes = (in_range if TO_PAGE else live) if STAGED else live
-        cache_addr = tl.load(layer_addrs + layer_kv, mask=live, other=0) + block * tl.load(
-            layer_strides + layer_kv * 4, mask=live, other=0
-        )
-        page_base = stage_base.to(tl.int64) if STAGED else tl.load(tables + page, mask=live, other=0)
-        page_addr = (
-            page_base
-            + tl.load(layer_page_offsets + layer_kv, mask=writes, other=0)
-            + block_in_chunk.to(tl.int64) * (SEGMENT_WORDS * WORD_BYTES)
-        )
-        # Loaded addresses carry no alignment facts; the host checked ALIGN, so say it (vector loads).
-        cache_ptr = tl.multiple_of(cache_addr, ALIGN).to(tl.pointer_type(WORD))[:, None]
-        page_ptr = tl.multiple_of(page_addr, ALIGN).to(tl.pointer_type(WORD))[:, None]
-        if not CONTIGUOUS:  # strides in elements: token, head, dim
-            token_stride = tl.load(layer_strides + layer_kv * 4 + 1, mask=live, other=0)[:, None]
-            head_stride = tl.load(layer_strides + layer_kv * 4 + 2, mask=live, other=0)[:, None]
-            dim_stride = tl.load(layer_strides + layer_kv * 4 + 3, mask=live, other=0)[:, None]
-        for start in range(0, SEGMENT_WORDS, TILE):
-            words = (start + tl.arange(0, TILE))[None, :]
-            mask = live[:, None] & (words < SEGMENT_WORDS) if SEGMENT_WORDS % TILE else live[:, None]
-            page_mask = writes[:, None] & (words < SEGMENT_WORDS) if SEGMENT_WORDS % TILE else writes[:, None]
-            if CONTIGUOUS:
-                cache_words = words.to(tl.int64)
-            else:
-                element = words // WORDS_PER_ELEMENT
-                token = element // (HEADS * HEAD_DIM)
-                head = (element // HEAD_DIM) % HEADS
-                dim = element % HEAD_DIM
-                cache_elements = token * token_stride + head * head_stride + dim * dim_stride
-                cache_words = cache_elements * WORDS_PER_ELEMENT + words % WORDS_PER_ELEMENT
-            if TO_PAGE:
-                data = tl.load(
-                    cache_ptr + cache_words,
-                    mask=mask,
-                    other=0,
-                    cache_modifier=LOAD_CACHE,
-                    eviction_policy=EVICTION,
-                )
-                tl.store(
-                    page_ptr + words,
-                    data,
-                    mask=page_mask,
-                    cache_modifier=STORE_CACHE,
-                    eviction_policy=EVICTION,
-                )
-            else:
-                data = tl.load(
-                    page_ptr + words, mask=mask, cache_modifier=LOAD_CACHE, eviction_policy=EVICTION
-                )
-                tl.store(
-                    cache_ptr + cache_words,
-                    data,
-                    mask=mask,
-                    cache_modifier=STORE_CACHE,
-                    eviction_policy=EVICTION,
-                )
-        step += tl.num_programs(0)
-
-
-def gather(
-    spec: KVSpec,
-    kv_caches: KVCaches,
-    block_ids: Any,
-    chunks: Sequence[int],
-    buffer: torch.Tensor,
-    offsets: Sequence[int],
-    layers: range | None = None,
-    *,
-    batch_index: int = 0,
-    max_programs: int | None = None,
-    tuning: Tuning | None = None,
-) -> None:
-    """Engine KV cache -> pages at `buffer[offsets[j]:]`, one launch for all layers and pages."""
-    plan = plan_transfer(
-        spec, kv_caches, block_ids, chunks, buffer, offsets, layers, batch_index, writes_cache=False
-    )
-    launch(spec, plan, to_page=True, max_programs=max_programs, tuning=tuning)
-
-
-def scatter(
-    spec: KVSpec,
-    kv_caches: KVCaches,
-    block_ids: Any,
-    chunks: Sequence[int],
-    buffer: torch.Tensor,
-    offsets: Sequence[int],
-    layers: range | None = None,
-    *,
-    batch_index: int = 0,
-    max_programs: int | None = None,
-    tuning: Tuning | None = None,
-) -> None:
-    """Pages at `buffer[offsets[j]:]` -> the engine KV cache, one launch for all layers and pages."""
-    plan = plan_transfer(
-        spec, kv_caches, block_ids, chunks, buffer, offsets, layers, batch_index, writes_cache=True
-    )
-    launch(spec, plan, to_page=False, max_programs=max_programs, tuning=tuning)
-
-
-def is_interpreted() -> bool:
-    """Whether this module's kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    return not isinstance(_copy_pages, triton.runtime.JITFunction)
-
-
 def can_reach(plan: Transfer) -> bool:
     """Whether the kernel can address both the cache and the buffer of `plan`."""
-    if is_interpreted():
+    if triton_kernel.is_interpreted():
         return plan.device.type == "cpu" and plan.buffer.device.type == "cpu"
     if plan.device.type != "cuda":
         return False
@@ -297,7 +136,7 @@ class Launch:
         tuning: Tuning = DEFAULT_TUNING,
         staged: bool = False,
     ) -> None:
-        shape = _shape_of(spec, plan, geometry, to_page, tuning, staged)
+        shape = shape_of(spec, plan, geometry, to_page, tuning, staged)
         self.segments_per_step = shape.segments
         host_blocks = plan.blocks if isinstance(plan.blocks, np.ndarray) else None
         values, starts = geometry.table_values(host_blocks)
@@ -325,19 +164,19 @@ class Launch:
         The first launch of a specialisation goes through Triton's dispatch, which compiles or
         finds the kernel; later ones (every piece of the staged path, and later calls with the
         same geometry) call its launcher directly: equal `_key`s (the device, the tables' alignment
-        and offsets, `_Shape.key`) mean the same compiled kernel."""
+        and offsets, `Shape.key`) mean the same compiled kernel."""
         grid = max(1, min(triton.cdiv(end - first, self.segments_per_step), max_programs))
         kinds = (_int_kind(first), _int_kind(end), _int_kind(stage_base))
         compiled = self._kernels.get(kinds)
-        if compiled is None and _FAST_LAUNCH and self._key is not None:
+        if compiled is None and FAST_LAUNCH and self._key is not None:
             compiled = self._kernels[kinds] = _compiled.get((self._key, kinds))
-        if compiled is not None and _no_launch_hooks():
+        if compiled is not None and no_launch_hooks():
             if stream is None:
                 stream = torch.cuda.current_stream().cuda_stream
             run_compiled(compiled, grid, stream, self._pointers, first, end, stage_base, self._constants)
             return compiled
-        compiled = _copy_pages[(grid,)](*self._args, first, end, stage_base, **self._kwargs)
-        if _FAST_LAUNCH and self._key is not None and hasattr(compiled, "packed_metadata"):
+        compiled = triton_kernel.copy_pages[(grid,)](*self._args, first, end, stage_base, **self._kwargs)
+        if FAST_LAUNCH and self._key is not None and hasattr(compiled, "packed_metadata"):
             _compiled[(self._key, kinds)] = self._kernels[kinds] = compiled
         return compiled
 
@@ -345,16 +184,16 @@ class Launch:
 # Calling a compiled kernel's launcher directly skips Triton's per-launch argument binding and
 # specialisation, most of a launch's host time (bench/NOTES-transfer.md, item 9b);
 # KVSTORE_TRITON_DISPATCH=1 turns it off.
-_FAST_LAUNCH = os.environ.get("KVSTORE_TRITON_DISPATCH", "") in ("", "0") and list(
-    getattr(_copy_pages, "arg_names", [])[5:8]
+FAST_LAUNCH = os.environ.get("KVSTORE_TRITON_DISPATCH", "") in ("", "0") and list(
+    getattr(triton_kernel.copy_pages, "arg_names", [])[5:8]
 ) == ["first_segment", "num_segments", "stage_base"]
 _compiled: dict[tuple[Any, ...], Any] = {}  # specialisation (`Launch._key` + int kinds) -> kernel
 
 
 def specialisation(
-    device: int, pointers: tuple[int, int], starts: Sequence[int], shape: _Shape
+    device: int, pointers: tuple[int, int], starts: Sequence[int], shape: Shape
 ) -> tuple[Any, ...]:
-    """What Triton specialises a launch of `_copy_pages` on, but the three unspecialised integers'
+    """What Triton specialises a launch of `copy_pages` on, but the three unspecialised integers'
     kinds: the device, the tables' 16-byte alignment (`pointers`: the tables', the block ids'),
     the tables' offsets after the block ids (`starts`) and the shape. Equal keys (with equal int
     kinds): the same compiled kernel, in `_compiled`."""
@@ -376,15 +215,15 @@ def run_compiled(
     stage_base: int,
     constants: tuple[Any, ...],
 ) -> None:
-    """Launch a compiled `_copy_pages` through its launcher: `pointers` are the tables', the block
-    ids' and the three table offsets; `constants` a `_Shape`'s."""
+    """Launch a compiled `copy_pages` through its launcher: `pointers` are the tables', the block
+    ids' and the three table offsets; `constants` a `Shape`'s."""
     compiled.run(
         grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
         *pointers, first, end, stage_base, *constants,
     )  # fmt: skip
 
 
-class _Shape(NamedTuple):
+class Shape(NamedTuple):
     """What a launch's kernel arguments are, but for its tables: the same for every transfer of one
     cache geometry, direction and tuning with pages aligned alike."""
 
@@ -394,9 +233,9 @@ class _Shape(NamedTuple):
     key: tuple[Any, ...]  # every value of kwargs: part of `Launch._key`
 
 
-def _shape_of(
+def shape_of(
     spec: KVSpec, plan: Transfer, geometry: Geometry, to_page: bool, tuning: Tuning, staged: bool
-) -> _Shape:
+) -> Shape:
     """The kernel's arguments but for the tables, made once per distinct set of the values they
     come from (a load's host time: ~20 dict entries and their key, not rebuilt per call)."""
     num_segments = max(geometry.num_segments, 1)
@@ -436,7 +275,7 @@ def _shape_of(
         HEADS=spec.num_kv_heads,
         HEAD_DIM=spec.head_dim,
         WORDS_PER_ELEMENT=geometry.words_per_element * geometry.word_bytes // word_bytes,
-        WORD=_WORDS[word_bytes],
+        WORD=triton_kernel.WORDS[word_bytes],
         WORD_BYTES=word_bytes,
         ALIGN=geometry.align,
         TO_PAGE=to_page,
@@ -448,12 +287,12 @@ def _shape_of(
     )
     # The launcher takes every kernel argument in order, constexprs included (it skips them),
     # and pointers as plain addresses (a tensor costs it a driver call to check).
-    names = getattr(_copy_pages, "arg_names", [])
+    names = getattr(triton_kernel.copy_pages, "arg_names", [])
     constants = tuple(kwargs[name] for name in names[8:])
     # What Triton may specialise a launch on, beyond the pointers' alignment, the tables' offsets
     # and the three unspecialised integers: the exact value of every other integer (Triton looks at
     # divisibility by 16 and equality to 1 only: a superset), every constant and option.
-    shape = _Shape(segments, kwargs, constants, tuple(kwargs.items()))
+    shape = Shape(segments, kwargs, constants, tuple(kwargs.items()))
     with _shapes_lock:
         if len(_shapes) >= _SHAPES:
             _shapes.clear()
@@ -461,7 +300,7 @@ def _shape_of(
     return shape
 
 
-_shapes: dict[tuple[Any, ...], _Shape] = {}
+_shapes: dict[tuple[Any, ...], Shape] = {}
 _SHAPES = 256
 _shapes_lock = threading.Lock()
 
@@ -473,7 +312,7 @@ def _int_kind(value: int) -> str:
     return "i64" if -(1 << 63) <= value < 1 << 63 else "u64"
 
 
-def _no_launch_hooks() -> bool:
+def no_launch_hooks() -> bool:
     """Whether no profiler hooks Triton's launches (they need its dispatch, which calls them)."""
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None:

@@ -188,9 +188,10 @@ class KVSpec:
                 raise ValueError(
                     f"chunk_tokens: {self.chunk_tokens} is not a multiple of block_size {self.block_size}"
                 )
-        self._page(self.chunk_tokens or self.block_size)  # validates the page fields
+        self.page_for(self.chunk_tokens or self.block_size)  # validates the page fields
 
-    def _page(self, chunk_tokens: int) -> PageSpec:
+    def page_for(self, chunk_tokens: int) -> PageSpec:
+        """The page spec of chunks of `chunk_tokens` tokens (`page`: of this spec's own)."""
         shared = {f.name: getattr(self, f.name) for f in fields(PageSpec) if hasattr(self, f.name)}
         return PageSpec(
             **shared
@@ -245,7 +246,7 @@ class KVSpec:
         """The page spec (made once: a transfer asks for it several times per call)."""
         if self.chunk_tokens is None:
             raise ValueError("chunk_tokens: not set; connect to a daemon or pass chunk_tokens")
-        return self._page(self.chunk_tokens)
+        return self.page_for(self.chunk_tokens)
 
     @property
     def blocks_per_chunk(self) -> int:

@@ -32,7 +32,6 @@ import pytest  # noqa: E402
 
 import kvstore_kernels  # noqa: E402
 from kvstore.spec import KVSpec  # noqa: E402
-from kvstore_kernels import reference  # noqa: E402
 
 LAYOUTS = ["flash_attn", "flashinfer", "cross_layer", "mla", "hf", "vllm"]
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn"]
@@ -44,11 +43,23 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 
 def triton_module() -> ModuleType:
-    from kvstore_kernels import triton_copy
+    """`kvstore_kernels.triton_copy`, its kernel in the interpreter where there is no CUDA."""
+    from kvstore_kernels import triton_copy, triton_kernel
 
-    if not CUDA and not triton_copy.is_interpreted():
-        importlib.reload(triton_copy)  # imported before TRITON_INTERPRET was set
+    if not CUDA and not triton_kernel.is_interpreted():
+        importlib.reload(triton_kernel)  # imported before TRITON_INTERPRET was set
     return triton_copy
+
+
+def launch_kernel(
+    spec: KVSpec, caches: Any, table: Any, chunks: Any, buffer: torch.Tensor, offsets: Any, **launch: Any
+) -> None:
+    """The Triton path on a checked plan, with what only `triton_copy.launch` takes (`tuning`)."""
+    from kvstore_kernels.validate import plan_transfer
+
+    to_page = launch.pop("to_page")
+    plan = plan_transfer(spec, caches, table, chunks, buffer, offsets, None, 0, writes_cache=not to_page)
+    triton_module().launch(spec, plan, to_page=to_page, **launch)
 
 
 def staged_options(spec: KVSpec, layers_per_slot: int = 2) -> kvstore_kernels.TransferOptions:
@@ -67,18 +78,16 @@ def run(
     options: kvstore_kernels.TransferOptions | None = None,
     **kwargs: Any,
 ) -> None:
-    if impl in ("copy_engine", "staged"):
-        if options is None:
-            spec = args[0]
-            options = (
-                staged_options(spec) if impl == "staged" else kvstore_kernels.TransferOptions(engine=impl)
-            )
-        getattr(kvstore_kernels, direction)(*args, options=options, **kwargs)
-        if CUDA:
-            torch.cuda.synchronize()
-        return
-    module = reference if impl == "torch" else triton_module()
-    getattr(module, direction)(*args, **kwargs)
+    """`kvstore_kernels.gather` or `scatter` ("direction") through one path ("impl")."""
+    if impl == "triton":
+        triton_module()
+    if options is None:
+        engine = "kernel" if impl == "triton" else impl
+        TransferOptions = kvstore_kernels.TransferOptions
+        options = staged_options(args[0]) if impl == "staged" else TransferOptions(engine=engine)
+    getattr(kvstore_kernels, direction)(*args, options=options, **kwargs)
+    if CUDA and impl != "torch":
+        torch.cuda.synchronize()
 
 
 def device_of(impl: str) -> str:

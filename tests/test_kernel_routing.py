@@ -20,7 +20,9 @@ from tests.kernel_cases import (
     device_of,
     expected_buffer,
     expected_with_skipped,
+    launch_kernel,
     make_spec,
+    run,
     scenario,
     small_call,
     staged_options,
@@ -52,7 +54,10 @@ def test_unknown_backend_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(CUDA, reason="CPU tensors reach Triton only through the interpreter")
 def test_forced_triton_on_cpu_runs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSTORE_KERNELS", "triton")
-    assert triton_module().is_interpreted()
+    from kvstore_kernels import triton_kernel
+
+    triton_module()
+    assert triton_kernel.is_interpreted()
     spec, caches, table, buffer = small_call()
     kvstore_kernels.gather(spec, caches, table, [0], buffer, [0])
     assert torch.equal(buffer.to(torch.int16), expected_buffer(spec, caches, table, [0], [0], buffer.numel()))
@@ -64,7 +69,7 @@ def test_forced_triton_on_cpu_runs_the_interpreter(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"engine": "dma"}, "engine: expected one of auto, kernel, copy_engine, staged, got 'dma'"),
+        ({"engine": "dma"}, "engine: expected one of auto, kernel, copy_engine, staged, torch, got 'dma'"),
         ({"max_programs": 0}, "max_programs: expected a positive integer or None, got 0"),
         ({"max_programs": 2.5}, "max_programs: expected a positive integer or None, got 2.5"),
         ({"staging_bytes": 0}, "staging_bytes: expected a positive integer, got 0"),
@@ -166,16 +171,13 @@ def test_kernel_tunings_move_the_same_bytes(tuning: dict[str, Any], strided: boo
     _, caches = build(spec, device, strided=strided)
     expected = expected_buffer(spec, caches, table, chunks, offsets, size)
     buffer = torch.full((size,), 0xA5, dtype=torch.uint8, device=device)
-    triton_module().gather(
-        spec, caches, table, chunks, buffer, offsets, max_programs=3, tuning=Tuning(**tuning)
-    )
+    launch = {"max_programs": 3, "tuning": Tuning(**tuning)}
+    launch_kernel(spec, caches, table, chunks, buffer, offsets, to_page=True, **launch)
     assert torch.equal(buffer.cpu(), torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
     bases, restored = build(spec, device, fill=0x5A, strided=strided)
-    triton_module().scatter(
-        spec, restored, table, chunks, buffer, offsets, max_programs=3, tuning=Tuning(**tuning)
-    )
+    launch_kernel(spec, restored, table, chunks, buffer, offsets, to_page=False, **launch)
     again = torch.full((size,), 0xA5, dtype=torch.uint8, device=device)
-    triton_module().gather(spec, restored, table, chunks, again, offsets)
+    run("triton", "gather", spec, restored, table, chunks, again, offsets)
     assert torch.equal(again.cpu(), buffer.cpu())
 
 
@@ -184,9 +186,8 @@ def test_cache_modifiers_refuse_an_eviction_policy() -> None:
 
     spec, caches, table, buffer = small_call()
     with pytest.raises(ValueError, match="tuning: a cache modifier .* cannot be combined with an eviction"):
-        triton_module().gather(
-            spec, caches, table, [0], buffer, [0], tuning=Tuning(store_cache=".cs", eviction="evict_first")
-        )
+        tuning = Tuning(store_cache=".cs", eviction="evict_first")
+        launch_kernel(spec, caches, table, [0], buffer, [0], to_page=True, tuning=tuning)
 
 
 @pytest.mark.parametrize("impl", ["triton", "staged"])

@@ -96,7 +96,8 @@ def test_cuda_program_cap_covers_every_segment(max_programs: int) -> None:
     table = block_table(40, 16)
     _, caches = build(spec, "cuda", num_blocks=40)
     buffer = torch.full((size,), 0xA5, dtype=torch.uint8, device="cuda")
-    triton_module().gather(spec, caches, table, chunks, buffer, offsets, max_programs=max_programs)
+    options = kvstore_kernels.TransferOptions(engine="kernel", max_programs=max_programs)
+    kvstore_kernels.gather(spec, caches, table, chunks, buffer, offsets, options=options)
     expected = expected_buffer(spec, caches, table, chunks, offsets, size)
     assert torch.equal(buffer.cpu(), torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
 
