@@ -261,7 +261,7 @@ def per_block_cuda(setup: Setup, to_page: bool) -> Enqueue:
     argument types declared, statuses checked after the loop."""
     copies = copy_engine.plan_copies(setup.spec, setup.plan(to_page=to_page), to_page=to_page, shape="1d")
     runtime = cudart.runtime()
-    memcpy = runtime._memcpy  # the bare ctypes function: no per-call status check
+    memcpy = runtime.memcpy_async_unchecked  # no per-call status check
     rows = list(zip(copies.dsts.tolist(), copies.srcs.tolist(), copies.sizes.tolist(), strict=True))
 
     def enqueue() -> int:

@@ -28,6 +28,7 @@ import glob
 import os
 import sys
 from functools import cache
+from typing import Any
 
 import numpy as np
 
@@ -199,6 +200,12 @@ class CudaRuntime:
 
     def stream_synchronize(self, stream: int) -> None:
         self._check(self._lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+    @property
+    def memcpy_async_unchecked(self) -> Any:
+        """libcudart's cudaMemcpyAsync itself (dst, src, size, kind, stream) -> status, argument
+        types declared, no status check: for a loop that checks the statuses after it."""
+        return self._lib.cudaMemcpyAsync
 
     def memcpy_async(self, dst: int, src: int, size: int, stream: int) -> None:
         self._check(self._lib.cudaMemcpyAsync(dst, src, size, _MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
