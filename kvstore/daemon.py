@@ -1,7 +1,8 @@
 """`kvstored`: loads the config, claims the socket, runs the server until a signal.
 
 Start: a lock file beside the socket tells a live daemon (refuse to start) from
-a dead one (replace its stale socket and arena). A SIGTERM/SIGINT at any moment
+a dead one (replace its stale socket and arena); nothing another user could plant
+at those paths is followed or removed (`claim`). A SIGTERM/SIGINT at any moment
 of start-up ends it after the step under way, removing whatever was created.
 Stop (SIGTERM/SIGINT): health goes NOT_SERVING and calls that start work are
 refused (clients count a miss); stores and loads in flight finish (the daemon
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import fcntl
 import gc
 import json
 import logging
@@ -29,6 +29,7 @@ import xxhash
 from grpc_health.v1 import health, health_pb2
 
 from kvstore import __version__
+from kvstore.claim import AlreadyRunning, SocketClaim
 from kvstore.config import Config, ConfigError, load_config, parse_config
 from kvstore.handlers import Handlers
 from kvstore.local import LocalChannelServer
@@ -48,10 +49,6 @@ DRAIN_POLL_S = 0.01
 _signalled = False  # a stop signal came before the event loop took the signals over
 
 
-class AlreadyRunning(RuntimeError):
-    pass
-
-
 class StoppedDuringStart(Exception):
     """A stop signal came while the daemon was starting: it exits after cleaning up."""
 
@@ -64,35 +61,6 @@ def _note_signal(signum: int, frame: Any) -> None:
 def arena_name(socket_path: Path) -> str:
     """The arena's shm file name: one per socket, so a restarted daemon finds its predecessor's."""
     return "kvstore-" + xxhash.xxh3_64_hexdigest(str(socket_path.resolve()).encode())
-
-
-class SocketClaim:
-    """Exclusive ownership of a socket path, through an flock on `<socket>.lock`."""
-
-    def __init__(self, socket_path: Path) -> None:
-        self.socket_path = socket_path
-        self.lock_path = socket_path.with_name(socket_path.name + ".lock")
-        socket_path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            raise AlreadyRunning(
-                f"another kvstored (pid {pid}) is serving {socket_path}; stop it first "
-                f"or set server.unix_socket to another path"
-            ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-        if socket_path.exists() or socket_path.is_symlink():
-            log.warning("removing stale socket %s left by a daemon that did not shut down", socket_path)
-            socket_path.unlink()
-
-    def release(self) -> None:
-        self.socket_path.unlink(missing_ok=True)
-        self.lock_path.unlink(missing_ok=True)
-        os.close(self._fd)
 
 
 async def serve(config: Config) -> None:
@@ -109,6 +77,7 @@ async def serve(config: Config) -> None:
             raise StoppedDuringStart
 
     starting()
+    os.umask(0o077)  # every socket and file is created private; the sockets then get server.socket_mode
     socket_path = config.server.socket_path
     claim = SocketClaim(socket_path)
     arena = None

@@ -38,6 +38,7 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from kvstore.claim import remove_stale_socket
 from kvstore.errors import status_of
 from kvstore.handlers import Handlers
 from kvstore.peers import Peer
@@ -82,7 +83,7 @@ class LocalChannelServer:
             self._polling = False
 
     async def start(self, mode: int) -> None:
-        self.path.unlink(missing_ok=True)
+        remove_stale_socket(self.path)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Session(self), path=str(self.path))
         self.path.chmod(mode)

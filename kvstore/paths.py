@@ -1,7 +1,8 @@
 """Where the daemon's socket lives by default, for the daemon and its clients alike.
 
 - `default_runtime_dir()`: /run/kvstore as root; else $RUNTIME_DIRECTORY (a systemd service),
-  $XDG_RUNTIME_DIR/kvstore, or /tmp/kvstore-<uid>.
+  $XDG_RUNTIME_DIR/kvstore, or ~/.kvstore: never a predictable path under /tmp, which another
+  user could create first.
 - `default_socket_path()`: `kvstored.sock` in it (`server.unix_socket: auto`).
 """
 
@@ -22,7 +23,7 @@ def default_runtime_dir() -> Path:
     xdg_dir = os.environ.get("XDG_RUNTIME_DIR")
     if xdg_dir:
         return Path(xdg_dir) / "kvstore"
-    return Path(f"/tmp/kvstore-{uid}")
+    return Path.home() / ".kvstore"
 
 
 def default_socket_path() -> Path:

@@ -427,10 +427,12 @@ def test_runtime_dir_of_a_user_session(no_runtime_env: pytest.MonkeyPatch) -> No
 
 
 def test_runtime_dir_without_a_session(no_runtime_env: pytest.MonkeyPatch) -> None:
+    """Never a path under /tmp that another user could create first: the user's home."""
     no_runtime_env.setattr(os, "geteuid", lambda: 1000)
+    no_runtime_env.setenv("HOME", "/home/alice")
 
-    assert default_runtime_dir() == Path("/tmp/kvstore-1000")
-    assert ServerConfig().socket_path == Path("/tmp/kvstore-1000/kvstored.sock")
+    assert default_runtime_dir() == Path("/home/alice/.kvstore")
+    assert ServerConfig().socket_path == Path("/home/alice/.kvstore/kvstored.sock")
 
 
 def test_runtime_dir_of_a_systemd_service_user(no_runtime_env: pytest.MonkeyPatch) -> None:
