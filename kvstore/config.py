@@ -69,7 +69,9 @@ class ServerConfig:
     tcp: str | None = None  # "host:port": "127.0.0.1:50051", "[::1]:50051", "0.0.0.0:50051"
     auth_token: str | None = setting(None, non_empty=True)
     auth_token_file: str | None = setting(None, non_empty=True)
-    max_message_bytes: Size = setting(4 * MiB, ge=64 * KiB, le=64 * MiB)
+    # The largest unary request (65,536 keys, wire.MAX_REQUEST_BYTES) and no more by default: gRPC
+    # refuses a larger message by its length, before it allocates anything for it.
+    max_message_bytes: Size = setting(MiB + 64 * KiB, ge=64 * KiB, le=64 * MiB)
     grace_s: float = setting(5.0, ge=0)  # drain time on SIGTERM
     local_channel: bool = True  # same-host clients' unary calls on <socket>.local, without HTTP/2
     # After a local-channel call, the event loop polls instead of sleeping for this long (0: never),

@@ -13,7 +13,8 @@ Replies come in the order of the requests, so a client may send a request withou
 reading its reply (it reads it with the next one's). The daemon answers each frame in
 the event loop's read callback (an asyncio Protocol, no coroutine per frame); only a
 handler that must wait (an Acquire of pages coming from disk) holds the frames behind it.
-A frame over 16 MiB is refused and its connection closed. The socket is guarded by its
+A request frame over `wire.MAX_REQUEST_BYTES` is refused before its body is read, and its
+connection closed. The socket is guarded by its
 file mode, like the gRPC socket; page bytes never travel here (they go through the arena).
 Each connection knows its peer (pid, uid, gid from the socket's credentials): a store lease
 taken on it is fenced, if it expires, until that connection is closed and that process gone.
@@ -36,13 +37,11 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.message import DecodeError
-
 from kvstore.claim import remove_stale_socket
 from kvstore.errors import status_of
 from kvstore.handlers import Handlers
 from kvstore.peers import Peer
-from kvstore.wire import HEADER, MAX_FRAME_BYTES, METHOD_NAMES, UNARY_METHODS, frame
+from kvstore.wire import HEADER, MAX_REQUEST_BYTES, METHOD_NAMES, UNARY_METHODS, frame, parse_request
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +105,8 @@ class LocalChannelServer:
         if method >= len(METHOD_NAMES):
             return frame(_INVALID_ARGUMENT, f"unknown local-channel method {method}".encode())
         name = METHOD_NAMES[method]
-        request_type, _ = UNARY_METHODS[name]
         try:
-            request = request_type.FromString(payload)  # type: ignore[attr-defined]
-        except DecodeError as exc:
-            return frame(
-                _INVALID_ARGUMENT, f"{name}: the request is not a {request_type.__name__} ({exc})".encode()
-            )
-        try:
+            request = parse_request(name, UNARY_METHODS[name][0], payload)
             reply = getattr(self.handlers, name)(request, peer)
         except Exception as exc:
             return _error_frame(name, exc)
@@ -188,17 +181,20 @@ class _Session(asyncio.Protocol):
         buffer = self._buffer
         while self._transport is not None and len(buffer) >= HEADER.size:
             length, method = HEADER.unpack_from(buffer)
-            if length > MAX_FRAME_BYTES:
-                self._transport.write(
-                    frame(_INVALID_ARGUMENT, f"frame of {length} bytes is too large".encode())
-                )
+            if length > MAX_REQUEST_BYTES:  # refused before its bytes are read: the stream cannot go on
+                message = f"a request frame of {length} bytes; at most {MAX_REQUEST_BYTES}: split it"
+                self._transport.write(frame(_INVALID_ARGUMENT, message.encode()))
                 self._transport.close()
+                self._buffer = bytearray()
                 return
             end = HEADER.size + length
             if len(buffer) < end:
                 return
             payload = bytes(buffer[HEADER.size : end])
-            del buffer[:end]
+            if len(buffer) == end:
+                buffer = self._buffer = bytearray()  # a bytearray never gives its capacity back
+            else:
+                del buffer[:end]
             reply = self._server.respond(method, payload, self.peer)
             self._server.keep_polling()
             if not isinstance(reply, bytes):

@@ -2,6 +2,10 @@
 
 `_abort` is where errors become gRPC statuses (through `errors.status_of`). The inline page
 bytes of Put and Get stream through `Handlers.put` / `Handlers.get` too.
+
+Requests arrive as bytes and are parsed here (`wire.parse_request`), after the caller is
+authorized: a unary request over `wire.MAX_REQUEST_BYTES` is refused before it is parsed, and
+one that does not decode is INVALID_ARGUMENT with the parser's reason, never UNKNOWN.
 """
 
 from __future__ import annotations
@@ -13,13 +17,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.errors import Unauthenticated, status_of
+from kvstore.errors import InvalidArgument, Unauthenticated, status_of
 from kvstore.handlers import Handlers
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire import MAX_FRAME_BYTES, UNARY_METHODS, parse_request
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +48,12 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 def _unary(name: str) -> Callable[..., Awaitable[Any]]:
     """The gRPC method `name`: authorize, call the shared handler, map any error to a status."""
 
-    async def rpc(self: KVStoreServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    request_type = UNARY_METHODS[name][0]
+
+    async def rpc(self: KVStoreServicer, payload: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             self._authorize(context)
-            reply = getattr(self.handlers, name)(request)
+            reply = getattr(self.handlers, name)(parse_request(name, request_type, payload))
             return await reply if inspect.isawaitable(reply) else reply
         except Exception as exc:
             await _abort(context, exc)
@@ -84,21 +92,50 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     Pin = _unary("Pin")
     Renew = _unary("Renew")
 
-    async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context: Any) -> pb.PutResponse:
+    async def Put(self, payloads: AsyncIterator[bytes], context: Any) -> pb.PutResponse:
         try:
             self._authorize(context)
-            return await self.handlers.put(request_iterator)
+            return await self.handlers.put(_parsed_puts(payloads))
         except Exception as exc:
             await _abort(context, exc)
             raise  # unreachable: _abort always raises
 
-    async def Get(self, request: pb.LeaseRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Get(self, payload: bytes, context: grpc.aio.ServicerContext) -> None:
         try:
             self._authorize(context)
+            request = parse_request("Get", pb.LeaseRequest, payload)
             async for data in self.handlers.get(request, self.data_bytes):
                 await context.write(pb.GetResponse(data=data))
         except Exception as exc:
             await _abort(context, exc)
+
+
+async def _parsed_puts(payloads: AsyncIterator[bytes]) -> AsyncIterator[pb.PutRequest]:
+    """A Put's messages, each parsed as it comes (a data message may be up to max_message_bytes)."""
+    async for payload in payloads:
+        try:
+            yield pb.PutRequest.FromString(payload)
+        except DecodeError as exc:
+            raise InvalidArgument(f"Put: a message is not a PutRequest ({exc})") from None
+
+
+def _raw_handlers(servicer: KVStoreServicer) -> grpc.GenericRpcHandler:
+    """kvstore.v1.KVStore's methods taking their requests as bytes (no deserializer): the
+    servicer parses them, so a bad one is its error to report."""
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            response_serializer=reply_type.SerializeToString,  # type: ignore[attr-defined]
+        )
+        for name, (_, reply_type) in UNARY_METHODS.items()
+    }
+    handlers["Put"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Put, response_serializer=pb.PutResponse.SerializeToString
+    )
+    handlers["Get"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Get, response_serializer=pb.GetResponse.SerializeToString
+    )
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
 def create_server(servicer: KVStoreServicer, health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
@@ -106,11 +143,11 @@ def create_server(servicer: KVStoreServicer, health_servicer: health.aio.HealthS
     limit = servicer.max_message_bytes
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),  # what a caller can make the daemon read
+            ("grpc.max_send_message_length", max(limit, MAX_FRAME_BYTES)),  # a Stats of many namespaces
         ]
     )
-    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((_raw_handlers(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

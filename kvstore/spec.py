@@ -46,6 +46,16 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name}: expected a positive integer, got {value!r}")
 
 
+MAX_NAME_BYTES = 256  # a model id or salt (UTF-8): it is listed in every Stats reply
+SPEC_LIMITS = {  # far above any model, low enough that no request makes the daemon build a huge table
+    "num_layers": 4096,
+    "num_kv_heads": 4096,
+    "head_dim": 1 << 16,
+    "chunk_tokens": 1 << 20,
+    "tp_size": 4096,
+}
+
+
 @dataclass(frozen=True)
 class PageSpec:
     """What a page holds; two workers with equal PageSpecs share pages."""
@@ -65,9 +75,15 @@ class PageSpec:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model: expected a non-empty model id")
+        for name in ("model", "salt"):
+            size = len(getattr(self, name).encode())
+            if size > MAX_NAME_BYTES:
+                raise ValueError(f"{name}: {size} bytes; at most {MAX_NAME_BYTES}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
             _check_positive(name, getattr(self, name))
+            if getattr(self, name) > SPEC_LIMITS[name]:
+                raise ValueError(f"{name}: {getattr(self, name)} is over {SPEC_LIMITS[name]}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank: expected 0 <= tp_rank < tp_size={self.tp_size}, got {self.tp_rank}")
         if self.latent and self.num_kv_heads != 1:

@@ -28,6 +28,7 @@ from kvstore.lower import LowerTiers
 from kvstore.pins import PinTable
 from kvstore.policy import EvictionPolicy
 from kvstore.tiers.cpu import CpuTier
+from kvstore.wire import MAX_KEYS_PER_REQUEST
 
 if TYPE_CHECKING:
     from kvstore.gpu_placement import GpuPlacement
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
     from kvstore.tiers.gpu import GpuTier
     from kvstore.tiers.remote import RemoteTier
 
-MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_NAMESPACES = 4096
 
 

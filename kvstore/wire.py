@@ -3,7 +3,10 @@
 - `UNARY_METHODS`: the unary calls of kvstore.v1.KVStore, name -> (request type, reply type), in
   wire order: the local channel numbers methods by position (`METHOD_NAMES`).
 - The local channel's framing (`kvstore.local` serves it, `kvstore_client.local` calls it):
-  `HEADER` (u32 length, u8 method or status), `frame(code, body)`, `MAX_FRAME_BYTES`.
+  `HEADER` (u32 length, u8 method or status), `frame(code, body)`, `MAX_FRAME_BYTES` (a reply).
+- `MAX_REQUEST_BYTES`: the largest unary request the daemon reads (65,536 keys and room for
+  the rest), on either channel; `parse_request(name, payload)`: the message, or InvalidArgument
+  for one too large or undecodable, before anything else is allocated for it.
 - `Tier`: the wire's tier numbers; a Lookup reports one per hit chunk, packed as bytes.
 - `page_spec_message(page)` / `page_spec_of(message, default_chunk_tokens)`: a `PageSpec` and
   its `kvstore.v1.PageSpec`, field by field from the dataclass (one field list, `kvstore.spec`).
@@ -19,6 +22,10 @@ import struct
 from enum import IntEnum
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
+from kvstore.errors import InvalidArgument
+from kvstore.keys import KEY_BYTES
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import PageSpec
 
@@ -40,6 +47,22 @@ METHOD_IDS = {name: index for index, name in enumerate(METHOD_NAMES)}
 
 HEADER = struct.Struct("<IB")  # request: length, method index; reply: length, grpc.StatusCode value
 MAX_FRAME_BYTES = 16 << 20
+MAX_KEYS_PER_REQUEST = 1 << 16
+MAX_REQUEST_BYTES = MAX_KEYS_PER_REQUEST * KEY_BYTES + (64 << 10)
+
+
+def parse_request(name: str, request_type: Any, payload: bytes) -> Any:
+    """`payload` as a `request_type` message of method `name`; InvalidArgument if it is larger
+    than MAX_REQUEST_BYTES (checked before parsing) or not such a message."""
+    if len(payload) > MAX_REQUEST_BYTES:
+        raise InvalidArgument(
+            f"{name}: a request of {len(payload)} bytes; at most {MAX_REQUEST_BYTES} "
+            f"({MAX_KEYS_PER_REQUEST} keys): split it"
+        )
+    try:
+        return request_type.FromString(payload)
+    except DecodeError as exc:
+        raise InvalidArgument(f"{name}: the request is not a {request_type.__name__} ({exc})") from None
 
 
 def frame(code: int, body: bytes) -> bytes:

@@ -46,7 +46,7 @@ def test_empty_config_gives_every_default() -> None:
     assert config.server.unix_socket == "auto"
     assert config.server.socket_mode == 0o660
     assert config.server.tcp is None and config.server.token is None
-    assert config.server.max_message_bytes == 4 * 2**20
+    assert config.server.max_message_bytes == 1088 * 2**10
     assert config.server.grace_s == 5.0
     assert config.leases == LeaseConfig(ttl_s=30.0, max_ttl_s=600.0, reap_interval_s=0.25, quarantine_s=300.0)
     assert config.tiers.cpu == CpuTierConfig(

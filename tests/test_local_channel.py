@@ -202,12 +202,16 @@ def test_frames_sent_together_or_split_are_answered_in_order(
 
 
 def test_a_frame_over_the_limit_is_refused_and_the_connection_closed(daemon: Daemon) -> None:
+    """Refused by its header alone: the daemon reads none of its body."""
+    from kvstore.wire import MAX_REQUEST_BYTES
+
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(local_path(daemon))
-        sock.sendall(struct.pack("<IB", (16 << 20) + 1, 1))
+        sock.sendall(struct.pack("<IB", MAX_REQUEST_BYTES + 1, 1))
         status, body = read_reply(sock)
-        assert (status, body) == (3, f"frame of {(16 << 20) + 1} bytes is too large".encode())
+        expected = f"a request frame of {MAX_REQUEST_BYTES + 1} bytes; at most {MAX_REQUEST_BYTES}: split it"
+        assert (status, body) == (3, expected.encode())
         assert sock.recv(1) == b""  # closed by the daemon
 
 

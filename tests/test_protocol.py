@@ -208,7 +208,7 @@ def test_connect_rejects_bad_specs_and_registers_none_of_them(daemon_factory: Ca
     assert (default_chunk.chunk_tokens, default_chunk.page_bytes) == (256, 65536)
     reply = stub.Connect(pb.ConnectRequest(spec=pb.PageSpec(**SPEC)))
     assert (reply.arena.shm_path, reply.arena.size) == (str(daemon.arena_path), 1 << 20)
-    assert (reply.lease_ttl_ms, reply.max_message_bytes) == (30_000, 4 << 20)
+    assert (reply.lease_ttl_ms, reply.max_message_bytes) == (30_000, 1088 << 10)
     assert {ns.namespace for ns in stats(stub).namespaces} == {conn.ns, default_chunk.ns}
 
 
@@ -500,9 +500,9 @@ def test_eight_pages_stored_with_put_load_back_byte_exact(daemon: Any) -> None:
 def test_pages_larger_than_the_message_limit_stream_both_ways(daemon_factory: Callable[..., Any]) -> None:
     daemon = daemon_factory()  # 64 MiB arena of 16 MiB slabs
     stub = daemon.stub()
-    # 2 x 2 x 3000 tokens x 2 x 128 x 2 bytes = 6,144,000 bytes: 1.5 messages per page.
+    # 2 x 2 x 3000 tokens x 2 x 128 x 2 bytes = 6,144,000 bytes: 5.5 messages per page.
     conn = connect(stub, head_dim=128, chunk_tokens=3000)
-    assert conn.page_bytes == 6_144_000 > conn.max_message_bytes == 4 << 20
+    assert conn.page_bytes == 6_144_000 > conn.max_message_bytes == 1088 << 10
     keys, pages = chain(conn, 3), random_pages(3, conn.page_bytes, seed=8)
 
     lease = reserve(conn, keys).lease_id
@@ -517,14 +517,14 @@ def test_pages_larger_than_the_message_limit_stream_both_ways(daemon_factory: Ca
     )
     assert abort(conn, lease) == 3
     # The largest pieces the daemon accepts, then odd ones that straddle pages.
-    for piece_bytes in (conn.max_message_bytes - 1024, 3_000_017):
+    for piece_bytes in (conn.max_message_bytes - 1024, 1_000_017):
         stub.Clear(pb.ClearRequest(namespace=conn.ns))
         store(conn, keys, pages, piece_bytes=piece_bytes)
         hit = lookup(conn, keys, lease=True)
         messages = get_messages(conn, hit.lease_id)
         assert release(conn, hit.lease_id) == 3
         assert b"".join(messages) == b"".join(pages)
-        assert len(messages) == 6 and max(map(len, messages)) <= conn.max_message_bytes
+        assert len(messages) == 18 and max(map(len, messages)) <= conn.max_message_bytes
 
 
 def test_reserve_of_a_stored_prefix_slots_only_the_new_chunks(daemon: Any) -> None:
