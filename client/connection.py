@@ -32,7 +32,7 @@ from kvstore.errors import (
     from_rpc_error,
 )
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore_client.local import LocalChannel
+from kvstore_client.local import LocalChannel, Refused
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,13 @@ class Connection:
         """The reply to `request`; `meanwhile()` runs while the daemon answers (over the local
         channel; before the call over gRPC)."""
         if self.local is not None:
-            return self.local.call(method, request, meanwhile)
+            try:
+                return self.local.call(method, request, meanwhile)
+            except Refused as exc:
+                log.info("%s: control calls use gRPC", exc)
+                self.close_local()
+                if exc.ran_meanwhile:
+                    meanwhile = None
         if meanwhile is not None:
             meanwhile()
         try:

@@ -26,9 +26,20 @@ log = logging.getLogger(__name__)
 RECV_BYTES = 1 << 16
 
 
+class Refused(Unavailable):
+    """The channel closed before its first reply: the daemon refused the connection (at its caps
+    on connections), or went away just then; the caller's calls go over gRPC instead.
+    `ran_meanwhile`: the call's `meanwhile` ran before the channel failed."""
+
+    def __init__(self, message: str, ran_meanwhile: bool) -> None:
+        super().__init__(message)
+        self.ran_meanwhile = ran_meanwhile
+
+
 class LocalChannel:
     def __init__(self, path: str, timeout_s: float) -> None:
         self.path = path
+        self.answered = False  # a reply came: a failure from now on is the daemon's outage
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         self._sock.connect(path)
@@ -42,18 +53,25 @@ class LocalChannel:
         is read, so the channel stays in step."""
         payload = request.SerializeToString()
         failed: BaseException | None = None
+        ran = False
         try:
             with self._lock:
                 self._sock.sendall(HEADER.pack(len(payload), METHOD_IDS[method]) + payload)
                 self._read_unread()  # the daemon works on this request meanwhile
                 if meanwhile is not None:
+                    ran = True
                     try:
                         meanwhile()
                     except BaseException as exc:  # raised below, once the reply is read
                         failed = exc
                 status, body = self._reply()
+                self.answered = True
         except OSError as exc:
             self.close()
+            if not self.answered:
+                raise Refused(
+                    f"{method}: the daemon's local channel {self.path} closed at once ({exc})", ran
+                ) from None
             raise Unavailable(
                 f"{method}: the daemon's local channel {self.path} closed ({exc}); it stopped or restarted"
             ) from None

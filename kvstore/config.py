@@ -74,6 +74,9 @@ class ServerConfig:
     max_message_bytes: Size = setting(MiB + 64 * KiB, ge=64 * KiB, le=64 * MiB)
     grace_s: float = setting(5.0, ge=0)  # drain time on SIGTERM
     local_channel: bool = True  # same-host clients' unary calls on <socket>.local, without HTTP/2
+    # Local-channel connections at most, in all and per uid: past them a new one is closed at once.
+    max_local_connections: int = setting(1024, ge=1, le=65536)
+    max_local_connections_per_uid: int = setting(256, ge=1, le=65536)
     # After a local-channel call, the event loop polls instead of sleeping for this long (0: never),
     # so that the next call finds the daemon on its core: one core busy while workers are active.
     local_poll_ms: float = setting(0.0, ge=0, le=1000)
@@ -154,8 +157,10 @@ class LeaseConfig:
 class CpuTierConfig:
     """The shared-memory arena that workers map and pin."""
 
-    bytes: Size = setting(1 * GiB, gt=0)
-    slab_bytes: Size = setting(256 * MiB, gt=0)  # pages of one size class are carved from slabs this big
+    bytes: Size = setting(1 * GiB, ge=4 * KiB)  # at least one 4 KiB slot
+    slab_bytes: Size = setting(
+        256 * MiB, ge=4 * KiB
+    )  # pages of one size class are carved from slabs this big
     shm_dir: str = setting("/dev/shm", non_empty=True)
     file_mode: Mode = 0o600
     prefault: bool = True  # reserve the memory at start, so a full /dev/shm fails at start, not later
@@ -194,8 +199,10 @@ class GpuTierConfig:
 
     enabled: bool = False  # off (one log line) where there is no CUDA device or runtime
     devices: tuple[int, ...] = (0,)  # CUDA device indices, as this process sees them (CUDA_VISIBLE_DEVICES)
-    bytes: Size = setting(4 * GiB, gt=0)  # one pool of this size per device, allocated at start
-    slab_bytes: Size = setting(256 * MiB, gt=0)  # pages of one size class are carved from slabs this big
+    bytes: Size = setting(4 * GiB, ge=4 * KiB)  # one pool of this size per device, allocated at start
+    slab_bytes: Size = setting(
+        256 * MiB, ge=4 * KiB
+    )  # pages of one size class are carved from slabs this big
     promote_after_hits: int = setting(2, ge=1)  # a page's leased hits before it moves up from the CPU tier
 
     def validate(self, path: str) -> None:
@@ -263,7 +270,7 @@ class Config:
     """Everything `kvstored` reads from its YAML file."""
 
     log_level: str = setting("info", choices=LOG_LEVELS)
-    chunk_tokens: int = setting(256, gt=0)
+    chunk_tokens: int = setting(256, gt=0, le=1 << 20)  # a page spec's own limit (kvstore.spec)
     server: ServerConfig = field(default_factory=ServerConfig)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)

@@ -18,6 +18,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import time
@@ -63,6 +64,15 @@ def arena_name(socket_path: Path) -> str:
     return "kvstore-" + xxhash.xxh3_64_hexdigest(str(socket_path.resolve()).encode())
 
 
+def _raise_file_limit() -> None:
+    """The soft limit on open files up to the hard one (at most 65,536): each local-channel
+    connection holds a descriptor, and the caps on them must be reached before this limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 async def serve(config: Config) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -77,6 +87,7 @@ async def serve(config: Config) -> None:
             raise StoppedDuringStart
 
     starting()
+    _raise_file_limit()
     os.umask(0o077)  # every socket and file is created private; the sockets then get server.socket_mode
     socket_path = config.server.socket_path
     claim = SocketClaim(socket_path)
@@ -138,7 +149,13 @@ async def serve(config: Config) -> None:
         if config.server.tcp:
             server.add_insecure_port(config.server.tcp)
         if local_path is not None:  # first: a worker that connects over gRPC finds it at once
-            local = LocalChannelServer(handlers, local_path, config.server.local_poll_ms / 1000)
+            local = LocalChannelServer(
+                handlers,
+                local_path,
+                config.server.local_poll_ms / 1000,
+                config.server.max_local_connections,
+                config.server.max_local_connections_per_uid,
+            )
             await local.start(config.server.socket_mode)
         await server.start()
         os.chmod(socket_path, config.server.socket_mode)
@@ -252,10 +269,22 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
 
 
 def _checked(config: Config) -> Config:
-    """Checks what the loader cannot see alone: the policy name, the token file, the event loop."""
+    """Checks what the loader cannot see alone: the policy name, the token file, the event loop,
+    the arena's directory on this host."""
     make_policy(config.eviction.policy)
     event_loop_factory(config.server.event_loop)
     _ = config.server.token
+    shm_dir = Path(config.tiers.cpu.shm_dir)
+    if not shm_dir.is_dir():
+        raise ConfigError(
+            "tiers.cpu.shm_dir", f"{shm_dir} is not a directory on this host (a tmpfs: /dev/shm)"
+        )
+    if config.server.max_local_connections_per_uid > config.server.max_local_connections:
+        raise ConfigError(
+            "server.max_local_connections_per_uid",
+            f"expected at most server.max_local_connections ({config.server.max_local_connections}), "
+            f"got {config.server.max_local_connections_per_uid}",
+        )
     return config
 
 

@@ -18,6 +18,9 @@ connection closed. The socket is guarded by its
 file mode, like the gRPC socket; page bytes never travel here (they go through the arena).
 Each connection knows its peer (pid, uid, gid from the socket's credentials): a store lease
 taken on it is fenced, if it expires, until that connection is closed and that process gone.
+Connections are capped in all (`server.max_local_connections`) and per uid
+(`server.max_local_connections_per_uid`): past a cap a new one is closed at once, counted
+(`refused_local_connections`), with one warning at most every 10 s.
 
 `stop()` closes the listener and then the connections once the replies being awaited have
 been sent (the daemon drains its leases before that: see `kvstore.daemon`).
@@ -33,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
+from collections import Counter
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
@@ -45,21 +50,67 @@ from kvstore.wire import HEADER, MAX_REQUEST_BYTES, METHOD_NAMES, UNARY_METHODS,
 
 log = logging.getLogger(__name__)
 
+REFUSAL_WARNING_S = 10.0  # at most one warning this often about connections refused at the caps
+
 _OK = 0
 _INTERNAL = 13
 _INVALID_ARGUMENT = 3
 
 
 class LocalChannelServer:
-    def __init__(self, handlers: Handlers, path: Path, poll_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        handlers: Handlers,
+        path: Path,
+        poll_s: float = 0.0,
+        max_connections: int = 1024,
+        max_connections_per_uid: int = 256,
+    ) -> None:
         self.handlers = handlers
         self.path = path
         self.poll_s = poll_s
+        self.max_connections = max_connections
+        self.max_connections_per_uid = max_connections_per_uid
         self._server: asyncio.Server | None = None
         self._sessions: set[_Session] = set()
+        self._per_uid: Counter[int] = Counter()
+        self._refused = 0  # connections closed at the caps since the last warning
+        self._warned_at = -REFUSAL_WARNING_S
         self._poll_until = 0.0
         self._polling = False
         self.polls = 0  # turns of the loop spent polling (stats, tests)
+
+    def admit(self, session: _Session) -> bool:
+        """Whether a new connection is within the caps; one that is not is counted, and a warning
+        says so at most every REFUSAL_WARNING_S."""
+        uid = session.peer.uid
+        if len(self._sessions) < self.max_connections and self._per_uid[uid] < self.max_connections_per_uid:
+            self._sessions.add(session)
+            self._per_uid[uid] += 1
+            return True
+        self._refused += 1
+        self.handlers.store.counters["refused_local_connections"] += 1
+        now = time.monotonic()
+        if now - self._warned_at >= REFUSAL_WARNING_S:
+            log.warning(
+                "local channel: %d connection(s) refused in %.0f s at server.max_local_connections (%d) or "
+                "server.max_local_connections_per_uid (%d; uid %d has %d)",
+                self._refused,
+                min(now - self._warned_at, REFUSAL_WARNING_S),
+                self.max_connections,
+                self.max_connections_per_uid,
+                uid,
+                self._per_uid[uid],
+            )
+            self._warned_at, self._refused = now, 0
+        return False
+
+    def forget(self, session: _Session) -> None:
+        if session in self._sessions:
+            self._sessions.discard(session)
+            self._per_uid[session.peer.uid] -= 1
+            if not self._per_uid[session.peer.uid]:
+                del self._per_uid[session.peer.uid]
 
     def keep_polling(self) -> None:
         """The loop polls, not sleeps, until `poll_s` after now (a frame just came)."""
@@ -149,13 +200,15 @@ class _Session(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
-        self._server._sessions.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self.peer = Peer.of_socket(sock)
+        if not self._server.admit(self):
+            transport.close()
+            self._transport = None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server._sessions.discard(self)
+        self._server.forget(self)
         self._transport = None
         self.peer.connected = False
 

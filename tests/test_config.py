@@ -154,7 +154,14 @@ def test_sizes_in_the_config() -> None:
     [
         ({"tiers": {"cpu": {"bytes": "lots"}}}, "tiers.cpu.bytes: expected a size like 8GiB, got 'lots'"),
         ({"tiers": {"cpu": {"bytes": 1.5}}}, "tiers.cpu.bytes: expected a size like 8GiB, got 1.5"),
-        ({"tiers": {"cpu": {"bytes": 0}}}, "tiers.cpu.bytes: expected a value > 0, got 0"),
+        ({"tiers": {"cpu": {"bytes": 0}}}, "tiers.cpu.bytes: expected a value >= 4KiB, got 0"),
+        ({"tiers": {"cpu": {"bytes": 1000}}}, "tiers.cpu.bytes: expected a value >= 4KiB, got 1000"),
+        (
+            {"tiers": {"cpu": {"bytes": "64MiB", "slab_bytes": 100}}},
+            "tiers.cpu.slab_bytes: expected a value >= 4KiB, got 100",
+        ),
+        ({"tiers": {"gpu": {"slab_bytes": 100}}}, "tiers.gpu.slab_bytes: expected a value >= 4KiB, got 100"),
+        ({"chunk_tokens": 1000000000000}, "chunk_tokens: expected a value <= 1048576, got 1000000000000"),
         (
             {"tiers": {"cpu": {"bytes": "128MiB"}}},
             "tiers.cpu.slab_bytes: expected at most tiers.cpu.bytes (128MiB), got 256MiB",

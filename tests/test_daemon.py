@@ -117,6 +117,16 @@ def test_check_config(tmp_path: Path) -> None:
     result = kvstored("--check-config", str(bad))
     assert result.returncode == 1
     assert "server.event_loop: expected one of auto, uvloop, asyncio, got 'libev'" in result.stderr
+    bad.write_text(f"tiers:\n  cpu:\n    shm_dir: {tmp_path / 'no-such-dir'}\n")
+    result = kvstored("--check-config", str(bad))
+    assert result.returncode == 1
+    assert f"tiers.cpu.shm_dir: {tmp_path / 'no-such-dir'} is not a directory on this host" in result.stderr
+    bad.write_text("server:\n  max_local_connections: 8\n  max_local_connections_per_uid: 16\n")
+    result = kvstored("--check-config", str(bad))
+    assert result.returncode == 1
+    assert "server.max_local_connections_per_uid: expected at most server.max_local_connections (8)" in (
+        result.stderr
+    )
 
 
 def test_tcp_listener_needs_a_token(tmp_path: Path, daemon_factory: Callable[..., Daemon]) -> None:

@@ -271,3 +271,42 @@ def test_the_daemon_polls_after_a_call_only_when_asked(daemon_factory: Callable[
             spent[poll_ms] = cpu_seconds(daemon.process.pid) - before
     assert spent[0] < 0.08, spent  # a load's few calls
     assert spent[300] >= 0.15, spent  # ~0.3 s of polling, less whatever the machine's load takes
+
+
+def test_connections_past_the_caps_are_closed_and_clients_still_work(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Idle connections held by one uid up to its cap: the next one is closed at once, counted,
+    warned about once (not once per connection); a client then works over gRPC, every byte right,
+    and gets the local channel again once the idle ones close."""
+    daemon = daemon_factory(server__max_local_connections_per_uid=4, server__max_local_connections=8)
+    path = local_path(daemon)
+    held = []
+    for _ in range(4):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(path)
+        held.append(sock)
+    for _ in range(300):
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(path)
+            sock.settimeout(10)
+            assert sock.recv(1) == b""  # closed by the daemon
+    tokens = list(range(512))
+    cache = [torch.randn(2, 32, 16, 2, 16).half() for _ in range(2)]
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        assert client.store(tokens, cache, torch.arange(32)) == 2
+        target = [torch.full_like(t, 7.0) for t in cache]
+        assert client.load(tokens, target, torch.arange(32)) == 512
+        assert all(torch.equal(a, b) for a, b in zip(target, cache, strict=True))
+        assert client.stats()["counters"]["refused_local_connections"] >= 300
+    assert daemon.log().count("connection(s) refused") == 1
+    for sock in held:
+        sock.close()
+    deadline = time.monotonic() + 10
+    while True:
+        with KVStoreClient.connect(daemon.address, SPEC) as client:
+            if client._local is not None:
+                assert client.lookup(tokens) == 512
+                break
+        assert time.monotonic() < deadline, "the local channel did not come back"
+        time.sleep(0.05)
