@@ -88,6 +88,10 @@ class KVStoreClient(StorePath, LoadPath):
         self.layerwise_runs = LAYERWISE_RUNS
         self._gpu_pools = GpuPools(None, {})
         self._renewer = LeaseRenewer(self._renew)
+        if token is None:  # $KVSTORE_TOKEN or $KVSTORE_TOKEN_FILE: a token never on a command line
+            from kvstore.paths import default_token
+
+            token = default_token()
         self._conn = Connection(address, timeout_s, token, self._handshake, self._drop_arena)
         try:
             self._handshake()

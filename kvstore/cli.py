@@ -1,6 +1,6 @@
 """`kvctl`: administer a running kvstored, and replay traces without one.
 
-    kvctl [--address ADDR] [--token TOKEN] stats [--json]
+    kvctl [--address ADDR] [--token-file FILE] stats [--json]
     kvctl health
     kvctl ls [--json]
     kvctl clear [--namespace NS]
@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.config import EvictionConfig
 from kvstore.errors import KVStoreError, from_rpc_error
 from kvstore.keys import KEY_BYTES, pack_keys
-from kvstore.paths import default_socket_path
+from kvstore.paths import default_socket_path, default_token, read_token
 from kvstore.policy import policy_names
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -280,7 +280,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--address", default=None, help=f"daemon address (default: unix://{default_socket_path()})"
     )
-    parser.add_argument("--token", default=None, help="auth token, for a daemon reached over TCP")
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        metavar="FILE",
+        help="the auth token for a daemon reached over TCP (default: $KVSTORE_TOKEN, or the file "
+        "$KVSTORE_TOKEN_FILE names); never on the command line, where other users can read it",
+    )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     commands = parser.add_subparsers(dest="command", required=True)
     stats = commands.add_parser("stats", help="tiers, counters and namespaces")
@@ -325,7 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         except (KVStoreError, TraceError) as exc:
             print(f"kvctl: {exc}", file=sys.stderr)
             return 1
-    admin = Admin(args.address or f"unix://{default_socket_path()}", args.token, args.timeout)
+    try:
+        token = read_token(args.token_file) if args.token_file else default_token()
+    except ValueError as exc:
+        print(f"kvctl: --token-file: {exc}", file=sys.stderr)
+        return 1
+    admin = Admin(args.address or f"unix://{default_socket_path()}", token, args.timeout)
     try:
         return int(args.run(admin, args))
     except KVStoreError as exc:

@@ -97,6 +97,7 @@ async def serve(config: Config) -> None:
     remote: RemoteTier | None = None
     local: LocalChannelServer | None = None
     server = None
+    tcp_server = None
     reaper: asyncio.Task[None] | None = None
     try:
         starting()
@@ -146,8 +147,9 @@ async def serve(config: Config) -> None:
         health_servicer = health.aio.HealthServicer()
         server = create_server(servicer, health_servicer)
         server.add_insecure_port(f"unix://{socket_path}")
-        if config.server.tcp:
-            server.add_insecure_port(config.server.tcp)
+        if config.server.tcp:  # a server of its own: health and the token-checked service, no reflection
+            tcp_server = create_server(servicer, health_servicer, reflection=False)
+            tcp_server.add_insecure_port(config.server.tcp)
         if local_path is not None:  # first: a worker that connects over gRPC finds it at once
             local = LocalChannelServer(
                 handlers,
@@ -158,6 +160,8 @@ async def serve(config: Config) -> None:
             )
             await local.start(config.server.socket_mode)
         await server.start()
+        if tcp_server is not None:
+            await tcp_server.start()
         os.chmod(socket_path, config.server.socket_mode)
         starting()
         gc.freeze()  # the objects built at start never die: keep them out of every collection
@@ -182,10 +186,12 @@ async def serve(config: Config) -> None:
         await health_servicer.enter_graceful_shutdown()
         left = await _drain(store, grace_s)
         closing = [server.stop(left)]
+        if tcp_server is not None:
+            closing.append(tcp_server.stop(left))
         if local is not None:
             closing.append(local.stop(left))
         await asyncio.gather(*closing)
-        server, local = None, None
+        server, tcp_server, local = None, None, None
     finally:
         # Each step on its own: one that fails is logged and the rest still run, so the socket,
         # the lock file and the arena go whatever happened before.
@@ -193,6 +199,8 @@ async def serve(config: Config) -> None:
             reaper.cancel()
         if server is not None:  # start-up stopped after the server started
             await _cleanup("the gRPC server", server.stop(0))
+        if tcp_server is not None:
+            await _cleanup("the TCP gRPC server", tcp_server.stop(0))
         if local is not None:
             await _cleanup("the local channel", local.stop())
         if gpu is not None:

@@ -4,6 +4,9 @@
   $XDG_RUNTIME_DIR/kvstore, or ~/.kvstore: never a predictable path under /tmp, which another
   user could create first.
 - `default_socket_path()`: `kvstored.sock` in it (`server.unix_socket: auto`).
+- `default_token()`: the bearer token a client sends to a daemon over TCP when it is given none:
+  $KVSTORE_TOKEN, or the content of the file $KVSTORE_TOKEN_FILE names (`read_token`). Neither
+  puts the token on a command line, where every user on the host can read it (/proc/PID/cmdline).
 """
 
 from __future__ import annotations
@@ -28,3 +31,26 @@ def default_runtime_dir() -> Path:
 
 def default_socket_path() -> Path:
     return default_runtime_dir() / "kvstored.sock"
+
+
+TOKEN_ENV = "KVSTORE_TOKEN"
+TOKEN_FILE_ENV = "KVSTORE_TOKEN_FILE"
+
+
+def read_token(path: str) -> str:
+    """The token in file `path`, stripped; ValueError naming the file if it cannot be read or is empty."""
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"token file {path}: cannot read it ({err})") from None
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
+def default_token() -> str | None:
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token:
+        return token
+    path = os.environ.get(TOKEN_FILE_ENV, "")
+    return read_token(path) if path else None

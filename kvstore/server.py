@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection as grpc_reflection
 
 from kvstore.errors import InvalidArgument, Unauthenticated, status_of
 from kvstore.handlers import Handlers
@@ -138,8 +138,11 @@ def _raw_handlers(servicer: KVStoreServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
-def create_server(servicer: KVStoreServicer, health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
-    """A server with the KV store, health and reflection services; ports are added by the caller."""
+def create_server(
+    servicer: KVStoreServicer, health_servicer: health.aio.HealthServicer, reflection: bool = True
+) -> grpc.aio.Server:
+    """A server with the KV store, health and (unless `reflection` is False: the TCP listener, where
+    it would answer without a token) reflection services; ports are added by the caller."""
     limit = servicer.max_message_bytes
     server = grpc.aio.server(
         options=[
@@ -149,8 +152,13 @@ def create_server(servicer: KVStoreServicer, health_servicer: health.aio.HealthS
     )
     server.add_generic_rpc_handlers((_raw_handlers(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
-    )
+    if reflection:
+        grpc_reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                grpc_reflection.SERVICE_NAME,
+            ),
+            server,
+        )
     return server

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from kvstore.errors import Unauthenticated
 from kvstore_client import KVSpec, KVStoreClient, ResourceExhausted
 from tests.harness import Daemon, python_env
 
@@ -304,3 +305,35 @@ def test_arena_full_of_leased_pages_is_resource_exhausted(daemon_factory: Callab
         with pytest.raises(ResourceExhausted, match="pinned by a lease"):
             client.store(tokens_of(256, seed=302), random_cache(spec, 16, seed=303), torch.arange(16))
         assert client.lookup(held) == 2048
+
+
+def test_a_tcp_client_takes_its_token_from_the_environment(
+    daemon_factory: Callable[..., Daemon],
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    """$KVSTORE_TOKEN or $KVSTORE_TOKEN_FILE when `connect` is given no token: stores and loads over
+    TCP, every byte right; a wrong one is refused at connect with the daemon's reason."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    daemon_factory(server__tcp=f"127.0.0.1:{port}", server__auth_token="tcp-token")
+    spec = make_spec()
+    tokens = tokens_of(512, seed=11)
+    source = random_cache(spec, 64, seed=12)
+    blocks = torch.arange(32)
+    (tmp_path / "token").write_text("tcp-token\n")
+    monkeypatch.setenv("KVSTORE_TOKEN_FILE", str(tmp_path / "token"))
+    with KVStoreClient.connect(f"127.0.0.1:{port}", spec) as client:
+        assert client.store(tokens, source, blocks) == 2
+    monkeypatch.delenv("KVSTORE_TOKEN_FILE")
+    monkeypatch.setenv("KVSTORE_TOKEN", "tcp-token")
+    with KVStoreClient.connect(f"127.0.0.1:{port}", spec) as client:
+        target = empty_cache(spec, 64)
+        assert client.load(tokens, target, blocks) == 512
+        assert_blocks_equal(target, blocks, source, blocks)
+    monkeypatch.setenv("KVSTORE_TOKEN", "wrong")
+    with pytest.raises(Unauthenticated, match="Bearer <token>"):
+        KVStoreClient.connect(f"127.0.0.1:{port}", spec)

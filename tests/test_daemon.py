@@ -12,10 +12,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.keys import chunk_keys, pack_keys
 from kvstore.proto import kvstore_pb2 as pb
-from tests.harness import Daemon, start_daemon, write_config
+from tests.harness import Daemon, python_env, start_daemon, write_config
 
 SPEC = pb.PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
 
@@ -152,8 +153,44 @@ def test_tcp_listener_needs_a_token(tmp_path: Path, daemon_factory: Callable[...
         assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED
         ok = stub.Stats(pb.StatsRequest(), timeout=10, metadata=(("authorization", "Bearer s3cret-token"),))
         assert ok.version
-    # The unix socket is guarded by its file mode, not the token.
+        # Health answers without a token (an orchestrator's probe); reflection is not offered on TCP.
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert reflection_code(channel) == grpc.StatusCode.UNIMPLEMENTED
+    # The unix socket is guarded by its file mode, not the token; reflection is served there.
     assert daemon.stub().Stats(pb.StatsRequest()).version
+    with grpc.insecure_channel(daemon.address) as channel:
+        assert reflection_code(channel) == grpc.StatusCode.OK
+    # kvctl takes the token from a file or the environment, never from its command line.
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    address = f"127.0.0.1:{port}"
+    env = python_env()
+    assert kvctl(env, "--address", address, "--token-file", str(token_file), "health").returncode == 0
+    assert kvctl(env | {"KVSTORE_TOKEN": "s3cret-token"}, "--address", address, "stats").returncode == 0
+    assert kvctl(env | {"KVSTORE_TOKEN_FILE": str(token_file)}, "--address", address, "stats").returncode == 0
+    denied_run = kvctl(env | {"KVSTORE_TOKEN": "nope"}, "--address", address, "stats")
+    assert denied_run.returncode == 1 and "Bearer <token>" in denied_run.stderr
+    assert "--token" not in kvctl(env, "--help").stdout.replace("--token-file", "")
+
+
+def kvctl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def reflection_code(channel: grpc.Channel) -> grpc.StatusCode:
+    """The status of a reflection request on `channel` (OK where the service is offered)."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    try:
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        next(iter(replies))
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
 
 
 def test_arena_larger_than_shm_fails_at_start(tmp_path: Path) -> None:
