@@ -17,8 +17,10 @@ from kvstore.errors import (
 )
 from kvstore.spec import KVSpec
 from kvstore_client.client import KVStoreClient, default_address
+from kvstore_client.connection import ClientTls
 
 __all__ = [
+    "ClientTls",
     "FailedPrecondition",
     "InvalidArgument",
     "KVSpec",

@@ -39,7 +39,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import KVSpec
 from kvstore.wire import page_spec_message, stats_to_dict
 from kvstore_client.arena import MappedArena
-from kvstore_client.connection import Connection, default_address
+from kvstore_client.connection import ClientTls, Connection, default_address
 from kvstore_client.gpu_pools import GpuPools, device_bus_id
 from kvstore_client.loads import LoadPath
 from kvstore_client.local import LocalChannel
@@ -73,6 +73,7 @@ class KVStoreClient(StorePath, LoadPath):
         name: str = "",
         pin_arena: bool | None = None,
         local_channel: bool | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -92,7 +93,8 @@ class KVStoreClient(StorePath, LoadPath):
             from kvstore.paths import default_token
 
             token = default_token()
-        self._conn = Connection(address, timeout_s, token, self._handshake, self._drop_arena)
+        tls = tls if tls is not None else ClientTls.from_env()
+        self._conn = Connection(address, timeout_s, token, self._handshake, self._drop_arena, tls)
         try:
             self._handshake()
         except BaseException:
@@ -111,6 +113,7 @@ class KVStoreClient(StorePath, LoadPath):
         name: str = "",
         pin_arena: bool | None = None,
         local_channel: bool | None = None,
+        tls: ClientTls | None = None,
     ) -> KVStoreClient:
         """Connect to kvstored at `address` (default: the default config's unix socket).
 
@@ -118,7 +121,8 @@ class KVStoreClient(StorePath, LoadPath):
         True requires it, False always sends page bytes inline. `pin_arena`: None registers the
         mapped arena with CUDA when a GPU is present (the kernels then move pages at PCIe speed).
         `local_channel`: None sends control calls over the daemon's local channel when the arena is
-        mapped (same host), False always uses gRPC.
+        mapped (same host), False always uses gRPC. `token` (default: $KVSTORE_TOKEN or the file
+        $KVSTORE_TOKEN_FILE names) and `tls` (default: `ClientTls.from_env()`) reach a daemon over TCP.
         """
         if spec is None:
             raise ValueError("spec: a KVSpec describing this worker's KV cache is required")
@@ -131,6 +135,7 @@ class KVStoreClient(StorePath, LoadPath):
             name,
             pin_arena,
             local_channel,
+            tls,
         )
 
     # -- the parts, as tests and benchmarks reach them ----------------------

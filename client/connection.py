@@ -16,8 +16,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -53,6 +55,40 @@ def is_outage(exc: KVStoreError) -> bool:
     return getattr(exc, "code", None) is grpc.StatusCode.CANCELLED
 
 
+TLS_ENV = ("KVSTORE_TLS_CA_FILE", "KVSTORE_TLS_CERT_FILE", "KVSTORE_TLS_KEY_FILE")
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """TLS to a daemon over TCP (`server.tls`): the CA its certificate chains to, and for mutual
+    TLS this client's certificate chain and key (PEM files)."""
+
+    ca_file: str
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @classmethod
+    def from_env(cls) -> ClientTls | None:
+        """From $KVSTORE_TLS_CA_FILE (and _CERT_FILE, _KEY_FILE); None without a CA."""
+        ca, cert, key = (os.environ.get(name) or None for name in TLS_ENV)
+        return cls(ca, cert, key) if ca else None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("tls: give cert_file and key_file together (mutual TLS), or neither")
+        files = [self.ca_file, self.key_file, self.cert_file]
+        ca, key, cert = (None if f is None else _read(f) for f in files)
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise ValueError(f"tls: cannot read {path}: {err.strerror}") from None
+
+
 def default_address() -> str:
     from kvstore.paths import default_socket_path
 
@@ -67,6 +103,7 @@ class Connection:
         token: str | None,
         handshake: Callable[[], None],
         on_gone: Callable[[], None],
+        tls: ClientTls | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -78,7 +115,10 @@ class Connection:
             ("grpc.min_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
             ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
         ]
-        self.channel = grpc.insecure_channel(address, options=options)
+        if tls is not None and not address.startswith("unix:"):
+            self.channel = grpc.secure_channel(address, tls.credentials(), options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self.local: LocalChannel | None = None
         self.outage = False  # a call found the daemon not serving since the last connect

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -58,8 +59,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 class Admin:
-    def __init__(self, address: str, token: str | None, timeout_s: float) -> None:
-        self.channel = grpc.insecure_channel(address)
+    def __init__(
+        self, address: str, token: str | None, timeout_s: float, tls: grpc.ChannelCredentials | None = None
+    ) -> None:
+        if tls is not None and not address.startswith("unix:"):
+            self.channel = grpc.secure_channel(address, tls)
+        else:
+            self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout_s = timeout_s
@@ -275,6 +281,27 @@ def _positive(text: str) -> int:
     return value
 
 
+def _tls(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS credentials from --tls-ca/--tls-cert/--tls-key or $KVSTORE_TLS_CA_FILE, _CERT_FILE, _KEY_FILE."""
+    files = [
+        getattr(args, f"tls_{part}") or os.environ.get(f"KVSTORE_TLS_{part.upper()}_FILE") or None
+        for part in ("ca", "cert", "key")
+    ]
+    if files[0] is None:
+        return None
+    if (files[1] is None) != (files[2] is None):
+        raise ValueError("--tls-cert and --tls-key go together (mutual TLS)")
+    ca, cert, key = (None if f is None else _read_file(f) for f in files)
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvctl", description="Administer a running kvstored.")
     parser.add_argument(
@@ -287,6 +314,11 @@ def _parser() -> argparse.ArgumentParser:
         help="the auth token for a daemon reached over TCP (default: $KVSTORE_TOKEN, or the file "
         "$KVSTORE_TOKEN_FILE names); never on the command line, where other users can read it",
     )
+    parser.add_argument(
+        "--tls-ca", metavar="FILE", help="over TCP with TLS: the CA of the daemon's certificate"
+    )
+    parser.add_argument("--tls-cert", metavar="FILE", help="mutual TLS: this client's certificate chain")
+    parser.add_argument("--tls-key", metavar="FILE", help="mutual TLS: this client's private key")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     commands = parser.add_subparsers(dest="command", required=True)
     stats = commands.add_parser("stats", help="tiers, counters and namespaces")
@@ -333,10 +365,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     try:
         token = read_token(args.token_file) if args.token_file else default_token()
+        tls = _tls(args)
     except ValueError as exc:
-        print(f"kvctl: --token-file: {exc}", file=sys.stderr)
+        print(f"kvctl: {exc}", file=sys.stderr)
         return 1
-    admin = Admin(args.address or f"unix://{default_socket_path()}", token, args.timeout)
+    admin = Admin(args.address or f"unix://{default_socket_path()}", token, args.timeout, tls)
     try:
         return int(args.run(admin, args))
     except KVStoreError as exc:

@@ -60,6 +60,48 @@ def _check_token(token: str, key: str) -> None:
         raise ConfigError(key, "expected a token of printable ASCII characters without spaces")
 
 
+_LOOPBACK_HOSTS = ("127.0.0.1", "[::1]", "localhost")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS on the TCP listener: the daemon's certificate chain and key (PEM), and optionally the CA
+    that client certificates must chain to (mutual TLS)."""
+
+    cert_file: str | None = setting(None, non_empty=True)
+    key_file: str | None = setting(None, non_empty=True)
+    client_ca_file: str | None = setting(None, non_empty=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+    def validate(self, path: str) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ConfigError(join(path, "key_file"), f"set {join(path, 'cert_file')} and key_file together")
+        if self.client_ca_file is not None and self.cert_file is None:
+            raise ConfigError(
+                join(path, "client_ca_file"), f"needs {join(path, 'cert_file')} and key_file too"
+            )
+
+    def credentials(self, path: str = "server.tls") -> tuple[bytes, bytes, bytes | None]:
+        """(certificate chain, private key, client CA or None), read now; a ConfigError names the
+        key of a file that cannot be read."""
+        contents: list[bytes | None] = []
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            file = getattr(self, name)
+            if file is None:
+                contents.append(None)
+                continue
+            try:
+                contents.append(Path(file).read_bytes())
+            except OSError as err:
+                raise ConfigError(join(path, name), f"cannot read {file}: {err.strerror}") from None
+        cert, key, ca = contents
+        assert cert is not None and key is not None
+        return cert, key, ca
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How clients reach the daemon: always a unix socket, optionally a TCP listener with a token."""
@@ -69,6 +111,7 @@ class ServerConfig:
     tcp: str | None = None  # "host:port": "127.0.0.1:50051", "[::1]:50051", "0.0.0.0:50051"
     auth_token: str | None = setting(None, non_empty=True)
     auth_token_file: str | None = setting(None, non_empty=True)
+    tls: TlsConfig = field(default_factory=TlsConfig)  # on the TCP listener; required off loopback
     # The largest unary request (65,536 keys, wire.MAX_REQUEST_BYTES) and no more by default: gRPC
     # refuses a larger message by its length, before it allocates anything for it.
     max_message_bytes: Size = setting(MiB + 64 * KiB, ge=64 * KiB, le=64 * MiB)
@@ -120,6 +163,8 @@ class ServerConfig:
         if self.auth_token is not None:
             _check_token(self.auth_token, token_key)
         if self.tcp is None:
+            if self.tls.enabled:
+                raise ConfigError(join(path, "tls"), "TLS is for the TCP listener: set server.tcp too")
             return
         tcp_key = join(path, "tcp")
         match = _HOST_PORT_RE.fullmatch(self.tcp)
@@ -134,6 +179,13 @@ class ServerConfig:
                 tcp_key,
                 f"a TCP listener needs {token_key} or {file_key} "
                 "(clients send it as 'authorization: Bearer <token>' metadata)",
+            )
+        host = self.tcp.rsplit(":", 1)[0]
+        if host not in _LOOPBACK_HOSTS and not self.tls.enabled:
+            raise ConfigError(
+                join(path, "tls"),
+                f"a TCP listener on {host} needs server.tls.cert_file and key_file: without TLS the token "
+                f"and the pages cross the network in clear (only a loopback address may go without)",
             )
 
 

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import xxhash
 from grpc_health.v1 import health, health_pb2
 
@@ -149,7 +150,15 @@ async def serve(config: Config) -> None:
         server.add_insecure_port(f"unix://{socket_path}")
         if config.server.tcp:  # a server of its own: health and the token-checked service, no reflection
             tcp_server = create_server(servicer, health_servicer, reflection=False)
-            tcp_server.add_insecure_port(config.server.tcp)
+            tls = config.server.tls
+            if tls.enabled:
+                cert, key, client_ca = tls.credentials()
+                credentials = grpc.ssl_server_credentials(
+                    [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+                )
+                tcp_server.add_secure_port(config.server.tcp, credentials)
+            else:
+                tcp_server.add_insecure_port(config.server.tcp)
         if local_path is not None:  # first: a worker that connects over gRPC finds it at once
             local = LocalChannelServer(
                 handlers,
@@ -171,7 +180,9 @@ async def serve(config: Config) -> None:
             "kvstored %s serving on unix://%s%s (%sCPU tier %d MiB, chunk_tokens %d, event loop %s)",
             __version__,
             socket_path,
-            f" and tcp {config.server.tcp}" if config.server.tcp else "",
+            f" and tcp {config.server.tcp}{' (TLS)' if config.server.tls.enabled else ''}"
+            if config.server.tcp
+            else "",
             f"GPU tier {gpu.capacity >> 20} MiB, " if gpu is not None else "",
             cpu_config.bytes >> 20,
             config.chunk_tokens,
@@ -282,6 +293,8 @@ def _checked(config: Config) -> Config:
     make_policy(config.eviction.policy)
     event_loop_factory(config.server.event_loop)
     _ = config.server.token
+    if config.server.tls.enabled:
+        config.server.tls.credentials()  # readable now, or an error naming the key
     shm_dir = Path(config.tiers.cpu.shm_dir)
     if not shm_dir.is_dir():
         raise ConfigError(

@@ -105,7 +105,9 @@ def test_systemd_unit_runs_the_daemon_with_the_etc_config() -> None:
 
 
 def test_to_dict_round_trips_and_hides_the_token() -> None:
-    config = parse_config({"server": {"tcp": "0.0.0.0:50051", "auth_token": "s3cret"}, "log_level": "DEBUG"})
+    tls = {"cert_file": "/etc/kvstore/tls/k.crt", "key_file": "/etc/kvstore/tls/k.key"}
+    server = {"tcp": "0.0.0.0:50051", "auth_token": "s3cret", "tls": tls}
+    config = parse_config({"server": server, "log_level": "DEBUG"})
 
     assert parse_config(config.to_dict(redact=False)) == config
     assert config.to_dict()["server"]["auth_token"] == "<redacted>"
@@ -315,7 +317,8 @@ def test_both_token_fields_are_refused() -> None:
     "address", ["127.0.0.1:50051", "[::1]:50051", "0.0.0.0:1", "[::]:65535", "kv-host.local:80"]
 )
 def test_tcp_addresses(address: str) -> None:
-    config = parse_config({"server": {"tcp": address, "auth_token": "t0ken"}})
+    tls = {"cert_file": "/etc/kvstore/tls/k.crt", "key_file": "/etc/kvstore/tls/k.key"}
+    config = parse_config({"server": {"tcp": address, "auth_token": "t0ken", "tls": tls}})
 
     assert config.server.tcp == address
     assert config.server.token == "t0ken"
