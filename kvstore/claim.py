@@ -44,7 +44,11 @@ class ClaimRefused(ConfigError):
 
 def check_directory(directory: Path, key: str = KEY) -> None:
     if not os.path.lexists(directory):
-        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        previous = os.umask(0o022)  # the daemon's umask (077) would keep other users' clients out
+        try:
+            directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        finally:
+            os.umask(previous)
     info = os.lstat(directory)
     uid = os.geteuid()
     if stat.S_ISLNK(info.st_mode):
