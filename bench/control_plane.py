@@ -20,6 +20,10 @@ Prints tables and writes `bench/results/control_plane.json` (and a timestamped c
 3. Lookup latency of a daemon on uvloop against one on asyncio's own event loop
    (`server.event_loop`), both running, timed in turns: the local channel, gRPC, and the
    client's `lookup_chunks`, with the ratio of their p50s.
+5. Tenants (`--parts tenants`): Lookup latency of a daemon with tenants against one without,
+   side by side and timed in turns: the local channel (1, 64, 512 keys, the caller known by its
+   uid), gRPC (1 and 64 keys, the caller known by its tenant's token), the client's
+   `lookup_chunks`; the ratio of their p50s (target: at most 1.05).
 4. With `--against TREE` (another checkout, e.g. `git worktree add ../before REV`): Lookup, load
    and store latency of this tree's daemon and client against TREE's, both running side by side
    and timed in alternating batches (`bench/latency_probe.py`), in `--rounds` rounds of fresh
@@ -32,6 +36,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -49,7 +55,7 @@ from bench.common import Daemon, Latency, print_table, running_daemon, write_res
 from bench.latency_probe import MAX_RATIO, SERIES, compare_trees  # noqa: E402
 from kvstore.config import EvictionConfig, format_size, parse_size  # noqa: E402
 from kvstore.handlers import Handlers  # noqa: E402
-from kvstore.keys import pack_keys, unpack_keys  # noqa: E402
+from kvstore.keys import chunk_keys, pack_keys, unpack_keys  # noqa: E402
 from kvstore.policy import make_policy  # noqa: E402
 from kvstore.proto import kvstore_pb2 as pb  # noqa: E402
 from kvstore.spec import PageSpec  # noqa: E402
@@ -86,8 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--parts",
         nargs="+",
-        choices=("lookup", "throughput", "event_loop", "against"),
-        default=["lookup", "throughput", "event_loop"],
+        choices=("lookup", "throughput", "event_loop", "tenants", "against"),
+        default=["lookup", "throughput", "event_loop", "tenants"],
     )
     parser.add_argument("--against", type=Path, help="another kvstore source tree to compare latency with")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of fresh processes for --against")
@@ -289,7 +295,7 @@ def server_breakdown(page: PageSpec, keys: list[bytes], calls: int) -> dict[str,
             store = Store(CpuTier(arena, 16 << 20), make_policy(EvictionConfig().policy), 60.0, 600.0)
             ns = store.connect(page).id
             store.commit(ns, store.reserve(ns, keys).lease_id)
-            handlers = Handlers(store, CHUNK_TOKENS, 4 << 20, str(arena.path))
+            handlers = Handlers({"": store}, CHUNK_TOKENS, 4 << 20)
             wire = pb.LookupRequest(namespace=ns, keys=pack_keys(keys)).SerializeToString()
             request = pb.LookupRequest.FromString(wire)
             unpacked = unpack_keys(request.keys)
@@ -529,6 +535,181 @@ def bench_event_loops(config: dict[str, Any], args: argparse.Namespace) -> dict[
     return results
 
 
+TENANT_SIZES = (1, 64, 512)
+TARGET_TENANTS_RATIO = 1.05
+
+
+def bench_tenants(args: argparse.Namespace) -> dict[str, Any]:
+    """Lookup latency of a daemon with two tenants and one without, side by side and timed in
+    turns, in `args.rounds` rounds of fresh daemons (which starts first alternates), samples
+    pooled; and the daemon's own work per Lookup with and without tenants, in this process."""
+    spec = lookup_spec()
+    max_chunks = max(TENANT_SIZES)
+    tokens = torch.randint(
+        0, 128_000, (max_chunks * CHUNK_TOKENS,), generator=torch.Generator().manual_seed(4)
+    )
+    token = secrets.token_hex(16)
+    samples: dict[str, list[float]] = {}
+    per_round: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-tenants-") as tmp:
+        tokens_file = Path(tmp) / "tokens"
+        tokens_file.write_text(token + "\n")
+        tokens_file.chmod(0o600)
+        tenants = [
+            {"name": "bench", "uids": [os.geteuid()], "cpu_bytes": "64MiB", "tokens_file": str(tokens_file)}
+        ]
+        if os.geteuid() == 0:
+            tenants.append({"name": "other", "uids": [40001], "cpu_bytes": "64MiB"})
+        base = {
+            "log_level": "warning",
+            "chunk_tokens": CHUNK_TOKENS,
+            "server": {"grace_s": 1.0},
+            "leases": {"ttl_s": 60.0},
+            "tiers": {"cpu": {"bytes": "64MiB", "slab_bytes": "16MiB"}},
+        }
+        configs = {
+            "off": base,
+            "on": base | {"tiers": {"cpu": {"bytes": "128MiB", "slab_bytes": "16MiB"}}, "tenants": tenants},
+        }
+        for round_index in range(args.rounds):
+            order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
+            taken = _tenants_round(args, {mode: configs[mode] for mode in order}, spec, tokens, token)
+            for name, values in taken.items():
+                samples.setdefault(name, []).extend(values)
+            per_round.append(
+                _on_over_off({name: Latency.of(values)._asdict() for name, values in taken.items()})
+            )
+    results: dict[str, Any] = {name: Latency.of(values)._asdict() for name, values in samples.items()}
+    results["p50_ratio"] = _on_over_off(results)
+    results["p50_ratio_per_round"] = per_round
+    results["handler_lookup"] = handler_lookup_with_tenants(spec.page, tokens, args.lookup_calls)
+    results["tenants"] = [t["name"] for t in tenants]
+    results["rounds"] = args.rounds
+    results["target_p50_ratio"] = TARGET_TENANTS_RATIO
+    return results
+
+
+def _on_over_off(latencies: Mapping[str, Any]) -> dict[str, float]:
+    return {
+        name[3:]: latencies[name]["p50_us"] / latencies[f"off/{name[3:]}"]["p50_us"]
+        for name in latencies
+        if name.startswith("on/")
+    }
+
+
+def _tenants_round(
+    args: argparse.Namespace, configs: Mapping[str, Any], spec: KVSpec, tokens: torch.Tensor, token: str
+) -> dict[str, list[float]]:
+    """One round: both daemons running, every series timed in turns."""
+    num_blocks = len(tokens) // BLOCK_SIZE
+    series: dict[str, Callable[[], object]] = {}
+    with contextlib.ExitStack() as stack:
+        for mode, config in configs.items():
+            daemon = stack.enter_context(running_daemon(config))
+            client = stack.enter_context(KVStoreClient.connect(daemon.address, spec))
+            grpc_client = stack.enter_context(
+                KVStoreClient.connect(
+                    daemon.address, spec, local_channel=False, token=token if mode == "on" else None
+                )
+            )
+            if client._local is None:
+                raise RuntimeError(f"tenants {mode}: the client did not open the local channel")
+            stored = client.store(tokens, kv_caches(spec, num_blocks, random=True), torch.arange(num_blocks))
+            if stored != max(TENANT_SIZES):
+                raise RuntimeError(f"tenants {mode}: stored {stored} of {max(TENANT_SIZES)} chunks")
+            keys = client.keys(tokens)
+            calls = [("rpc", client._rpc, n) for n in TENANT_SIZES] + [
+                ("grpc", grpc_client._rpc, n) for n in (1, 64)
+            ]
+            for name, rpc, n in calls:
+                packed = pack_keys(keys[:n])
+                if lookup_rpc(rpc, client.namespace, packed).hit_chunks != n:
+                    raise RuntimeError(f"tenants {mode}: a Lookup of {n} stored keys did not hit all of them")
+                series[f"{mode}/{name}_{n}"] = functools.partial(lookup_rpc, rpc, client.namespace, packed)
+            series[f"{mode}/lookup_chunks_8"] = functools.partial(client.lookup_chunks, keys[:8])
+        for call in series.values():
+            time_calls(call, args.warmup)
+        samples: dict[str, list[float]] = {name: [] for name in series}
+        turns = 10
+        for _ in range(turns):
+            for name, call in series.items():
+                samples[name] += time_calls(call, max(args.lookup_calls // turns, 10))
+    return samples
+
+
+def handler_lookup_with_tenants(page: PageSpec, tokens: torch.Tensor, calls: int) -> dict[str, float]:
+    """The daemon's own work for a Lookup of 512 keys (`Handlers.Lookup`: caller to store, the
+    lookup, the reply) with tenants and without, in this process, timed in turns (p50 µs)."""
+    from kvstore.config import TenantConfig
+    from kvstore.peers import Peer
+    from kvstore.tenants import Tenancy
+
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
+        arenas = [Arena(Path(tmp) / f"arena-{i}", 16 << 20, prefault=False) for i in range(3)]
+        try:
+            stores = [
+                Store(
+                    CpuTier(arena, 16 << 20), make_policy(EvictionConfig().policy), 60.0, 600.0, tenant=name
+                )
+                for arena, name in zip(arenas, ("", "bench", "other"), strict=True)
+            ]
+            tenancy = Tenancy(
+                [TenantConfig("bench", uids=(os.geteuid(),)), TenantConfig("other", uids=(40001,))]
+            )
+            modes = {
+                "off": (Handlers({"": stores[0]}, CHUNK_TOKENS, 4 << 20), stores[0]),
+                "on": (
+                    Handlers({"bench": stores[1], "other": stores[2]}, CHUNK_TOKENS, 4 << 20, "", tenancy),
+                    stores[1],
+                ),
+            }
+            timed: dict[str, Callable[[], object]] = {}
+            for mode, (handlers, store) in modes.items():
+                caller = handlers.tenancy.of_peer(Peer(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid()))
+                ns = store.connect(page).id
+                keys = chunk_keys(ns, tokens, CHUNK_TOKENS)
+                store.commit(ns, store.reserve(ns, keys).lease_id)
+                request = pb.LookupRequest(namespace=ns, keys=pack_keys(keys))
+                if handlers.Lookup(request, caller).hit_chunks != len(keys):
+                    raise RuntimeError(f"handler lookup, tenants {mode}: not every key hit")
+                timed[mode] = functools.partial(handlers.Lookup, request, caller)
+            samples: dict[str, list[float]] = {mode: [] for mode in timed}
+            for _ in range(10):
+                for mode, call in timed.items():
+                    samples[mode] += time_calls(call, max(calls // 10, 10))
+        finally:
+            for arena in arenas:
+                arena.close(unlink=True)
+    result = {f"{mode}_p50_us": Latency.of(values).p50_us for mode, values in samples.items()}
+    result["ratio"] = result["on_p50_us"] / result["off_p50_us"]
+    return result
+
+
+def report_tenants(results: dict[str, Any]) -> None:
+    print(
+        f"\nLookup latency with tenants ({', '.join(results['tenants'])}) and without "
+        "(p50 / p99 µs; on / off p50)"
+    )
+    print_table(
+        ["call", "tenants on", "tenants off", "ratio"],
+        [
+            [
+                call,
+                f"{results[f'on/{call}']['p50_us']:.0f} / {results[f'on/{call}']['p99_us']:.0f}",
+                f"{results[f'off/{call}']['p50_us']:.0f} / {results[f'off/{call}']['p99_us']:.0f}",
+                f"{ratio:.3f}",
+            ]
+            for call, ratio in results["p50_ratio"].items()
+        ],
+    )
+    handler = results["handler_lookup"]
+    print(
+        f"the daemon's work per Lookup of 512 keys (Handlers.Lookup, in-process): "
+        f"{handler['on_p50_us']:.1f} µs with tenants, {handler['off_p50_us']:.1f} µs without "
+        f"(ratio {handler['ratio']:.3f}); {results['rounds']} rounds of fresh daemons, samples pooled"
+    )
+
+
 def report_event_loops(results: dict[str, Any]) -> None:
     base, other = EVENT_LOOPS
     print(f"\nLookup latency by the daemon's event loop (p50 / p99 µs; {base} / {other} p50)")
@@ -568,6 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     event_loops = bench_event_loops(config, args) if "event_loop" in args.parts else None
     if event_loops is not None:
         report_event_loops(event_loops)
+    tenants = bench_tenants(args) if "tenants" in args.parts else None
+    if tenants is not None:
+        report_tenants(tenants)
     against = None
     if "against" in args.parts:
         calls = 200 if args.quick else 3000
@@ -603,6 +787,7 @@ def main(argv: list[str] | None = None) -> int:
             "lookup": lookup,
             "throughput": moved,
             "event_loops": event_loops,
+            "tenants": tenants,
             "targets": goals,
             "against": against,
             "elapsed_s": time.perf_counter() - started,

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvstore_kernels
+from kvstore.channel import LocalChannel
 from kvstore.errors import Unavailable
 from kvstore.keys import pack_keys
 from kvstore.peers import process_start_time
@@ -42,7 +43,6 @@ from kvstore_client.arena import MappedArena
 from kvstore_client.connection import ClientTls, Connection, default_address
 from kvstore_client.gpu_pools import GpuPools, device_bus_id
 from kvstore_client.loads import LoadPath
-from kvstore_client.local import LocalChannel
 from kvstore_client.renewal import LeaseRenewer
 from kvstore_client.stores import StorePath
 from kvstore_client.transfers import Streams
@@ -166,7 +166,13 @@ class KVStoreClient(StorePath, LoadPath):
             spec=page_spec_message(page, chunk_tokens=spec.chunk_tokens or 0),  # 0: the daemon's
             device_pci_bus_id=device_bus_id(),
         )
+        if self._want_local_channel is not False and self._conn.local is None:
+            from kvstore.paths import local_socket_of  # not at import: `import kvstore_client` stays light
+
+            # Connect where the daemon knows this process by its uid (its tenant), when it can.
+            self._conn.open_local(local_socket_of(self._conn.address))
         reply = self._conn.rpc("Connect", request)
+        connected_locally = self._conn.local is not None
         # Checked before anything is kept: a daemon restarted with an incompatible config leaves
         # this client as it was (and in an outage, when it connects again).
         if reply.chunk_tokens % spec.block_size:
@@ -175,7 +181,8 @@ class KVStoreClient(StorePath, LoadPath):
                 f"block_size {spec.block_size}; pass KVSpec(chunk_tokens=...)"
             )
         new_spec = spec.with_chunk_tokens(reply.chunk_tokens)
-        if new_spec.page.namespace() != reply.namespace or new_spec.page.page_bytes != reply.page_bytes:
+        namespace = new_spec.page.namespace(reply.tenant)
+        if namespace != reply.namespace or new_spec.page.page_bytes != reply.page_bytes:
             raise RuntimeError(
                 "the daemon computed another namespace or page size for this spec: "
                 "client and daemon run incompatible kvstore versions"
@@ -204,6 +211,9 @@ class KVStoreClient(StorePath, LoadPath):
                 self._gpu_pools = GpuPools.open(reply.gpu_pools)
         same_host = self._want_local_channel is not False and mapped.tensor is not None
         self._conn.open_local(reply.local_socket if same_host else "")
+        if self._conn.local is not None and not connected_locally:
+            self._conn.check_local(request, reply.namespace)
+        self._conn.use_credential(reply.credential)
         self._conn.serving(reply.epoch)
 
     def _drop_arena(self) -> None:

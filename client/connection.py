@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from kvstore.channel import LocalChannel, Refused
 from kvstore.errors import (
     DAEMON_STOPPING,
     DeadlineExceeded,
@@ -34,7 +35,6 @@ from kvstore.errors import (
     from_rpc_error,
 )
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore_client.local import LocalChannel, Refused
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class Connection:
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self._token = token
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [
             ("grpc.max_receive_message_length", _CHANNEL_LIMIT),
@@ -188,6 +189,27 @@ class Connection:
             self.lost(exc)
             raise Unavailable(f"kvstored at {self.address}: {exc}") from None
 
+    def check_local(self, request: Any, namespace: bytes) -> None:
+        """Keeps the local channel only if the daemon knows this process there as it knew it on
+        gRPC: with tenants, a client that connected with a token (its tenant's) may be another
+        tenant's member, or none, by its uid."""
+        assert self.local is not None
+        try:
+            same = self.local.call("Connect", request).namespace == namespace
+        except KVStoreError as exc:
+            same, reason = False, str(exc)
+        else:
+            reason = "it knows this process as a member of another tenant by its uid"
+        if not same:
+            log.info("the daemon's local channel is not used (%s): control calls use gRPC", reason)
+            self.close_local()
+
+    def use_credential(self, credential: str) -> None:
+        """gRPC calls carry the credential the daemon issued at Connect (who this client is, for
+        a daemon with tenants), unless the caller gave a token of its own."""
+        if credential and not self._token:
+            self.metadata = (("authorization", f"Bearer {credential}"),)
+
     def serving(self, epoch: int) -> None:
         """A handshake went through: the outage, if any, is over."""
         if self.outage:
@@ -195,7 +217,10 @@ class Connection:
             self.outage = False
 
     def open_local(self, path: str) -> None:
-        """Unary calls go over the daemon's local channel at `path` where it is reachable."""
+        """Unary calls go over the daemon's local channel at `path` where it is reachable (one
+        already open there stays: the daemon knows this client on it)."""
+        if self.local is not None and path and self.local.path == path:
+            return
         self.close_local()
         if not path:
             return

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 import kvstore_kernels
+from kvstore.channel import LocalChannel
 from kvstore.errors import KVStoreError, NotFound, Unavailable
 from kvstore.keys import pack_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore_client.connection import is_outage
 from kvstore_client.handles import LoadHandle
 from kvstore_client.inline import get_pages
-from kvstore_client.local import LocalChannel
 from kvstore_client.session import Session, ignore, log
 from kvstore_client.transfers import Streams, cache_device, layer_groups
 

@@ -25,10 +25,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.channel import LocalChannel, Refused
 from kvstore.config import EvictionConfig
 from kvstore.errors import KVStoreError, from_rpc_error
 from kvstore.keys import KEY_BYTES, pack_keys
-from kvstore.paths import default_socket_path, default_token, read_token
+from kvstore.paths import default_socket_path, default_token, local_socket_of, read_token
 from kvstore.policy import policy_names
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
@@ -59,6 +60,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 class Admin:
+    """The daemon, as kvctl calls it: over its local channel where the address is a unix socket
+    and no token is given (the daemon knows the caller by its uid there: root and `admins` may do
+    what spans tenants), else gRPC with the token."""
+
     def __init__(
         self, address: str, token: str | None, timeout_s: float, tls: grpc.ChannelCredentials | None = None
     ) -> None:
@@ -69,8 +74,25 @@ class Admin:
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout_s = timeout_s
+        self.local: LocalChannel | None = None
+        path = local_socket_of(address)
+        if path and not token:
+            try:
+                self.local = LocalChannel(path, timeout_s)
+            except OSError:
+                self.local = None  # no local channel there: gRPC
+
+    def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
+        self.channel.close()
 
     def call(self, method: str, request: Any) -> Any:
+        if self.local is not None:
+            try:
+                return self.local.call(method, request)
+            except Refused:
+                self.local = None
         try:
             return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
@@ -129,10 +151,20 @@ def _figure(key: str, value: float) -> str:
 
 
 def _namespace_table(namespaces: list[dict[str, Any]]) -> str:
+    """One row per namespace; a tenant column where the daemon has tenants."""
+    tenants = any("tenant" in n for n in namespaces)
+    headers = ("namespace", *(("tenant",) if tenants else ()), "model", "pages", "bytes", "page size")
     return table(
-        ("namespace", "model", "pages", "bytes", "page size"),
+        headers,
         [
-            (n["namespace"], n["model"], n["pages"], human_bytes(n["bytes"]), human_bytes(n["page_bytes"]))
+            (
+                n["namespace"],
+                *((n.get("tenant", ""),) if tenants else ()),
+                n["model"],
+                n["pages"],
+                human_bytes(n["bytes"]),
+                human_bytes(n["page_bytes"]),
+            )
             for n in namespaces
         ],
     )
@@ -376,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvctl: {exc}", file=sys.stderr)
         return 1
     finally:
-        admin.channel.close()
+        admin.close()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore.paths import default_socket_path
+from kvstore.paths import LOCAL_SUFFIX, default_socket_path
 from kvstore.settings import (
     ConfigError,
     GiB,
@@ -135,7 +135,7 @@ class ServerConfig:
 
     @property
     def local_socket_path(self) -> Path:
-        return self.socket_path.with_name(self.socket_path.name + ".local")
+        return self.socket_path.with_name(self.socket_path.name + LOCAL_SUFFIX)
 
     @property
     def token(self) -> str | None:
@@ -317,6 +317,85 @@ class EvictionConfig:
     max_pin_ttl_s: float = setting(86400.0, gt=0)  # the longest a Pin may keep pages
 
 
+_TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+MAX_TENANT_NAMESPACES = 4096
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant: who its members are (local uids and gids, TCP tokens) and its shares.
+
+    Its pages live in an arena of its own (`cpu_bytes`, owned by its first uid or readable by
+    its first gid only), its namespaces are keyed by its name, and eviction within the arena
+    keeps it at its quota: no tenant can read, write, evict or name another's pages.
+    """
+
+    name: str = ""  # lower-case letters, digits, '.', '_', '-'; keys its namespaces
+    uids: tuple[int, ...] = ()
+    gids: tuple[int, ...] = ()
+    tokens_file: str | None = setting(None, non_empty=True)  # bearer tokens for TCP, one per line
+    cpu_bytes: Size = setting(1 * GiB, ge=4 * KiB)  # its arena: a share of tiers.cpu.bytes
+    disk_bytes: Size | None = setting(None, gt=0)  # its share of tiers.disk.bytes (None: an equal share)
+    max_namespaces: int = setting(64, ge=1, le=MAX_TENANT_NAMESPACES)
+
+    def validate(self, path: str) -> None:
+        if not _TENANT_NAME_RE.fullmatch(self.name):
+            raise ConfigError(
+                join(path, "name"),
+                f"expected 1-63 lower-case letters, digits, '.', '_' or '-' (starting with a letter or "
+                f"digit), got {self.name!r}",
+            )
+        if not (self.uids or self.gids or self.tokens_file):
+            raise ConfigError(path, "a tenant needs members: uids, gids or a tokens_file")
+        for key in ("uids", "gids"):
+            for i, value in enumerate(getattr(self, key)):
+                if not 0 <= value < 2**32 - 1:
+                    expected = f"expected an id in 0..4294967294, got {value}"
+                    raise ConfigError(f"{join(path, key)}[{i}]", expected)
+        if len(self.uids) > 1 and not self.gids:
+            raise ConfigError(
+                join(path, "gids"),
+                f"{len(self.uids)} uids share the tenant's arena through its group: "
+                f"name a gid they all belong to",
+            )
+
+    def tokens(self, path: str) -> frozenset[str]:
+        """The bearer tokens in tokens_file (one per line; blank lines and '#' comments skipped),
+        read now. The file must not be readable by group or others."""
+        if self.tokens_file is None:
+            return frozenset()
+        key = join(path, "tokens_file")
+        try:
+            with open(self.tokens_file, encoding="utf-8") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as err:
+            reason = err.strerror if isinstance(err, OSError) else str(err)
+            raise ConfigError(key, f"cannot read {self.tokens_file}: {reason}") from None
+        if mode & 0o077:
+            raise ConfigError(
+                key, f"{self.tokens_file} is readable by others (mode {mode & 0o777:o}): chmod 600 it"
+            )
+        tokens = [line.strip() for line in text.splitlines()]
+        tokens = [t for t in tokens if t and not t.startswith("#")]
+        for token in tokens:
+            _check_token(token, key)
+            if len(token) < 16:
+                raise ConfigError(key, "expected tokens of at least 16 characters")
+        if not tokens:
+            raise ConfigError(key, f"{self.tokens_file} holds no token")
+        return frozenset(tokens)
+
+
+@dataclass(frozen=True)
+class AdminsConfig:
+    """Who may do what spans tenants (Clear of everything, Stats of every tenant, shortening a
+    pin): root always, and these uids and gids."""
+
+    uids: tuple[int, ...] = ()
+    gids: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything `kvstored` reads from its YAML file."""
@@ -327,6 +406,62 @@ class Config:
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
     eviction: EvictionConfig = field(default_factory=EvictionConfig)
+    tenants: tuple[TenantConfig, ...] = ()  # none: one tenant, today's behaviour
+    admins: AdminsConfig = field(default_factory=AdminsConfig)
+
+    def validate(self, path: str) -> None:
+        if not self.tenants:
+            return
+        names: dict[str, int] = {}
+        owners: dict[tuple[str, int], int] = {}
+        for i, tenant in enumerate(self.tenants):
+            key = f"tenants[{i}]"
+            if tenant.name in names:
+                problem = f"{tenant.name!r} is tenants[{names[tenant.name]}]'s name too"
+                raise ConfigError(join(key, "name"), problem)
+            names[tenant.name] = i
+            for kind in ("uids", "gids"):
+                for value in getattr(tenant, kind):
+                    other = owners.setdefault((kind, value), i)
+                    if other != i:
+                        raise ConfigError(
+                            join(key, kind), f"{kind[:-1]} {value} is a member of tenants[{other}] already"
+                        )
+            if tenant.cpu_bytes < self.tiers.cpu.slab_bytes:
+                raise ConfigError(
+                    join(key, "cpu_bytes"),
+                    f"expected at least tiers.cpu.slab_bytes ({format_size(self.tiers.cpu.slab_bytes)}), "
+                    f"got {format_size(tenant.cpu_bytes)}",
+                )
+        cpu = sum(t.cpu_bytes for t in self.tenants)
+        if cpu > self.tiers.cpu.bytes:
+            raise ConfigError(
+                "tiers.cpu.bytes",
+                f"the tenants' cpu_bytes add up to {format_size(cpu)}, more than this "
+                f"({format_size(self.tiers.cpu.bytes)}): raise it or lower theirs",
+            )
+        disk = sum(t.disk_bytes or 0 for t in self.tenants)
+        if self.tiers.disk.enabled and disk > self.tiers.disk.bytes:
+            raise ConfigError(
+                "tiers.disk.bytes",
+                f"the tenants' disk_bytes add up to {format_size(disk)}, more than this "
+                f"({format_size(self.tiers.disk.bytes)}): raise it or lower theirs",
+            )
+        if self.tiers.gpu.enabled:
+            raise ConfigError(
+                "tiers.gpu.enabled",
+                "the GPU tier cannot be combined with tenants: its device memory is opened by every "
+                "worker through CUDA IPC and cannot be confined to one tenant",
+            )
+
+    def tenant_disk_bytes(self, tenant: TenantConfig) -> int:
+        """A tenant's share of the disk tier: its disk_bytes, or an equal share of what the
+        tenants that name none leave."""
+        if tenant.disk_bytes is not None:
+            return tenant.disk_bytes
+        named = sum(t.disk_bytes or 0 for t in self.tenants)
+        unnamed = sum(1 for t in self.tenants if t.disk_bytes is None)
+        return max(4 * KiB, (self.tiers.disk.bytes - named) // unnamed)
 
     def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
         """The effective config as plain data (sizes and modes as ints); parse_config reads it back."""

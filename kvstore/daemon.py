@@ -4,6 +4,10 @@ Start: a lock file beside the socket tells a live daemon (refuse to start) from
 a dead one (replace its stale socket and arena); nothing another user could plant
 at those paths is followed or removed (`claim`). A SIGTERM/SIGINT at any moment
 of start-up ends it after the step under way, removing whatever was created.
+With `tenants`, each tenant gets tiers of its own: an arena of its cpu_bytes that only its
+members can map (owned by its first uid, or its first gid with mode 0660), a disk directory
+of its disk_bytes, its own connections to the remote tier, and a store over them
+(`kvstore.handlers`, `kvstore.tenants`).
 Stop (SIGTERM/SIGINT): health goes NOT_SERVING and calls that start work are
 refused (clients count a miss); stores and loads in flight finish (the daemon
 waits for their leases, up to `server.grace_s`) on both channels before either
@@ -22,7 +26,8 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +37,14 @@ from grpc_health.v1 import health, health_pb2
 
 from kvstore import __version__
 from kvstore.claim import AlreadyRunning, SocketClaim
-from kvstore.config import Config, ConfigError, load_config, parse_config
+from kvstore.config import Config, ConfigError, TenantConfig, load_config, parse_config
 from kvstore.handlers import Handlers
 from kvstore.local import LocalChannelServer
 from kvstore.policy import make_policy
 from kvstore.progress import progress_reporter
 from kvstore.server import SERVICE_NAME, KVStoreServicer, create_server
 from kvstore.store import Store
+from kvstore.tenants import Tenancy
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GpuTier
@@ -63,6 +69,86 @@ def _note_signal(signum: int, frame: Any) -> None:
 def arena_name(socket_path: Path) -> str:
     """The arena's shm file name: one per socket, so a restarted daemon finds its predecessor's."""
     return "kvstore-" + xxhash.xxh3_64_hexdigest(str(socket_path.resolve()).encode())
+
+
+class Tiers:
+    """What one store is built on (the daemon's, or one tenant's): each part set once open, so
+    that `close` closes exactly what was opened, whatever failed after."""
+
+    def __init__(self, tenant: TenantConfig | None) -> None:
+        self.tenant = tenant
+        self.arena: Arena | None = None
+        self.disk: DiskTier | None = None
+        self.remote: RemoteTier | None = None
+        self.gpu: GpuTier | None = None
+        self.store: Store | None = None
+
+    @property
+    def label(self) -> str:
+        return f" of tenant {self.tenant.name!r}" if self.tenant is not None else ""
+
+    async def open(self, config: Config, socket_path: Path, starting: Callable[[], None]) -> Store:
+        tenant, cpu_config = self.tenant, config.tiers.cpu
+        name, size, mode, owner = arena_name(socket_path), cpu_config.bytes, cpu_config.file_mode, None
+        disk_config = config.tiers.disk
+        if tenant is not None:
+            name, size, (mode, owner) = f"{name}-{tenant.name}", tenant.cpu_bytes, _arena_owner(tenant)
+            disk_config = replace(
+                disk_config,
+                path=str(Path(disk_config.path) / "tenants" / tenant.name),
+                bytes=config.tenant_disk_bytes(tenant),
+            )
+        self.arena = Arena(Path(cpu_config.shm_dir) / name, size, mode, cpu_config.prefault, owner)
+        starting()
+        if disk_config.enabled:
+            self.disk = DiskTier(disk_config)
+            label = f"recovering the disk tier{self.label}"
+            records = await asyncio.to_thread(self.disk.recover, progress_reporter(label))
+            log.info("disk tier %s: %d pages recovered", disk_config.path, len(records))
+            starting()
+        if config.tiers.remote.enabled:
+            self.remote = await asyncio.to_thread(start_remote, config.tiers.remote)
+            starting()
+        gpu_config = config.tiers.gpu
+        if gpu_config.enabled:  # never with tenants (Config.validate)
+            self.gpu = await asyncio.to_thread(GpuTier.start, gpu_config, self.arena)
+            starting()
+        self.store = Store(
+            CpuTier(self.arena, cpu_config.slab_bytes),
+            make_policy(config.eviction.policy),
+            config.leases.ttl_s,
+            config.leases.max_ttl_s,
+            pin_fraction=config.eviction.pin_fraction,
+            max_pin_ttl_s=config.eviction.max_pin_ttl_s,
+            disk=self.disk,
+            gpu=self.gpu,
+            gpu_policy=make_policy(config.eviction.policy),
+            promote_after_hits=gpu_config.promote_after_hits,
+            remote=self.remote,
+            quarantine_s=config.leases.quarantine_s,
+            tenant=tenant.name if tenant is not None else "",
+            max_namespaces=tenant.max_namespaces if tenant is not None else None,
+        )
+        return self.store
+
+    async def close(self, grace_s: float) -> None:
+        if self.gpu is not None:
+            await _cleanup(f"the GPU tier{self.label}", asyncio.to_thread(self.gpu.close))
+        if self.disk is not None:
+            await _cleanup(f"the disk tier{self.label}", asyncio.to_thread(self.disk.close))
+        if self.remote is not None:
+            await _cleanup(f"the remote tier{self.label}", asyncio.to_thread(self.remote.close, grace_s))
+        if self.arena is not None:
+            await _cleanup(f"the arena{self.label}", asyncio.to_thread(self.arena.close, True))
+
+
+def _arena_owner(tenant: TenantConfig) -> tuple[int, tuple[int, int]]:
+    """(mode, (uid, gid)) of a tenant's arena file: its one uid's alone (0600), or shared by its
+    first gid (0660; owned by its first uid, or the daemon's where it names none)."""
+    uid = tenant.uids[0] if tenant.uids else os.geteuid()
+    if tenant.gids:
+        return 0o660, (uid, tenant.gids[0])
+    return 0o600, (uid, os.getegid())
 
 
 def _raise_file_limit() -> None:
@@ -92,57 +178,27 @@ async def serve(config: Config) -> None:
     os.umask(0o077)  # every socket and file is created private; the sockets then get server.socket_mode
     socket_path = config.server.socket_path
     claim = SocketClaim(socket_path)
-    arena = None
-    disk: DiskTier | None = None
-    gpu: GpuTier | None = None
-    remote: RemoteTier | None = None
+    opened: list[Tiers] = []
     local: LocalChannelServer | None = None
     server = None
     tcp_server = None
     reaper: asyncio.Task[None] | None = None
     try:
         starting()
-        cpu_config = config.tiers.cpu
-        arena = Arena(
-            Path(cpu_config.shm_dir) / arena_name(socket_path),
-            cpu_config.bytes,
-            cpu_config.file_mode,
-            cpu_config.prefault,
-        )
-        starting()
-        if config.tiers.disk.enabled:
-            disk = DiskTier(config.tiers.disk)
-            records = await asyncio.to_thread(disk.recover, progress_reporter("recovering the disk tier"))
-            log.info("disk tier %s: %d pages recovered", config.tiers.disk.path, len(records))
-            starting()
-        if config.tiers.remote.enabled:
-            remote = await asyncio.to_thread(start_remote, config.tiers.remote)
-            starting()
-        gpu_config = config.tiers.gpu
-        if gpu_config.enabled:
-            gpu = await asyncio.to_thread(GpuTier.start, gpu_config, arena)
-            starting()
-        store = Store(
-            CpuTier(arena, cpu_config.slab_bytes),
-            make_policy(config.eviction.policy),
-            config.leases.ttl_s,
-            config.leases.max_ttl_s,
-            pin_fraction=config.eviction.pin_fraction,
-            max_pin_ttl_s=config.eviction.max_pin_ttl_s,
-            disk=disk,
-            gpu=gpu,
-            gpu_policy=make_policy(config.eviction.policy),
-            promote_after_hits=gpu_config.promote_after_hits,
-            remote=remote,
-            quarantine_s=config.leases.quarantine_s,
-        )
+        stores: dict[str, Store] = {}
+        for tenant in config.tenants or (None,):
+            tiers = Tiers(tenant)
+            opened.append(tiers)
+            stores[tenant.name if tenant is not None else ""] = await tiers.open(
+                config, socket_path, starting
+            )
         local_path = config.server.local_socket_path if config.server.local_channel else None
         handlers = Handlers(
-            store,
+            stores,
             config.chunk_tokens,
             config.server.max_message_bytes,
-            str(arena.path),
             str(local_path or ""),
+            tenancy(config),
         )
         servicer = KVStoreServicer(handlers, config.server.token)
         health_servicer = health.aio.HealthServicer()
@@ -176,26 +232,28 @@ async def serve(config: Config) -> None:
         gc.freeze()  # the objects built at start never die: keep them out of every collection
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        gpu = opened[0].gpu
         log.info(
-            "kvstored %s serving on unix://%s%s (%sCPU tier %d MiB, chunk_tokens %d, event loop %s)",
+            "kvstored %s serving on unix://%s%s (%sCPU tier %d MiB%s, chunk_tokens %d, event loop %s)",
             __version__,
             socket_path,
             f" and tcp {config.server.tcp}{' (TLS)' if config.server.tls.enabled else ''}"
             if config.server.tcp
             else "",
             f"GPU tier {gpu.capacity >> 20} MiB, " if gpu is not None else "",
-            cpu_config.bytes >> 20,
+            sum(store.cpu.capacity for store in stores.values()) >> 20,
+            f" in {len(stores)} tenants' arenas" if config.tenants else "",
             config.chunk_tokens,
             type(loop).__module__.split(".")[0],
         )
 
-        reaper = asyncio.create_task(_reap(store, config.leases.reap_interval_s))
+        reaper = asyncio.create_task(_reap(list(stores.values()), config.leases.reap_interval_s))
         await stop.wait()
         grace_s = config.server.grace_s
         log.info("stopping: draining in-flight calls for up to %.1f s", grace_s)
         handlers.stopping = True
         await health_servicer.enter_graceful_shutdown()
-        left = await _drain(store, grace_s)
+        left = await _drain(list(stores.values()), grace_s)
         closing = [server.stop(left)]
         if tcp_server is not None:
             closing.append(tcp_server.stop(left))
@@ -214,14 +272,8 @@ async def serve(config: Config) -> None:
             await _cleanup("the TCP gRPC server", tcp_server.stop(0))
         if local is not None:
             await _cleanup("the local channel", local.stop())
-        if gpu is not None:
-            await _cleanup("the GPU tier", asyncio.to_thread(gpu.close))
-        if disk is not None:
-            await _cleanup("the disk tier", asyncio.to_thread(disk.close))
-        if remote is not None:
-            await _cleanup("the remote tier", asyncio.to_thread(remote.close, config.server.grace_s))
-        if arena is not None:
-            await _cleanup("the arena", asyncio.to_thread(arena.close, True))
+        for tiers in opened:
+            await tiers.close(config.server.grace_s)
         claim.release()
     log.info("stopped")
 
@@ -233,23 +285,41 @@ async def _cleanup(what: str, step: Awaitable[object]) -> None:
         log.exception("closing %s failed", what)
 
 
-async def _drain(store: Store, grace_s: float) -> float:
+async def _drain(stores: Sequence[Store], grace_s: float) -> float:
     """Waits until no lease is held (stores committed or aborted, loads released) or `grace_s`
     passed; returns the time left of it."""
     deadline = time.monotonic() + grace_s
-    while len(store.leases) and time.monotonic() < deadline:
+
+    def held() -> int:
+        return sum(len(store.leases) for store in stores)
+
+    while held() and time.monotonic() < deadline:
         await asyncio.sleep(DRAIN_POLL_S)
-    if len(store.leases):
-        log.warning("%d leases still held after %.1f s: their calls are cut off", len(store.leases), grace_s)
+    if held():
+        log.warning("%d leases still held after %.1f s: their calls are cut off", held(), grace_s)
     return max(0.0, deadline - time.monotonic())
 
 
-async def _reap(store: Store, interval_s: float) -> None:
+async def _reap(stores: Sequence[Store], interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        expired = store.expire()
+        expired = sum(store.expire() for store in stores)
         if expired:
             log.info("expired %d leases whose clients did not finish in time", expired)
+
+
+def tenancy(config: Config) -> Tenancy:
+    """Who callers are, from the config: the tenants, the admins, and every token (read now)."""
+    tokens = {t.name: t.tokens(f"tenants[{i}]") for i, t in enumerate(config.tenants)}
+    admin_token = config.server.token
+    seen: dict[str, str] = {}
+    for i, t in enumerate(config.tenants):
+        for token in tokens[t.name]:
+            if token == admin_token:
+                raise ConfigError(f"tenants[{i}].tokens_file", "holds server.auth_token, the admins' token")
+            if seen.setdefault(token, t.name) != t.name:
+                raise ConfigError(f"tenants[{i}].tokens_file", f"holds a token of tenant {seen[token]!r} too")
+    return Tenancy(config.tenants, config.admins, admin_token, tokens)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -300,6 +370,15 @@ def _checked(config: Config) -> Config:
         raise ConfigError(
             "tiers.cpu.shm_dir", f"{shm_dir} is not a directory on this host (a tmpfs: /dev/shm)"
         )
+    tenancy(config)  # the tokens files are readable, private, and each token is one tenant's
+    if config.tenants and os.geteuid() != 0:
+        mine = (os.geteuid(), os.getegid())
+        if any(_arena_owner(t)[1] != mine for t in config.tenants):
+            raise ConfigError(
+                "tenants",
+                "tenants' arenas are given their members as owners, which needs the daemon to run as "
+                "root (kvstored is a system service)",
+            )
     if config.server.max_local_connections_per_uid > config.server.max_local_connections:
         raise ConfigError(
             "server.max_local_connections_per_uid",

@@ -34,6 +34,10 @@ class Unauthenticated(KVStoreError, PermissionError):
     """A TCP client did not present the configured auth token."""
 
 
+class PermissionDenied(KVStoreError, PermissionError):
+    """The caller is known, but what it asks is not its to do (another tenant's, or an admin's)."""
+
+
 class Unavailable(KVStoreError, ConnectionError):
     """The daemon is not reachable, shutting down, or a tier is not serving."""
 
@@ -56,6 +60,7 @@ STATUS_CODES: dict[type[KVStoreError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     StaleEpoch: grpc.StatusCode.ABORTED,

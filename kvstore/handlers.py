@@ -1,10 +1,15 @@
 """Unary requests -> store calls -> replies: the conversions every transport shares.
 
-Each method takes a request message and the caller (`Peer`: from the local
-channel's socket credentials; None over gRPC) and returns the reply message,
-raising a `KVStoreError` (or `ValueError`) for a request that cannot be served.
-The gRPC servicer and the local channel call these and nothing else; neither
+Each method takes a request message and the caller (`tenants.Caller`: from the local
+channel's socket credentials, or from the token a gRPC call carries) and returns the
+reply message, raising a `KVStoreError` (or `ValueError`) for a request that cannot be
+served. The gRPC servicer and the local channel call these and nothing else; neither
 adds behaviour of its own.
+
+Each tenant has a store of its own (`stores`, by tenant name; one, "", without tenants):
+a call reaches its caller's tenant's store and nothing else, so namespaces, leases and
+pages of another tenant cannot even be named. Admins reach every store for Stats, Clear
+and Pin (`kvstore.tenants`).
 
 Calls that name or hand out arena offsets carry the epoch of the caller's arena
 (`ConnectResponse.epoch`): one from another arena is refused with `StaleEpoch`
@@ -20,7 +25,8 @@ served, so stores and loads under way complete.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Mapping
 
 from kvstore import __version__
 from kvstore.errors import DAEMON_STOPPING, InvalidArgument, StaleEpoch, Unavailable
@@ -29,8 +35,9 @@ from kvstore.keys import unpack_keys
 from kvstore.leases import Lease
 from kvstore.peers import Peer, boot_id
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.stats import stats_message
+from kvstore.stats import combined, stats_message
 from kvstore.store import Store
+from kvstore.tenants import Caller, Tenancy
 from kvstore.wire import page_spec_of
 
 
@@ -40,56 +47,87 @@ def _ttl(ms: int) -> float | None:
 
 class Handlers:
     def __init__(
-        self, store: Store, chunk_tokens: int, max_message_bytes: int, shm_path: str, local_socket: str = ""
+        self,
+        stores: Mapping[str, Store],
+        chunk_tokens: int,
+        max_message_bytes: int,
+        local_socket: str = "",
+        tenancy: Tenancy | None = None,
     ) -> None:
-        self.store = store
+        self.stores = dict(stores)
+        self.tenancy = tenancy or Tenancy()
         self.chunk_tokens = chunk_tokens
         self.max_message_bytes = max_message_bytes
-        self.shm_path = shm_path
         self.local_socket = local_socket
         self.started = time.monotonic()
-        self.epoch = store.cpu.arena.epoch
         self.boot_id = boot_id()
         self.stopping = False
+        self.counters: Counter[str] = Counter()  # the channels' own figures (Stats adds them)
         self._writers: dict[tuple[int, int], Peer] = {}  # gRPC writers, checked once each
+        self._anonymous = self.tenancy.of_token(None)
+
+    @property
+    def store(self) -> Store:
+        """The one store of a daemon without tenants."""
+        (store,) = self.stores.values()
+        return store
+
+    def _store(self, caller: Caller | None) -> Store:
+        """The store of the caller's tenant (an error saying why, if it has none)."""
+        return self.stores[self.tenancy.tenant_of(caller or self._anonymous)]
+
+    def _store_with(self, caller: Caller | None, ns_id: bytes) -> Store:
+        """The caller's store, or for an admin the store that serves namespace `ns_id`."""
+        caller = caller or self._anonymous
+        if caller.admin:
+            for store in self.stores.values():
+                if ns_id in store.namespaces:
+                    return store
+        return self._store(caller)
 
     def _check_serving(self) -> None:
         if self.stopping:
             raise Unavailable(f"{DAEMON_STOPPING}; it serves again once restarted")
 
-    def _check_epoch(self, method: str, epoch: int) -> None:
+    @staticmethod
+    def _check_epoch(store: Store, epoch: int) -> None:
         """Refuses a call from another arena's epoch (0: the caller names none; not checked)."""
-        if epoch == self.epoch or epoch == 0:
+        if epoch == store.cpu.arena.epoch or epoch == 0:
             return
         raise StaleEpoch(
             f"the request is for arena epoch {epoch:#x}, but this daemon's arena is epoch "
-            f"{self.epoch:#x} (the daemon restarted): map the current arena and Connect again"
+            f"{store.cpu.arena.epoch:#x} (the daemon restarted): map the current arena and Connect again"
         )
 
-    def Connect(self, request: pb.ConnectRequest, peer: Peer | None = None) -> pb.ConnectResponse:
+    def Connect(self, request: pb.ConnectRequest, caller: Caller | None = None) -> pb.ConnectResponse:
         self._check_serving()
-        ns = self.store.connect(page_spec_of(request.spec, self.chunk_tokens), request.device_pci_bus_id)
-        arena = self.store.cpu.arena
+        store = self._store(caller)
+        ns = store.connect(page_spec_of(request.spec, self.chunk_tokens), request.device_pci_bus_id)
+        arena = store.cpu.arena
         return pb.ConnectResponse(
-            gpu_pools=self._gpu_pools(),
+            gpu_pools=self._gpu_pools(store),
             namespace=ns.id,
             chunk_tokens=ns.spec.chunk_tokens,
             page_bytes=ns.spec.page_bytes,
             arena=pb.Arena(
-                shm_path=self.shm_path,
+                shm_path=str(arena.path),
                 size=arena.size,
                 device=arena.identity[0],
                 inode=arena.identity[1],
                 boot_id=self.boot_id,
             ),
-            epoch=self.epoch,
-            lease_ttl_ms=int(self.store.lease_ttl_s * 1000),
+            epoch=arena.epoch,
+            lease_ttl_ms=int(store.lease_ttl_s * 1000),
             max_message_bytes=self.max_message_bytes,
             local_socket=self.local_socket,
+            tenant=store.tenant,
+            # Issued where the caller is known by its uid, for its gRPC calls.
+            credential=self.tenancy.credential(caller) if caller and caller.peer is not None else "",
         )
 
-    def _gpu_pools(self) -> list[pb.GpuPool]:
-        placement = self.store.gpu_placement
+    @staticmethod
+    def _gpu_pools(store: Store) -> list[pb.GpuPool]:
+        placement = store.gpu_placement
         if placement is None:
             return []
         return [
@@ -97,10 +135,11 @@ class Handlers:
             for p in placement.gpu.pools
         ]
 
-    def Lookup(self, request: pb.LookupRequest, peer: Peer | None = None) -> pb.LookupResponse:
+    def Lookup(self, request: pb.LookupRequest, caller: Caller | None = None) -> pb.LookupResponse:
         self._check_serving()
-        self._check_epoch("Lookup", request.epoch)
-        result = self.store.lookup(
+        store = self._store(caller)
+        self._check_epoch(store, request.epoch)
+        result = store.lookup(
             request.namespace,
             unpack_keys(request.keys),
             request.lease,
@@ -110,19 +149,21 @@ class Handlers:
         )
         reply = pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=result.tiers, lease_id=result.lease_id)
         if request.acquire and result.lease_id:  # the Acquire too, when it needs no waiting
-            ready = self.store.acquire_now(request.namespace, result.lease_id)
+            ready = store.acquire_now(request.namespace, result.lease_id)
             if ready is not None:
                 reply.acquired.CopyFrom(self._acquired(ready))
         return reply
 
-    def Reserve(self, request: pb.ReserveRequest, peer: Peer | None = None) -> pb.ReserveResponse:
+    def Reserve(self, request: pb.ReserveRequest, caller: Caller | None = None) -> pb.ReserveResponse:
         self._check_serving()
-        self._check_epoch("Reserve", request.epoch)
+        store = self._store(caller)
+        self._check_epoch(store, request.epoch)
         writer = None
         if request.epoch:  # the caller writes the slots in place: they are fenced if its lease expires
+            peer = caller.peer if caller is not None else None
             writer = peer or self._declared_writer(request.writer_pid, request.writer_start_time)
         keys = unpack_keys(request.keys)
-        result = self.store.reserve(request.namespace, keys, _ttl(request.lease_ttl_ms), writer)
+        result = store.reserve(request.namespace, keys, _ttl(request.lease_ttl_ms), writer)
         return pb.ReserveResponse(lease_id=result.lease_id, offsets=result.offsets)
 
     def _declared_writer(self, pid: int, start_time: int) -> Peer:
@@ -134,24 +175,26 @@ class Handlers:
             writer = self._writers[(pid, start_time)] = Peer.declared(pid, start_time)
         return writer
 
-    def Commit(self, request: pb.LeaseRequest, peer: Peer | None = None) -> pb.CommitResponse:
-        self._check_epoch("Commit", request.epoch)
-        return pb.CommitResponse(committed=self.store.commit(request.namespace, request.lease_id))
+    def Commit(self, request: pb.LeaseRequest, caller: Caller | None = None) -> pb.CommitResponse:
+        store = self._store(caller)
+        self._check_epoch(store, request.epoch)
+        return pb.CommitResponse(committed=store.commit(request.namespace, request.lease_id))
 
-    def Abort(self, request: pb.LeaseRequest, peer: Peer | None = None) -> pb.LeaseResponse:
-        return pb.LeaseResponse(pages=self.store.abort(request.namespace, request.lease_id))
+    def Abort(self, request: pb.LeaseRequest, caller: Caller | None = None) -> pb.LeaseResponse:
+        return pb.LeaseResponse(pages=self._store(caller).abort(request.namespace, request.lease_id))
 
     def Acquire(
-        self, request: pb.LeaseRequest, peer: Peer | None = None
+        self, request: pb.LeaseRequest, caller: Caller | None = None
     ) -> pb.AcquireResponse | Awaitable[pb.AcquireResponse]:
-        self._check_epoch("Acquire", request.epoch)
-        ready = self.store.acquire_now(request.namespace, request.lease_id)
+        store = self._store(caller)
+        self._check_epoch(store, request.epoch)
+        ready = store.acquire_now(request.namespace, request.lease_id)
         if ready is not None:
             return self._acquired(ready)
-        return self._acquired_later(request)  # pages still read in from disk: the reply waits
+        return self._acquired_later(store, request)  # pages still read in from disk: the reply waits
 
-    async def _acquired_later(self, request: pb.LeaseRequest) -> pb.AcquireResponse:
-        return self._acquired(await self.store.acquire(request.namespace, request.lease_id))
+    async def _acquired_later(self, store: Store, request: pb.LeaseRequest) -> pb.AcquireResponse:
+        return self._acquired(await store.acquire(request.namespace, request.lease_id))
 
     @staticmethod
     def _acquired(result: AcquireResult) -> pb.AcquireResponse:
@@ -165,24 +208,32 @@ class Handlers:
 
     # -- inline page bytes (clients that cannot map the arena) -------------------------------
 
-    async def put(self, messages: AsyncIterator[pb.PutRequest]) -> pb.PutResponse:
+    async def put(
+        self, messages: AsyncIterator[pb.PutRequest], caller: Caller | None = None
+    ) -> pb.PutResponse:
         """A Put stream: a PutHeader naming the store lease, then exactly its pages' bytes. Each
         write is checked against the lease (`Store.write_leased`); a Put that fails part-way
         marks the lease broken, so its Commit stores nothing."""
         first = await anext(aiter(messages), None)
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidArgument("Put: the first message must be a PutHeader naming the store lease")
-        lease, slots = self.store.begin_put(first.header.namespace, first.header.lease_id)
+        store = self._store(caller)
+        lease, slots = store.begin_put(first.header.namespace, first.header.lease_id)
         try:
-            position = await self._write_pages(lease, slots.offsets, slots.page_bytes, messages)
+            position = await self._write_pages(store, lease, slots.offsets, slots.page_bytes, messages)
         except BaseException as exc:
-            self.store.end_put(lease, f"its Put failed part-way ({exc})")
+            store.end_put(lease, f"its Put failed part-way ({exc})")
             raise
-        self.store.end_put(lease)
+        store.end_put(lease)
         return pb.PutResponse(bytes_written=position)
 
     async def _write_pages(
-        self, lease: Lease, offsets: list[int], page_bytes: int, messages: AsyncIterator[pb.PutRequest]
+        self,
+        store: Store,
+        lease: Lease,
+        offsets: list[int],
+        page_bytes: int,
+        messages: AsyncIterator[pb.PutRequest],
     ) -> int:
         total, position = len(offsets) * page_bytes, 0
         async for message in messages:
@@ -197,7 +248,7 @@ class Handlers:
             while data:
                 page, within = divmod(position, page_bytes)
                 n = min(page_bytes - within, len(data))
-                self.store.write_leased(lease, offsets[page], data[:n], within)
+                store.write_leased(lease, offsets[page], data[:n], within)
                 data, position = data[n:], position + n
         if position != total:
             raise InvalidArgument(
@@ -206,38 +257,58 @@ class Handlers:
             )
         return position
 
-    async def get(self, request: pb.LeaseRequest, message_bytes: int) -> AsyncIterator[bytes]:
+    async def get(
+        self, request: pb.LeaseRequest, message_bytes: int, caller: Caller | None = None
+    ) -> AsyncIterator[bytes]:
         """A load lease's pages in pieces of at most `message_bytes`, each read while the lease
         holds it (`Store.read_leased`)."""
-        lease, result = await self.store.begin_get(request.namespace, request.lease_id)
+        store = self._store(caller)
+        lease, result = await store.begin_get(request.namespace, request.lease_id)
         for offset in result.offsets:
             for start in range(0, result.page_bytes, message_bytes):
                 length = min(message_bytes, result.page_bytes - start)
-                yield self.store.read_leased(lease, offset + start, length)
+                yield store.read_leased(lease, offset + start, length)
 
-    def Release(self, request: pb.LeaseRequest, peer: Peer | None = None) -> pb.LeaseResponse:
-        return pb.LeaseResponse(pages=self.store.release(request.namespace, request.lease_id))
+    def Release(self, request: pb.LeaseRequest, caller: Caller | None = None) -> pb.LeaseResponse:
+        return pb.LeaseResponse(pages=self._store(caller).release(request.namespace, request.lease_id))
 
-    def Renew(self, request: pb.RenewRequest, peer: Peer | None = None) -> pb.RenewResponse:
-        self._check_epoch("Renew", request.epoch)
-        return pb.RenewResponse(renewed=self.store.renew(request.namespace, request.lease_ids))
+    def Renew(self, request: pb.RenewRequest, caller: Caller | None = None) -> pb.RenewResponse:
+        store = self._store(caller)
+        self._check_epoch(store, request.epoch)
+        return pb.RenewResponse(renewed=store.renew(request.namespace, request.lease_ids))
 
-    def Stats(self, request: pb.StatsRequest, peer: Peer | None = None) -> pb.StatsResponse:
-        return stats_message(self.store.stats(), __version__, time.monotonic() - self.started)
+    def Stats(self, request: pb.StatsRequest, caller: Caller | None = None) -> pb.StatsResponse:
+        """An admin (or anyone, without tenants) sees every tenant; a tenant's member its own."""
+        caller = caller or self._anonymous
+        if caller.admin or not self.tenancy.enabled:
+            stats = combined([store.stats() for store in self.stores.values()])
+            stats.counters.update(self.counters)
+        else:
+            stats = self._store(caller).stats()
+        return stats_message(stats, __version__, time.monotonic() - self.started)
 
-    def Clear(self, request: pb.ClearRequest, peer: Peer | None = None) -> pb.ClearResponse:
+    def Clear(self, request: pb.ClearRequest, caller: Caller | None = None) -> pb.ClearResponse:
+        """One namespace (the caller's tenant's; any, for an admin), or every one (admins only)."""
         self._check_serving()
-        return pb.ClearResponse(pages=self.store.clear(request.namespace or None))
+        if request.namespace:
+            store = self._store_with(caller, request.namespace)
+            return pb.ClearResponse(pages=store.clear(request.namespace))
+        self.tenancy.check_admin(caller or self._anonymous, "Clear of every namespace")
+        return pb.ClearResponse(pages=sum(store.clear() for store in self.stores.values()))
 
-    def Pin(self, request: pb.PinRequest, peer: Peer | None = None) -> pb.PinResponse:
+    def Pin(self, request: pb.PinRequest, caller: Caller | None = None) -> pb.PinResponse:
+        """Pins in the caller's tenant's namespaces (an admin's: any). Pinning again extends a
+        pin; only an admin may bring its end closer (a member cannot cut an operator's pin)."""
         self._check_serving()
         if request.keys and request.tokens:
             raise InvalidArgument("Pin: send the chain as keys or as tokens, not both")
+        caller = caller or self._anonymous
+        store = self._store_with(caller, request.namespace)
         if request.keys:
             keys = unpack_keys(request.keys)
         else:
-            keys = self.store.chain_keys(request.namespace, request.tokens)
-        result = self.store.pin(request.namespace, keys, request.ttl_ms / 1000)
+            keys = store.chain_keys(request.namespace, request.tokens)
+        result = store.pin(request.namespace, keys, request.ttl_ms / 1000, shorten=caller.admin)
         return pb.PinResponse(
             pinned_chunks=result.pinned_chunks,
             pinned_pages=result.pinned_pages,

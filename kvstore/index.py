@@ -102,16 +102,17 @@ class Namespace:
 
 
 class Namespaces(dict[bytes, Namespace]):
-    """The namespaces a daemon serves, by id: at most `limit`."""
+    """The namespaces a daemon serves (a tenant's, when it has tenants), by id: at most `limit`."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, tenant: str = "") -> None:
         super().__init__()
         self.limit = limit
+        self.tenant = tenant
 
     def add(self, spec: PageSpec, in_use: Callable[[], set[bytes]]) -> Namespace:
         """The spec's namespace, registered if new. At the limit, the namespaces with no pages
         that are not `in_use` (leased) are forgotten first; their clients register them again."""
-        ns_id = spec.namespace()
+        ns_id = spec.namespace(self.tenant)
         ns = self.get(ns_id)
         if ns is None:
             if len(self) >= self.limit:
@@ -119,9 +120,10 @@ class Namespaces(dict[bytes, Namespace]):
                 for empty in [n.id for n in self.values() if not n.entries and n.id not in leased]:
                     del self[empty]
             if len(self) >= self.limit:
+                whose = f"tenant {self.tenant!r} already has" if self.tenant else "this daemon already serves"
+                limit = "tenants[].max_namespaces" if self.tenant else "the daemon's limit"
                 raise ResourceExhausted(
-                    f"this daemon already serves {self.limit} namespaces that hold pages; "
-                    f"`kvctl clear` some of them"
+                    f"{whose} {self.limit} namespaces that hold pages ({limit}); `kvctl clear` some of them"
                 )
             ns = self[ns_id] = Namespace(ns_id, spec)
         return ns
@@ -131,8 +133,11 @@ class Namespaces(dict[bytes, Namespace]):
         if ns is None:
             if len(ns_id) != KEY_BYTES:
                 raise InvalidArgument(f"namespace: expected {KEY_BYTES} bytes, got {len(ns_id)}")
+            whose = ""
+            if self.tenant:
+                whose = f" for tenant {self.tenant!r} (no other tenant's namespace is reachable)"
             raise NotFound(
-                f"namespace {ns_id.hex()} is not registered with this daemon "
+                f"namespace {ns_id.hex()} is not registered with this daemon{whose} "
                 f"(it may have restarted): call Connect with its page spec first"
             )
         return ns
@@ -175,6 +180,7 @@ class NamespaceUsage(NamedTuple):
     model: str
     pages: int
     page_bytes: int
+    tenant: str = ""
 
 
 class StoreStats(NamedTuple):

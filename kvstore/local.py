@@ -16,8 +16,9 @@ handler that must wait (an Acquire of pages coming from disk) holds the frames b
 A request frame over `wire.MAX_REQUEST_BYTES` is refused before its body is read, and its
 connection closed. The socket is guarded by its
 file mode, like the gRPC socket; page bytes never travel here (they go through the arena).
-Each connection knows its peer (pid, uid, gid from the socket's credentials): a store lease
-taken on it is fenced, if it expires, until that connection is closed and that process gone.
+Each connection knows its peer (pid, uid, gid and groups from the socket's credentials): that is
+who the caller is (`kvstore.tenants`: its tenant, whether an admin), and a store lease taken on
+it is fenced, if it expires, until that connection is closed and that process gone.
 Connections are capped in all (`server.max_local_connections`) and per uid
 (`server.max_local_connections_per_uid`): past a cap a new one is closed at once, counted
 (`refused_local_connections`), with one warning at most every 10 s.
@@ -46,6 +47,7 @@ from kvstore.claim import remove_stale_socket
 from kvstore.errors import status_of
 from kvstore.handlers import Handlers
 from kvstore.peers import Peer
+from kvstore.tenants import Caller
 from kvstore.wire import HEADER, MAX_REQUEST_BYTES, METHOD_NAMES, UNARY_METHODS, frame, parse_request
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ class LocalChannelServer:
             self._per_uid[uid] += 1
             return True
         self._refused += 1
-        self.handlers.store.counters["refused_local_connections"] += 1
+        self.handlers.counters["refused_local_connections"] += 1
         now = time.monotonic()
         if now - self._warned_at >= REFUSAL_WARNING_S:
             log.warning(
@@ -151,14 +153,14 @@ class LocalChannelServer:
             session.close()
         self.path.unlink(missing_ok=True)
 
-    def respond(self, method: int, payload: bytes, peer: Peer | None = None) -> bytes | Awaitable[bytes]:
+    def respond(self, method: int, payload: bytes, caller: Caller | None = None) -> bytes | Awaitable[bytes]:
         """The reply frame, or an awaitable of it where the handler must wait (Acquire)."""
         if method >= len(METHOD_NAMES):
             return frame(_INVALID_ARGUMENT, f"unknown local-channel method {method}".encode())
         name = METHOD_NAMES[method]
         try:
             request = parse_request(name, UNARY_METHODS[name][0], payload)
-            reply = getattr(self.handlers, name)(request, peer)
+            reply = getattr(self.handlers, name)(request, caller)
         except Exception as exc:
             return _error_frame(name, exc)
         if inspect.isawaitable(reply):
@@ -197,12 +199,14 @@ class _Session(asyncio.Protocol):
         self._buffer = bytearray()
         self._waiting: asyncio.Task[None] | None = None  # a reply being awaited: later frames queue
         self.peer = Peer()
+        self.caller: Caller | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self.peer = Peer.of_socket(sock)
+        self.caller = self._server.handlers.tenancy.of_peer(self.peer)
         if not self._server.admit(self):
             transport.close()
             self._transport = None
@@ -248,7 +252,7 @@ class _Session(asyncio.Protocol):
                 buffer = self._buffer = bytearray()  # a bytearray never gives its capacity back
             else:
                 del buffer[:end]
-            reply = self._server.respond(method, payload, self.peer)
+            reply = self._server.respond(method, payload, self.caller)
             self._server.keep_polling()
             if not isinstance(reply, bytes):
                 self._waiting = asyncio.ensure_future(self._send_later(reply))

@@ -4,6 +4,8 @@
   $XDG_RUNTIME_DIR/kvstore, or ~/.kvstore: never a predictable path under /tmp, which another
   user could create first.
 - `default_socket_path()`: `kvstored.sock` in it (`server.unix_socket: auto`).
+- `local_socket_of(address)`: the daemon's local channel beside its gRPC unix socket
+  (`<socket>.local`); "" for an address that is not a unix socket.
 - `default_token()`: the bearer token a client sends to a daemon over TCP when it is given none:
   $KVSTORE_TOKEN, or the content of the file $KVSTORE_TOKEN_FILE names (`read_token`). Neither
   puts the token on a command line, where every user on the host can read it (/proc/PID/cmdline).
@@ -13,6 +15,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+LOCAL_SUFFIX = ".local"
+
+
+def local_socket_of(address: str) -> str:
+    for scheme in ("unix://", "unix:"):
+        if address.startswith(scheme):
+            return address[len(scheme) :] + LOCAL_SUFFIX
+    return ""
 
 
 def default_runtime_dir() -> Path:

@@ -1,7 +1,7 @@
 """Who is calling: the process on the other end of a connection, and whether it is gone.
 
 - `Peer.of_socket(sock)`: pid, uid and gid from a unix socket's peer credentials (SO_PEERCRED),
-  with the process's start time, read once per connection.
+  its supplementary groups (SO_PEERGROUPS), and the process's start time, read once per connection.
 - `Peer.declared(pid, start_time)`: what a gRPC caller says of itself (gRPC does not expose
   the socket's credentials); used only to end a fence sooner, never to grant anything.
 - `peer.gone()`: the process can no longer write: its connection is closed and no process
@@ -19,6 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+
+_MAX_GROUPS = 1024
+
+
+def _peer_groups(sock: Any) -> tuple[int, ...]:
+    """The peer's supplementary groups, as the kernel recorded them at connect (none if unknown)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * _MAX_GROUPS)
+    except OSError:
+        return ()
+    return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) - len(raw) % 4])
 
 
 def boot_id() -> str:
@@ -52,6 +63,7 @@ class Peer:
     gid: int = -1
     start_time: int = 0  # 0: unknown
     connected: bool = False  # its connection is open (known for local-channel peers only)
+    groups: tuple[int, ...] = ()  # supplementary groups (local-channel peers only)
 
     @classmethod
     def of_socket(cls, sock: Any) -> Peer:
@@ -59,7 +71,8 @@ class Peer:
             pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         except OSError:
             return cls(connected=True)
-        return cls(pid, uid, gid, (process_start_time(pid) or 0) if pid else 0, connected=True)
+        start_time = (process_start_time(pid) or 0) if pid else 0
+        return cls(pid, uid, gid, start_time, connected=True, groups=_peer_groups(sock))
 
     @classmethod
     def declared(cls, pid: int, start_time: int) -> Peer:

@@ -1,7 +1,8 @@
 """Pins: pages kept out of eviction until a deadline (a system prompt's chunks), within a byte cap.
 
-- `pin(pages, deadline)`: pins each page until `deadline`; a page pinned again gets the new one.
-  All or nothing: if the newly pinned bytes would pass `limit_bytes`, nothing changes.
+- `pin(pages, deadline, shorten)`: pins each page until `deadline`; a page pinned again keeps
+  the later of its two deadlines, or with `shorten` gets the new one. All or nothing: if the
+  newly pinned bytes would pass `limit_bytes`, nothing changes.
 - `pop_expired(now)`: the pages whose pin ran out, in the order they were pinned.
 - `unpin(page)`: drops a pin early (the page is being cleared).
 
@@ -42,8 +43,9 @@ class PinTable(Generic[T]):
     def __contains__(self, page: object) -> bool:
         return page in self._pins
 
-    def pin(self, pages: Sequence[tuple[T, int]], deadline: float) -> list[T]:
-        """Pins (page, size) pairs until `deadline`; returns the pages that were not pinned before."""
+    def pin(self, pages: Sequence[tuple[T, int]], deadline: float, shorten: bool = True) -> list[T]:
+        """Pins (page, size) pairs until `deadline` (an earlier one than a page has only with
+        `shorten`); returns the pages that were not pinned before."""
         sizes = dict(pages)
         fresh = [page for page in sizes if page not in self._pins]
         new_bytes = sum(sizes[page] for page in fresh)
@@ -51,6 +53,8 @@ class PinTable(Generic[T]):
             raise PinLimitExceeded(new_bytes)
         for page, size in sizes.items():
             old = self._pins.get(page)
+            if old is not None and not shorten and old[0] >= deadline:
+                continue
             self._pins[page] = (deadline, size)
             if old is None or deadline < old[0]:  # a later deadline is re-queued when the old one comes up
                 heapq.heappush(self._deadlines, (deadline, next(self._order), page))

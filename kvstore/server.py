@@ -1,5 +1,9 @@
 """gRPC servicer: authorizes, calls the shared handlers (`handlers.py`), maps errors. Nothing else.
 
+The caller is known by the bearer token its call carries (`kvstore.tenants`): none on the
+unix socket is an anonymous caller (the one tenant of a daemon without tenants; nobody's, with
+them); over TCP a token is required.
+
 `_abort` is where errors become gRPC statuses (through `errors.status_of`). The inline page
 bytes of Put and Get stream through `Handlers.put` / `Handlers.get` too.
 
@@ -10,7 +14,6 @@ one that does not decode is INVALID_ARGUMENT with the parser's reason, never UNK
 
 from __future__ import annotations
 
-import hmac
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,10 +28,12 @@ from kvstore.errors import InvalidArgument, Unauthenticated, status_of
 from kvstore.handlers import Handlers
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.tenants import Caller
 from kvstore.wire import MAX_FRAME_BYTES, UNARY_METHODS, parse_request
 
 log = logging.getLogger(__name__)
 
+_BEARER = "Bearer "
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 
@@ -52,8 +57,8 @@ def _unary(name: str) -> Callable[..., Awaitable[Any]]:
 
     async def rpc(self: KVStoreServicer, payload: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
-            self._authorize(context)
-            reply = getattr(self.handlers, name)(parse_request(name, request_type, payload))
+            caller = self._caller(context)
+            reply = getattr(self.handlers, name)(parse_request(name, request_type, payload), caller)
             return await reply if inspect.isawaitable(reply) else reply
         except Exception as exc:
             await _abort(context, exc)
@@ -70,15 +75,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.data_bytes = handlers.max_message_bytes - 1024  # room for the message's own framing
         self.auth_token = auth_token
 
-    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self.auth_token is None or context.peer().startswith("unix:"):
-            return
-        sent = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if not hmac.compare_digest(str(sent), f"Bearer {self.auth_token}"):
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        sent = dict(context.invocation_metadata() or ()).get("authorization")
+        token = None
+        if sent is not None:
+            if not isinstance(sent, str) or not sent.startswith(_BEARER):
+                raise Unauthenticated("the authorization metadata must be 'Bearer <token>'")
+            token = sent[len(_BEARER) :]
+        elif self.auth_token is not None and not context.peer().startswith("unix:"):
             raise Unauthenticated(
                 "TCP clients must send 'authorization: Bearer <token>' metadata "
-                "with the daemon's server.auth_token"
+                "with the daemon's server.auth_token or their tenant's token"
             )
+        return self.handlers.tenancy.of_token(token)
 
     Connect = _unary("Connect")
     Lookup = _unary("Lookup")
@@ -94,17 +103,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def Put(self, payloads: AsyncIterator[bytes], context: Any) -> pb.PutResponse:
         try:
-            self._authorize(context)
-            return await self.handlers.put(_parsed_puts(payloads))
+            caller = self._caller(context)
+            return await self.handlers.put(_parsed_puts(payloads), caller)
         except Exception as exc:
             await _abort(context, exc)
             raise  # unreachable: _abort always raises
 
     async def Get(self, payload: bytes, context: grpc.aio.ServicerContext) -> None:
         try:
-            self._authorize(context)
+            caller = self._caller(context)
             request = parse_request("Get", pb.LeaseRequest, payload)
-            async for data in self.handlers.get(request, self.data_bytes):
+            async for data in self.handlers.get(request, self.data_bytes, caller):
                 await context.write(pb.GetResponse(data=data))
         except Exception as exc:
             await _abort(context, exc)

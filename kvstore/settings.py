@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import field, fields, is_dataclass
 from fractions import Fraction
 from types import NoneType, UnionType
-from typing import Annotated, Any, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -153,7 +153,7 @@ def _convert(hint: Any, value: object, path: str) -> Any:
         if _ModeMark in marks:
             return _to_mode(value, path)
         return _convert(base, value, path)
-    if isinstance(hint, UnionType):
+    if isinstance(hint, UnionType) or get_origin(hint) is Union:  # `X | None`; Optional[Annotated[...]]
         others = [arg for arg in get_args(hint) if arg is not NoneType]
         if len(others) != 1:
             raise TypeError(f"config fields support `X | None` unions only, not {hint}")

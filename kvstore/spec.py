@@ -147,8 +147,9 @@ class PageSpec:
             )
         return first * self.layer_bytes, (stop - first) * self.layer_bytes
 
-    def canonical_bytes(self) -> bytes:
-        """Deterministic encoding of every field that changes a page's bytes."""
+    def canonical_bytes(self, tenant: str = "") -> bytes:
+        """Deterministic encoding of every field that changes a page's bytes, and of the tenant
+        whose pages they are (none: a daemon without tenants; see `namespace`)."""
         fields = {
             "layout_version": str(PAGE_LAYOUT_VERSION),
             "model": self.model,
@@ -163,13 +164,17 @@ class PageSpec:
             "tp_size": str(self.tp_size),
             "salt": self.salt,
         }
+        if tenant:  # absent without tenants: those namespaces are what they always were
+            fields["tenant"] = tenant
         # Length-prefixed values: no model id or salt can forge another field.
         text = "".join(f"{key}={len(value)}:{value}\n" for key, value in fields.items())
         return b"kvstore-namespace\n" + text.encode()
 
-    def namespace(self) -> bytes:
-        """16-byte namespace digest, the root of every chunk-key chain."""
-        return xxhash.xxh3_128_digest(self.canonical_bytes())
+    def namespace(self, tenant: str = "") -> bytes:
+        """16-byte namespace digest, the root of every chunk-key chain. A tenant's namespaces
+        are keyed by its name: two tenants that store the same prompt with the same spec get
+        different keys, so no key of one can name a page of the other."""
+        return xxhash.xxh3_128_digest(self.canonical_bytes(tenant))
 
 
 @dataclass(frozen=True)

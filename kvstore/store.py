@@ -70,8 +70,9 @@ class Store(Loads, Writes):
         ns = self.namespaces.registered(ns_id)
         return chunk_keys(ns.id, list(token_ids), ns.spec.chunk_tokens)
 
-    def pin(self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float) -> PinResult:
-        """Keeps the stored prefix of `keys` out of eviction for `ttl_s`; pinning again moves the end."""
+    def pin(self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float, shorten: bool = True) -> PinResult:
+        """Keeps the stored prefix of `keys` out of eviction for `ttl_s`; pinning again moves the
+        end later, or (with `shorten`: an admin's pin) wherever it says."""
         ns = self.namespaces.registered(ns_id)
         self._check_keys(keys)
         if not 0 < ttl_s <= self.max_pin_ttl_s:
@@ -87,7 +88,7 @@ class Store(Loads, Writes):
             chain.append(entry)
         page_bytes = ns.spec.page_bytes
         try:
-            fresh = self.pins.pin([(entry, page_bytes) for entry in chain], self.clock() + ttl_s)
+            fresh = self.pins.pin([(entry, page_bytes) for entry in chain], self.clock() + ttl_s, shorten)
         except PinLimitExceeded as exc:
             raise ResourceExhausted(
                 f"pinning {len(chain)} page(s) would pin {self.pins.bytes + exc.new_bytes} bytes, over "
@@ -144,7 +145,7 @@ class Store(Loads, Writes):
             pages -= self.gpu_placement.pages
         tiers.append(TierUsage(Tier.CPU.name.lower(), self.cpu.bytes_used, self.cpu.capacity, pages))
         namespaces = [
-            NamespaceUsage(ns.id, ns.spec.model, ns.pages, ns.spec.page_bytes)
+            NamespaceUsage(ns.id, ns.spec.model, ns.pages, ns.spec.page_bytes, self.tenant)
             for ns in self.namespaces.values()
         ]
         counters: dict[str, float] = dict(self.counters)

@@ -55,6 +55,8 @@ class StoreState:
         promote_after_hits: int = 2,
         remote: RemoteTier | None = None,
         quarantine_s: float = 300.0,
+        tenant: str = "",
+        max_namespaces: int | None = None,
     ) -> None:
         self.cpu = cpu
         self.policy = policy
@@ -64,7 +66,8 @@ class StoreState:
         self.pin_fraction = pin_fraction
         self.max_pin_ttl_s = max_pin_ttl_s
         self.pins: PinTable[Entry] = PinTable(int(pin_fraction * cpu.capacity))
-        self.namespaces = Namespaces(MAX_NAMESPACES)
+        self.tenant = tenant  # whose pages these are ("": a daemon without tenants)
+        self.namespaces = Namespaces(max_namespaces or MAX_NAMESPACES, tenant)
         self.leases = LeaseTable(max_age_s=max_lease_ttl_s)
         self.quarantines = Quarantines(quarantine_s, cpu.slots.free)  # expired store leases' slots
         self.counters: Counter[str] = Counter()

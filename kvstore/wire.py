@@ -2,7 +2,7 @@
 
 - `UNARY_METHODS`: the unary calls of kvstore.v1.KVStore, name -> (request type, reply type), in
   wire order: the local channel numbers methods by position (`METHOD_NAMES`).
-- The local channel's framing (`kvstore.local` serves it, `kvstore_client.local` calls it):
+- The local channel's framing (`kvstore.local` serves it, `kvstore.channel` calls it):
   `HEADER` (u32 length, u8 method or status), `frame(code, body)`, `MAX_FRAME_BYTES` (a reply).
 - `MAX_REQUEST_BYTES`: the largest unary request the daemon reads (65,536 keys and room for
   the rest), on either channel; `parse_request(name, payload)`: the message, or InvalidArgument
@@ -121,6 +121,7 @@ def stats_to_dict(msg: pb.StatsResponse) -> dict[str, Any]:
                 "pages": n.pages,
                 "bytes": n.stored_bytes,
                 "page_bytes": n.page_bytes,
+                **({"tenant": n.tenant} if n.tenant else {}),
             }
             for n in msg.namespaces
         ],

@@ -35,6 +35,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.channel import LocalChannel
 from kvstore.daemon import arena_name
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 
@@ -65,6 +66,14 @@ class Daemon:
 
     def stub(self) -> pb_grpc.KVStoreStub:
         return pb_grpc.KVStoreStub(grpc.insecure_channel(self.address))
+
+    @property
+    def local_path(self) -> Path:
+        return self.socket_path.with_name(self.socket_path.name + ".local")
+
+    def admin(self) -> LocalChannel:
+        """The local channel, where this process (root, on CI) is known by its uid: an admin."""
+        return LocalChannel(str(self.local_path), 10.0)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

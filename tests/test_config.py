@@ -468,3 +468,102 @@ def test_config_error_survives_pickling() -> None:
 
     assert str(copy) == str(error) == "x.yaml: tiers.cpu.bytes: expected a size like 8GiB, got 'lots'"
     assert (copy.key, copy.source) == ("tiers.cpu.bytes", "x.yaml")
+
+
+# --- tenants -------------------------------------------------------------------------------------
+
+
+def test_tenants_are_read_with_their_shares() -> None:
+    config = parse_config(
+        {
+            "tiers": {"cpu": {"bytes": "4GiB"}, "disk": {"enabled": True, "bytes": "100GiB"}},
+            "tenants": [
+                {"name": "team-a", "uids": [1001], "cpu_bytes": "3GiB", "disk_bytes": "60GiB"},
+                {"name": "team-b", "uids": [1002, 1003], "gids": [2000], "cpu_bytes": "1GiB"},
+            ],
+            "admins": {"gids": [27]},
+        }
+    )
+
+    a, b = config.tenants
+    assert (a.name, a.uids, a.cpu_bytes, b.gids, b.max_namespaces) == (
+        "team-a",
+        (1001,),
+        3 << 30,
+        (2000,),
+        64,
+    )
+    assert config.tenant_disk_bytes(a) == 60 << 30 and config.tenant_disk_bytes(b) == 40 << 30
+    assert config.admins.gids == (27,)
+
+
+TENANT = {"name": "a", "uids": [1001], "cpu_bytes": "256MiB"}
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"tenants": [{**TENANT, "name": "Team A"}]}, "tenants[0].name: expected 1-63 lower-case letters"),
+        ({"tenants": [{"name": "a"}]}, "tenants[0]: a tenant needs members: uids, gids or a tokens_file"),
+        ({"tenants": [{**TENANT, "uids": [1, 2]}]}, "tenants[0].gids: 2 uids share the tenant's arena"),
+        ({"tenants": [{**TENANT, "uids": [-1]}]}, "tenants[0].uids[0]: expected an id in 0..4294967294"),
+        (
+            {"tenants": [TENANT, {**TENANT, "name": "b"}]},
+            "tenants[1].uids: uid 1001 is a member of tenants[0]",
+        ),
+        ({"tenants": [TENANT, TENANT]}, "tenants[1].name: 'a' is tenants[0]'s name too"),
+        (
+            {"tenants": [{**TENANT, "cpu_bytes": "1MiB"}]},
+            "tenants[0].cpu_bytes: expected at least tiers.cpu.slab",
+        ),
+        (
+            {"tenants": [{**TENANT, "cpu_bytes": "2GiB"}]},
+            "tiers.cpu.bytes: the tenants' cpu_bytes add up to 2GiB",
+        ),
+        (
+            {"tenants": [{**TENANT, "max_namespaces": 5000}]},
+            "tenants[0].max_namespaces: expected a value <= 4096",
+        ),
+        (
+            {"tenants": [{**TENANT, "disk_bytes": "1TiB"}], "tiers": {"disk": {"enabled": True}}},
+            "tiers.disk.bytes: the tenants' disk_bytes add up to 1TiB",
+        ),
+        (
+            {"tenants": [TENANT], "tiers": {"gpu": {"enabled": True}}},
+            "tiers.gpu.enabled: the GPU tier cannot be combined with tenants",
+        ),
+    ],
+    ids=lambda value: "" if isinstance(value, dict) else value.split(":")[0],
+)
+def test_bad_tenants_name_the_key(data: dict[str, Any], message: str) -> None:
+    assert error_of(data).startswith(message)
+
+
+def test_a_tokens_file_must_be_private_and_hold_one_tenants_tokens(tmp_path: Path) -> None:
+    from kvstore.daemon import tenancy
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# team a\n" + "t" * 32 + "\n")
+    tokens.chmod(0o644)
+    config = parse_config({"tenants": [{**TENANT, "tokens_file": str(tokens)}]})
+    with pytest.raises(
+        ConfigError, match=r"tenants\[0\]\.tokens_file: .* is readable by others \(mode 644\)"
+    ):
+        tenancy(config)
+    tokens.chmod(0o600)
+    assert tenancy(config).of_token("t" * 32).tenant == "a"
+    twice = parse_config(
+        {
+            "tenants": [
+                {**TENANT, "tokens_file": str(tokens)},
+                {**TENANT, "name": "b", "uids": [], "gids": [5], "tokens_file": str(tokens)},
+            ]
+        }
+    )
+    with pytest.raises(ConfigError, match=r"tenants\[1\]\.tokens_file: holds a token of tenant 'a' too"):
+        tenancy(twice)
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    short.chmod(0o600)
+    with pytest.raises(ConfigError, match="at least 16 characters"):
+        tenancy(parse_config({"tenants": [{**TENANT, "tokens_file": str(short)}]}))

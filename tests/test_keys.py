@@ -29,6 +29,19 @@ def test_namespace_and_chain_are_pinned() -> None:
     ]
 
 
+def test_a_tenant_keys_its_namespaces_and_no_tenant_keys_as_before() -> None:
+    plain = LLAMA_8B.namespace()
+    assert LLAMA_8B.namespace("") == plain  # a daemon without tenants: the namespaces it always had
+    alpha, beta = LLAMA_8B.namespace("alpha"), LLAMA_8B.namespace("beta")
+    assert len({plain, alpha, beta}) == 3
+    assert alpha.hex() == xxhash.xxh3_128_hexdigest(LLAMA_8B.canonical_bytes() + b"tenant=5:alpha\n")
+    # The tenant is length-prefixed: no model id or salt can stand in for it.
+    forged = replace(LLAMA_8B, salt=LLAMA_8B.salt + "\ntenant=5:alpha")
+    assert forged.namespace() != alpha
+    tokens = list(range(512))
+    assert set(chunk_keys(alpha, tokens, 256)).isdisjoint(chunk_keys(beta, tokens, 256))
+
+
 def test_chain_definition_matches_design() -> None:
     ns = LLAMA_8B.namespace()
     tokens = list(range(1000, 1512))

@@ -27,6 +27,7 @@ PACKAGES = {
 }
 SHARED = {
     "kvstore",  # the package itself: __version__
+    "kvstore.channel",
     "kvstore.cudart",
     "kvstore.errors",
     "kvstore.keys",

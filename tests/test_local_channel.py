@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
+from kvstore.channel import LocalChannel
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import pack_keys
 from kvstore.local import METHOD_NAMES
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tiers import Tier
 from kvstore_client import KVSpec, KVStoreClient
-from kvstore_client.local import LocalChannel
 from tests.harness import Daemon, start_daemon
 
 SPEC = KVSpec(

@@ -78,7 +78,7 @@ class Arena(_message.Message):
     def __init__(self, shm_path: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[int] = ..., inode: _Optional[int] = ..., boot_id: _Optional[str] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
-    __slots__ = ("namespace", "chunk_tokens", "page_bytes", "arena", "lease_ttl_ms", "max_message_bytes", "local_socket", "gpu_pools", "epoch")
+    __slots__ = ("namespace", "chunk_tokens", "page_bytes", "arena", "lease_ttl_ms", "max_message_bytes", "local_socket", "gpu_pools", "epoch", "tenant", "credential")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,8 @@ class ConnectResponse(_message.Message):
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     GPU_POOLS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     chunk_tokens: int
     page_bytes: int
@@ -97,7 +99,9 @@ class ConnectResponse(_message.Message):
     local_socket: str
     gpu_pools: _containers.RepeatedCompositeFieldContainer[GpuPool]
     epoch: int
-    def __init__(self, namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., page_bytes: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    tenant: str
+    credential: str
+    def __init__(self, namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., page_bytes: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ..., epoch: _Optional[int] = ..., tenant: _Optional[str] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class GpuPool(_message.Message):
     __slots__ = ("device", "pci_bus_id", "ipc_handle", "size")
@@ -271,18 +275,20 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., pages: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "model", "pages", "stored_bytes", "page_bytes")
+    __slots__ = ("namespace", "model", "pages", "stored_bytes", "page_bytes", "tenant")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     model: str
     pages: int
     stored_bytes: int
     page_bytes: int
-    def __init__(self, namespace: _Optional[bytes] = ..., model: _Optional[str] = ..., pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace: _Optional[bytes] = ..., model: _Optional[str] = ..., pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "namespaces", "counters", "version", "uptime_s")

@@ -29,7 +29,15 @@ log = logging.getLogger(__name__)
 class Arena:
     """A shared-memory file of fixed size, mapped read-write."""
 
-    def __init__(self, path: Path, size: int, mode: int = 0o600, prefault: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path,
+        size: int,
+        mode: int = 0o600,
+        prefault: bool = True,
+        owner: tuple[int, int] | None = None,
+    ) -> None:
+        """`owner`: (uid, gid) the file is given (a tenant's arena: only its members map it)."""
         self.path = path
         self.size = size
         self.epoch = secrets.randbits(63) or 1
@@ -47,6 +55,8 @@ class Arena:
         started = time.perf_counter()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
         try:
+            if owner is not None:
+                os.fchown(fd, *owner)
             os.fchmod(fd, mode)  # the umask must not widen or narrow the configured mode
             if prefault:
                 # Reserve the memory now: a full /dev/shm fails here, not as SIGBUS later.

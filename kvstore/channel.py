@@ -1,4 +1,5 @@
-"""Client end of the daemon's local channel (see `kvstore.local`): one blocking socket, one frame each way.
+"""Client end of the daemon's local channel (see `kvstore.local`): one blocking socket, one
+frame each way. `kvstore_client` and `kvctl` both call the daemon through it.
 
 - `call(method, request, meanwhile=None)`: send a request, run `meanwhile()` while the daemon
   answers, wait for the reply.
