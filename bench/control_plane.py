@@ -20,6 +20,9 @@ Prints tables and writes `bench/results/control_plane.json` (and a timestamped c
 3. Lookup latency of a daemon on uvloop against one on asyncio's own event loop
    (`server.event_loop`), both running, timed in turns: the local channel, gRPC, and the
    client's `lookup_chunks`, with the ratio of their p50s.
+6. Metrics (`--parts metrics`): Lookup latency of a daemon serving /metrics, scraped every
+   second meanwhile, against one without, side by side in the same way (target: p50 and p99
+   within 5%).
 5. Tenants (`--parts tenants`): Lookup latency of a daemon with tenants against one without,
    side by side and timed in turns: the local channel (1, 64, 512 keys, the caller known by its
    uid), gRPC (1 and 64 keys, the caller known by its tenant's token), the client's
@@ -38,10 +41,13 @@ import contextlib
 import functools
 import os
 import secrets
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -92,8 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--parts",
         nargs="+",
-        choices=("lookup", "throughput", "event_loop", "tenants", "against"),
-        default=["lookup", "throughput", "event_loop", "tenants"],
+        choices=("lookup", "throughput", "event_loop", "tenants", "metrics", "against"),
+        default=["lookup", "throughput", "event_loop", "tenants", "metrics"],
     )
     parser.add_argument("--against", type=Path, help="another kvstore source tree to compare latency with")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of fresh processes for --against")
@@ -573,7 +579,7 @@ def bench_tenants(args: argparse.Namespace) -> dict[str, Any]:
         }
         for round_index in range(args.rounds):
             order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
-            taken = _tenants_round(args, {mode: configs[mode] for mode in order}, spec, tokens, token)
+            taken = _side_by_side(args, {mode: configs[mode] for mode in order}, spec, tokens, {"on": token})
             for name, values in taken.items():
                 samples.setdefault(name, []).extend(values)
             per_round.append(
@@ -597,23 +603,31 @@ def _on_over_off(latencies: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
-def _tenants_round(
-    args: argparse.Namespace, configs: Mapping[str, Any], spec: KVSpec, tokens: torch.Tensor, token: str
+def _side_by_side(
+    args: argparse.Namespace,
+    configs: Mapping[str, Any],
+    spec: KVSpec,
+    tokens: torch.Tensor,
+    gprc_tokens: Mapping[str, str],
+    scrape_every_s: float = 0.0,
 ) -> dict[str, list[float]]:
-    """One round: both daemons running, every series timed in turns."""
+    """One round of an on/off comparison: both daemons running, every series timed in turns.
+    `gprc_tokens`: the token a mode's gRPC client sends; `scrape_every_s`: a thread fetches each
+    daemon's /metrics (where it serves them) this often while the series are timed."""
     num_blocks = len(tokens) // BLOCK_SIZE
     series: dict[str, Callable[[], object]] = {}
+    scrape_urls: list[str] = []
     with contextlib.ExitStack() as stack:
         for mode, config in configs.items():
             daemon = stack.enter_context(running_daemon(config))
             client = stack.enter_context(KVStoreClient.connect(daemon.address, spec))
             grpc_client = stack.enter_context(
-                KVStoreClient.connect(
-                    daemon.address, spec, local_channel=False, token=token if mode == "on" else None
-                )
+                KVStoreClient.connect(daemon.address, spec, local_channel=False, token=gprc_tokens.get(mode))
             )
+            if config["server"].get("metrics_address"):
+                scrape_urls.append(f"http://{config['server']['metrics_address']}/metrics")
             if client._local is None:
-                raise RuntimeError(f"tenants {mode}: the client did not open the local channel")
+                raise RuntimeError(f"{mode}: the client did not open the local channel")
             stored = client.store(tokens, kv_caches(spec, num_blocks, random=True), torch.arange(num_blocks))
             if stored != max(TENANT_SIZES):
                 raise RuntimeError(f"tenants {mode}: stored {stored} of {max(TENANT_SIZES)} chunks")
@@ -627,6 +641,8 @@ def _tenants_round(
                     raise RuntimeError(f"tenants {mode}: a Lookup of {n} stored keys did not hit all of them")
                 series[f"{mode}/{name}_{n}"] = functools.partial(lookup_rpc, rpc, client.namespace, packed)
             series[f"{mode}/lookup_chunks_8"] = functools.partial(client.lookup_chunks, keys[:8])
+        if scrape_every_s and scrape_urls:
+            stack.enter_context(_scraping(scrape_urls, scrape_every_s))
         for call in series.values():
             time_calls(call, args.warmup)
         samples: dict[str, list[float]] = {name: [] for name in series}
@@ -635,6 +651,104 @@ def _tenants_round(
             for name, call in series.items():
                 samples[name] += time_calls(call, max(args.lookup_calls // turns, 10))
     return samples
+
+
+@contextlib.contextmanager
+def _scraping(urls: list[str], every_s: float) -> Any:
+    """A thread that fetches each URL every `every_s`, as Prometheus would, until the block ends;
+    a scrape that fails stops the benchmark."""
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    scrapes = [0]
+
+    def run() -> None:
+        while not stop.wait(every_s):
+            for url in urls:
+                try:
+                    with urllib.request.urlopen(url, timeout=10) as reply:
+                        if b"kvstore_lookups_total" not in reply.read():
+                            raise RuntimeError(f"{url}: no kvstore_lookups_total in the scrape")
+                    scrapes[0] += 1
+                except BaseException as exc:
+                    failures.append(exc)
+                    return
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield scrapes
+    finally:
+        stop.set()
+        thread.join()
+    if failures:
+        raise RuntimeError(f"scraping failed: {failures[0]!r}")
+    if not scrapes[0]:
+        raise RuntimeError("no scrape happened while the series were timed")
+
+
+def bench_metrics(args: argparse.Namespace) -> dict[str, Any]:
+    """Lookup latency of a daemon serving /metrics, scraped every second meanwhile, against one
+    without metrics: side by side, timed in turns, `args.rounds` rounds of fresh daemons."""
+    spec = lookup_spec()
+    tokens = torch.randint(
+        0, 128_000, (max(TENANT_SIZES) * CHUNK_TOKENS,), generator=torch.Generator().manual_seed(5)
+    )
+    base: dict[str, Any] = {
+        "log_level": "warning",
+        "chunk_tokens": CHUNK_TOKENS,
+        "server": {"grace_s": 1.0},
+        "leases": {"ttl_s": 60.0},
+        "tiers": {"cpu": {"bytes": "64MiB", "slab_bytes": "16MiB"}},
+    }
+    samples: dict[str, list[float]] = {}
+    per_round: list[dict[str, float]] = []
+    for round_index in range(args.rounds):
+        configs = {
+            "off": base,
+            "on": base | {"server": base["server"] | {"metrics_address": f"127.0.0.1:{_free_port()}"}},
+        }
+        order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
+        taken = _side_by_side(
+            args, {mode: configs[mode] for mode in order}, spec, tokens, {}, scrape_every_s=1.0
+        )
+        for name, values in taken.items():
+            samples.setdefault(name, []).extend(values)
+        per_round.append(_on_over_off({name: Latency.of(values)._asdict() for name, values in taken.items()}))
+    results: dict[str, Any] = {name: Latency.of(values)._asdict() for name, values in samples.items()}
+    results["p50_ratio"] = _on_over_off(results)
+    results["p99_ratio"] = {
+        name[3:]: results[name]["p99_us"] / results[f"off/{name[3:]}"]["p99_us"]
+        for name in samples
+        if name.startswith("on/")
+    }
+    results["p50_ratio_per_round"] = per_round
+    results["rounds"] = args.rounds
+    results["scrape_interval_s"] = 1.0
+    results["target_ratio"] = TARGET_TENANTS_RATIO
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def report_metrics(results: dict[str, Any]) -> None:
+    print("\nLookup latency with /metrics scraped every second and without (p50 / p99 µs; on / off p50, p99)")
+    print_table(
+        ["call", "metrics on", "metrics off", "p50 ratio", "p99 ratio"],
+        [
+            [
+                call,
+                f"{results[f'on/{call}']['p50_us']:.0f} / {results[f'on/{call}']['p99_us']:.0f}",
+                f"{results[f'off/{call}']['p50_us']:.0f} / {results[f'off/{call}']['p99_us']:.0f}",
+                f"{ratio:.3f}",
+                f"{results['p99_ratio'][call]:.3f}",
+            ]
+            for call, ratio in results["p50_ratio"].items()
+        ],
+    )
 
 
 def handler_lookup_with_tenants(page: PageSpec, tokens: torch.Tensor, calls: int) -> dict[str, float]:
@@ -752,6 +866,9 @@ def main(argv: list[str] | None = None) -> int:
     tenants = bench_tenants(args) if "tenants" in args.parts else None
     if tenants is not None:
         report_tenants(tenants)
+    metrics = bench_metrics(args) if "metrics" in args.parts else None
+    if metrics is not None:
+        report_metrics(metrics)
     against = None
     if "against" in args.parts:
         calls = 200 if args.quick else 3000
@@ -788,6 +905,7 @@ def main(argv: list[str] | None = None) -> int:
             "throughput": moved,
             "event_loops": event_loops,
             "tenants": tenants,
+            "metrics": metrics,
             "targets": goals,
             "against": against,
             "elapsed_s": time.perf_counter() - started,

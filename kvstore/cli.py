@@ -5,7 +5,9 @@
     kvctl ls [--json]
     kvctl clear [--namespace NS]
     kvctl pin NS (--tokens FILE | --keys HEX,...) --ttl SECONDS [--json]
+    kvctl top [--interval S] [--once]                               (a live view)
     kvctl replay TRACE --cpu-pages N [--policy NAME] [--json]     (in-process, no daemon)
+    kvctl --version
 
 Tables for people, `--json` for scripts. The default address is the default
 config's unix socket.
@@ -25,6 +27,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore import __version__
 from kvstore.channel import LocalChannel, Refused
 from kvstore.config import EvictionConfig
 from kvstore.errors import KVStoreError, from_rpc_error
@@ -231,6 +234,13 @@ def cmd_pin(admin: Admin, args: argparse.Namespace) -> int:
     else:
         request.keys = pack_keys([_hex_bytes(key, "--keys") for key in args.keys.split(",")])
     reply = admin.call("Pin", request)
+    if not reply.pinned_chunks:  # nothing to keep: say so, and fail, so that a script notices
+        print(
+            f"kvctl: pin: no chunk of the chain is stored in namespace {args.namespace} (its first chunk "
+            f"is not there: check the namespace with `kvctl ls`, and that the tokens or keys are the "
+            f"prompt's, from its start)",
+            file=sys.stderr,
+        )
     if args.json:
         print(
             json.dumps(
@@ -247,7 +257,13 @@ def cmd_pin(admin: Admin, args: argparse.Namespace) -> int:
             f"pinned {reply.pinned_chunks} chunks for {args.ttl:g} s; the tier holds "
             f"{reply.pinned_pages} pinned pages ({human_bytes(reply.pinned_bytes)})"
         )
-    return 0
+    return 0 if reply.pinned_chunks else 1
+
+
+def cmd_top(admin: Admin, args: argparse.Namespace) -> int:
+    from kvstore import top  # rich, only for this command
+
+    return top.run(admin.stats, args.interval, args.once)
 
 
 class ProgressBar:
@@ -352,6 +368,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-cert", metavar="FILE", help="mutual TLS: this client's certificate chain")
     parser.add_argument("--tls-key", metavar="FILE", help="mutual TLS: this client's private key")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    parser.add_argument("--version", action="version", version=f"kvctl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     stats = commands.add_parser("stats", help="tiers, counters and namespaces")
     stats.add_argument("--json", action="store_true")
@@ -374,6 +391,10 @@ def _parser() -> argparse.ArgumentParser:
     pin.add_argument("--ttl", type=float, required=True, metavar="SECONDS", help="how long the pin lasts")
     pin.add_argument("--json", action="store_true")
     pin.set_defaults(run=cmd_pin)
+    top = commands.add_parser("top", help="a live view: hit ratio, throughput, tier fill, leases")
+    top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh period")
+    top.add_argument("--once", action="store_true", help="print one frame (two samples apart) and exit")
+    top.set_defaults(run=cmd_top)
     play = commands.add_parser("replay", help="replay a Mooncake-format trace through the store, in-process")
     play.add_argument("trace", help="JSONL file, one request a line with `hash_ids` (one id per block)")
     play.add_argument("--cpu-pages", type=_positive, required=True, help="CPU tier capacity, in pages")

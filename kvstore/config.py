@@ -126,6 +126,8 @@ class ServerConfig:
     # The event loop: uvloop (libuv) answers a local-channel call in a fraction of asyncio's time;
     # "auto" takes it where it is installed, else asyncio's own.
     event_loop: str = setting("auto", choices=("auto", "uvloop", "asyncio"))
+    # Prometheus metrics (/metrics) and probes (/healthz, /readyz) over HTTP on "host:port"; null: off.
+    metrics_address: str | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -162,6 +164,13 @@ class ServerConfig:
             raise ConfigError(token_key, f"set {token_key} or {file_key}, not both")
         if self.auth_token is not None:
             _check_token(self.auth_token, token_key)
+        if self.metrics_address is not None:
+            match = _HOST_PORT_RE.fullmatch(self.metrics_address)
+            if match is None or not 0 <= int(match["port"]) <= 65535:
+                raise ConfigError(
+                    join(path, "metrics_address"),
+                    f"expected host:port, like 127.0.0.1:9464 or 0.0.0.0:9464, got {self.metrics_address!r}",
+                )
         if self.tcp is None:
             if self.tls.enabled:
                 raise ConfigError(join(path, "tls"), "TLS is for the TCP listener: set server.tcp too")
@@ -401,6 +410,7 @@ class Config:
     """Everything `kvstored` reads from its YAML file."""
 
     log_level: str = setting("info", choices=LOG_LEVELS)
+    log_format: str = setting("text", choices=("text", "json"))  # json: one object per line (kvstore.logs)
     chunk_tokens: int = setting(256, gt=0, le=1 << 20)  # a page spec's own limit (kvstore.spec)
     server: ServerConfig = field(default_factory=ServerConfig)
     leases: LeaseConfig = field(default_factory=LeaseConfig)

@@ -40,6 +40,8 @@ from kvstore.claim import AlreadyRunning, SocketClaim
 from kvstore.config import Config, ConfigError, TenantConfig, load_config, parse_config
 from kvstore.handlers import Handlers
 from kvstore.local import LocalChannelServer
+from kvstore.logs import configure as configure_logs
+from kvstore.metrics import MetricsServer
 from kvstore.policy import make_policy
 from kvstore.progress import progress_reporter
 from kvstore.server import SERVICE_NAME, KVStoreServicer, create_server
@@ -180,6 +182,7 @@ async def serve(config: Config) -> None:
     claim = SocketClaim(socket_path)
     opened: list[Tiers] = []
     local: LocalChannelServer | None = None
+    metrics: MetricsServer | None = None
     server = None
     tcp_server = None
     reaper: asyncio.Task[None] | None = None
@@ -200,6 +203,16 @@ async def serve(config: Config) -> None:
             str(local_path or ""),
             tenancy(config),
         )
+        if config.server.metrics_address is not None:  # /readyz says 503 until the daemon serves
+            metrics = MetricsServer(config.server.metrics_address, handlers, loop)
+            try:
+                metrics.start()
+            except OSError as exc:
+                metrics = None
+                raise ConfigError(
+                    "server.metrics_address",
+                    f"cannot listen on {config.server.metrics_address}: {exc.strerror}",
+                ) from None
         servicer = KVStoreServicer(handlers, config.server.token)
         health_servicer = health.aio.HealthServicer()
         server = create_server(servicer, health_servicer)
@@ -232,14 +245,16 @@ async def serve(config: Config) -> None:
         gc.freeze()  # the objects built at start never die: keep them out of every collection
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        handlers.serving = True
         gpu = opened[0].gpu
         log.info(
-            "kvstored %s serving on unix://%s%s (%sCPU tier %d MiB%s, chunk_tokens %d, event loop %s)",
+            "kvstored %s serving on unix://%s%s%s (%sCPU tier %d MiB%s, chunk_tokens %d, event loop %s)",
             __version__,
             socket_path,
             f" and tcp {config.server.tcp}{' (TLS)' if config.server.tls.enabled else ''}"
             if config.server.tcp
             else "",
+            f", metrics on http://{config.server.metrics_address}/metrics" if metrics is not None else "",
             f"GPU tier {gpu.capacity >> 20} MiB, " if gpu is not None else "",
             sum(store.cpu.capacity for store in stores.values()) >> 20,
             f" in {len(stores)} tenants' arenas" if config.tenants else "",
@@ -251,7 +266,7 @@ async def serve(config: Config) -> None:
         await stop.wait()
         grace_s = config.server.grace_s
         log.info("stopping: draining in-flight calls for up to %.1f s", grace_s)
-        handlers.stopping = True
+        handlers.stopping, handlers.serving = True, False
         await health_servicer.enter_graceful_shutdown()
         left = await _drain(list(stores.values()), grace_s)
         closing = [server.stop(left)]
@@ -272,6 +287,8 @@ async def serve(config: Config) -> None:
             await _cleanup("the TCP gRPC server", tcp_server.stop(0))
         if local is not None:
             await _cleanup("the local channel", local.stop())
+        if metrics is not None:
+            await _cleanup("the metrics server", asyncio.to_thread(metrics.stop))
         for tiers in opened:
             await tiers.close(config.server.grace_s)
         claim.release()
@@ -408,11 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"kvstored: {exc}", file=sys.stderr)
         return 1
-    logging.basicConfig(
-        level=(args.log_level or config.log_level).upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logs(args.log_level or config.log_level, config.log_format)
     try:
         with asyncio.Runner(loop_factory=event_loop_factory(config.server.event_loop)) as runner:
             runner.run(serve(config))

@@ -35,7 +35,7 @@ from kvstore.keys import unpack_keys
 from kvstore.leases import Lease
 from kvstore.peers import Peer, boot_id
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.stats import combined, stats_message
+from kvstore.stats import RpcTimings, combined, stats_message
 from kvstore.store import Store
 from kvstore.tenants import Caller, Tenancy
 from kvstore.wire import page_spec_of
@@ -62,6 +62,8 @@ class Handlers:
         self.started = time.monotonic()
         self.boot_id = boot_id()
         self.stopping = False
+        self.serving = False  # the daemon started and is not stopping (readiness)
+        self.timings = RpcTimings()  # the calls' latency, fed by both transports
         self.counters: Counter[str] = Counter()  # the channels' own figures (Stats adds them)
         self._writers: dict[tuple[int, int], Peer] = {}  # gRPC writers, checked once each
         self._anonymous = self.tenancy.of_token(None)

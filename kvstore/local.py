@@ -158,14 +158,28 @@ class LocalChannelServer:
         if method >= len(METHOD_NAMES):
             return frame(_INVALID_ARGUMENT, f"unknown local-channel method {method}".encode())
         name = METHOD_NAMES[method]
+        started = time.perf_counter()
         try:
             request = parse_request(name, UNARY_METHODS[name][0], payload)
             reply = getattr(self.handlers, name)(request, caller)
         except Exception as exc:
-            return _error_frame(name, exc)
-        if inspect.isawaitable(reply):
-            return _later(name, reply)
-        return frame(_OK, reply.SerializeToString())
+            answer = _error_frame(name, exc)
+        else:
+            if inspect.isawaitable(reply):
+                return self._later(name, reply, started)
+            answer = frame(_OK, reply.SerializeToString())
+        self.handlers.timings.observe("local", name, time.perf_counter() - started)
+        return answer
+
+    async def _later(self, name: str, pending: Awaitable[Any], started: float) -> bytes:
+        try:
+            reply = await pending
+        except Exception as exc:
+            answer = _error_frame(name, exc)
+        else:
+            answer = frame(_OK, reply.SerializeToString())
+        self.handlers.timings.observe("local", name, time.perf_counter() - started)
+        return answer
 
 
 def _error_frame(name: str, exc: Exception) -> bytes:
@@ -175,14 +189,6 @@ def _error_frame(name: str, exc: Exception) -> bytes:
         return frame(_INTERNAL, f"internal error in kvstored: {exc!r} (see the daemon's log)".encode())
     code, message = status
     return frame(code.value[0], message.encode())
-
-
-async def _later(name: str, pending: Awaitable[Any]) -> bytes:
-    try:
-        reply = await pending
-    except Exception as exc:
-        return _error_frame(name, exc)
-    return frame(_OK, reply.SerializeToString())
 
 
 class _Session(asyncio.Protocol):

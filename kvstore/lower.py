@@ -206,14 +206,14 @@ class LowerTiers:
         """Clears this daemon's disk tier (of one namespace, or all); the remote server is shared."""
         return self.disk.clear(ns_id) if self.disk is not None else 0
 
-    def usage(self) -> list[TierUsage]:
+    def usage(self, server_usage: bool = True) -> list[TierUsage]:
         tiers = []
         if self.disk is not None:
             disk = self.disk.stats()
             used, capacity, pages = (int(disk[name]) for name in ("bytes_used", "bytes_capacity", "pages"))
             tiers.append(TierUsage("disk", used, capacity, pages, disk))
         if self.remote is not None:
-            used, capacity, keys = self.remote.server_usage()
+            used, capacity, keys = self.remote.server_usage() if server_usage else (0, 0, 0)
             tiers.append(TierUsage("remote", used, capacity, keys, self.remote.stats()))
         return tiers
 

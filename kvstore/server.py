@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -56,6 +57,7 @@ def _unary(name: str) -> Callable[..., Awaitable[Any]]:
     request_type = UNARY_METHODS[name][0]
 
     async def rpc(self: KVStoreServicer, payload: bytes, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
         try:
             caller = self._caller(context)
             reply = getattr(self.handlers, name)(parse_request(name, request_type, payload), caller)
@@ -63,6 +65,8 @@ def _unary(name: str) -> Callable[..., Awaitable[Any]]:
         except Exception as exc:
             await _abort(context, exc)
             raise  # unreachable: _abort always raises
+        finally:
+            self.handlers.timings.observe("grpc", name, time.perf_counter() - started)
 
     rpc.__name__ = name
     return rpc
@@ -102,14 +106,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     Renew = _unary("Renew")
 
     async def Put(self, payloads: AsyncIterator[bytes], context: Any) -> pb.PutResponse:
+        started = time.perf_counter()
         try:
             caller = self._caller(context)
             return await self.handlers.put(_parsed_puts(payloads), caller)
         except Exception as exc:
             await _abort(context, exc)
             raise  # unreachable: _abort always raises
+        finally:
+            self.handlers.timings.observe("grpc", "Put", time.perf_counter() - started)
 
     async def Get(self, payload: bytes, context: grpc.aio.ServicerContext) -> None:
+        started = time.perf_counter()
         try:
             caller = self._caller(context)
             request = parse_request("Get", pb.LeaseRequest, payload)
@@ -117,6 +125,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 await context.write(pb.GetResponse(data=data))
         except Exception as exc:
             await _abort(context, exc)
+        finally:
+            self.handlers.timings.observe("grpc", "Get", time.perf_counter() - started)
 
 
 async def _parsed_puts(payloads: AsyncIterator[bytes]) -> AsyncIterator[pb.PutRequest]:

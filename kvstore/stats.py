@@ -1,12 +1,38 @@
-"""Stats: the store's figures as a Stats message (`kvstore.wire.stats_to_dict` reads it back)."""
+"""Stats: the store's figures as a Stats message (`kvstore.wire.stats_to_dict` reads it back),
+several tenants' figures as one (`combined`), and the calls' latency (`RpcTimings`: bucket
+counts per channel and method, which both transports feed and `kvstore.metrics` exports)."""
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from kvstore.index import StoreStats, TierUsage
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.wire import METHOD_NAMES
+
+RPC_BUCKETS = (
+    25e-6,
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+    2.5,
+    10.0,
+)
+CHANNELS = ("local", "grpc")
+STREAMING = ("Put", "Get")  # gRPC only
 
 
 def combined(parts: Sequence[StoreStats]) -> StoreStats:
@@ -63,3 +89,25 @@ def stats_message(stats: StoreStats, version: str, uptime_s: float) -> pb.StatsR
         version=version,
         uptime_s=uptime_s,
     )
+
+
+class RpcTimings:
+    """Latency histograms per (channel, method), as bucket counts kept on the event loop."""
+
+    def __init__(self) -> None:
+        self._series: dict[tuple[str, str], list[Any]] = {
+            (channel, method): [[0] * (len(RPC_BUCKETS) + 1), 0.0]
+            for channel in CHANNELS
+            for method in (*METHOD_NAMES, *STREAMING)
+            if channel == "grpc" or method not in STREAMING
+        }
+
+    def observe(self, channel: str, method: str, seconds: float) -> None:
+        series = self._series.get((channel, method))
+        if series is None:
+            return
+        series[0][bisect.bisect_left(RPC_BUCKETS, seconds)] += 1
+        series[1] += seconds
+
+    def copy(self) -> dict[tuple[str, str], tuple[list[int], float]]:
+        return {key: (list(counts), total) for key, (counts, total) in self._series.items()}

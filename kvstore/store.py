@@ -137,7 +137,9 @@ class Store(Loads, Writes):
         self.counters["cleared_chunks"] += cleared
         return cleared
 
-    def stats(self) -> StoreStats:
+    def stats(self, server_usage: bool = True) -> StoreStats:
+        """The store's figures; `server_usage=False` leaves out the remote server's memory and keys
+        (a round trip to it), which the metrics exporter asks for from its own thread."""
         pages = sum(ns.pages for ns in self.namespaces.values())
         tiers = []
         if self.gpu_placement is not None:
@@ -155,6 +157,6 @@ class Store(Loads, Writes):
         counters["pinned_bytes"] = self.pins.bytes
         counters["namespaces"] = len(self.namespaces)
         if self.lower is not None:
-            tiers += self.lower.usage()
+            tiers += self.lower.usage(server_usage)
             counters.update(self.lower.figures())
         return StoreStats(tiers, namespaces, counters)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -83,3 +84,29 @@ def test_errors_are_one_clear_line(daemon: Daemon, tmp_path) -> None:  # type: i
     down = kvctl(None, "stats", address=f"unix://{tmp_path}/nothing.sock")
     assert down.returncode == 1 and down.stderr.startswith("kvctl: Stats:") and "UNAVAILABLE" in down.stderr
     assert "Traceback" not in down.stderr
+
+
+def test_version_and_a_frame_of_top(daemon: Daemon) -> None:
+    from kvstore import __version__
+
+    version = kvctl(None, "--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"kvctl {__version__}"
+    with fill(daemon, "model-top", 1024) as client:
+        assert client.lookup(list(range(1024)) + [5] * 256) == 1024  # 4 hits, 1 miss
+        top = kvctl(daemon, "top", "--once", "--interval", "0.2")
+    assert top.returncode == 0, top.stderr
+    assert f"kvstored {__version__}" in top.stdout and "hit ratio 80.0%" in top.stdout
+    lines = top.stdout.splitlines()
+    cpu = next(line for line in lines if line.strip("│ ").startswith("cpu"))
+    assert "64.0 MiB" in cpu and cpu.split("│")[5].strip() == "4"  # capacity, pages
+    assert any("model-top" in line and "│ 4 " in line for line in lines)
+
+
+def test_json_logs_are_one_object_per_line(daemon_factory: Callable[..., Daemon]) -> None:
+    daemon = daemon_factory(log_format="json")
+    assert kvctl(daemon, "health").returncode == 0
+    daemon.stop()
+    lines = [json.loads(line) for line in daemon.log().splitlines()]
+    assert lines and all({"time", "level", "logger", "message", "pid"} <= line.keys() for line in lines)
+    assert any(line["message"].startswith("kvstored ") and "serving on" in line["message"] for line in lines)
+    assert {line["level"] for line in lines} <= {"debug", "info", "warning", "error"}

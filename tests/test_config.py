@@ -197,7 +197,9 @@ def test_unknown_key_without_a_close_one_lists_the_valid_keys() -> None:
         error_of({"leases": {"zzz": 1}})
         == "leases.zzz: unknown key (valid keys: ttl_s, max_ttl_s, reap_interval_s, quarantine_s)"
     )
-    assert error_of({"gpu": {}}).startswith("gpu: unknown key (valid keys: log_level, chunk_tokens, server,")
+    assert error_of({"gpu": {}}).startswith(
+        "gpu: unknown key (valid keys: log_level, log_format, chunk_tokens, server,"
+    )
 
 
 @pytest.mark.parametrize(

@@ -336,3 +336,7 @@ def test_kvctl_pins_a_system_prompt_in_the_daemon(daemon: Daemon, tmp_path: Path
     assert "INVALID_ARGUMENT" in too_long.stderr
     both = kvctl(daemon, "pin", ns.hex(), "--ttl", "5")
     assert both.returncode == 1 and "give the chain as --tokens FILE or as --keys" in both.stderr
+    (tmp_path / "other.json").write_text(json.dumps(list(range(100, 164))))
+    nothing = kvctl(daemon, "pin", ns.hex(), "--tokens", str(tmp_path / "other.json"), "--ttl", "60")
+    assert nothing.returncode == 1 and nothing.stdout.startswith("pinned 0 chunks")
+    assert f"no chunk of the chain is stored in namespace {ns.hex()}" in nothing.stderr

@@ -356,6 +356,7 @@ class DiskTier(DiskWorkers):
             "skipped_on_recovery",
             "evicted",
             "errors",
+            "outages",
         ):
             figures.setdefault(name, 0)
         return figures

@@ -273,6 +273,7 @@ class DiskWorkers:
             self.enabled = False
             self.error = f"{doing}: {exc.strerror or exc}"
             self.counters["errors"] += 1
+            self.counters["outages"] += 1
             writes = [write for write in self._writes if not write.cancelled]
             reads = list(self._reads)
             unsynced, self._unsynced = self._unsynced, []

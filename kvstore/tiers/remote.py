@@ -332,6 +332,8 @@ class RemoteTier:
             self.counters["errors"] += 1
             was_up = self._clock() >= self._down_until
             self._down_until = self._clock() + self.config.retry_s
+            if was_up:
+                self.counters["outages"] += 1
         if was_up:
             log.warning(
                 "remote tier %s: %s failed (%s); its pages are misses for %.1f s, then it is tried again",
@@ -362,6 +364,7 @@ class RemoteTier:
             "lookup_timeouts",
             "stats_failures",
             "errors",
+            "outages",
         ):
             figures.setdefault(name, 0.0)
         return figures

@@ -1,0 +1,365 @@
+"""Prometheus metrics and HTTP probes on `server.metrics_address` (off by default).
+
+`GET /metrics` is Prometheus text format written by `prometheus_client` from a collector that,
+at each scrape, takes a snapshot of the daemon's figures on the event loop (`Snapshot.take`:
+the stores' stats, a few dict copies, no I/O) and builds the families in the HTTP server's
+own thread; the remote server's memory and key count (a round trip to it) are asked for from
+that thread too. Every family is present from the first scrape: a counter that has not moved
+reads 0. Names follow Prometheus's rules: `kvstore_` prefix, `_total` counters, `_bytes`,
+`_seconds`.
+
+`GET /healthz` answers 200 while the process serves HTTP; `GET /readyz` answers 200 once the
+daemon serves (arenas mapped, the event loop answering within `PROBE_TIMEOUT_S`) and 503 while
+it starts or stops. A disk tier that turned itself off or a remote server that is down is
+reported in the body (JSON), not counted as not ready: the daemon still serves from the tiers
+it has.
+
+RPC latency: `stats.RpcTimings`, which both transports feed for every call, copied into the
+snapshot.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    make_wsgi_app,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from kvstore import __version__
+from kvstore.index import StoreStats
+from kvstore.stats import RPC_BUCKETS, combined
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from kvstore.handlers import Handlers
+
+log = logging.getLogger(__name__)
+
+MAX_MODEL_LABELS = 64  # distinct model names labelled in kvstore_namespace_pages; the rest are "other"
+PROBE_TIMEOUT_S = 2.0  # the event loop must answer a scrape or a readiness probe within this
+
+
+@dataclass
+class Snapshot:
+    """The daemon's figures at one moment, taken on the event loop."""
+
+    stats: StoreStats
+    per_tenant: dict[str, StoreStats]
+    rpc: dict[tuple[str, str], tuple[list[int], float]]
+    serving: bool
+    uptime_s: float
+    remotes: list[Any] = field(default_factory=list)  # RemoteTier objects, asked from the scrape thread
+
+    @classmethod
+    def take(cls, handlers: Handlers) -> Snapshot:
+        per_tenant = {name: store.stats(server_usage=False) for name, store in handlers.stores.items()}
+        stats = combined(list(per_tenant.values()))
+        stats.counters.update(handlers.counters)
+        remotes = [s.lower.remote for s in handlers.stores.values() if s.lower is not None and s.lower.remote]
+        return cls(
+            stats,
+            per_tenant,
+            handlers.timings.copy(),
+            handlers.serving,
+            time.monotonic() - handlers.started,
+            remotes,
+        )
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, work: Callable[[], Any], timeout_s: float) -> Any:
+    """`work()` run on the event loop, from another thread; TimeoutError if the loop does not get
+    to it within `timeout_s`."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(work())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    loop.call_soon_threadsafe(run)
+    try:
+        return future.result(timeout_s)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"the event loop did not answer within {timeout_s:g} s") from None
+
+
+class DaemonCollector:
+    """The `kvstore_*` families, from a snapshot per scrape."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # families depend on the tiers configured: collected, not described
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield from families(snap, remote_usage(snap.remotes))
+
+
+def remote_usage(remotes: list[Any]) -> tuple[int, int, int] | None:
+    """(used, maxmemory, keys) of the remote server (one server is shared by the tenants' tiers)."""
+    if not remotes:
+        return None
+    return tuple(remotes[0].server_usage())  # type: ignore[return-value]
+
+
+def families(snap: Snapshot, remote: tuple[int, int, int] | None = None) -> Iterator[Metric]:
+    stats, counters = snap.stats, snap.stats.counters
+    tiers = {tier.name: tier for tier in stats.tiers}
+    extra = {name: tier.extra or {} for name, tier in tiers.items()}
+
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        return CounterMetricFamily(f"kvstore_{name}", doc, value=value)
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(f"kvstore_{name}", doc, value=value)
+
+    def by_tier(kind: type, name: str, doc: str, values: Mapping[str, float]) -> Metric:
+        family = kind(f"kvstore_{name}", doc, labels=["tier"])
+        for tier, value in values.items():
+            family.add_metric([tier], value)
+        return family
+
+    info = GaugeMetricFamily("kvstore_build_info", "The daemon's version (value 1).", labels=["version"])
+    info.add_metric([__version__], 1)
+    yield info
+    yield gauge("uptime_seconds", "Seconds since the daemon started.", snap.uptime_s)
+    yield gauge(
+        "serving", "1 while the daemon serves calls, 0 while it starts or stops.", float(snap.serving)
+    )
+    yield counter("lookups", "Lookup calls.", counters.get("lookups", 0))
+    yield counter(
+        "lookup_hit_chunks", "Chunks Lookups found stored (the leading run).", counters.get("hit_chunks", 0)
+    )
+    yield counter(
+        "lookup_missed_chunks", "Chunks Lookups asked for and did not find.", counters.get("missed_chunks", 0)
+    )
+    yield counter("cleared_pages", "Pages removed by Clear.", counters.get("cleared_chunks", 0))
+    yield counter(
+        "expired_leases",
+        "Leases whose client did not finish them in time.",
+        counters.get("expired_leases", 0),
+    )
+    yield counter(
+        "fenced_leases", "Expired store leases whose slots were fenced.", counters.get("fenced_leases", 0)
+    )
+    yield counter(
+        "refused_local_connections",
+        "Local-channel connections refused at the connection caps.",
+        counters.get("refused_local_connections", 0),
+    )
+    stored = {"cpu": counters.get("stored_chunks", 0)}
+    evicted = {"cpu": counters.get("evicted_chunks", 0)}
+    promoted = {"cpu": counters.get("promoted_chunks", 0)}  # read up from disk or remote into the arena
+    demoted: dict[str, float] = {}
+    dropped: dict[str, float] = {}
+    errors: dict[str, float] = {}
+    outages: dict[str, float] = {}
+    up: dict[str, float] = {"cpu": 1.0}
+    if "gpu" in tiers:
+        promoted["gpu"] = extra["gpu"].get("promoted_chunks", 0)
+        evicted["gpu"] = demoted["cpu"] = extra["gpu"].get("demoted_chunks", 0)
+        up["gpu"] = 1.0
+    if "disk" in tiers:
+        disk = extra["disk"]
+        stored["disk"], evicted["disk"] = disk.get("written", 0), disk.get("evicted", 0)
+        demoted["disk"] = counters.get("demoted_chunks", 0)
+        dropped["disk"], errors["disk"] = disk.get("dropped_writes", 0), disk.get("errors", 0)
+        outages["disk"], up["disk"] = disk.get("outages", 0), disk.get("enabled", 0)
+    if "remote" in tiers:
+        remote_extra = extra["remote"]
+        stored["remote"] = remote_extra.get("written", 0)
+        demoted["remote"] = counters.get("demoted_remote_chunks", 0)
+        dropped["remote"], errors["remote"] = (
+            remote_extra.get("dropped_writes", 0),
+            remote_extra.get("errors", 0),
+        )
+        outages["remote"], up["remote"] = remote_extra.get("outages", 0), remote_extra.get("up", 0)
+    yield by_tier(CounterMetricFamily, "stored_pages", "Pages stored into each tier.", stored)
+    yield by_tier(CounterMetricFamily, "evicted_pages", "Pages each tier evicted to make room.", evicted)
+    yield by_tier(CounterMetricFamily, "promoted_pages", "Pages moved up into each tier.", promoted)
+    yield by_tier(CounterMetricFamily, "demoted_pages", "Pages written down into each tier.", demoted)
+    yield by_tier(
+        CounterMetricFamily, "dropped_writes", "Pages a lower tier did not write (its queue full).", dropped
+    )
+    yield by_tier(CounterMetricFamily, "tier_errors", "I/O errors of each lower tier.", errors)
+    yield by_tier(CounterMetricFamily, "tier_outages", "Times a lower tier went out of service.", outages)
+    yield by_tier(GaugeMetricFamily, "tier_up", "1 while the tier serves, 0 while it is off or down.", up)
+    used = {name: float(tier.bytes_used) for name, tier in tiers.items()}
+    capacity = {name: float(tier.bytes_capacity) for name, tier in tiers.items()}
+    pages = {name: float(tier.pages) for name, tier in tiers.items()}
+    if remote is not None and "remote" in tiers:
+        used["remote"], capacity["remote"], pages["remote"] = (float(v) for v in remote)
+    yield by_tier(GaugeMetricFamily, "tier_used_bytes", "Bytes each tier holds (remote: the server's).", used)
+    yield by_tier(
+        GaugeMetricFamily,
+        "tier_capacity_bytes",
+        "Bytes each tier may hold (remote: maxmemory, 0: none).",
+        capacity,
+    )
+    yield by_tier(
+        GaugeMetricFamily, "tier_pages", "Pages each tier holds (remote: keys of its database).", pages
+    )
+    yield from _namespace_families(snap)
+    leases = GaugeMetricFamily("kvstore_active_leases", "Leases held now, by kind.", labels=["kind"])
+    leases.add_metric(["store"], counters.get("active_store_leases", 0))
+    leases.add_metric(["load"], counters.get("active_load_leases", 0))
+    yield leases
+    yield gauge("pinned_pages", "Pages pinned against eviction.", counters.get("pinned_pages", 0))
+    yield gauge("pinned_bytes", "Bytes of the pinned pages.", counters.get("pinned_bytes", 0))
+    yield gauge(
+        "quarantined_bytes",
+        "Arena bytes fenced after a writer's lease expired.",
+        counters.get("quarantined_bytes", 0),
+    )
+    yield _rpc_family(snap.rpc)
+
+
+def _namespace_families(snap: Snapshot) -> Iterator[Metric]:
+    """Pages per (tenant, model): model names, not namespace digests, at most MAX_MODEL_LABELS of
+    them (the rest summed as "other"), so the label set stays bounded whatever clients send."""
+    pages: Counter[tuple[str, str]] = Counter()
+    models: set[str] = set()
+    namespaces = 0
+    for tenant, stats in sorted(snap.per_tenant.items()):
+        for ns in stats.namespaces:
+            namespaces += 1
+            model = ns.model
+            if model not in models and len(models) >= MAX_MODEL_LABELS:
+                model = "other"
+            else:
+                models.add(model)
+            pages[(tenant, model)] += ns.pages
+    family = GaugeMetricFamily(
+        "kvstore_namespace_pages",
+        f"Pages stored per tenant and model (at most {MAX_MODEL_LABELS} models; the rest as 'other').",
+        labels=["tenant", "model"],
+    )
+    for (tenant, model), count in sorted(pages.items()):
+        family.add_metric([tenant, model], count)
+    yield family
+    yield GaugeMetricFamily("kvstore_namespaces", "Namespaces registered.", value=namespaces)
+
+
+def _rpc_family(rpc: Mapping[tuple[str, str], tuple[list[int], float]]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(
+        "kvstore_rpc_duration_seconds",
+        "Time the daemon took to answer a call, by channel and method.",
+        labels=["channel", "method"],
+    )
+    for (channel, method), (counts, total) in sorted(rpc.items()):
+        cumulative, buckets = 0, []
+        for bound, count in zip((*RPC_BUCKETS, float("inf")), counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        family.add_metric([channel, method], buckets, total)
+    return family
+
+
+# -- the HTTP server -----------------------------------------------------------------------
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape a second would fill the log
+
+
+class MetricsServer:
+    """`/metrics`, `/healthz` and `/readyz` on `address` ("host:port"), served from a thread."""
+
+    def __init__(self, address: str, handlers: Handlers, loop: asyncio.AbstractEventLoop) -> None:
+        self.address = address
+        self._handlers = handlers
+        self._loop = loop
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.registry.register(DaemonCollector(self._snapshot))  # type: ignore[arg-type]
+        self._metrics_app = make_wsgi_app(self.registry)
+        self._httpd: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def _snapshot(self) -> Snapshot:
+        return on_loop(self._loop, lambda: Snapshot.take(self._handlers), PROBE_TIMEOUT_S)  # type: ignore[no-any-return]
+
+    def start(self) -> None:
+        host, port = self.address.rsplit(":", 1)
+        self._httpd = make_server(host.strip("[]"), int(port), self._app, _Server, _QuietHandler)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvstore-metrics", daemon=True)
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        assert self._httpd is not None
+        return int(self._httpd.server_address[1])
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            try:
+                return self._metrics_app(environ, start_response)  # type: ignore[no-any-return]
+            except TimeoutError as exc:
+                return _reply(start_response, "503 Service Unavailable", {"ready": False, "reason": str(exc)})
+        if path == "/healthz":
+            return _reply(start_response, "200 OK", {"alive": True})
+        if path == "/readyz":
+            status, body = self.readiness()
+            return _reply(start_response, status, body)
+        return _reply(start_response, "404 Not Found", {"paths": ["/metrics", "/healthz", "/readyz"]})
+
+    def readiness(self) -> tuple[str, dict[str, Any]]:
+        try:
+            snap = self._snapshot()
+        except TimeoutError as exc:
+            return "503 Service Unavailable", {"ready": False, "reason": str(exc)}
+        tiers: dict[str, Any] = {}
+        for tier in snap.stats.tiers:
+            extra = tier.extra or {}
+            if tier.name == "disk":
+                tiers["disk"] = {"serving": bool(extra.get("enabled", 0)), "outages": extra.get("outages", 0)}
+            elif tier.name == "remote":
+                tiers["remote"] = {"serving": bool(extra.get("up", 0)), "outages": extra.get("outages", 0)}
+            else:
+                tiers[tier.name] = {"serving": True}
+        body = {"ready": snap.serving, "tiers": tiers, "version": __version__}
+        if not snap.serving:
+            body["reason"] = "starting or stopping"
+        return ("200 OK" if snap.serving else "503 Service Unavailable"), body
+
+
+def _reply(start_response: Callable[..., Any], status: str, body: Mapping[str, Any]) -> list[bytes]:
+    data = (json.dumps(body) + "\n").encode()
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+    return [data]
