@@ -9,6 +9,7 @@ the mapping as uint8 (None when nothing is mapped); `epoch` is the mapped arena'
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from kvstore.peers import boot_id
+from kvstore.wire import MEMFD_PREFIX
 from kvstore_client.transfers import Streams
 
 log = logging.getLogger(__name__)
@@ -33,8 +35,12 @@ class MappedArena:
         self.epoch = 0
         self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the daemon's arena file
 
-    def map(self, arena: Any, identity: tuple[int, int], streams: Streams | None = None) -> None:
-        """Maps the arena `pb.Arena` names (dropping any mapping first)."""
+    def map(
+        self, arena: Any, identity: tuple[int, int], streams: Streams | None = None, handed: int | None = None
+    ) -> None:
+        """Maps the arena `pb.Arena` names (dropping any mapping first). A sealed arena (a
+        tenant's: no path) is mapped from `handed`, the descriptor its Connect reply carried
+        (the caller keeps and closes it)."""
         self.unmap(streams)
         if self.want_shared_memory is False:
             return
@@ -45,7 +51,14 @@ class MappedArena:
             log.info("the daemon runs on another host: page bytes go inline")
             return
         try:
-            fd = os.open(path, os.O_RDWR)
+            if path.startswith(MEMFD_PREFIX):
+                if handed is None:
+                    raise OSError(
+                        errno.ENOENT, "it is handed only with a Connect on the daemon's local channel"
+                    )
+                fd = os.dup(handed)
+            else:
+                fd = os.open(path, os.O_RDWR)
         except OSError as exc:
             if self.want_shared_memory:
                 raise ConnectionError(

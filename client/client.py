@@ -166,13 +166,25 @@ class KVStoreClient(StorePath, LoadPath):
             spec=page_spec_message(page, chunk_tokens=spec.chunk_tokens or 0),  # 0: the daemon's
             device_pci_bus_id=device_bus_id(),
         )
-        if self._want_local_channel is not False and self._conn.local is None:
+        if self._want_local_channel is not False and self._conn.local is None and not self._conn.has_token:
             from kvstore.paths import local_socket_of  # not at import: `import kvstore_client` stays light
 
             # Connect where the daemon knows this process by its uid (its tenant), when it can.
             self._conn.open_local(local_socket_of(self._conn.address))
         reply = self._conn.rpc("Connect", request)
         connected_locally = self._conn.local is not None
+        handed = self._conn.local.take_fd() if self._conn.local is not None else None
+        try:
+            self._connected(request, reply, spec, connected_locally, handed)
+        finally:
+            if handed is not None:
+                os.close(handed)
+
+    def _connected(
+        self, request: Any, reply: Any, spec: KVSpec, connected_locally: bool, handed: int | None
+    ) -> None:
+        """Takes a Connect reply: checks it, maps the arena (from `handed` if it is sealed),
+        opens the local channel."""
         # Checked before anything is kept: a daemon restarted with an incompatible config leaves
         # this client as it was (and in an outage, when it connects again).
         if reply.chunk_tokens % spec.block_size:
@@ -204,7 +216,7 @@ class KVStoreClient(StorePath, LoadPath):
         ):
             self._renewer.forget()  # leases of another daemon
             self._gpu_pools.close()
-            mapped.map(reply.arena, identity, self._streams)
+            mapped.map(reply.arena, identity, self._streams, handed)
             mapped.identity = identity
             mapped.epoch = reply.epoch if mapped.tensor is not None else 0
             if mapped.tensor is not None:  # same host: the GPU tier's pools can be opened too

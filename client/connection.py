@@ -31,6 +31,7 @@ from kvstore.errors import (
     KVStoreError,
     NotFound,
     StaleEpoch,
+    Unauthenticated,
     Unavailable,
     from_rpc_error,
 )
@@ -108,6 +109,7 @@ class Connection:
         self.address = address
         self.timeout_s = timeout_s
         self._token = token
+        self._credential = False  # gRPC calls carry a credential the daemon issued (void at its restart)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         options = [
             ("grpc.max_receive_message_length", _CHANNEL_LIMIT),
@@ -152,7 +154,8 @@ class Connection:
             try:
                 return self.rpc(method, make_request(), meanwhile)
             except KVStoreError as exc:
-                if not is_outage(exc):
+                # A daemon that restarted no longer knows the credential it issued: connect again.
+                if not (is_outage(exc) or (self._credential and isinstance(exc, Unauthenticated))):
                     raise
                 self.lost(exc)
                 if again or isinstance(exc, DeadlineExceeded):
@@ -196,6 +199,9 @@ class Connection:
         assert self.local is not None
         try:
             same = self.local.call("Connect", request).namespace == namespace
+            handed = self.local.take_fd()
+            if handed is not None:
+                os.close(handed)
         except KVStoreError as exc:
             same, reason = False, str(exc)
         else:
@@ -204,11 +210,17 @@ class Connection:
             log.info("the daemon's local channel is not used (%s): control calls use gRPC", reason)
             self.close_local()
 
+    @property
+    def has_token(self) -> bool:
+        """The caller gave a token: the daemon knows this client by it, not by its uid."""
+        return bool(self._token)
+
     def use_credential(self, credential: str) -> None:
         """gRPC calls carry the credential the daemon issued at Connect (who this client is, for
         a daemon with tenants), unless the caller gave a token of its own."""
-        if credential and not self._token:
-            self.metadata = (("authorization", f"Bearer {credential}"),)
+        if not self._token:
+            self._credential = bool(credential)
+            self.metadata = (("authorization", f"Bearer {credential}"),) if credential else ()
 
     def serving(self, epoch: int) -> None:
         """A handshake went through: the outage, if any, is over."""

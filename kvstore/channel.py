@@ -12,8 +12,10 @@ frame each way. `kvstore_client` and `kvctl` both call the daemon through it.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -25,6 +27,7 @@ from kvstore.wire import HEADER, METHOD_IDS, UNARY_METHODS
 log = logging.getLogger(__name__)
 
 RECV_BYTES = 1 << 16
+_MAX_FDS = 4  # room for descriptors with a reply (one is sent)
 
 
 class Refused(Unavailable):
@@ -47,6 +50,8 @@ class LocalChannel:
         self._lock = threading.RLock()  # a failed call closes the channel while holding it
         self._unread: list[str] = []  # methods sent without waiting whose replies are still unread
         self._buffer = bytearray()  # received bytes not yet taken as a reply
+        self._fds: list[int] = []  # descriptors received with replies (a Connect's: the arena)
+        self._with_fds = False  # reading a reply that may carry descriptors
 
     def call(self, method: str, request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
         """The reply to `request`; `meanwhile()` runs while the daemon works on it (the channel
@@ -57,6 +62,7 @@ class LocalChannel:
         ran = False
         try:
             with self._lock:
+                self._with_fds = method == "Connect"
                 self._sock.sendall(HEADER.pack(len(payload), METHOD_IDS[method]) + payload)
                 self._read_unread()  # the daemon works on this request meanwhile
                 if meanwhile is not None:
@@ -126,10 +132,25 @@ class LocalChannel:
         return status, body
 
     def _fill(self) -> None:
-        part = self._sock.recv(RECV_BYTES)
+        if self._with_fds:
+            part, ancillary, _, _ = self._sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(_MAX_FDS * 4))
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                    self._fds.extend(fds)
+        else:
+            part = self._sock.recv(RECV_BYTES)
         if not part:
             raise ConnectionError("connection closed")
         self._buffer += part
+
+    def take_fd(self) -> int | None:
+        """The descriptor the last Connect's reply carried (the caller owns it), if any."""
+        fds, self._fds = self._fds, []
+        for extra in fds[:-1]:
+            os.close(extra)
+        return fds[-1] if fds else None
 
     def close(self) -> None:
         """Closes the channel; a call blocked on it in another thread (the lease renewal) wakes
@@ -138,3 +159,6 @@ class LocalChannel:
             self._sock.shutdown(socket.SHUT_RDWR)
         with self._lock:
             self._sock.close()
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []

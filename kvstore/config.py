@@ -334,9 +334,9 @@ MAX_TENANT_NAMESPACES = 4096
 class TenantConfig:
     """One tenant: who its members are (local uids and gids, TCP tokens) and its shares.
 
-    Its pages live in an arena of its own (`cpu_bytes`, owned by its first uid or readable by
-    its first gid only), its namespaces are keyed by its name, and eviction within the arena
-    keeps it at its quota: no tenant can read, write, evict or name another's pages.
+    Its pages live in an arena of its own (`cpu_bytes`, a sealed memfd that the daemon hands to
+    its members only), its namespaces are keyed by its name, and eviction within the arena keeps
+    it at its quota: no tenant can read, write, evict or name another's pages.
     """
 
     name: str = ""  # lower-case letters, digits, '.', '_', '-'; keys its namespaces
@@ -361,12 +361,6 @@ class TenantConfig:
                 if not 0 <= value < 2**32 - 1:
                     expected = f"expected an id in 0..4294967294, got {value}"
                     raise ConfigError(f"{join(path, key)}[{i}]", expected)
-        if len(self.uids) > 1 and not self.gids:
-            raise ConfigError(
-                join(path, "gids"),
-                f"{len(self.uids)} uids share the tenant's arena through its group: "
-                f"name a gid they all belong to",
-            )
 
     def tokens(self, path: str) -> frozenset[str]:
         """The bearer tokens in tokens_file (one per line; blank lines and '#' comments skipped),

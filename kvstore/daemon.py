@@ -5,8 +5,8 @@ a dead one (replace its stale socket and arena); nothing another user could plan
 at those paths is followed or removed (`claim`). A SIGTERM/SIGINT at any moment
 of start-up ends it after the step under way, removing whatever was created.
 With `tenants`, each tenant gets tiers of its own: an arena of its cpu_bytes that only its
-members can map (owned by its first uid, or its first gid with mode 0660), a disk directory
-of its disk_bytes, its own connections to the remote tier, and a store over them
+members can map (a sealed memfd, handed to them over the local channel: `tiers.cpu.Arena`),
+a disk directory of its disk_bytes, its own connections to the remote tier, and a store over them
 (`kvstore.handlers`, `kvstore.tenants`).
 Stop (SIGTERM/SIGINT): health goes NOT_SERVING and calls that start work are
 refused (clients count a miss); stores and loads in flight finish (the daemon
@@ -91,16 +91,18 @@ class Tiers:
 
     async def open(self, config: Config, socket_path: Path, starting: Callable[[], None]) -> Store:
         tenant, cpu_config = self.tenant, config.tiers.cpu
-        name, size, mode, owner = arena_name(socket_path), cpu_config.bytes, cpu_config.file_mode, None
+        name, size, sealed = arena_name(socket_path), cpu_config.bytes, tenant is not None
         disk_config = config.tiers.disk
         if tenant is not None:
-            name, size, (mode, owner) = f"{name}-{tenant.name}", tenant.cpu_bytes, _arena_owner(tenant)
+            name, size = f"{name}-{tenant.name}", tenant.cpu_bytes
             disk_config = replace(
                 disk_config,
                 path=str(Path(disk_config.path) / "tenants" / tenant.name),
                 bytes=config.tenant_disk_bytes(tenant),
             )
-        self.arena = Arena(Path(cpu_config.shm_dir) / name, size, mode, cpu_config.prefault, owner)
+        self.arena = Arena(
+            Path(cpu_config.shm_dir) / name, size, cpu_config.file_mode, cpu_config.prefault, sealed
+        )
         starting()
         if disk_config.enabled:
             self.disk = DiskTier(disk_config)
@@ -142,15 +144,6 @@ class Tiers:
             await _cleanup(f"the remote tier{self.label}", asyncio.to_thread(self.remote.close, grace_s))
         if self.arena is not None:
             await _cleanup(f"the arena{self.label}", asyncio.to_thread(self.arena.close, True))
-
-
-def _arena_owner(tenant: TenantConfig) -> tuple[int, tuple[int, int]]:
-    """(mode, (uid, gid)) of a tenant's arena file: its one uid's alone (0600), or shared by its
-    first gid (0660; owned by its first uid, or the daemon's where it names none)."""
-    uid = tenant.uids[0] if tenant.uids else os.geteuid()
-    if tenant.gids:
-        return 0o660, (uid, tenant.gids[0])
-    return 0o600, (uid, os.getegid())
 
 
 def _raise_file_limit() -> None:
@@ -388,14 +381,6 @@ def _checked(config: Config) -> Config:
             "tiers.cpu.shm_dir", f"{shm_dir} is not a directory on this host (a tmpfs: /dev/shm)"
         )
     tenancy(config)  # the tokens files are readable, private, and each token is one tenant's
-    if config.tenants and os.geteuid() != 0:
-        mine = (os.geteuid(), os.getegid())
-        if any(_arena_owner(t)[1] != mine for t in config.tenants):
-            raise ConfigError(
-                "tenants",
-                "tenants' arenas are given their members as owners, which needs the daemon to run as "
-                "root (kvstored is a system service)",
-            )
     if config.server.max_local_connections_per_uid > config.server.max_local_connections:
         raise ConfigError(
             "server.max_local_connections_per_uid",

@@ -127,6 +127,11 @@ class Handlers:
             credential=self.tenancy.credential(caller) if caller and caller.peer is not None else "",
         )
 
+    def arena_fd(self, caller: Caller | None) -> int:
+        """The descriptor of the caller's tenant's sealed arena, which the local channel hands to
+        it with its Connect reply (-1: the arena has a path the worker opens itself)."""
+        return self._store(caller).cpu.arena.fd
+
     @staticmethod
     def _gpu_pools(store: Store) -> list[pb.GpuPool]:
         placement = store.gpu_placement
@@ -285,8 +290,8 @@ class Handlers:
         if caller.admin or not self.tenancy.enabled:
             stats = combined([store.stats() for store in self.stores.values()])
             stats.counters.update(self.counters)
-        else:
-            stats = self._store(caller).stats()
+        else:  # a member: its tenant's figures, not the shared remote server's totals
+            stats = self._store(caller).stats(server_usage=False)
         return stats_message(stats, __version__, time.monotonic() - self.started)
 
     def Clear(self, request: pb.ClearRequest, caller: Caller | None = None) -> pb.ClearResponse:

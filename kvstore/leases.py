@@ -26,8 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.errors import FailedPrecondition, NotFound
+from kvstore.errors import FailedPrecondition, NotFound, ResourceExhausted
 from kvstore.peers import Peer
+
+# Pages all of a store's leases may hold at once (a list entry each): a lease may name one page
+# many times, so this, not the arena, bounds what leases cost.
+MAX_LEASED_ENTRIES = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +60,10 @@ class Lease:
 
 
 class LeaseTable:
-    def __init__(self, max_age_s: float = float("inf")) -> None:
+    def __init__(self, max_age_s: float = float("inf"), max_entries: int = MAX_LEASED_ENTRIES) -> None:
         self.max_age_s = max_age_s  # renewals end this long after a lease began
+        self.max_entries = max_entries  # pages all leases may hold together (a lease may name one often)
+        self.entries = 0
         self._leases: dict[int, Lease] = {}
         self._deadlines: list[tuple[float, int]] = []
 
@@ -74,6 +80,12 @@ class LeaseTable:
         keys: list[bytes] | None = None,
         writer: Peer | None = None,
     ) -> Lease:
+        if self.entries + len(entries) > self.max_entries:
+            raise ResourceExhausted(
+                f"leases hold {self.entries} pages; {len(entries)} more would pass {self.max_entries}: "
+                f"release leases (or let them expire) first"
+            )
+        self.entries += len(entries)
         lease_id = secrets.randbits(63) or 1
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
@@ -99,7 +111,10 @@ class LeaseTable:
         return self._leases.get(lease_id)
 
     def pop(self, lease_id: int) -> Lease | None:
-        return self._leases.pop(lease_id, None)
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self.entries -= len(lease.entries)
+        return lease
 
     def pop_expired(self, now: float) -> list[Lease]:
         expired = []
@@ -108,6 +123,7 @@ class LeaseTable:
             lease = self._leases.get(lease_id)
             if lease is not None and lease.expires_at <= now:
                 expired.append(self._leases.pop(lease_id))
+                self.entries -= len(lease.entries)
         return expired
 
     def held(self, namespace: bytes, lease_id: int, kind: LeaseKind) -> Lease:

@@ -16,6 +16,8 @@ handler that must wait (an Acquire of pages coming from disk) holds the frames b
 A request frame over `wire.MAX_REQUEST_BYTES` is refused before its body is read, and its
 connection closed. The socket is guarded by its
 file mode, like the gRPC socket; page bytes never travel here (they go through the arena).
+A tenant's arena has no path (a sealed memfd, `kvstore.tiers.cpu.Arena`): the reply to a Connect
+carries its descriptor (SCM_RIGHTS) to the tenant's member that asked.
 Each connection knows its peer (pid, uid, gid and groups from the socket's credentials): that is
 who the caller is (`kvstore.tenants`: its tenant, whether an admin), and a store lease taken on
 it is fenced, if it expires, until that connection is closed and that process gone.
@@ -34,9 +36,13 @@ where a loop that slept may first wait for its core to wake (slowest on virtual 
 
 from __future__ import annotations
 
+import array
 import asyncio
+import contextlib
 import inspect
 import logging
+import os
+import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable
@@ -48,11 +54,20 @@ from kvstore.errors import status_of
 from kvstore.handlers import Handlers
 from kvstore.peers import Peer
 from kvstore.tenants import Caller
-from kvstore.wire import HEADER, MAX_REQUEST_BYTES, METHOD_NAMES, UNARY_METHODS, frame, parse_request
+from kvstore.wire import (
+    HEADER,
+    MAX_REQUEST_BYTES,
+    MEMFD_PREFIX,
+    METHOD_NAMES,
+    UNARY_METHODS,
+    frame,
+    parse_request,
+)
 
 log = logging.getLogger(__name__)
 
 REFUSAL_WARNING_S = 10.0  # at most one warning this often about connections refused at the caps
+MAX_OUTSIDERS = 16  # with tenants: connections of processes in no tenant open at once, at most
 
 _OK = 0
 _INTERNAL = 13
@@ -75,6 +90,7 @@ class LocalChannelServer:
         self.max_connections_per_uid = max_connections_per_uid
         self._server: asyncio.Server | None = None
         self._sessions: set[_Session] = set()
+        self._outsiders: set[_Session] = set()  # connections of processes in no tenant
         self._per_uid: Counter[int] = Counter()
         self._refused = 0  # connections closed at the caps since the last warning
         self._warned_at = -REFUSAL_WARNING_S
@@ -107,7 +123,17 @@ class LocalChannelServer:
             self._warned_at, self._refused = now, 0
         return False
 
+    def admit_outsider(self, session: _Session) -> bool:
+        """A connection from a process in no tenant: kept (its calls are refused with the reason)
+        while fewer than MAX_OUTSIDERS are open, else closed at once, counted."""
+        if len(self._outsiders) < MAX_OUTSIDERS:
+            self._outsiders.add(session)
+            return True
+        self.handlers.counters["refused_outsider_connections"] += 1
+        return False
+
     def forget(self, session: _Session) -> None:
+        self._outsiders.discard(session)
         if session in self._sessions:
             self._sessions.discard(session)
             self._per_uid[session.peer.uid] -= 1
@@ -149,7 +175,7 @@ class LocalChannelServer:
         waiting = [s._waiting for s in self._sessions if s._waiting is not None]
         if waiting:
             await asyncio.wait(waiting, timeout=grace_s)
-        for session in list(self._sessions):
+        for session in [*self._sessions, *self._outsiders]:
             session.close()
         self.path.unlink(missing_ok=True)
 
@@ -168,6 +194,9 @@ class LocalChannelServer:
             if inspect.isawaitable(reply):
                 return self._later(name, reply, started)
             answer = frame(_OK, reply.SerializeToString())
+            if name == "Connect" and reply.arena.shm_path.startswith(MEMFD_PREFIX):
+                answer = WithFd(answer)
+                answer.fd = self.handlers.arena_fd(caller)
         self.handlers.timings.observe("local", name, time.perf_counter() - started)
         return answer
 
@@ -180,6 +209,12 @@ class LocalChannelServer:
             answer = frame(_OK, reply.SerializeToString())
         self.handlers.timings.observe("local", name, time.perf_counter() - started)
         return answer
+
+
+class WithFd(bytes):
+    """A reply frame sent with a descriptor (SCM_RIGHTS): a Connect's, with the sealed arena."""
+
+    fd = -1
 
 
 def _error_frame(name: str, exc: Exception) -> bytes:
@@ -204,6 +239,7 @@ class _Session(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._waiting: asyncio.Task[None] | None = None  # a reply being awaited: later frames queue
+        self._paused_writing = False
         self.peer = Peer()
         self.caller: Caller | None = None
 
@@ -212,8 +248,14 @@ class _Session(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self.peer = Peer.of_socket(sock)
-        self.caller = self._server.handlers.tenancy.of_peer(self.peer)
-        if not self._server.admit(self):
+        tenancy = self._server.handlers.tenancy
+        self.caller = tenancy.of_peer(self.peer)
+        # With tenants, a process in none (and no admin) holds no connection: it could only
+        # take room under the caps from the members.
+        # With tenants, a process in none (and no admin) takes no room under the caps from the
+        # members: a few such connections at most, each answered with why it may do nothing.
+        outsider = tenancy.enabled and self.caller.tenant is None and not self.caller.admin
+        if not (self._server.admit_outsider(self) if outsider else self._server.admit(self)):
             transport.close()
             self._transport = None
 
@@ -226,14 +268,22 @@ class _Session(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
-    # A worker that sends without reading fills the socket: stop reading its requests until it reads.
+    # A worker that sends without reading fills the socket, and one whose reply is awaited (an
+    # Acquire) may keep sending: its requests are not read meanwhile, so its buffer stays bounded.
     def pause_writing(self) -> None:
-        if self._transport is not None:
-            self._transport.pause_reading()
+        self._paused_writing = True
+        self._read_when_free()
 
     def resume_writing(self) -> None:
+        self._paused_writing = False
+        self._read_when_free()
+
+    def _read_when_free(self) -> None:
         if self._transport is not None:
-            self._transport.resume_reading()
+            if self._paused_writing or self._waiting is not None:
+                self._transport.pause_reading()
+            else:
+                self._transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
@@ -262,8 +312,30 @@ class _Session(asyncio.Protocol):
             self._server.keep_polling()
             if not isinstance(reply, bytes):
                 self._waiting = asyncio.ensure_future(self._send_later(reply))
+                self._read_when_free()
                 return
-            self._transport.write(reply)
+            if isinstance(reply, WithFd):
+                self._send_with_fd(reply, reply.fd)
+            else:
+                self._transport.write(reply)
+
+    def _send_with_fd(self, data: bytes, fd: int) -> None:
+        """Sends `data` with `fd` attached, on a duplicate of the connection's socket (transports
+        cannot send descriptors) while nothing is queued before it; else without it (the worker
+        then sends page bytes inline)."""
+        transport = self._transport
+        assert transport is not None
+        sock = transport.get_extra_info("socket")
+        sent = 0
+        if fd >= 0 and sock is not None and not transport.get_write_buffer_size():
+            rights = array.array("i", [fd])
+            with (
+                socket.socket(fileno=os.dup(sock.fileno())) as dup,
+                contextlib.suppress(BlockingIOError, InterruptedError),
+            ):
+                sent = dup.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+        if sent < len(data):
+            transport.write(data[sent:])
 
     async def _send_later(self, pending: Awaitable[bytes]) -> None:
         try:
@@ -272,4 +344,5 @@ class _Session(asyncio.Protocol):
                 self._transport.write(reply)
         finally:
             self._waiting = None
+            self._read_when_free()
         self._answer()

@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid (ids unsigned: 2^31 and up are ids too)
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+
 _MAX_GROUPS = 1024
 

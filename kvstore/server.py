@@ -81,17 +81,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         sent = dict(context.invocation_metadata() or ()).get("authorization")
+        unix = context.peer().startswith("unix:")
         token = None
         if sent is not None:
             if not isinstance(sent, str) or not sent.startswith(_BEARER):
                 raise Unauthenticated("the authorization metadata must be 'Bearer <token>'")
             token = sent[len(_BEARER) :]
-        elif self.auth_token is not None and not context.peer().startswith("unix:"):
+        elif self.auth_token is not None and not unix:
             raise Unauthenticated(
                 "TCP clients must send 'authorization: Bearer <token>' metadata "
                 "with the daemon's server.auth_token or their tenant's token"
             )
-        return self.handlers.tenancy.of_token(token)
+        return self.handlers.tenancy.of_token(token, unix)
 
     Connect = _unary("Connect")
     Lookup = _unary("Lookup")

@@ -47,6 +47,8 @@ def combined(parts: Sequence[StoreStats]) -> StoreStats:
             if seen is None:
                 tiers[tier.name] = tier._replace(extra=dict(tier.extra or {}))
                 continue
+            if tier.name == "remote":  # one server, shared: its memory and keys are counted once
+                tier = tier._replace(bytes_used=0, bytes_capacity=0, pages=0)
             extra = Counter(seen.extra or {})
             extra.update(tier.extra or {})
             tiers[tier.name] = TierUsage(

@@ -13,9 +13,10 @@ known by a bearer token: the operator's `server.auth_token` (an admin), a tenant
   `server.auth_token`) may do what
   spans tenants: Clear of everything, Stats of every tenant, shortening another's pin.
 
-A credential is `kvc1:<tenant>:<a|u>:<HMAC-SHA256 of the rest under a key made at start>`:
-nothing to store, unforgeable without the key, and void once the daemon restarts (clients
-then Connect again, and get a new one).
+A credential is `kvc1:<tenant>:<HMAC-SHA256 of the rest under a key made at start>`: nothing
+to store, unforgeable without the key, void once the daemon restarts (clients then Connect
+again and get a new one), accepted on the unix socket only and never an admin's. On the unix
+socket, a token the daemon does not know counts as none.
 """
 
 from __future__ import annotations
@@ -63,29 +64,45 @@ class Tenancy:
     # -- who is calling -----------------------------------------------------
 
     def of_peer(self, peer: Peer) -> Caller:
-        """A local-channel caller, by its socket's credentials."""
-        admin = peer.uid in self._admin_uids or any(g in self._admin_gids for g in (peer.gid, *peer.groups))
+        """A local-channel caller, by its socket's credentials. A process whose uid and groups
+        match more than one tenant is in none: it could open each one's arena."""
+        groups = (peer.gid, *peer.groups)
+        admin = peer.uid in self._admin_uids or any(g in self._admin_gids for g in groups)
         who = f"uid {peer.uid} (gid {peer.gid})"
         if not self.enabled:
             return Caller("", admin, peer, who)
-        tenant = self._by_uid.get(peer.uid)
-        if tenant is None:
-            tenant = next((self._by_gid[g] for g in (peer.gid, *peer.groups) if g in self._by_gid), None)
-        return Caller(tenant, admin, peer, who)
+        matched = {self._by_uid[peer.uid]} if peer.uid in self._by_uid else set()
+        matched.update(self._by_gid[g] for g in groups if g in self._by_gid)
+        if len(matched) > 1:
+            names = " and ".join(repr(name) for name in sorted(matched))
+            return Caller(None, admin, peer, f"{who}, which matches tenants {names} (one at most),")
+        return Caller(matched.pop() if matched else None, admin, peer, who)
 
-    def of_token(self, token: str | None) -> Caller:
-        """A gRPC caller, by the bearer token it sent (None: none)."""
+    @property
+    def members(self) -> bool:
+        """Whether local-channel connections are kept only for tenants' members and admins."""
+        return self.enabled
+
+    def of_token(self, token: str | None, unix: bool = True) -> Caller:
+        """A gRPC caller, by the bearer token it sent (None: none). On the unix socket a token
+        this daemon does not know is no token (a client may carry one for another daemon);
+        credentials (`credential`) count only there."""
+        anonymous = Caller(None if self.enabled else "", False, None, "a gRPC caller without a token")
         if token is None:
-            return Caller(None if self.enabled else "", False, None, "a gRPC caller without a token")
-        if self._admin_token is not None and hmac.compare_digest(token, self._admin_token):
+            return anonymous
+        if not (token.isascii() and token.isprintable()):
+            raise Unauthenticated("the token in 'authorization: Bearer <token>' must be printable ASCII")
+        if self._admin_token is not None and hmac.compare_digest(token.encode(), self._admin_token.encode()):
             return Caller(None if self.enabled else "", True, None, "the holder of server.auth_token")
-        if token.startswith(_CREDENTIAL_PREFIX + ":"):
+        if unix and token.startswith(_CREDENTIAL_PREFIX + ":"):
             caller = self._redeem(token)
             if caller is not None:
                 return caller
         tenant = self._tokens.get(token)
         if tenant is not None:
             return Caller(tenant, False, None, f"a token of tenant {tenant!r}")
+        if unix:
+            return anonymous
         raise Unauthenticated(
             "the token in 'authorization: Bearer <token>' is not one this daemon knows (server.auth_token, "
             "a tenant's tokens_file, or a credential from a Connect since the daemon last started): "
@@ -95,9 +112,11 @@ class Tenancy:
     # -- credentials for gRPC, issued on the local channel -------------------
 
     def credential(self, caller: Caller) -> str:
-        if caller.tenant is None:
+        """A tenant member's gRPC credential (none without tenants, where gRPC callers on the unix
+        socket are the one tenant anyway); it never carries admin rights."""
+        if not self.enabled or caller.tenant is None:
             return ""
-        body = f"{_CREDENTIAL_PREFIX}:{caller.tenant}:{'a' if caller.admin else 'u'}"
+        body = f"{_CREDENTIAL_PREFIX}:{caller.tenant}"
         return f"{body}:{self._mac(body)}"
 
     def _mac(self, body: str) -> str:
@@ -105,10 +124,10 @@ class Tenancy:
 
     def _redeem(self, token: str) -> Caller | None:
         body, _, mac = token.rpartition(":")
-        if not hmac.compare_digest(mac, self._mac(body)):
+        if not hmac.compare_digest(mac.encode(), self._mac(body).encode()):
             return None
-        _, tenant, role = body.split(":")
-        return Caller(tenant, role == "a", None, f"a credential of tenant {tenant!r}")
+        tenant = body.split(":", 1)[1]
+        return Caller(tenant, False, None, f"a credential of tenant {tenant!r}")
 
     # -- what a caller may do ------------------------------------------------
 

@@ -69,6 +69,9 @@ def frame(code: int, body: bytes) -> bytes:
     return HEADER.pack(len(body), code) + body
 
 
+MEMFD_PREFIX = "memfd:"  # the shm_path of a sealed arena (a tenant's): no path; its members get its fd
+
+
 class Tier(IntEnum):
     NONE = 0
     GPU = 1

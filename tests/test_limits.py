@@ -156,3 +156,19 @@ def test_a_connect_that_names_too_much_is_refused(
     stats = daemon.stub().Stats(pb.StatsRequest())
     assert [n.model for n in stats.namespaces] == ["limits"]
     assert load_page(daemon, ns, keys) == page
+
+
+def test_leases_naming_one_page_over_and_over_are_capped(daemon: Daemon) -> None:
+    """A Lookup may name a stored page 65,536 times; its lease then holds as many entries. All
+    leases together hold at most MAX_LEASED_ENTRIES: past it RESOURCE_EXHAUSTED, not memory."""
+    from kvstore.leases import MAX_LEASED_ENTRIES
+
+    ns, keys, page = store_page(daemon)
+    stub = daemon.stub()
+    flood = pb.LookupRequest(namespace=ns, keys=pack_keys(keys * MAX_KEYS_PER_REQUEST), lease=True)
+    leases = [stub.Lookup(flood).lease_id for _ in range(MAX_LEASED_ENTRIES // MAX_KEYS_PER_REQUEST)]
+    code, details = code_of(stub.Lookup, flood)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "release leases" in details
+    for lease in leases:
+        stub.Release(pb.LeaseRequest(namespace=ns, lease_id=lease))
+    assert load_page(daemon, ns, keys) == page

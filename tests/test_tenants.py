@@ -140,14 +140,17 @@ class Raw:
         self.channel = LocalChannel(str(daemon.local_path), 10.0)
         self.ns = b""
         self.epoch = 0
-        self.arena = ""
+        self.fd: int | None = None  # its tenant's arena, handed with the Connect reply
 
     def call(self, method: str, request: Any) -> Any:
         return self.channel.call(method, request)
 
     def connect(self, spec: PageSpec = SPEC) -> pb.ConnectResponse:
         reply = self.call("Connect", pb.ConnectRequest(spec=page_spec_message(spec), client_name="raw"))
-        self.ns, self.epoch, self.arena = reply.namespace, reply.epoch, reply.arena.shm_path
+        self.ns, self.epoch = reply.namespace, reply.epoch
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd = self.channel.take_fd()
         return reply
 
     def store(self, keys: list[bytes], pages: list[bytes]) -> int:
@@ -155,14 +158,11 @@ class Raw:
         reply = self.call(
             "Reserve", pb.ReserveRequest(namespace=self.ns, keys=pack_keys(keys), epoch=self.epoch)
         )
-        fd = os.open(self.arena, os.O_RDWR)
-        try:
-            with mmap.mmap(fd, 0) as arena:
-                for offset, page in zip(reply.offsets, pages, strict=True):
-                    if offset >= 0:
-                        arena[offset : offset + len(page)] = page
-        finally:
-            os.close(fd)
+        assert self.fd is not None
+        with mmap.mmap(self.fd, 0) as arena:
+            for offset, page in zip(reply.offsets, pages, strict=True):
+                if offset >= 0:
+                    arena[offset : offset + len(page)] = page
         request = pb.LeaseRequest(namespace=self.ns, lease_id=reply.lease_id, epoch=self.epoch)
         return int(self.call("Commit", request).committed)
 
@@ -235,10 +235,8 @@ def test_every_attack_of_another_tenant_is_refused(tenant_daemon: Callable[..., 
         "Lookup", pb.LookupRequest(namespace=alpha_ns, keys=pack_keys(alpha_keys), lease=True)
     )
     assert loading.hit_chunks == 4 and loading.lease_id
-    arena = client._mapped  # alpha's arena file: the client mapped it
-    alpha_arena = Path("/dev/shm") / f"{daemon.arena_path.name}-alpha"
-    assert arena.tensor is not None and alpha_arena.exists()
-    assert (alpha_arena.stat().st_mode & 0o777, alpha_arena.stat().st_uid) == (0o600, os.geteuid())
+    assert client.shared_memory  # alpha's arena: handed to it on the local channel, mapped
+    assert not list(Path("/dev/shm").glob(daemon.arena_path.name + "*"))  # no tenant's arena has a path
     attacks: dict[str, Callable[[Raw], Any]] = {
         "lookup": lambda r: r.call(
             "Lookup", pb.LookupRequest(namespace=alpha_ns, keys=pack_keys(alpha_keys))
@@ -260,8 +258,9 @@ def test_every_attack_of_another_tenant_is_refused(tenant_daemon: Callable[..., 
         ),
         "clear one": lambda r: r.call("Clear", pb.ClearRequest(namespace=alpha_ns)),
         "clear all": lambda r: r.call("Clear", pb.ClearRequest()),
-        "map the arena": lambda r: os.open(str(alpha_arena), os.O_RDWR),
-        "read the arena": lambda r: os.open(str(alpha_arena), os.O_RDONLY),
+        "truncate its own arena": lambda r: os.ftruncate(r.fd or -1, 0),  # would fault the daemon's mapping
+        "grow its own arena": lambda r: os.ftruncate(r.fd or -1, TENANT_BYTES * 2),
+        "open the daemon's descriptors": lambda r: os.listdir(f"/proc/{daemon.pid}/fd"),
     }
 
     def beta() -> dict[str, Any]:
@@ -291,8 +290,9 @@ def test_every_attack_of_another_tenant_is_refused(tenant_daemon: Callable[..., 
     assert outcomes["release in its own namespace"][0] in ("NotFound", "FailedPrecondition")
     assert outcomes["clear all"][0] == "PermissionDenied"
     assert "Clear of every namespace is for admins" in outcomes["clear all"][1]
-    assert outcomes["map the arena"] == ("OSError", "Permission denied")
-    assert outcomes["read the arena"] == ("OSError", "Permission denied")
+    assert outcomes["truncate its own arena"] == ("OSError", "Operation not permitted")  # sealed
+    assert outcomes["grow its own arena"] == ("OSError", "Operation not permitted")
+    assert outcomes["open the daemon's descriptors"] == ("OSError", "Permission denied")
     assert outcomes["garbage stored"] == 4 and outcomes["garbage ahead"] == 4
     assert admin.call("Release", pb.LeaseRequest(namespace=alpha_ns, lease_id=loading.lease_id)).pages == 4
     assert_alpha_intact(client, tokens, source)
@@ -459,3 +459,71 @@ def test_a_tcp_client_is_its_tenant_by_its_token(tenant_daemon: Callable[..., Da
     channel.close()
     assert_alpha_intact(alpha, alpha_tokens, alpha_source)
     alpha.close()
+
+
+def test_who_a_caller_is_from_its_credentials_and_tokens() -> None:
+    from kvstore.config import TenantConfig
+    from kvstore.errors import Unauthenticated
+    from kvstore.peers import Peer
+    from kvstore.tenants import Tenancy
+
+    tenancy = Tenancy(
+        [TenantConfig("a", uids=(1001,)), TenantConfig("b", gids=(2000,))],
+        admin_token="admin-token-0123",
+        tenant_tokens={"b": frozenset({"b" * 32})},
+    )
+    assert tenancy.of_peer(Peer(uid=1001, gid=1001)).tenant == "a"
+    assert tenancy.of_peer(Peer(uid=1002, gid=5, groups=(2000,))).tenant == "b"  # by a supplementary group
+    torn = tenancy.of_peer(Peer(uid=1001, gid=1001, groups=(2000,)))  # uid in a, group in b: in neither
+    assert torn.tenant is None and "matches tenants 'a' and 'b'" in torn.who
+    assert tenancy.of_peer(Peer(uid=3_000_000_000, gid=3_000_000_000)).tenant is None  # ids past 2^31
+    member = tenancy.of_peer(Peer(uid=1001, gid=1001))
+    credential = tenancy.credential(member)
+    assert tenancy.of_token(credential, unix=True).tenant == "a"
+    with pytest.raises(Unauthenticated):  # a credential is for the daemon's unix socket only
+        tenancy.of_token(credential, unix=False)
+    root = tenancy.of_peer(Peer(uid=0, gid=0, groups=()))
+    assert root.admin and not tenancy.of_token(tenancy.credential(root) or "x", unix=True).admin
+    assert tenancy.of_token("b" * 32, unix=False).tenant == "b"
+    assert tenancy.of_token("admin-token-0123", unix=False).admin
+    assert tenancy.of_token("unknown-token-012345", unix=True).tenant is None  # on unix: no token
+    with pytest.raises(Unauthenticated, match="not one this daemon knows"):
+        tenancy.of_token("unknown-token-012345", unix=False)
+    with pytest.raises(Unauthenticated, match="printable ASCII"):
+        tenancy.of_token("caf\u00e9", unix=False)
+    assert Tenancy().credential(Tenancy().of_peer(Peer(uid=1001, gid=1001))) == ""  # none without tenants
+
+
+def test_processes_in_no_tenant_cannot_crowd_out_the_members(tenant_daemon: Callable[..., Daemon]) -> None:
+    daemon = tenant_daemon(server__max_local_connections=8, server__max_local_connections_per_uid=4)
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # an outsider holding every connection it can get
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(OUTSIDER_UID)
+            os.setuid(OUTSIDER_UID)
+            held = []
+            for _ in range(40):
+                sock = socket.socket(socket.AF_UNIX)
+                sock.connect(str(daemon.local_path))
+                held.append(sock)
+            os.write(ready_w, b"1")
+            os.read(done_r, 1)
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        time.sleep(0.2)
+        client, tokens, source = store_alpha(daemon)  # a member still connects, on the local channel
+        assert client._local is not None and client.shared_memory
+        assert_alpha_intact(client, tokens, source)
+        counters = daemon.admin().call("Stats", pb.StatsRequest()).counters
+        assert counters["refused_outsider_connections"] == 40 - 16  # 16 outsiders kept, told why
+        client.close()
+    finally:
+        os.write(done_w, b"1")
+        os.waitpid(pid, 0)

@@ -14,6 +14,7 @@ The tier knows bytes and slots only; the store decides what lives here.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -22,12 +23,19 @@ import time
 from pathlib import Path
 
 from kvstore.tiers.slab import SlabAllocator
+from kvstore.wire import MEMFD_PREFIX
 
 log = logging.getLogger(__name__)
 
 
 class Arena:
-    """A shared-memory file of fixed size, mapped read-write."""
+    """A shared-memory file of fixed size, mapped read-write.
+
+    A sealed arena (`sealed=True`, a tenant's) is a memfd with no path, sealed against shrinking
+    and growing: a worker that holds it (handed over the local channel to its tenant's members)
+    can write pages but cannot truncate it under the daemon, whose mapping would then fault.
+    `fd` is its descriptor (kept open to hand out); `path` is `memfd:<name>`, a label.
+    """
 
     def __init__(
         self,
@@ -35,12 +43,49 @@ class Arena:
         size: int,
         mode: int = 0o600,
         prefault: bool = True,
-        owner: tuple[int, int] | None = None,
+        sealed: bool = False,
     ) -> None:
-        """`owner`: (uid, gid) the file is given (a tenant's arena: only its members map it)."""
-        self.path = path
         self.size = size
         self.epoch = secrets.randbits(63) or 1
+        self.sealed = sealed
+        self.fd = -1
+        started = time.perf_counter()
+        if sealed:
+            self.path = Path(MEMFD_PREFIX + path.name)
+            fd = os.memfd_create(path.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        else:
+            self.path = path
+            fd = self._create(path, size, mode, prefault)
+        try:
+            if prefault:
+                # Reserve the memory now: a full /dev/shm fails here, not as SIGBUS later.
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
+            if sealed:
+                fcntl.fcntl(
+                    fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+                )
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            st = os.fstat(fd)
+            self.identity = (st.st_dev, st.st_ino)  # while mapped here, no other file has it
+        except OSError as exc:
+            os.close(fd)
+            if not sealed:
+                path.unlink(missing_ok=True)
+            raise OSError(
+                f"tiers.cpu.bytes: cannot create a {size}-byte arena at {self.path}: {exc.strerror}; "
+                f"free space in {path.parent} or lower tiers.cpu.bytes"
+            ) from exc
+        if sealed:
+            self.fd = fd
+        else:
+            os.close(fd)
+        self.view = memoryview(self._mmap)
+        log.info("arena %s: %d MiB in %.2f s", self.path, size >> 20, time.perf_counter() - started)
+
+    @staticmethod
+    def _create(path: Path, size: int, mode: int, prefault: bool) -> int:
         if path.exists():
             log.warning("replacing stale arena %s left by a daemon that did not shut down", path)
             path.unlink()
@@ -52,30 +97,14 @@ class Arena:
                     f"tiers.cpu.bytes: a {size}-byte arena does not fit in {path.parent}, which has "
                     f"{free} bytes free; free space there or lower tiers.cpu.bytes"
                 )
-        started = time.perf_counter()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
         try:
-            if owner is not None:
-                os.fchown(fd, *owner)
             os.fchmod(fd, mode)  # the umask must not widen or narrow the configured mode
-            if prefault:
-                # Reserve the memory now: a full /dev/shm fails here, not as SIGBUS later.
-                os.posix_fallocate(fd, 0, size)
-            else:
-                os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            st = os.fstat(fd)
-            self.identity = (st.st_dev, st.st_ino)  # while mapped here, no other file has it
-        except OSError as exc:
+        except OSError:
             os.close(fd)
             path.unlink(missing_ok=True)
-            raise OSError(
-                f"tiers.cpu.bytes: cannot create a {size}-byte arena at {path}: {exc.strerror}; "
-                f"free space in {path.parent} or lower tiers.cpu.bytes"
-            ) from exc
-        os.close(fd)
-        self.view = memoryview(self._mmap)
-        log.info("arena %s: %d MiB in %.2f s", path, size >> 20, time.perf_counter() - started)
+            raise
+        return fd
 
     def close(self, unlink: bool = True) -> None:
         try:
@@ -84,7 +113,11 @@ class Arena:
         except BufferError:  # a tier still holds a view of it: the mapping goes with the process
             log.warning("arena %s still in use at close; it is unmapped when the daemon exits", self.path)
         finally:
-            if unlink:
+            if self.sealed:
+                if self.fd >= 0:
+                    os.close(self.fd)
+                    self.fd = -1
+            elif unlink:
                 self.path.unlink(missing_ok=True)
 
 
