@@ -6,6 +6,7 @@
     kvctl clear [--namespace NS]
     kvctl pin NS (--tokens FILE | --keys HEX,...) --ttl SECONDS [--json]
     kvctl top [--interval S] [--once]                               (a live view)
+    kvctl events [--json] [--namespace NS] [--since N | --from-now] [--count N]
     kvctl replay TRACE --cpu-pages N [--policy NAME] [--json]     (in-process, no daemon)
     kvctl --version
 
@@ -260,6 +261,49 @@ def cmd_pin(admin: Admin, args: argparse.Namespace) -> int:
     return 0 if reply.pinned_chunks else 1
 
 
+def cmd_events(admin: Admin, args: argparse.Namespace) -> int:
+    """Follows the daemon's KV events (every page entering or leaving a tier), one line each."""
+    request = pb.EventsRequest(
+        since=args.since,
+        namespace=_hex_bytes(args.namespace, "namespace") if args.namespace else b"",
+        from_now=args.from_now,
+    )
+    shown = 0
+    try:
+        for batch in admin.stub.Events(request, metadata=admin.metadata):
+            for event in batch.events:
+                print(_event_line(event, args.json), flush=True)
+                shown += 1
+                if args.count and shown >= args.count:
+                    return 0
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc, "Events") from None
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _event_line(event: Any, as_json: bool) -> str:
+    fields = {
+        "sequence": event.sequence,
+        "kind": pb.KVEvent.Kind.Name(event.kind).lower(),
+        "tier": pb.Tier.Name(event.tier).removeprefix("TIER_").lower(),
+        "namespace": event.namespace.hex(),
+        "tenant": event.tenant,
+        "model": event.model,
+        "key": event.key.hex(),
+        "parent": event.parent.hex(),
+        "reason": event.reason,
+    }
+    if as_json:
+        return json.dumps(fields)
+    owner = f"{fields['tenant']}/{fields['model']}" if fields["tenant"] else fields["model"]
+    return (
+        f"{fields['sequence']:>10} {fields['kind']:<7} {fields['tier']:<6} {fields['namespace'][:12]} "
+        f"{owner} {fields['key']} {fields['reason']}"
+    )
+
+
 def cmd_top(admin: Admin, args: argparse.Namespace) -> int:
     from kvstore import top  # rich, only for this command
 
@@ -391,6 +435,15 @@ def _parser() -> argparse.ArgumentParser:
     pin.add_argument("--ttl", type=float, required=True, metavar="SECONDS", help="how long the pin lasts")
     pin.add_argument("--json", action="store_true")
     pin.set_defaults(run=cmd_pin)
+    events = commands.add_parser(
+        "events", help="follow the KV events: pages stored into and removed from tiers"
+    )
+    events.add_argument("--json", action="store_true", help="one JSON object per event (keys in hex)")
+    events.add_argument("--namespace", help="only this namespace's (hex, as `kvctl ls` shows)")
+    events.add_argument("--since", type=int, default=0, metavar="N", help="the events after sequence N")
+    events.add_argument("--from-now", action="store_true", help="only events from now on")
+    events.add_argument("--count", type=int, default=0, metavar="N", help="stop after N events")
+    events.set_defaults(run=cmd_events)
     top = commands.add_parser("top", help="a live view: hit ratio, throughput, tier fill, leases")
     top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="refresh period")
     top.add_argument("--once", action="store_true", help="print one frame (two samples apart) and exit")

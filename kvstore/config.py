@@ -126,6 +126,9 @@ class ServerConfig:
     # The event loop: uvloop (libuv) answers a local-channel call in a fraction of asyncio's time;
     # "auto" takes it where it is installed, else asyncio's own.
     event_loop: str = setting("auto", choices=("auto", "uvloop", "asyncio"))
+    # KV events kept for consumers that reconnect (`kvctl events`); one that falls further behind
+    # is told to resync. Bounds the events' memory (about 200 bytes each).
+    events_buffer: int = setting(65536, ge=16, le=1 << 22)
     # Prometheus metrics (/metrics) and probes (/healthz, /readyz) over HTTP on "host:port"; null: off.
     metrics_address: str | None = None
 

@@ -38,6 +38,7 @@ from grpc_health.v1 import health, health_pb2
 from kvstore import __version__
 from kvstore.claim import AlreadyRunning, SocketClaim
 from kvstore.config import Config, ConfigError, TenantConfig, load_config, parse_config
+from kvstore.events import EventLog
 from kvstore.handlers import Handlers
 from kvstore.local import LocalChannelServer
 from kvstore.logs import configure as configure_logs
@@ -77,8 +78,9 @@ class Tiers:
     """What one store is built on (the daemon's, or one tenant's): each part set once open, so
     that `close` closes exactly what was opened, whatever failed after."""
 
-    def __init__(self, tenant: TenantConfig | None) -> None:
+    def __init__(self, tenant: TenantConfig | None, events: EventLog) -> None:
         self.tenant = tenant
+        self.events = events
         self.arena: Arena | None = None
         self.disk: DiskTier | None = None
         self.remote: RemoteTier | None = None
@@ -132,6 +134,7 @@ class Tiers:
             quarantine_s=config.leases.quarantine_s,
             tenant=tenant.name if tenant is not None else "",
             max_namespaces=tenant.max_namespaces if tenant is not None else None,
+            events=self.events,
         )
         return self.store
 
@@ -182,8 +185,10 @@ async def serve(config: Config) -> None:
     try:
         starting()
         stores: dict[str, Store] = {}
+        events = EventLog(config.server.events_buffer)
+        events.bind(loop)
         for tenant in config.tenants or (None,):
-            tiers = Tiers(tenant)
+            tiers = Tiers(tenant, events)
             opened.append(tiers)
             stores[tenant.name if tenant is not None else ""] = await tiers.open(
                 config, socket_path, starting
@@ -260,6 +265,7 @@ async def serve(config: Config) -> None:
         grace_s = config.server.grace_s
         log.info("stopping: draining in-flight calls for up to %.1f s", grace_s)
         handlers.stopping, handlers.serving = True, False
+        events.close()  # event streams end: they would hold the servers' stop to its grace
         await health_servicer.enter_graceful_shutdown()
         left = await _drain(list(stores.values()), grace_s)
         closing = [server.stop(left)]

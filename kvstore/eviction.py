@@ -23,9 +23,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
 from kvstore.errors import ResourceExhausted
+from kvstore.events import EventKind, EventLog
 from kvstore.index import Entry, Namespace
 from kvstore.pins import PinTable
 from kvstore.policy import EvictionPolicy
+from kvstore.tiers import Tier
 from kvstore.tiers.cpu import CpuTier
 
 if TYPE_CHECKING:
@@ -40,12 +42,14 @@ class Eviction:
         pins: PinTable[Entry],
         counters: Counter[str],
         demote: Callable[[Entry], None] | None = None,
+        events: EventLog | None = None,
     ) -> None:
         self.cpu = cpu
         self.policy = policy  # the CPU tier's
         self.pins = pins
         self.counters = counters
         self.demote = demote
+        self.events = events or EventLog()
         self.guard_chains = policy.chain_safe
         self.placement: GpuPlacement | None = None  # set by the store when it has a GPU tier
 
@@ -126,9 +130,13 @@ class Eviction:
 
     # -- leaving ------------------------------------------------------------
 
-    def remove(self, entry: Entry, evicted: bool = False) -> None:
-        """Drops a committed entry from the index; its slots are freed now, or at its last release."""
+    def remove(self, entry: Entry, evicted: bool = False, reason: str = "cleared") -> None:
+        """Drops a committed entry from the index; its slots are freed now, or at its last release.
+        `reason` (unless `evicted`) is what its REMOVED event says."""
         ns = entry.namespace
+        if entry.committed:
+            tier = Tier.GPU if entry.on_gpu else Tier.CPU
+            self.events.add(EventKind.REMOVED, tier, ns.id, entry.key, b"", "evicted" if evicted else reason)
         del ns.entries[entry.key]
         ns.pages -= 1
         if entry.parent is not None:
@@ -139,9 +147,9 @@ class Eviction:
                 self.demote(entry)
         elif not self.pins.unpin(entry):
             self.policy_of(entry).remove(entry)
+        entry.removed = True
         if entry.on_gpu and self.placement is not None:
             self.placement.left(entry)
-        entry.removed = True
         self.settle(entry)
 
     def settle(self, entry: Entry) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, cast
 
 from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.events import EventKind, EventLog
 from kvstore.index import Entry, TierUsage
 from kvstore.pins import PinTable
 from kvstore.policy import EvictionPolicy
@@ -37,16 +38,17 @@ from kvstore.tiers.gpu import Copy, GpuPool, GpuTier
 
 class CpuSide(Protocol):
     """What the placement uses of the CPU tier's eviction (`kvstore.eviction.Eviction`): the
-    tier, its policy and pins, the store's counters, and three calls."""
+    tier, its policy and pins, the store's counters and events, and three calls."""
 
     cpu: CpuTier
     policy: EvictionPolicy
     pins: PinTable[Entry]
     counters: Counter[str]
+    events: EventLog
 
     def make_cpu_room(self, page_bytes: int, count: int, protected: list[Entry]) -> None: ...
 
-    def remove(self, entry: Entry, evicted: bool = False) -> None: ...
+    def remove(self, entry: Entry, evicted: bool = False, reason: str = "cleared") -> None: ...
 
     def settle(self, entry: Entry) -> None: ...
 
@@ -151,13 +153,16 @@ class GpuPlacement:
             if not ok:
                 self.counters["gpu_copy_failures"] += 1
                 if not victim.removed:
-                    eviction.remove(victim)  # its bytes are lost: a miss from now on
+                    eviction.remove(victim, reason="lost")  # its bytes are lost: a miss from now on
             eviction.settle(victim)
         for entry in batch:
             entry.gpu_pending = False
             if ok and not entry.removed:
                 entry.on_gpu = True
                 self.pages += 1
+                ns_id = entry.namespace.id
+                eviction.events.add(EventKind.REMOVED, Tier.CPU, ns_id, entry.key, b"", "moved")
+                eviction.events.add(EventKind.STORED, Tier.GPU, ns_id, entry.key, b"", "promoted")
                 if entry not in eviction.pins:
                     eviction.policy.remove(entry)
                     self.policy.stored([entry])
@@ -215,6 +220,10 @@ class GpuPlacement:
             entry.on_gpu = False
             entry.hits = 0
             self.pages -= 1
+            if not entry.removed:  # demoted: it stays in the index, in the CPU tier
+                events, ns_id = self.eviction.events, entry.namespace.id
+                events.add(EventKind.REMOVED, Tier.GPU, ns_id, entry.key, b"", "moved")
+                events.add(EventKind.STORED, Tier.CPU, ns_id, entry.key, b"", "demoted")
 
     def free_slot(self, entry: Entry) -> None:
         self.gpu.pools[entry.pool].slots.free(entry.gpu)

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Mapping
 
 from kvstore import __version__
 from kvstore.errors import DAEMON_STOPPING, InvalidArgument, StaleEpoch, Unavailable
+from kvstore.events import Event
 from kvstore.index import AcquireResult
 from kvstore.keys import unpack_keys
 from kvstore.leases import Lease
@@ -39,6 +40,8 @@ from kvstore.stats import RpcTimings, combined, stats_message
 from kvstore.store import Store
 from kvstore.tenants import Caller, Tenancy
 from kvstore.wire import page_spec_of
+
+EVENTS_PER_BATCH = 512
 
 
 def _ttl(ms: int) -> float | None:
@@ -64,6 +67,7 @@ class Handlers:
         self.stopping = False
         self.serving = False  # the daemon started and is not stopping (readiness)
         self.timings = RpcTimings()  # the calls' latency, fed by both transports
+        self.events = next(iter(self.stores.values())).events  # one log, shared by the tenants' stores
         self.counters: Counter[str] = Counter()  # the channels' own figures (Stats adds them)
         self._writers: dict[tuple[int, int], Peer] = {}  # gRPC writers, checked once each
         self._anonymous = self.tenancy.of_token(None)
@@ -105,6 +109,7 @@ class Handlers:
         self._check_serving()
         store = self._store(caller)
         ns = store.connect(page_spec_of(request.spec, self.chunk_tokens), request.device_pci_bus_id)
+        self.events.name(ns.id, store.tenant, ns.spec.model)
         arena = store.cpu.arena
         return pb.ConnectResponse(
             gpu_pools=self._gpu_pools(store),
@@ -292,7 +297,45 @@ class Handlers:
             stats.counters.update(self.counters)
         else:  # a member: its tenant's figures, not the shared remote server's totals
             stats = self._store(caller).stats(server_usage=False)
+        stats.counters["event_sequence"] = self.events.sequence
         return stats_message(stats, __version__, time.monotonic() - self.started)
+
+    async def follow(
+        self, request: pb.EventsRequest, caller: Caller | None = None
+    ) -> AsyncIterator[pb.EventBatch]:
+        """The KV events after `request.since` (`kvstore.events`) that the caller may see (its
+        tenant's pages; an admin's, or anyone's without tenants: all), in batches, until the
+        caller cancels or the daemon stops."""
+        caller = caller or self._anonymous
+        tenant = None if caller.admin or not self.tenancy.enabled else self.tenancy.tenant_of(caller)
+        log, only = self.events, request.namespace
+
+        def keep(event: Event) -> bool:
+            if only and event.namespace != only:
+                return False
+            return tenant is None or log.names(event.namespace)[0] == tenant
+
+        cursor = log.sequence if request.from_now else request.since
+        while not log.closed:
+            batch, cursor = log.read(cursor, EVENTS_PER_BATCH, keep)
+            if batch:
+                yield pb.EventBatch(events=[self._event(event) for event in batch])
+            else:
+                await log.wait(cursor)
+
+    def _event(self, event: Event) -> pb.KVEvent:
+        tenant, model = self.events.names(event.namespace)
+        return pb.KVEvent(
+            sequence=event.sequence,
+            kind=pb.KVEvent.Kind.Value(event.kind.name),
+            tier=pb.Tier.Value(f"TIER_{event.tier.name}"),
+            namespace=event.namespace,
+            model=model,
+            tenant=tenant,
+            key=event.key,
+            parent=event.parent,
+            reason=event.reason,
+        )
 
     def Clear(self, request: pb.ClearRequest, caller: Caller | None = None) -> pb.ClearResponse:
         """One namespace (the caller's tenant's; any, for an admin), or every one (admins only)."""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvstore.codec import Buffer
 from kvstore.errors import ResourceExhausted
+from kvstore.events import EventKind
 from kvstore.eviction import Eviction
 from kvstore.index import Entry, Namespace, TierUsage
 from kvstore.tiers import Tier
@@ -127,6 +128,8 @@ class LowerTiers:
             ns.pages += 1
             self.eviction.policy.stored(self.eviction.policy_pages([entry]))
             self.counters["promoted_chunks"] += 1
+            parent = entry.parent.key if entry.parent is not None else b""
+            self.eviction.events.add(EventKind.STORED, Tier.CPU, ns.id, entry.key, parent, "promoted")
         else:
             self.counters["promotion_failures"] += 1
             if ns.entries.get(entry.key) is entry:

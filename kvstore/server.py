@@ -129,6 +129,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finally:
             self.handlers.timings.observe("grpc", "Get", time.perf_counter() - started)
 
+    async def Events(self, payload: bytes, context: grpc.aio.ServicerContext) -> None:
+        try:
+            caller = self._caller(context)
+            request = parse_request("Events", pb.EventsRequest, payload)
+            async for batch in self.handlers.follow(request, caller):
+                await context.write(batch)
+        except Exception as exc:
+            await _abort(context, exc)
+
 
 async def _parsed_puts(payloads: AsyncIterator[bytes]) -> AsyncIterator[pb.PutRequest]:
     """A Put's messages, each parsed as it comes (a data message may be up to max_message_bytes)."""
@@ -154,6 +163,9 @@ def _raw_handlers(servicer: KVStoreServicer) -> grpc.GenericRpcHandler:
     )
     handlers["Get"] = grpc.unary_stream_rpc_method_handler(
         servicer.Get, response_serializer=pb.GetResponse.SerializeToString
+    )
+    handlers["Events"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Events, response_serializer=pb.EventBatch.SerializeToString
     )
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 

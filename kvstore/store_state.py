@@ -10,7 +10,8 @@ the store path (`store_writes.Writes`) and the rest (`kvstore.store`). What the 
 - `eviction`: room in the CPU tier and what becomes of a page that leaves the index
   (`kvstore.eviction`); `lower`: the disk and remote tiers (`kvstore.lower`);
   `gpu_placement`: the GPU tier (`kvstore.gpu_placement`).
-- `counters`: the figures `stats()` reports.
+- `counters`: the figures `stats()` reports; `events`: every page that enters or leaves a tier
+  (`kvstore.events`, one log shared by a daemon's tenants' stores).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.errors import InvalidArgument
+from kvstore.events import EventLog
 from kvstore.eviction import Eviction
 from kvstore.index import Entry, Namespaces
 from kvstore.leases import Lease, LeaseKind, LeaseTable, Quarantines
@@ -57,6 +59,7 @@ class StoreState:
         quarantine_s: float = 300.0,
         tenant: str = "",
         max_namespaces: int | None = None,
+        events: EventLog | None = None,
     ) -> None:
         self.cpu = cpu
         self.policy = policy
@@ -71,8 +74,11 @@ class StoreState:
         self.leases = LeaseTable(max_age_s=max_lease_ttl_s)
         self.quarantines = Quarantines(quarantine_s, cpu.slots.free)  # expired store leases' slots
         self.counters: Counter[str] = Counter()
-        self.eviction = Eviction(cpu, policy, self.pins, self.counters)
+        self.events = events or EventLog()  # every page entering or leaving a tier (kvstore.events)
+        self.eviction = Eviction(cpu, policy, self.pins, self.counters, events=self.events)
         self.lower: LowerTiers | None = None
+        if disk is not None:
+            disk.listen(self.events)
         if disk is not None or remote is not None:
             self.lower = LowerTiers(cpu, disk, remote, self.eviction)
             self.eviction.demote = self.lower.evicted

@@ -17,10 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvstore.events import EventKind
 from kvstore.index import AcquireResult, Entry, ReserveResult
 from kvstore.leases import Lease, LeaseKind
 from kvstore.peers import Peer
 from kvstore.store_state import StoreState
+from kvstore.tiers import Tier
 
 
 class Writes(StoreState):
@@ -105,6 +107,10 @@ class Writes(StoreState):
             entry.committed = True
         ns.pages += len(lease.entries)
         self.eviction.tell_stored(self.eviction.policy_pages(self.eviction.link(ns, lease.keys)))
+        add = self.events.add
+        for entry in lease.entries:
+            parent = entry.parent.key if entry.parent is not None else b""
+            add(EventKind.STORED, Tier.CPU, ns_id, entry.key, parent, "committed")
         self.counters["stored_chunks"] += len(lease.entries)
         if self.lower is not None:
             self.lower.committed(ns, lease.entries)

@@ -456,6 +456,22 @@ def test_a_tcp_client_is_its_tenant_by_its_token(tenant_daemon: Callable[..., Da
     assert no_tenant.value.code() == grpc.StatusCode.PERMISSION_DENIED
     stats = admin_stub.Stats(pb.StatsRequest(), metadata=(("authorization", "Bearer admin-token-0123"),))
     assert {n.tenant for n in stats.namespaces} == {"alpha", "beta"}
+
+    def events(token: str, count: int) -> list[pb.KVEvent]:  # the first `count` a token may see
+        seen: list[pb.KVEvent] = []
+        stream = admin_stub.Events(
+            pb.EventsRequest(since=0), metadata=(("authorization", f"Bearer {token}"),)
+        )
+        for batch in stream:
+            seen += batch.events
+            if len(seen) >= count:
+                stream.cancel()
+                break
+        return seen
+
+    mine = events(token, 4)  # beta's token: beta's four pages, none of alpha's
+    assert [(e.tenant, e.kind) for e in mine] == [("beta", pb.KVEvent.STORED)] * 4
+    assert {e.tenant for e in events("admin-token-0123", 8)} == {"alpha", "beta"}
     channel.close()
     assert_alpha_intact(alpha, alpha_tokens, alpha_source)
     alpha.close()

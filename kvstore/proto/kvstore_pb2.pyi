@@ -344,3 +344,51 @@ class PinResponse(_message.Message):
     pinned_pages: int
     pinned_bytes: int
     def __init__(self, pinned_chunks: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., pinned_bytes: _Optional[int] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ("since", "namespace", "from_now")
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    FROM_NOW_FIELD_NUMBER: _ClassVar[int]
+    since: int
+    namespace: bytes
+    from_now: bool
+    def __init__(self, since: _Optional[int] = ..., namespace: _Optional[bytes] = ..., from_now: _Optional[bool] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("sequence", "kind", "tier", "namespace", "model", "tenant", "key", "parent", "reason")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_NONE: _ClassVar[KVEvent.Kind]
+        STORED: _ClassVar[KVEvent.Kind]
+        REMOVED: _ClassVar[KVEvent.Kind]
+        RESYNC: _ClassVar[KVEvent.Kind]
+    KIND_NONE: KVEvent.Kind
+    STORED: KVEvent.Kind
+    REMOVED: KVEvent.Kind
+    RESYNC: KVEvent.Kind
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    kind: KVEvent.Kind
+    tier: Tier
+    namespace: bytes
+    model: str
+    tenant: str
+    key: bytes
+    parent: bytes
+    reason: str
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., namespace: _Optional[bytes] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...

@@ -99,6 +99,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.PinRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PinResponse.FromString,
                 _registered_method=True)
+        self.Events = channel.unary_stream(
+                '/kvstore.v1.KVStore/Events',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.EventsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.EventBatch.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -194,6 +199,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Events(self, request, context):
+        """Every page that enters or leaves a tier, in order (kvstore/events.py): follows until
+        the caller cancels. A tenant's member sees its tenant's pages; an admin sees all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -261,6 +274,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Pin,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.PinRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.PinResponse.SerializeToString,
+            ),
+            'Events': grpc.unary_stream_rpc_method_handler(
+                    servicer.Events,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.EventsRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.EventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -614,6 +632,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Pin',
             kvstore_dot_proto_dot_kvstore__pb2.PinRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Events(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Events',
+            kvstore_dot_proto_dot_kvstore__pb2.EventsRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.EventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from kvstore.codec import CODECS, Buffer
 from kvstore.config import DiskTierConfig
+from kvstore.events import EventKind, EventLog
 from kvstore.tiers import Tier
 from kvstore.tiers import disk_files as files
 from kvstore.tiers.disk_files import Progress, RecordInfo
@@ -260,6 +261,19 @@ class DiskTier(DiskWorkers):
         finished.wait()
         page = result[0]
         return None if page is None else bytes(page)
+
+    def listen(self, events: EventLog) -> None:
+        """Every record indexed or dropped becomes a KV event: those recovered at start now, as
+        STORED ("recovered"), then each as it comes or goes."""
+
+        def told(stored: bool, ident: tuple[bytes, bytes], reason: str) -> None:
+            kind = EventKind.STORED if stored else EventKind.REMOVED
+            events.add(kind, Tier.DISK, ident[0], ident[1], b"", reason)
+
+        with self._lock:
+            for ident in self._index.idents():
+                told(True, ident, "recovered")
+            self._index.listener = told
 
     def contains(self, namespace: bytes, key: bytes) -> bool:
         ident = (namespace, key)

@@ -11,7 +11,7 @@ Not thread-safe: the tier's lock guards every call.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvstore.codec import Codec
 from kvstore.tiers.disk_files import RecordInfo
@@ -33,6 +33,8 @@ class Record:
 class DiskIndex:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
+        # Told of every record added (True) or dropped (False), with why: the KV events.
+        self.listener: Callable[[bool, Ident, str], None] | None = None
         self._records: OrderedDict[Ident, Record] = OrderedDict()  # least recently used first
         self.bytes_used = 0  # records, plus room reserved for writes in progress
         self.stored_bytes = 0  # records only
@@ -65,7 +67,7 @@ class DiskIndex:
             else:
                 return None
         for ident in victims:
-            self.pop(ident)
+            self.pop(ident, "evicted")
         self.bytes_used += size
         return victims
 
@@ -79,13 +81,17 @@ class DiskIndex:
         self._records[ident] = record
         self.stored_bytes += record.stored_bytes
         self.raw_bytes += record.raw_length
+        if self.listener is not None:
+            self.listener(True, ident, "written" if reserved else "recovered")
 
-    def pop(self, ident: Ident) -> Record | None:
+    def pop(self, ident: Ident, reason: str = "cleared") -> Record | None:
         record = self._records.pop(ident, None)
         if record is not None:
             self.bytes_used -= record.stored_bytes
             self.stored_bytes -= record.stored_bytes
             self.raw_bytes -= record.raw_length
+            if self.listener is not None:
+                self.listener(False, ident, reason)
         return record
 
     def idents(self) -> list[Ident]:

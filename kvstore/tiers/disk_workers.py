@@ -222,7 +222,7 @@ class DiskWorkers:
             current = self._index.get(ident) is record
             if current or counter == "corrupted_records":
                 self.counters[counter] += 1
-            forgotten = current and self._forget(ident) is not None
+            forgotten = current and self._forget(ident, "lost") is not None
         if current:
             log.warning("disk tier: page %s/%s is a miss: %s", ident[0].hex()[:12], ident[1].hex(), why)
         if forgotten:
@@ -239,9 +239,9 @@ class DiskWorkers:
             self.counters["evicted"] += len(victims)
         return victims
 
-    def _forget(self, ident: Ident) -> Record | None:
+    def _forget(self, ident: Ident, reason: str = "cleared") -> Record | None:
         """Drops a record from the index; its file must then go through `_unlink` (under the lock)."""
-        record = self._index.pop(ident)
+        record = self._index.pop(ident, reason)
         if record is not None:
             self._busy[ident] += 1
         return record
