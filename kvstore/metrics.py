@@ -269,6 +269,8 @@ def _rpc_family(rpc: Mapping[tuple[str, str], tuple[list[int], float]]) -> Histo
         labels=["channel", "method"],
     )
     for (channel, method), (counts, total) in sorted(rpc.items()):
+        if method != "Lookup" and not any(counts):
+            continue  # a method never called has no series (Lookup's are there from the start)
         cumulative, buckets = 0, []
         for bound, count in zip((*RPC_BUCKETS, float("inf")), counts, strict=True):
             cumulative += count

@@ -13,24 +13,7 @@ from kvstore.index import StoreStats, TierUsage
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import METHOD_NAMES
 
-RPC_BUCKETS = (
-    25e-6,
-    50e-6,
-    100e-6,
-    250e-6,
-    500e-6,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    1.0,
-    2.5,
-    10.0,
-)
+RPC_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 0.01, 0.05, 0.25, 1.0, 10.0)
 CHANNELS = ("local", "grpc")
 STREAMING = ("Put", "Get")  # gRPC only
 
