@@ -103,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--against", type=Path, help="another kvstore source tree to compare latency with")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of fresh processes for --against")
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=1.0,
+        help="metrics part: seconds between scrapes (Prometheus: 15-60)",
+    )
     parser.add_argument("--name", help="results name (default: control_plane, or control_plane-quick)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -608,11 +614,11 @@ def _side_by_side(
     configs: Mapping[str, Any],
     spec: KVSpec,
     tokens: torch.Tensor,
-    gprc_tokens: Mapping[str, str],
+    grpc_tokens: Mapping[str, str],
     scrape_every_s: float = 0.0,
 ) -> dict[str, list[float]]:
     """One round of an on/off comparison: both daemons running, every series timed in turns.
-    `gprc_tokens`: the token a mode's gRPC client sends; `scrape_every_s`: a thread fetches each
+    `grpc_tokens`: the token a mode's gRPC client sends; `scrape_every_s`: a thread fetches each
     daemon's /metrics (where it serves them) this often while the series are timed."""
     num_blocks = len(tokens) // BLOCK_SIZE
     series: dict[str, Callable[[], object]] = {}
@@ -622,7 +628,7 @@ def _side_by_side(
             daemon = stack.enter_context(running_daemon(config))
             client = stack.enter_context(KVStoreClient.connect(daemon.address, spec))
             grpc_client = stack.enter_context(
-                KVStoreClient.connect(daemon.address, spec, local_channel=False, token=gprc_tokens.get(mode))
+                KVStoreClient.connect(daemon.address, spec, local_channel=False, token=grpc_tokens.get(mode))
             )
             if config["server"].get("metrics_address"):
                 scrape_urls.append(f"http://{config['server']['metrics_address']}/metrics")
@@ -709,7 +715,12 @@ def bench_metrics(args: argparse.Namespace) -> dict[str, Any]:
         }
         order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
         taken = _side_by_side(
-            args, {mode: configs[mode] for mode in order}, spec, tokens, {}, scrape_every_s=1.0
+            args,
+            {mode: configs[mode] for mode in order},
+            spec,
+            tokens,
+            {},
+            scrape_every_s=args.scrape_interval,
         )
         for name, values in taken.items():
             samples.setdefault(name, []).extend(values)
@@ -723,7 +734,7 @@ def bench_metrics(args: argparse.Namespace) -> dict[str, Any]:
     }
     results["p50_ratio_per_round"] = per_round
     results["rounds"] = args.rounds
-    results["scrape_interval_s"] = 1.0
+    results["scrape_interval_s"] = args.scrape_interval
     results["target_ratio"] = TARGET_TENANTS_RATIO
     return results
 
@@ -735,7 +746,10 @@ def _free_port() -> int:
 
 
 def report_metrics(results: dict[str, Any]) -> None:
-    print("\nLookup latency with /metrics scraped every second and without (p50 / p99 µs; on / off p50, p99)")
+    print(
+        f"\nLookup latency with /metrics scraped every {results['scrape_interval_s']:g} s and without "
+        "(p50 / p99 µs; on / off p50, p99)"
+    )
     print_table(
         ["call", "metrics on", "metrics off", "p50 ratio", "p99 ratio"],
         [
