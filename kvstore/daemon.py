@@ -204,7 +204,7 @@ async def serve(config: Config) -> None:
         if config.server.metrics_address is not None:  # /readyz says 503 until the daemon serves
             metrics = MetricsServer(config.server.metrics_address, handlers, loop)
             try:
-                metrics.start()
+                await asyncio.to_thread(metrics.start)  # the helper process starts and binds
             except OSError as exc:
                 metrics = None
                 raise ConfigError(

@@ -2,11 +2,11 @@
 
 `GET /metrics` is Prometheus text format written by `prometheus_client` from a collector that,
 at each scrape, takes a snapshot of the daemon's figures on the event loop (`Snapshot.take`:
-the stores' stats, a few dict copies, no I/O) and builds the families in the HTTP server's
-own thread; the remote server's memory and key count (a round trip to it) are asked for from
-that thread too. Every family is present from the first scrape: a counter that has not moved
-reads 0. Names follow Prometheus's rules: `kvstore_` prefix, `_total` counters, `_bytes`,
-`_seconds`.
+the stores' stats, a few dict copies, no I/O). The HTTP server and the text are in a helper
+process (`MetricsServer`), so that building a scrape never holds the daemon's GIL; the remote
+server's memory and key count (a round trip to it) are asked for off the event loop. Every
+family is present from the first scrape: a counter that has not moved reads 0. Names follow
+Prometheus's rules: `kvstore_` prefix, `_total` counters, `_bytes`, `_seconds`.
 
 `GET /healthz` answers 200 while the process serves HTTP; `GET /readyz` answers 200 once the
 daemon serves (arenas mapped, the event loop answering within `PROBE_TIMEOUT_S`) and 503 while
@@ -21,20 +21,26 @@ snapshot.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import ctypes
+import errno
 import json
 import logging
+import multiprocessing
+import os
+import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
-    GCCollector,
     PlatformCollector,
     ProcessCollector,
     make_wsgi_app,
@@ -54,6 +60,8 @@ log = logging.getLogger(__name__)
 
 MAX_MODEL_LABELS = 64  # distinct model names labelled in kvstore_namespace_pages; the rest are "other"
 PROBE_TIMEOUT_S = 2.0  # the event loop must answer a scrape or a readiness probe within this
+HELPER_START_S = 60.0  # the helper process imports its modules and binds the address within this
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -65,21 +73,15 @@ class Snapshot:
     rpc: dict[tuple[str, str], tuple[list[int], float]]
     serving: bool
     uptime_s: float
-    remotes: list[Any] = field(default_factory=list)  # RemoteTier objects, asked from the scrape thread
+    remote: tuple[int, int, int] | None = None  # the remote server's (used, maxmemory, keys)
 
     @classmethod
     def take(cls, handlers: Handlers) -> Snapshot:
         per_tenant = {name: store.stats(server_usage=False) for name, store in handlers.stores.items()}
         stats = combined(list(per_tenant.values()))
         stats.counters.update(handlers.counters)
-        remotes = [s.lower.remote for s in handlers.stores.values() if s.lower is not None and s.lower.remote]
         return cls(
-            stats,
-            per_tenant,
-            handlers.timings.copy(),
-            handlers.serving,
-            time.monotonic() - handlers.started,
-            remotes,
+            stats, per_tenant, handlers.timings.copy(), handlers.serving, time.monotonic() - handlers.started
         )
 
 
@@ -113,18 +115,10 @@ class DaemonCollector:
         return []  # families depend on the tiers configured: collected, not described
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
-        yield from families(snap, remote_usage(snap.remotes))
+        yield from families(self._snapshot())
 
 
-def remote_usage(remotes: list[Any]) -> tuple[int, int, int] | None:
-    """(used, maxmemory, keys) of the remote server (one server is shared by the tenants' tiers)."""
-    if not remotes:
-        return None
-    return tuple(remotes[0].server_usage())  # type: ignore[return-value]
-
-
-def families(snap: Snapshot, remote: tuple[int, int, int] | None = None) -> Iterator[Metric]:
+def families(snap: Snapshot) -> Iterator[Metric]:
     stats, counters = snap.stats, snap.stats.counters
     tiers = {tier.name: tier for tier in stats.tiers}
     extra = {name: tier.extra or {} for name, tier in tiers.items()}
@@ -209,8 +203,8 @@ def families(snap: Snapshot, remote: tuple[int, int, int] | None = None) -> Iter
     used = {name: float(tier.bytes_used) for name, tier in tiers.items()}
     capacity = {name: float(tier.bytes_capacity) for name, tier in tiers.items()}
     pages = {name: float(tier.pages) for name, tier in tiers.items()}
-    if remote is not None and "remote" in tiers:
-        used["remote"], capacity["remote"], pages["remote"] = (float(v) for v in remote)
+    if snap.remote is not None and "remote" in tiers:
+        used["remote"], capacity["remote"], pages["remote"] = (float(v) for v in snap.remote)
     yield by_tier(GaugeMetricFamily, "tier_used_bytes", "Bytes each tier holds (remote: the server's).", used)
     yield by_tier(
         GaugeMetricFamily,
@@ -292,42 +286,118 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class MetricsServer:
-    """`/metrics`, `/healthz` and `/readyz` on `address` ("host:port"), served from a thread."""
+    """`/metrics`, `/healthz` and `/readyz` on `address` ("host:port"), served by a helper process.
+
+    The helper (`serve`, started with `spawn`) runs the HTTP server and builds the exposition
+    text; for each scrape or probe it asks this process, over a pipe, for a snapshot, which a
+    thread here takes on the event loop (`Snapshot.take`) and sends back. Text building, the
+    costly part of a scrape, so never holds the daemon's GIL. The helper reports the daemon's
+    process metrics (its /proc), and dies with the daemon.
+    """
 
     def __init__(self, address: str, handlers: Handlers, loop: asyncio.AbstractEventLoop) -> None:
         self.address = address
         self._handlers = handlers
         self._loop = loop
-        self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
-        GCCollector(registry=self.registry)
-        self.registry.register(DaemonCollector(self._snapshot))  # type: ignore[arg-type]
-        self._metrics_app = make_wsgi_app(self.registry)
-        self._httpd: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self._conn: Connection | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self.port = 0
 
-    def _snapshot(self) -> Snapshot:
-        return on_loop(self._loop, lambda: Snapshot.take(self._handlers), PROBE_TIMEOUT_S)  # type: ignore[no-any-return]
+    def snapshot(self) -> Snapshot:
+        snap: Snapshot = on_loop(self._loop, lambda: Snapshot.take(self._handlers), PROBE_TIMEOUT_S)
+        for store in self._handlers.stores.values():  # one server, shared: asked once, off the loop
+            if store.lower is not None and store.lower.remote is not None:
+                snap.remote = store.lower.remote.server_usage()
+                break
+        return snap
 
     def start(self) -> None:
-        host, port = self.address.rsplit(":", 1)
-        self._httpd = make_server(host.strip("[]"), int(port), self._app, _Server, _QuietHandler)
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvstore-metrics", daemon=True)
-        self._thread.start()
+        context = multiprocessing.get_context("spawn")
+        mine, theirs = context.Pipe()
+        self._process = context.Process(
+            target=serve, args=(self.address, theirs, os.getpid()), name="kvstore-metrics", daemon=True
+        )
+        self._process.start()
+        theirs.close()
+        self._conn = mine
+        if not mine.poll(HELPER_START_S):
+            self.stop()
+            raise OSError(errno.ETIMEDOUT, f"the metrics process did not start within {HELPER_START_S:g} s")
+        kind, detail = mine.recv()
+        if kind != "listening":
+            self.stop()
+            raise OSError(*detail)
+        self.port = int(detail)
+        threading.Thread(target=self._answer, name="kvstore-metrics", daemon=True).start()
 
-    @property
-    def port(self) -> int:
-        assert self._httpd is not None
-        return int(self._httpd.server_address[1])
+    def _answer(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        while True:
+            try:
+                conn.recv()
+                try:
+                    reply: tuple[str, Any] = ("ok", self.snapshot())
+                except TimeoutError as exc:
+                    reply = ("timeout", str(exc))
+                conn.send(reply)
+            except (EOFError, OSError):  # the helper or the pipe is gone: the daemon stops
+                return
 
     def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+        if self._process is not None:
+            self._process.terminate()
+            self._process.join(5)
+            self._process = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
-    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+
+def serve(address: str, conn: Connection, daemon_pid: int) -> None:
+    """The helper process: the HTTP server, fed snapshots by the daemon over `conn`."""
+    _die_with(daemon_pid)
+    lock = threading.Lock()
+
+    def snapshot() -> Snapshot:
+        with lock:
+            conn.send(None)
+            kind, value = conn.recv()
+        if kind != "ok":
+            raise TimeoutError(value)
+        return value  # type: ignore[no-any-return]
+
+    http = _Http(snapshot, daemon_pid)
+    host, port = address.rsplit(":", 1)
+    try:
+        httpd = make_server(host.strip("[]"), int(port), http.app, _Server, _QuietHandler)
+    except OSError as exc:
+        conn.send(("error", (exc.errno, exc.strerror)))
+        return
+    conn.send(("listening", httpd.server_address[1]))
+    httpd.serve_forever()
+
+
+def _die_with(daemon_pid: int) -> None:
+    """The helper gets SIGTERM when the daemon dies, however it dies (Linux prctl)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != daemon_pid:  # it died before prctl took effect
+        os._exit(0)
+
+
+class _Http:
+    """The helper's WSGI app: the registry (the daemon's families and process metrics) and probes."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot], daemon_pid: int) -> None:
+        self._snapshot = snapshot
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry, pid=lambda: daemon_pid)
+        PlatformCollector(registry=self.registry)
+        self.registry.register(DaemonCollector(snapshot))  # type: ignore[arg-type]
+        self._metrics_app = make_wsgi_app(self.registry)
+
+    def app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
             try:
