@@ -20,6 +20,9 @@ Prints tables and writes `bench/results/control_plane.json` (and a timestamped c
 3. Lookup latency of a daemon on uvloop against one on asyncio's own event loop
    (`server.event_loop`), both running, timed in turns: the local channel, gRPC, and the
    client's `lookup_chunks`, with the ratio of their p50s.
+7. Scrape turns (`--parts scrape_turns`): one daemon serving /metrics, its Lookups timed in
+   alternating 2 s windows with a scraper process fetching /metrics every `--scrape-interval`
+   and idle: the scrape's cost without two daemons' scatter.
 6. Metrics (`--parts metrics`): Lookup latency of a daemon serving /metrics, scraped every
    second meanwhile, against one without, side by side in the same way (target: p50 and p99
    within 5%).
@@ -43,6 +46,7 @@ import os
 import secrets
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -98,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--parts",
         nargs="+",
-        choices=("lookup", "throughput", "event_loop", "tenants", "metrics", "against"),
+        choices=("lookup", "throughput", "event_loop", "tenants", "metrics", "scrape_turns", "against"),
         default=["lookup", "throughput", "event_loop", "tenants", "metrics"],
     )
     parser.add_argument("--against", type=Path, help="another kvstore source tree to compare latency with")
@@ -739,6 +743,116 @@ def bench_metrics(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+SCRAPER = r"""
+import sys, threading, time, urllib.request
+url, every = sys.argv[1], float(sys.argv[2])
+on, done = threading.Event(), threading.Event()
+def control():
+    for line in sys.stdin:
+        on.set() if line.strip() == "on" else on.clear()
+    on.clear()
+    done.set()
+threading.Thread(target=control, daemon=True).start()
+count = 0
+while not done.is_set():
+    if on.wait(0.02):
+        body = urllib.request.urlopen(url, timeout=10).read()
+        assert b"kvstore_lookups_total" in body
+        count += 1
+        deadline = time.monotonic() + every
+        while on.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+print(count)
+"""
+
+
+def bench_scrape_turns(args: argparse.Namespace, windows: int = 40, window_s: float = 2.0) -> dict[str, Any]:
+    """One daemon serving /metrics, its Lookups timed in alternating windows: while a scraper
+    (a process of its own, so that it costs this one nothing) fetches /metrics every
+    `args.scrape_interval` s, and while it is idle. The same daemon, core and caches on both
+    sides: what is left is the scrape's cost."""
+    spec = lookup_spec()
+    tokens = torch.randint(
+        0, 128_000, (max(TENANT_SIZES) * CHUNK_TOKENS,), generator=torch.Generator().manual_seed(6)
+    )
+    num_blocks = len(tokens) // BLOCK_SIZE
+    port = _free_port()
+    config = {
+        "log_level": "warning",
+        "chunk_tokens": CHUNK_TOKENS,
+        "server": {"grace_s": 1.0, "metrics_address": f"127.0.0.1:{port}"},
+        "leases": {"ttl_s": 60.0},
+        "tiers": {"cpu": {"bytes": "64MiB", "slab_bytes": "16MiB"}},
+    }
+    samples: dict[str, list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        daemon = stack.enter_context(running_daemon(config))
+        client = stack.enter_context(KVStoreClient.connect(daemon.address, spec))
+        grpc_client = stack.enter_context(KVStoreClient.connect(daemon.address, spec, local_channel=False))
+        if client.store(tokens, kv_caches(spec, num_blocks, random=True), torch.arange(num_blocks)) != max(
+            TENANT_SIZES
+        ):
+            raise RuntimeError("scrape turns: the lookup pages were not all stored")
+        keys = client.keys(tokens)
+        calls = [("rpc", client._rpc, n) for n in TENANT_SIZES] + [
+            ("grpc", grpc_client._rpc, n) for n in (1, 64)
+        ]
+        series = {
+            f"{name}_{n}": functools.partial(lookup_rpc, rpc, client.namespace, pack_keys(keys[:n]))
+            for name, rpc, n in calls
+        }
+        scraper = subprocess.Popen(
+            [sys.executable, "-c", SCRAPER, f"http://127.0.0.1:{port}/metrics", str(args.scrape_interval)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert scraper.stdin is not None
+        for call in series.values():
+            time_calls(call, args.warmup)
+        for window in range(2 * windows):
+            mode = "on" if window % 2 == 0 else "off"
+            scraper.stdin.write(f"{mode}\n")
+            scraper.stdin.flush()
+            end = time.perf_counter() + window_s
+            while time.perf_counter() < end:
+                for name, call in series.items():
+                    samples.setdefault(f"{mode}/{name}", []).extend(time_calls(call, 10))
+        out, _ = scraper.communicate(timeout=30)
+        if scraper.returncode != 0 or not int(out.strip() or 0):
+            raise RuntimeError(f"the scraper failed or never scraped (exit {scraper.returncode})")
+    results: dict[str, Any] = {name: Latency.of(values)._asdict() for name, values in samples.items()}
+    results["p50_ratio"] = _on_over_off(results)
+    results["p99_ratio"] = {
+        name[3:]: results[name]["p99_us"] / results[f"off/{name[3:]}"]["p99_us"]
+        for name in samples
+        if name.startswith("on/")
+    }
+    results["scrapes"] = int(out.strip())
+    results |= {"windows": windows, "window_s": window_s, "scrape_interval_s": args.scrape_interval}
+    return results
+
+
+def report_scrape_turns(results: dict[str, Any]) -> None:
+    print(
+        f"\nOne daemon, Lookups in {results['windows']} windows of {results['window_s']:g} s with /metrics "
+        f"scraped every {results['scrape_interval_s']:g} s ({results['scrapes']} scrapes) and as many without"
+    )
+    print_table(
+        ["call", "scraping", "quiet", "p50 ratio", "p99 ratio"],
+        [
+            [
+                call,
+                f"{results[f'on/{call}']['p50_us']:.0f} / {results[f'on/{call}']['p99_us']:.0f}",
+                f"{results[f'off/{call}']['p50_us']:.0f} / {results[f'off/{call}']['p99_us']:.0f}",
+                f"{ratio:.3f}",
+                f"{results['p99_ratio'][call]:.3f}",
+            ]
+            for call, ratio in results["p50_ratio"].items()
+        ],
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -883,6 +997,9 @@ def main(argv: list[str] | None = None) -> int:
     metrics = bench_metrics(args) if "metrics" in args.parts else None
     if metrics is not None:
         report_metrics(metrics)
+    scrape_turns = bench_scrape_turns(args) if "scrape_turns" in args.parts else None
+    if scrape_turns is not None:
+        report_scrape_turns(scrape_turns)
     against = None
     if "against" in args.parts:
         calls = 200 if args.quick else 3000
@@ -920,6 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
             "event_loops": event_loops,
             "tenants": tenants,
             "metrics": metrics,
+            "scrape_turns": scrape_turns,
             "targets": goals,
             "against": against,
             "elapsed_s": time.perf_counter() - started,
