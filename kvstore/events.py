@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import threading
-from collections import deque
 from collections.abc import Callable
 from enum import IntEnum
 from typing import NamedTuple
 
 from kvstore.tiers import Tier
+
+MAX_SCAN = 8192  # events looked at per read
 
 
 class EventKind(IntEnum):
@@ -55,7 +55,7 @@ class Event(NamedTuple):
 class EventLog:
     def __init__(self, capacity: int = 65536) -> None:
         self.capacity = capacity
-        self._events: deque[Event] = deque(maxlen=capacity)
+        self._ring: list[Event | None] = [None] * capacity  # event `s` at s % capacity
         self._lock = threading.Lock()
         self.sequence = 0  # the last event's
         self._names: dict[bytes, tuple[str, str]] = {}  # namespace -> (tenant, model)
@@ -80,7 +80,9 @@ class EventLog:
     ) -> None:
         with self._lock:
             self.sequence += 1
-            self._events.append(Event(self.sequence, kind, tier, namespace, key, parent, reason))
+            self._ring[self.sequence % self.capacity] = Event(
+                self.sequence, kind, tier, namespace, key, parent, reason
+            )
         if self._waiting:
             self._wake()
 
@@ -101,25 +103,28 @@ class EventLog:
         self, after: int, limit: int, keep: Callable[[Event], bool] | None = None
     ) -> tuple[list[Event], int]:
         """Up to `limit` events after sequence `after` that `keep` accepts, and the sequence read
-        up to. A RESYNC event comes first where events after `after` are gone from the buffer."""
+        up to (at most MAX_SCAN events are looked at per call, so a consumer that filters most
+        out holds the lock briefly). A RESYNC event comes first where events after `after` are
+        gone from the buffer."""
         with self._lock:
             last = self.sequence
             if after >= last:
                 return [], last
-            oldest = last - len(self._events) + 1
+            oldest = last - min(last, self.capacity) + 1
             out: list[Event] = []
             if after < oldest - 1:  # some of what the consumer asked for is gone
                 out.append(Event(oldest - 1, EventKind.RESYNC, Tier.NONE, b"", b"", b"", "fell behind"))
                 after = oldest - 1
-            start = after - oldest + 1
-            scanned = 0
-            for event in itertools.islice(self._events, start, None):
-                scanned += 1
-                if keep is None or keep(event):
+            ring, capacity = self._ring, self.capacity
+            sequence, stop = after, min(last, after + MAX_SCAN)
+            while sequence < stop:
+                sequence += 1
+                event = ring[sequence % capacity]
+                if event is not None and (keep is None or keep(event)):
                     out.append(event)
                     if len(out) >= limit:
                         break
-            return out, after + scanned
+            return out, sequence
 
     def close(self) -> None:
         """The daemon stops: consumers' streams end."""
