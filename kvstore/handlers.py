@@ -293,7 +293,10 @@ class Handlers:
         """An admin (or anyone, without tenants) sees every tenant; a tenant's member its own."""
         caller = caller or self._anonymous
         if caller.admin or not self.tenancy.enabled:
-            stats = combined([store.stats() for store in self.stores.values()])
+            # One remote server serves every tenant's tier: asked once (`combined` counts it once).
+            stats = combined(
+                [store.stats(server_usage=i == 0) for i, store in enumerate(self.stores.values())]
+            )
             stats.counters.update(self.counters)
         else:  # a member: its tenant's figures, not the shared remote server's totals
             stats = self._store(caller).stats(server_usage=False)
