@@ -838,19 +838,7 @@ def report_scrape_turns(results: dict[str, Any]) -> None:
         f"\nOne daemon, Lookups in {results['windows']} windows of {results['window_s']:g} s with /metrics "
         f"scraped every {results['scrape_interval_s']:g} s ({results['scrapes']} scrapes) and as many without"
     )
-    print_table(
-        ["call", "scraping", "quiet", "p50 ratio", "p99 ratio"],
-        [
-            [
-                call,
-                f"{results[f'on/{call}']['p50_us']:.0f} / {results[f'on/{call}']['p99_us']:.0f}",
-                f"{results[f'off/{call}']['p50_us']:.0f} / {results[f'off/{call}']['p99_us']:.0f}",
-                f"{ratio:.3f}",
-                f"{results['p99_ratio'][call]:.3f}",
-            ]
-            for call, ratio in results["p50_ratio"].items()
-        ],
-    )
+    print_table(["call", "scraping", "quiet", "p50 ratio", "p99 ratio"], _on_off_rows(results))
 
 
 def _free_port() -> int:
@@ -864,19 +852,21 @@ def report_metrics(results: dict[str, Any]) -> None:
         f"\nLookup latency with /metrics scraped every {results['scrape_interval_s']:g} s and without "
         "(p50 / p99 µs; on / off p50, p99)"
     )
-    print_table(
-        ["call", "metrics on", "metrics off", "p50 ratio", "p99 ratio"],
+    print_table(["call", "metrics on", "metrics off", "p50 ratio", "p99 ratio"], _on_off_rows(results))
+
+
+def _on_off_rows(results: dict[str, Any]) -> list[list[str]]:
+    """Per call: on and off p50 / p99 (µs), and their ratios."""
+    return [
         [
-            [
-                call,
-                f"{results[f'on/{call}']['p50_us']:.0f} / {results[f'on/{call}']['p99_us']:.0f}",
-                f"{results[f'off/{call}']['p50_us']:.0f} / {results[f'off/{call}']['p99_us']:.0f}",
-                f"{ratio:.3f}",
-                f"{results['p99_ratio'][call]:.3f}",
-            ]
-            for call, ratio in results["p50_ratio"].items()
-        ],
-    )
+            call,
+            f"{results[f'on/{call}']['p50_us']:.0f} / {results[f'on/{call}']['p99_us']:.0f}",
+            f"{results[f'off/{call}']['p50_us']:.0f} / {results[f'off/{call}']['p99_us']:.0f}",
+            f"{ratio:.3f}",
+            f"{results['p99_ratio'][call]:.3f}",
+        ]
+        for call, ratio in results["p50_ratio"].items()
+    ]
 
 
 def handler_lookup_with_tenants(page: PageSpec, tokens: torch.Tensor, calls: int) -> dict[str, float]:
