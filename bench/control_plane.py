@@ -605,9 +605,10 @@ def bench_tenants(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def _on_over_off(latencies: Mapping[str, Any]) -> dict[str, float]:
+def _on_over_off(latencies: Mapping[str, Any], figure: str = "p50_us") -> dict[str, float]:
+    """Per series, its `figure` with the feature on over the same with it off."""
     return {
-        name[3:]: latencies[name]["p50_us"] / latencies[f"off/{name[3:]}"]["p50_us"]
+        name[3:]: latencies[name][figure] / latencies[f"off/{name[3:]}"][figure]
         for name in latencies
         if name.startswith("on/")
     }
@@ -731,11 +732,7 @@ def bench_metrics(args: argparse.Namespace) -> dict[str, Any]:
         per_round.append(_on_over_off({name: Latency.of(values)._asdict() for name, values in taken.items()}))
     results: dict[str, Any] = {name: Latency.of(values)._asdict() for name, values in samples.items()}
     results["p50_ratio"] = _on_over_off(results)
-    results["p99_ratio"] = {
-        name[3:]: results[name]["p99_us"] / results[f"off/{name[3:]}"]["p99_us"]
-        for name in samples
-        if name.startswith("on/")
-    }
+    results["p99_ratio"] = _on_over_off(results, "p99_us")
     results["p50_ratio_per_round"] = per_round
     results["rounds"] = args.rounds
     results["scrape_interval_s"] = args.scrape_interval
@@ -823,11 +820,7 @@ def bench_scrape_turns(args: argparse.Namespace, windows: int = 40, window_s: fl
             raise RuntimeError(f"the scraper failed or never scraped (exit {scraper.returncode})")
     results: dict[str, Any] = {name: Latency.of(values)._asdict() for name, values in samples.items()}
     results["p50_ratio"] = _on_over_off(results)
-    results["p99_ratio"] = {
-        name[3:]: results[name]["p99_us"] / results[f"off/{name[3:]}"]["p99_us"]
-        for name in samples
-        if name.startswith("on/")
-    }
+    results["p99_ratio"] = _on_over_off(results, "p99_us")
     results["scrapes"] = int(out.strip())
     results |= {"windows": windows, "window_s": window_s, "scrape_interval_s": args.scrape_interval}
     return results
