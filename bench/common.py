@@ -4,6 +4,9 @@
   directory, started from a config dict and ready (health SERVING): the harness the tests use
   too (`tests.harness`).
 - `Latency.of(samples_s)`: p50 / p99 / mean of timed calls, in microseconds.
+- `bootstrap_ratio_interval(on, off, q)`: a 90% interval of a percentile's ratio between two
+  sides timed in paired windows; `overlapping(starts, durations, spans)`: the calls that ran
+  while something else did.
 - `print_table(headers, rows)`: a plain-text table on stdout.
 - `write_results(name, payload)`: `bench/results/<name>.json` (the latest, kept in git) and a
   copy of every run in `bench/results/runs/<name>-<UTC timestamp>.json` (ignored by git: a run
@@ -13,6 +16,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import datetime as dt
 import json
@@ -26,7 +30,16 @@ from typing import Any, NamedTuple
 
 from tests.harness import REPO_ROOT, Daemon, running_daemon
 
-__all__ = ["Daemon", "Latency", "machine_meta", "print_table", "running_daemon", "write_results"]
+__all__ = [
+    "Daemon",
+    "Latency",
+    "bootstrap_ratio_interval",
+    "machine_meta",
+    "overlapping",
+    "print_table",
+    "running_daemon",
+    "write_results",
+]
 
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 RUNS_DIR = RESULTS_DIR / "runs"  # every run, timestamped; ignored by git
@@ -125,3 +138,48 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     latest = RESULTS_DIR / f"{name}.json"
     latest.write_text(text)
     return latest
+
+
+def bootstrap_ratio_interval(
+    on: Sequence[Sequence[float]], off: Sequence[Sequence[float]], q: float, resamples: int = 400
+) -> tuple[float, float]:
+    """A 90% bootstrap interval of percentile `q` of the pooled `on` windows over that of the
+    pooled `off` windows: windows are paired (`on[i]` beside `off[i]`) and the pairs resampled
+    with replacement, so that slow stretches of the host count as the unit they are."""
+    import torch  # only the benchmarks that resample need it
+
+    pairs = len(on)
+    if pairs != len(off) or not pairs:
+        raise ValueError("on, off: expected the same number of windows, at least one")
+    on_t = [torch.tensor(window, dtype=torch.float64) for window in on]
+    off_t = [torch.tensor(window, dtype=torch.float64) for window in off]
+    generator = torch.Generator().manual_seed(0)
+    ratios = []
+    for _ in range(resamples):
+        picks = torch.randint(0, pairs, (pairs,), generator=generator).tolist()
+        top = torch.quantile(torch.cat([on_t[i] for i in picks]), q / 100)
+        bottom = torch.quantile(torch.cat([off_t[i] for i in picks]), q / 100)
+        ratios.append(float(top / bottom))
+    ratios.sort()
+    return ratios[int(0.05 * (resamples - 1))], ratios[int(0.95 * (resamples - 1))]
+
+
+def overlapping(
+    starts: Sequence[float], durations: Sequence[float], spans: Sequence[tuple[float, float]]
+) -> dict[str, float]:
+    """The calls (started at `starts`, taking `durations`, seconds on one clock) that overlapped
+    one of `spans` (start, end): how many, their share of all calls, and their p50 / max (µs)."""
+    ordered = sorted(spans)
+    ends = [end for _, end in ordered]
+    hit = []
+    for start, took in zip(starts, durations, strict=True):
+        first = bisect.bisect_left(ends, start)  # the first span that ends after the call starts
+        if first < len(ordered) and ordered[first][0] <= start + took:
+            hit.append(took)
+    latency = Latency.of(hit) if hit else None
+    return {
+        "calls": len(hit),
+        "share": len(hit) / max(len(starts), 1),
+        "p50_us": latency.p50_us if latency else 0.0,
+        "max_us": latency.max_us if latency else 0.0,
+    }

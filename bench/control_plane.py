@@ -21,8 +21,10 @@ Prints tables and writes `bench/results/control_plane.json` (and a timestamped c
    (`server.event_loop`), both running, timed in turns: the local channel, gRPC, and the
    client's `lookup_chunks`, with the ratio of their p50s.
 7. Scrape turns (`--parts scrape_turns`): one daemon serving /metrics, its Lookups timed in
-   alternating 2 s windows with a scraper process fetching /metrics every `--scrape-interval`
-   and idle: the scrape's cost without two daemons' scatter.
+   `--windows` pairs of 1 s windows, one with a scraper process fetching /metrics every
+   `--scrape-interval`, one with it idle, in random order: the scrape's cost without two
+   daemons' scatter, with a bootstrap interval of the p99 ratio, the calls that overlapped a
+   scrape, and the daemon's own work per scrape.
 6. Metrics (`--parts metrics`): Lookup latency of a daemon serving /metrics, scraped every
    second meanwhile, against one without, side by side in the same way (target: p50 and p99
    within 5%).
@@ -42,7 +44,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import os
+import pickle
+import random
 import secrets
 import socket
 import statistics
@@ -61,11 +66,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
-from bench.common import Daemon, Latency, print_table, running_daemon, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    Daemon,
+    Latency,
+    bootstrap_ratio_interval,
+    overlapping,
+    print_table,
+    running_daemon,
+    write_results,
+)
 from bench.latency_probe import MAX_RATIO, SERIES, compare_trees  # noqa: E402
 from kvstore.config import EvictionConfig, format_size, parse_size  # noqa: E402
 from kvstore.handlers import Handlers  # noqa: E402
 from kvstore.keys import chunk_keys, pack_keys, unpack_keys  # noqa: E402
+from kvstore.metrics import Snapshot  # noqa: E402
 from kvstore.policy import make_policy  # noqa: E402
 from kvstore.proto import kvstore_pb2 as pb  # noqa: E402
 from kvstore.spec import PageSpec  # noqa: E402
@@ -112,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=1.0,
         help="metrics part: seconds between scrapes (Prometheus: 15-60)",
+    )
+    parser.add_argument(
+        "--windows", type=int, default=150, help="scrape_turns part: pairs of 1 s windows (scraping, quiet)"
     )
     parser.add_argument("--name", help="results name (default: control_plane, or control_plane-quick)")
     args = parser.parse_args(argv)
@@ -741,7 +758,7 @@ def bench_metrics(args: argparse.Namespace) -> dict[str, Any]:
 
 
 SCRAPER = r"""
-import sys, threading, time, urllib.request
+import json, sys, threading, time, urllib.request
 url, every = sys.argv[1], float(sys.argv[2])
 on, done = threading.Event(), threading.Event()
 def control():
@@ -750,24 +767,29 @@ def control():
     on.clear()
     done.set()
 threading.Thread(target=control, daemon=True).start()
-count = 0
+spans = []
 while not done.is_set():
     if on.wait(0.02):
+        start = time.monotonic()
         body = urllib.request.urlopen(url, timeout=10).read()
+        spans.append((start, time.monotonic()))
         assert b"kvstore_lookups_total" in body
-        count += 1
-        deadline = time.monotonic() + every
-        while on.is_set() and time.monotonic() < deadline:
+        while on.is_set() and time.monotonic() < start + every:
             time.sleep(0.01)
-print(count)
+print(json.dumps(spans))
 """
 
 
-def bench_scrape_turns(args: argparse.Namespace, windows: int = 40, window_s: float = 2.0) -> dict[str, Any]:
-    """One daemon serving /metrics, its Lookups timed in alternating windows: while a scraper
-    (a process of its own, so that it costs this one nothing) fetches /metrics every
-    `args.scrape_interval` s, and while it is idle. The same daemon, core and caches on both
-    sides: what is left is the scrape's cost."""
+def bench_scrape_turns(args: argparse.Namespace, window_s: float = 1.0, batch: int = 10) -> dict[str, Any]:
+    """One daemon serving /metrics, its Lookups timed in `args.windows` pairs of windows: one while
+    a scraper (a process of its own, so that it costs this one nothing) fetches /metrics every
+    `args.scrape_interval` s, one while it is idle, in random order within each pair. The same
+    daemon, core and caches on both sides: what is left is the scrape's cost.
+
+    Besides the pooled p50 and p99 of each side: a 90% bootstrap interval of the p99 ratio
+    (window pairs resampled), the calls that overlapped a scrape (the scraper reports when each
+    ran; both processes read CLOCK_MONOTONIC) and their latency, and the daemon's own work per
+    scrape, measured in this process."""
     spec = lookup_spec()
     tokens = torch.randint(
         0, 128_000, (max(TENANT_SIZES) * CHUNK_TOKENS,), generator=torch.Generator().manual_seed(6)
@@ -781,7 +803,10 @@ def bench_scrape_turns(args: argparse.Namespace, windows: int = 40, window_s: fl
         "leases": {"ttl_s": 60.0},
         "tiers": {"cpu": {"bytes": "64MiB", "slab_bytes": "16MiB"}},
     }
-    samples: dict[str, list[float]] = {}
+    order = random.Random(7)
+    # per mode and series: one list of durations per window; for "on", the calls' start times too
+    windows: dict[str, dict[str, list[list[float]]]] = {"on": {}, "off": {}}
+    starts: dict[str, list[float]] = {}
     with contextlib.ExitStack() as stack:
         daemon = stack.enter_context(running_daemon(config))
         client = stack.enter_context(KVStoreClient.connect(daemon.address, spec))
@@ -807,31 +832,100 @@ def bench_scrape_turns(args: argparse.Namespace, windows: int = 40, window_s: fl
         assert scraper.stdin is not None
         for call in series.values():
             time_calls(call, args.warmup)
-        for window in range(2 * windows):
-            mode = "on" if window % 2 == 0 else "off"
-            scraper.stdin.write(f"{mode}\n")
-            scraper.stdin.flush()
-            end = time.perf_counter() + window_s
-            while time.perf_counter() < end:
-                for name, call in series.items():
-                    samples.setdefault(f"{mode}/{name}", []).extend(time_calls(call, 10))
+        for _ in range(args.windows):
+            for mode in order.sample(("on", "off"), 2):
+                scraper.stdin.write(f"{mode}\n")
+                scraper.stdin.flush()
+                taken: dict[str, list[float]] = {name: [] for name in series}
+                end = time.perf_counter() + window_s
+                while time.perf_counter() < end:
+                    for name, call in series.items():
+                        for _ in range(batch):
+                            start = time.perf_counter()
+                            call()
+                            taken[name].append(time.perf_counter() - start)
+                            if mode == "on":
+                                starts.setdefault(name, []).append(start)
+                for name, durations in taken.items():
+                    windows[mode].setdefault(name, []).append(durations)
         out, _ = scraper.communicate(timeout=30)
-        if scraper.returncode != 0 or not int(out.strip() or 0):
-            raise RuntimeError(f"the scraper failed or never scraped (exit {scraper.returncode})")
-    results: dict[str, Any] = {name: Latency.of(values)._asdict() for name, values in samples.items()}
+        if scraper.returncode != 0:
+            raise RuntimeError(f"the scraper failed (exit {scraper.returncode})")
+        spans: list[tuple[float, float]] = [tuple(span) for span in json.loads(out)]
+        if not spans:
+            raise RuntimeError("the scraper never scraped")
+        cost = snapshot_cost(daemon, args.lookup_calls)
+    results: dict[str, Any] = {}
+    for mode, per_series in windows.items():
+        for name, per_window in per_series.items():
+            results[f"{mode}/{name}"] = Latency.of([d for window in per_window for d in window])._asdict()
     results["p50_ratio"] = _on_over_off(results)
     results["p99_ratio"] = _on_over_off(results, "p99_us")
-    results["scrapes"] = int(out.strip())
-    results |= {"windows": windows, "window_s": window_s, "scrape_interval_s": args.scrape_interval}
+    results["p99_ratio_90ci"] = {
+        name: bootstrap_ratio_interval(windows["on"][name], windows["off"][name], 99) for name in series
+    }
+    results["overlapping_a_scrape"] = {
+        name: overlapping(starts[name], [d for window in windows["on"][name] for d in window], spans)
+        for name in series
+    }
+    results["daemon_work_per_scrape_us"] = cost
+    results["scrapes"] = len(spans)
+    results["scrape_ms"] = Latency.of([end - start for start, end in spans])._asdict()
+    results |= {"windows": args.windows, "window_s": window_s, "scrape_interval_s": args.scrape_interval}
     return results
+
+
+def snapshot_cost(daemon: Daemon, calls: int) -> dict[str, float]:
+    """The daemon's own work per scrape, timed in this process on a store holding the pages the
+    daemon holds (p50 µs): the snapshot the event loop takes, and its pickling in the daemon's
+    metrics thread. A Lookup that arrives meanwhile waits for at most these."""
+    page = lookup_spec().page
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
+        arena = Arena(Path(tmp) / "arena", 16 << 20, prefault=False)
+        try:
+            store = Store(CpuTier(arena, 16 << 20), make_policy(EvictionConfig().policy), 60.0, 600.0)
+            ns = store.connect(page).id
+            store.commit(ns, store.reserve(ns, [bytes([i % 256, i // 256]) * 8 for i in range(512)]).lease_id)
+            handlers = Handlers({"": store}, CHUNK_TOKENS, 4 << 20)
+            snap = Snapshot.take(handlers)
+            return {
+                "snapshot_on_loop": Latency.of(time_calls(lambda: Snapshot.take(handlers), calls)).p50_us,
+                "pickle_in_thread": Latency.of(time_calls(lambda: pickle.dumps(snap), calls)).p50_us,
+                "pickled_bytes": len(pickle.dumps(snap)),
+            }
+        finally:
+            arena.close(unlink=True)
 
 
 def report_scrape_turns(results: dict[str, Any]) -> None:
     print(
-        f"\nOne daemon, Lookups in {results['windows']} windows of {results['window_s']:g} s with /metrics "
-        f"scraped every {results['scrape_interval_s']:g} s ({results['scrapes']} scrapes) and as many without"
+        f"\nOne daemon, Lookups in {results['windows']} pairs of {results['window_s']:g} s windows, /metrics "
+        f"scraped every {results['scrape_interval_s']:g} s in one ({results['scrapes']} scrapes, "
+        f"p50 {results['scrape_ms']['p50_us'] / 1e3:.1f} ms each) and not in the other"
     )
-    print_table(["call", "scraping", "quiet", "p50 ratio", "p99 ratio"], _on_off_rows(results))
+    rows = _on_off_rows(results)
+    for row, name in zip(rows, results["p50_ratio"], strict=True):
+        low, high = results["p99_ratio_90ci"][name]
+        hit = results["overlapping_a_scrape"][name]
+        row += [f"{low:.3f}-{high:.3f}", f"{hit['calls']} ({hit['share']:.2%}), p50 {hit['p50_us']:.0f}"]
+    print_table(
+        [
+            "call",
+            "scraping",
+            "quiet",
+            "p50 ratio",
+            "p99 ratio",
+            "p99 ratio, 90% interval",
+            "overlapping a scrape",
+        ],
+        rows,
+    )
+    cost = results["daemon_work_per_scrape_us"]
+    print(
+        "The daemon's work per scrape (p50): the snapshot on the event loop "
+        f"{cost['snapshot_on_loop']:.0f} µs, its pickling ({cost['pickled_bytes']} bytes) in the metrics "
+        f"thread {cost['pickle_in_thread']:.0f} µs"
+    )
 
 
 def _free_port() -> int:
