@@ -19,8 +19,15 @@ Also the parts of reuse: `restore` alone ("restore", synchronised) and the forwa
 last token with its KV already in place ("decode step"), so reuse can be compared with pure
 transfer + one decode step; and how long `restore(overlap=True)` takes to return ("issue").
 
+With `--boundary B`, a progressive model's case too (`kvstore_client.hf_stages`): stage 1
+stores the prompt's KV per layer range and the hidden states entering layer B; stage 2 (layers
+[0, B) named by the same weights id, the rest by its own) answers the prompt with
+`StagedPrefixCache.prefill`: the hidden states and layers [0, B)'s KV from the store, only
+layers [B, L) computed. Timed against stage 2's full recompute, beside the ideal (L - B) / L.
+
     python bench/ttft.py                       # 2k, 8k, 32k tokens, Llama-3.1-8B geometry
     python bench/ttft.py --preset tiny --lengths 512 2048 --device cpu   # a smoke run anywhere
+    python bench/ttft.py --lengths 8192 32768 --boundary 16 --parts partial   # the staged case only
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +50,7 @@ from bench.common import print_table, running_daemon, write_results  # noqa: E40
 from examples.hf_prefix_reuse import PRESETS, build_model, page_bytes_per_token  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 from kvstore_client.hf import HFPrefixCache  # noqa: E402
+from kvstore_client.hf_stages import StagedPrefixCache  # noqa: E402
 from kvstore_kernels import TransferOptions  # noqa: E402
 
 SLAB_BYTES = 256 << 20
@@ -50,6 +59,29 @@ SLAB_BYTES = 256 << 20
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def in_rounds(
+    variants: Mapping[str, Callable[[], object]],
+    repeats: int,
+    device: torch.device,
+    parts: dict[str, list[float]] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds of each variant, once per round in turn (GPU synchronised around each): a
+    warm-up round, whose samples (and the `parts` the variants record) are dropped, then
+    `repeats` rounds."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(repeats + 1):
+        for name, run in variants.items():
+            sync(device)
+            started = time.perf_counter()
+            run()
+            sync(device)
+            samples[name].append(time.perf_counter() - started)
+        if round_index == 0:
+            for values in (*samples.values(), *(parts or {}).values()):
+                values.clear()
+    return samples
 
 
 @torch.inference_mode()
@@ -121,17 +153,7 @@ def measure(
     variants: dict[str, Callable[[], None]] = {"recompute": recompute, "reuse": reuse(None)}
     variants.update({f"overlap_runs{runs}": reuse(runs) for runs in runs_list})
     variants.update({"transfer": transfer, "parts": reuse_parts})
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for round_index in range(repeats + 1):
-        for name, run in variants.items():
-            sync(device)
-            started = time.perf_counter()
-            run()
-            sync(device)
-            samples[name].append(time.perf_counter() - started)
-        if round_index == 0:  # warm-up
-            for values in (*samples.values(), *parts.values()):
-                values.clear()
+    samples = in_rounds(variants, repeats, device, parts)
     del samples["parts"]
 
     def median_ms(values: list[float]) -> float:
@@ -169,6 +191,67 @@ def measure(
     }
 
 
+def measure_partial(
+    model: Any, address: str, spec: KVSpec, boundary: int, length: int, repeats: int, device: torch.device
+) -> dict[str, Any]:
+    """Stage 2's `prefill` of a prompt stage 1 stored (KV per range, hidden states at
+    `boundary`) against stage 2's full recompute, in turns, a warm-up round then `repeats`."""
+    layers = spec.num_layers
+    weights = {
+        stage: [(boundary, "random-base"), (layers, f"random-{stage}")] for stage in ("stage1", "stage2")
+    }
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length + 1)).to(
+        device
+    )
+    captured: list[torch.Tensor] = []
+    hook = model.model.layers[boundary].register_forward_pre_hook(
+        lambda module, args: captured.append(args[0])
+    )
+    try:
+        with torch.inference_mode():
+            out = model(prompt, use_cache=True, logits_to_keep=1)
+    finally:
+        hook.remove()
+    want = out.logits[0, -1].float()
+    stage = {name: replace(spec, weights=tuple(w)) for name, w in weights.items()}
+    with (
+        StagedPrefixCache.connect(address, stage["stage1"], model, boundary) as first,
+        StagedPrefixCache.connect(address, stage["stage2"], model, boundary) as second,
+    ):
+        stored = first.save(prompt, out.past_key_values, captured[0])
+        del out
+        captured.clear()
+        paths: list[str] = []
+        logits: list[torch.Tensor] = []
+
+        def partial() -> None:
+            result = second.prefill(prompt)
+            paths.append(result.path)
+            logits.append(result.logits[0, -1].float())
+
+        variants = {"recompute": lambda: forward(model, prompt), "partial": partial}
+        samples = in_rounds(variants, repeats, device)
+    if set(paths) != {"partial"}:
+        raise RuntimeError(f"stage 2 took the paths {sorted(set(paths))}, not only 'partial'")
+    ratio = statistics.median(a / b for a, b in zip(samples["partial"], samples["recompute"], strict=True))
+    ideal = (layers - boundary) / layers
+    return {
+        "tokens": length,
+        "boundary": boundary,
+        "layers": layers,
+        "chunks_stored": stored,
+        "recompute_ms": statistics.median(samples["recompute"]) * 1e3,
+        "partial_ms": statistics.median(samples["partial"]) * 1e3,
+        "partial_vs_recompute": ratio,
+        "ideal": ideal,
+        "over_ideal": ratio / ideal,
+        "target_over_ideal": 1.15,
+        "max_logit_difference": max((got - want).abs().max().item() for got in logits),
+        "samples_ms": {name: [v * 1e3 for v in values] for name, values in samples.items()},
+    }
+
+
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -185,7 +268,14 @@ def main() -> None:
     parser.add_argument(
         "--layerwise-runs", type=int, nargs="+", default=[1, 6], help="runs of layers a layer-wise load uses"
     )
+    parser.add_argument("--boundary", type=int, help="the staged case: layers before this are shared")
+    parser.add_argument(
+        "--parts", nargs="+", choices=["reuse", "partial"], default=["reuse", "partial"], help="what to time"
+    )
+    parser.add_argument("--name", default="ttft", help="results name")
     args = parser.parse_args()
+    if "partial" in args.parts and args.boundary is None and args.parts == ["partial"]:
+        parser.error("--parts partial needs --boundary B")
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -193,7 +283,11 @@ def main() -> None:
     model = build_model(args.preset, device, dtype)
     print(f"built {args.preset} with random weights in {time.perf_counter() - started:.1f} s", flush=True)
     per_token = page_bytes_per_token(model, dtype)
-    cpu_bytes = -(-(sum(args.lengths) + 1024) * per_token // SLAB_BYTES) * SLAB_BYTES
+    hidden_bytes = model.config.hidden_size * dtype.itemsize  # the staged case's hidden-state pages
+    per_prompt_token = per_token * ("reuse" in args.parts) + (per_token + hidden_bytes) * (
+        args.boundary is not None
+    )
+    cpu_bytes = -(-(sum(args.lengths) + 1024) * per_prompt_token // SLAB_BYTES) * SLAB_BYTES
     config = {
         "log_level": "warning",
         "tiers": {"cpu": {"bytes": cpu_bytes, "slab_bytes": SLAB_BYTES, "shm_dir": args.shm_dir}},
@@ -204,16 +298,22 @@ def main() -> None:
     # middle of a timed request.
     gc.collect()
     gc.freeze()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    staged: list[dict[str, Any]] = []
     with running_daemon(config) as daemon, KVStoreClient.connect(daemon.address, spec) as client:
         if args.layerwise_engine:
             client.layerwise_options = TransferOptions(engine=args.layerwise_engine)
         prefix = HFPrefixCache(client, model)
         for length in args.lengths:
-            row = measure(model, prefix, client, length, args.repeats, args.layerwise_runs, device)
-            rows.append(row)
+            if "reuse" in args.parts:
+                rows.append(measure(model, prefix, client, length, args.repeats, args.layerwise_runs, device))
+            if "partial" in args.parts and args.boundary is not None:
+                staged.append(
+                    measure_partial(model, daemon.address, spec, args.boundary, length, args.repeats, device)
+                )
             print(f"{length} tokens: done", flush=True)
             torch.cuda.empty_cache() if device.type == "cuda" else None
+        chunk_tokens = client.spec.page.chunk_tokens
 
     runs_list = args.layerwise_runs
     headers = ["tokens", "recompute ms", "reuse ms", *[f"overlap/{r} ms" for r in runs_list], "transfer ms"]
@@ -230,19 +330,42 @@ def main() -> None:
         + [row["reuse_vs_recompute"], *row["reuse_overlap_vs_recompute"].values()]
         for row in rows
     ]
-    print_table(headers, table)
+    if rows:
+        print_table(headers, table)
+    if staged:
+        print(
+            f"\nStage 2 restores layers [0, {args.boundary}) and the hidden states entering layer "
+            f"{args.boundary}, and computes the rest"
+        )
+        print_table(
+            [
+                "tokens",
+                "recompute ms",
+                "partial ms",
+                "partial/recomp",
+                "ideal",
+                "over ideal",
+                "max logit diff",
+            ],
+            [
+                [r["tokens"], r["recompute_ms"], r["partial_ms"], r["partial_vs_recompute"], r["ideal"]]
+                + [r["over_ideal"], r["max_logit_difference"]]
+                for r in staged
+            ],
+        )
     write_results(
-        "ttft",
+        args.name,
         {
             "preset": args.preset,
             "model_config": PRESETS[args.preset],
             "dtype": str(dtype),
             "attention": "sdpa",
-            "chunk_tokens": client.spec.page.chunk_tokens,
+            "chunk_tokens": chunk_tokens,
             "repeats": args.repeats,
             "layerwise_transfer": str(client.layerwise_options),
             "layerwise_runs": runs_list,
             "rows": rows,
+            "partial": staged,
         },
     )
 

@@ -266,15 +266,17 @@ class KVStoreClient(StorePath, LoadPath):
         """
         return kvstore_kernels.register(self.spec, kv_caches)
 
-    def lookup(self, token_ids: Any, *, keys: Sequence[bytes] | None = None) -> int:
-        """Number of leading tokens whose KV is stored (a multiple of chunk_tokens).
+    def lookup(self, token_ids: Any, *, keys: Sequence[bytes] | None = None, tail: bool = False) -> int:
+        """Number of leading tokens whose KV is stored: a multiple of chunk_tokens, or with
+        `tail` every token of `token_ids` when its trailing partial chunk was stored too
+        (`store(..., tail=True)`).
 
         A daemon that cannot be reached counts as a miss (logged), as it does for `load` and
         `store`: the worker recomputes rather than fails. `keys`: `self.keys(token_ids)` where
         the caller already has them (here and in `store_async` and `load_async`, where
         `token_ids` may then be None: the keys alone name the chunks).
         """
-        return self.lookup_chunks(self._keys_of(token_ids, keys)) * self.spec.page.chunk_tokens
+        return self._covered(token_ids, self.lookup_chunks(self._keys_of(token_ids, keys, tail)))
 
     def lookup_chunks(self, keys: Sequence[bytes]) -> int:
         """How many leading chunks of `keys` (any run of consecutive chunk keys, not only from the

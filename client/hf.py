@@ -7,10 +7,15 @@
     hit, cache = prefix.restore(input_ids)  # a DynamicCache holding the first `hit` tokens
     out = model(input_ids[:, hit:], past_key_values=cache, use_cache=True)
 
-`hit` covers the stored whole chunks of the prompt, at most `len(input_ids) - 1` tokens, so
-the forward always has a token to compute (it needs one for its logits). The KV of token j
+`hit` covers the stored chunks of the prompt, at most `len(input_ids) - 1` tokens, so the
+forward always has a token to compute (it needs one for its logits). The KV of token j
 depends on tokens 0..j only, so a chunk that ends past the prompt's last token still serves
 the tokens before it. Batch size 1, full-attention layers.
+
+Hand-over: `save(input_ids, cache, tail=True)` also stores the prompt's trailing partial chunk,
+keyed by exactly its tokens, so another process restores every token but the last (the one
+it must compute for its logits) and the tail never matches a prompt that goes on differently.
+`restore` always looks for a tail.
 
 Layer-wise overlap (opt-in): `HFPrefixCache(client, model=model)` puts a forward pre-hook on
 each decoder layer, and `restore(input_ids, overlap=True)` returns once the copies are
@@ -22,6 +27,7 @@ bytes were not guaranteed and the forward raises `StaleKV` instead of returning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstore.spec import KVSpec
 from kvstore_client.client import KVStoreClient
 from kvstore_client.handles import LoadHandle, StoreHandle
 
@@ -72,25 +79,20 @@ class HFPrefixCache:
 
     # -- save ---------------------------------------------------------------
 
-    def save_async(self, input_ids: Any, past_key_values: Any) -> StoreHandle:
-        """Starts storing the whole chunks of `input_ids` from a forward's cache; `wait()` commits.
+    def save_async(self, input_ids: Any, past_key_values: Any, *, tail: bool = False) -> StoreHandle:
+        """Starts storing the whole chunks of `input_ids` from a forward's cache (and with `tail`
+        its trailing partial chunk); `wait()` commits.
 
         On CUDA the copy runs on the client's side stream after the work already queued, so the
         caller may go on (the cache must stay unchanged until `wait()`).
         """
-        tokens = token_list(input_ids)
         kv = cache_tensors(past_key_values, self.client.spec.num_layers)
-        held = _held_tokens(kv)
-        if held < len(tokens):
-            raise ValueError(
-                f"past_key_values: holds {held} tokens, fewer than the {len(tokens)} of input_ids; "
-                "pass the cache of a forward over these input_ids"
-            )
-        return self.client.store_async(tokens, kv, None)
+        return store_cache(self.client, token_list(input_ids), kv, tail)
 
-    def save(self, input_ids: Any, past_key_values: Any) -> int:
-        """Stores the whole chunks of `input_ids` from a forward's cache; returns how many were new."""
-        return self.save_async(input_ids, past_key_values).wait()
+    def save(self, input_ids: Any, past_key_values: Any, *, tail: bool = False) -> int:
+        """Stores the whole chunks of `input_ids` from a forward's cache (and with `tail` its
+        trailing partial chunk); returns how many chunks were new."""
+        return self.save_async(input_ids, past_key_values, tail=tail).wait()
 
     # -- restore ------------------------------------------------------------
 
@@ -106,27 +108,19 @@ class HFPrefixCache:
         self.finish()
         tokens = token_list(input_ids)
         limit = len(tokens) - 1  # leave a token to compute
-        keys = self.client.keys(tokens) if limit > 0 else []
-        stored = self.client.lookup(tokens, keys=keys) if keys else 0
+        keys = self.client.keys(tokens, tail=True) if limit > 0 else []
+        stored = self.client.lookup(tokens, keys=keys, tail=True) if keys else 0
         if stored == 0:
             return 0, self._dynamic_cache([], 0)
-        spec = self.client.spec
-        heads, dim = spec.num_kv_heads, spec.head_dim
-        shared = dict(spec.kv_sharing)
-        # One allocation for every stored layer's K and V.
-        memory = torch.empty(
-            (spec.num_layers - len(shared), 2, 1, heads, stored, dim), dtype=self._dtype, device=self.device
-        )
-        pairs = iter(memory)
-        kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [
-            None if layer in shared else tuple(next(pairs)) for layer in range(spec.num_layers)
-        ]
-        handle = self.client.load_async(tokens[:stored], kv, None, layerwise=overlap, keys=keys)
+        chunk_tokens = self.client.spec.page.chunk_tokens
+        chunks = -(-stored // chunk_tokens)
+        kv = kv_buffers(self.client.spec, chunks * chunk_tokens, self.device)
+        handle = self.client.load_async(None, kv, None, layerwise=overlap, keys=keys[:chunks])
         if overlap and handle.tokens and self.device.type == "cuda":
-            hit = min(handle.tokens, limit)
+            hit = min(handle.tokens, stored, limit)
             self._pending, self._waited = (handle, hit), None
         else:
-            hit = min(handle.wait(), limit)
+            hit = min(handle.wait(), stored, limit)
         return hit, self._dynamic_cache(kv, hit)
 
     def finish(self) -> int:
@@ -156,30 +150,96 @@ class HFPrefixCache:
             self._waited = event
 
     def _dynamic_cache(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor] | None], tokens: int) -> Any:
-        """A DynamicCache over the first `tokens` positions of `kv`, without copying them."""
-        from transformers import DynamicCache
+        return dynamic_cache(getattr(self.model, "config", None), kv, tokens)
 
-        config = getattr(self.model, "config", None)
-        cache = DynamicCache(config=config) if config is not None else DynamicCache()
-        if not kv:
-            return cache
-        from transformers.cache_utils import DynamicLayer
 
-        if not cache.layers:
-            cache.layers = [DynamicLayer() for _ in kv]
-        layers: list[Any] = list(cache.layers)
-        for index, (layer, pair) in enumerate(zip(layers, kv, strict=True)):
-            if pair is None:
-                continue
-            if getattr(layer, "is_sliding", False):
-                raise ValueError(f"model: layer {index} uses sliding-window attention, which is not restored")
-            key, value = (t[:, :, :tokens] for t in pair)
-            # What DynamicLayer.lazy_initialization + update would leave, without update's copy
-            # (torch.cat), which would also wait for a layer-wise copy on the host's stream.
-            layer.dtype, layer.device = key.dtype, key.device
-            layer.keys, layer.values = key, value
-            layer.is_initialized = True
+def dynamic_cache(config: Any, kv: Sequence[tuple[torch.Tensor, torch.Tensor] | None], tokens: int) -> Any:
+    """A DynamicCache over the first `tokens` positions of `kv`, without copying them; layers
+    whose entry is None stay empty."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    if not kv:
         return cache
+    from transformers.cache_utils import DynamicLayer
+
+    if not cache.layers:
+        cache.layers = [DynamicLayer() for _ in kv]
+    layers: list[Any] = list(cache.layers)
+    for index, (layer, pair) in enumerate(zip(layers, kv, strict=True)):
+        if pair is None:
+            continue
+        if getattr(layer, "is_sliding", False):
+            raise ValueError(f"model: layer {index} uses sliding-window attention, which is not restored")
+        key, value = (t[:, :, :tokens] for t in pair)
+        # What DynamicLayer.lazy_initialization + update would leave, without update's copy
+        # (torch.cat), which would also wait for a layer-wise copy on the host's stream.
+        layer.dtype, layer.device = key.dtype, key.device
+        layer.keys, layer.values = key, value
+        layer.is_initialized = True
+    return cache
+
+
+def kv_buffers(spec: KVSpec, positions: int, device: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """(key, value) `[1, kv_heads, positions, head_dim]` for each layer the spec's pages hold (None
+    for the others), in one allocation."""
+    stored = spec.stored_layers
+    memory = torch.empty(
+        (len(stored), 2, 1, spec.num_kv_heads, positions, spec.head_dim),
+        dtype=getattr(torch, spec.dtype),
+        device=device,
+    )
+    place = {layer: index for index, layer in enumerate(stored)}
+    return [
+        (memory[place[layer], 0], memory[place[layer], 1]) if layer in place else None
+        for layer in range(spec.num_layers)
+    ]
+
+
+KVPairs = Sequence[tuple[torch.Tensor, torch.Tensor] | None]
+
+
+def store_cache(client: KVStoreClient, tokens: np.ndarray, kv: KVPairs, tail: bool) -> StoreHandle:
+    """Starts storing the whole chunks of `tokens` from a forward's cache `kv` (the layers the
+    client's spec holds), and with `tail` the trailing partial chunk from a copy padded to a
+    whole chunk (the cache holds only the prompt's positions)."""
+    layers = set(client.spec.stored_layers)
+    held = _held_tokens([pair for layer, pair in enumerate(kv) if layer in layers])
+    if held < len(tokens):
+        raise ValueError(
+            f"past_key_values: holds {held} tokens, fewer than the {len(tokens)} of input_ids; "
+            "pass the cache of a forward over these input_ids"
+        )
+    whole = client.store_async(tokens, kv, None)
+    chunk_tokens = client.spec.page.chunk_tokens
+    start = len(tokens) - len(tokens) % chunk_tokens
+    if not tail or start == len(tokens):
+        return whole
+    keys = client.keys(tokens, tail=True)
+    padded = kv_buffers(client.spec, chunk_tokens, kv[min(layers)][0].device)  # type: ignore[index]
+    for layer, pair in enumerate(padded):
+        if pair is not None:
+            source = kv[layer]
+            assert source is not None
+            for target, tensor in zip(pair, source, strict=True):
+                target[..., : len(tokens) - start, :].copy_(tensor[..., start : len(tokens), :])
+                target[..., len(tokens) - start :, :].zero_()  # stored, never served: no stale bytes
+    return _joined(whole, client.store_async(None, padded, None, keys=keys[-1:]))
+
+
+def _joined(first: StoreHandle, second: StoreHandle) -> StoreHandle:
+    """One handle over two stores: `wait()` commits both and returns their new chunks."""
+
+    def finish() -> int:
+        try:
+            stored = first.wait()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                second.wait()
+            raise
+        return stored + second.wait()
+
+    return StoreHandle(second.event, finish, lambda exc: None, first.chunks + second.chunks)
 
 
 def token_list(input_ids: Any) -> np.ndarray:

@@ -56,9 +56,10 @@ class LoadPath(Session):
         layers: range | None = None,
         *,
         keys: Sequence[bytes] | None = None,
+        tail: bool = False,
     ) -> int:
         """Load the longest stored prefix of `token_ids` into the KV cache; returns tokens loaded."""
-        return self.load_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys).wait()
+        return self.load_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys, tail=tail).wait()
 
     def load_async(
         self,
@@ -70,6 +71,7 @@ class LoadPath(Session):
         layers: range | None = None,
         layerwise: bool = False,
         keys: Sequence[bytes] | None = None,
+        tail: bool = False,
     ) -> LoadHandle:
         """Pin the longest stored prefix and enqueue its scatter; `wait()` releases it.
 
@@ -81,9 +83,12 @@ class LoadPath(Session):
         `layerwise_runs` of them) are moved and signalled on their own (`wait_layer(i)`), so a
         forward can start on layer 0 while later layers are still in flight. A daemon that
         cannot be reached gives an empty load (0 tokens, logged), never an exception.
+        With `tail`, a stored trailing partial chunk of `token_ids` is loaded too (its whole
+        page: the KV cache and block table must reach to the end of that chunk), and the
+        tokens count only up to the end of `token_ids`.
         """
         moved = self._layer_range(layers)
-        keys = self._keys_of(token_ids, keys)
+        keys = self._keys_of(token_ids, keys, tail)
         asked = time.monotonic()  # the daemon's lease deadline is at least this + lease_ttl_s
         targets = _LoadTargets(block_ids, stream)
         reply = self._lookup_leased(keys, kv_caches, moved, targets) if keys else None
@@ -107,7 +112,7 @@ class LoadPath(Session):
             Streams.settle(kv_caches)
             self._end_quietly("Release", lease)
             raise
-        tokens = ready * self.spec.page.chunk_tokens
+        tokens = self._covered(token_ids, ready)
         release = functools.partial(
             self._release,
             lease,

@@ -52,23 +52,35 @@ class Session:
         """The mapped arena's epoch (0: none mapped)."""
         return self._mapped.epoch
 
-    def keys(self, token_ids: Any) -> list[bytes]:
-        """Keys of the whole chunks of `token_ids`."""
-        return chunk_keys(self.namespace, token_ids, self.spec.page.chunk_tokens)
+    def keys(self, token_ids: Any, *, tail: bool = False) -> list[bytes]:
+        """Keys of the whole chunks of `token_ids`; with `tail`, then of the trailing partial
+        chunk, keyed by exactly its tokens (it matches only the same tail after the same prefix)."""
+        return chunk_keys(self.namespace, token_ids, self.spec.page.chunk_tokens, include_partial=tail)
 
-    def _keys_of(self, token_ids: Any, keys: Sequence[bytes] | None) -> Sequence[bytes]:
-        """The whole chunks' keys: `keys` (the caller's, the first ones when it has more; all of
-        them where `token_ids` is None: the keys alone name the chunks), or hashed."""
+    def _keys_of(self, token_ids: Any, keys: Sequence[bytes] | None, tail: bool = False) -> Sequence[bytes]:
+        """The chunks' keys: `keys` (the caller's, the first ones when it has more; all of them
+        where `token_ids` is None: the keys alone name the chunks), or hashed. With `tail`, a
+        trailing partial chunk of `token_ids` counts as a chunk."""
         if keys is None:
             if token_ids is None:
                 raise ValueError("token_ids: None needs keys, one per chunk")
-            return self.keys(token_ids)
+            return self.keys(token_ids, tail=tail)
         if token_ids is None:
             return keys
-        chunks = len(token_ids) // self.spec.page.chunk_tokens
+        chunk_tokens = self.spec.page.chunk_tokens
+        chunks = len(token_ids) // chunk_tokens
+        kind = "whole chunks"
+        if tail and len(token_ids) % chunk_tokens:
+            chunks, kind = chunks + 1, "chunks (the tail's included)"
         if len(keys) < chunks:
-            raise ValueError(f"keys: {len(keys)} keys for {chunks} whole chunks of token_ids")
+            raise ValueError(f"keys: {len(keys)} keys for {chunks} {kind} of token_ids")
         return keys[:chunks]
+
+    def _covered(self, token_ids: Any, chunks: int) -> int:
+        """Tokens of `token_ids` that its first `chunks` chunks hold (a tail holds fewer than a
+        chunk); without `token_ids`, whole chunks."""
+        tokens = chunks * self.spec.page.chunk_tokens
+        return tokens if token_ids is None else min(tokens, len(token_ids))
 
     def _layer_range(self, layers: range | None) -> range:
         if layers is None:

@@ -29,9 +29,10 @@ class StorePath(Session):
         layers: range | None = None,
         *,
         keys: Sequence[bytes] | None = None,
+        tail: bool = False,
     ) -> int:
         """Store the whole chunks of `token_ids` from the KV cache; returns how many were new."""
-        return self.store_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys).wait()
+        return self.store_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys, tail=tail).wait()
 
     def store_async(
         self,
@@ -42,13 +43,17 @@ class StorePath(Session):
         stream: Any = None,
         layers: range | None = None,
         keys: Sequence[bytes] | None = None,
+        tail: bool = False,
     ) -> StoreHandle:
         """Reserve the new chunks and enqueue their gather; `wait()` commits them.
 
         On CUDA the gather runs on `stream` (default: this client's side stream, which first
         waits for the caller's current stream), so the caller's stream is never blocked.
+        With `tail`, the trailing partial chunk of `token_ids` is stored too, as a page of its
+        own (keyed by exactly its tokens): the KV cache and block table must then reach to the
+        end of that chunk (the positions past the prompt are stored but never served).
         """
-        keys = self._keys_of(token_ids, keys)
+        keys = self._keys_of(token_ids, keys, tail)
         reply = self._reserve(keys) if keys else None
         chunks = [i for i, offset in enumerate(reply.offsets) if offset >= 0] if reply else []
         if reply is None or not chunks:

@@ -109,7 +109,7 @@ def register(spec: KVSpec, kv_caches: KVCaches) -> KVCaches:
     _check_container(spec, kv_caches)
     if spec.layout == "cross_layer":
         return kv_caches
-    stored = tuple(layer for layer in range(spec.num_layers) if layer not in spec.kv_sharing)
+    stored = spec.stored_layers
     registered = RegisteredCaches(kv_caches)
     registered.geometry = _geometry(spec)
     key = (stored, stored, 0)

@@ -6,6 +6,19 @@
 - `KVSpec`: a `PageSpec` plus how the engine lays KV out in GPU memory
   (`layout`, `block_size`). Engines with different layouts share pages.
 
+Two kinds of pages beyond a whole model's KV:
+
+- A layer range (`first_layer`, `stop_layer`): the KV of engine layers `[first, stop)` only.
+  With `weights`, the namespace names the weights instead of the model: `weights` lists, from
+  layer 0 up to `stop`, `(stop of a range, weights id)`, so the KV of layers `[0, b)` of two
+  models that share those weights (a progressive model's stages) is one set of pages, and a
+  model that changed any layer before `stop` can never read them (the KV of layer `l` depends
+  on the weights of every layer up to `l`, and on the embedding, which the first range's id
+  must cover).
+- Hidden states (`hidden_layer=b`): the residual stream entering layer `b`, `[token][hidden]`
+  in the model's dtype, one "layer" of a latent-format page (`num_kv_heads=1`, `head_dim` the
+  hidden size), keyed by the weights up to `b`.
+
 A page is one chunk of one namespace, laid out layer-major:
 `[stored_layer][k|v][token][kv_head][head_dim]`, or `[stored_layer][token][latent]`
 for MLA, so any range of stored layers is one contiguous span.
@@ -14,7 +27,7 @@ for MLA, so any range of stored layers is one contiguous span.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -39,6 +52,27 @@ def dtype_name(dtype: Any) -> str:
         supported = ", ".join(DTYPE_ITEMSIZE)
         raise ValueError(f"dtype: unsupported {dtype!r}; expected one of {supported}")
     return name
+
+
+def _check_weights(weights: Any) -> tuple[tuple[int, str], ...]:
+    """`weights` as ((stop, id), ...): ranges from layer 0, stops increasing, ids named."""
+    checked: list[tuple[int, str]] = []
+    for entry in weights:
+        try:
+            stop, ident = entry
+        except (TypeError, ValueError):
+            raise ValueError(f"weights: expected (stop layer, weights id) pairs, got {entry!r}") from None
+        if not isinstance(stop, int) or isinstance(stop, bool) or not isinstance(ident, str):
+            raise ValueError(f"weights: expected (stop layer, weights id) pairs, got {entry!r}")
+        low = checked[-1][0] if checked else 0
+        if not low < stop <= SPEC_LIMITS["num_layers"]:
+            raise ValueError(f"weights: range ({low}, {stop}) is empty or out of order; stops must increase")
+        if not ident or len(ident.encode()) > MAX_NAME_BYTES:
+            raise ValueError(
+                f"weights: the id of the range ending at {stop} must be 1-{MAX_NAME_BYTES} bytes"
+            )
+        checked.append((stop, ident))
+    return tuple(checked)
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -71,6 +105,10 @@ class PageSpec:
     tp_rank: int = 0
     tp_size: int = 1
     salt: str = ""
+    first_layer: int = 0  # the engine layers [first_layer, stop_layer) a page holds
+    stop_layer: int = 0  # 0: num_layers
+    weights: tuple[tuple[int, str], ...] = ()  # (stop, weights id) of each layer range up to stop_layer
+    hidden_layer: int = -1  # >= 0: the page holds the hidden states entering this layer
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -101,12 +139,47 @@ class PageSpec:
                     f"but {source} is itself shared"
                 )
         object.__setattr__(self, "kv_sharing", sharing)
+        object.__setattr__(self, "stop_layer", self.stop_layer or self.num_layers)
+        if not 0 <= self.first_layer < self.stop_layer <= self.num_layers:
+            raise ValueError(
+                f"first_layer, stop_layer: expected 0 <= {self.first_layer} < {self.stop_layer} <= "
+                f"num_layers {self.num_layers}"
+            )
+        object.__setattr__(self, "weights", _check_weights(self.weights))
+        self._check_kind()
+
+    def _check_kind(self) -> None:
+        """A hidden-state page is one latent-format layer; weights end where the page's layers do."""
+        end = self.stop_layer
+        if self.hidden_layer >= 0:
+            if not self.latent or self.num_layers != 1 or self.kv_sharing:
+                raise ValueError(
+                    "hidden_layer: a hidden-state page is one latent-format layer (latent=True, "
+                    "num_layers=1, num_kv_heads=1, head_dim=the hidden size, no kv_sharing)"
+                )
+            if self.hidden_layer > SPEC_LIMITS["num_layers"]:
+                raise ValueError(f"hidden_layer: {self.hidden_layer} is over {SPEC_LIMITS['num_layers']}")
+            end = self.hidden_layer
+        elif self.hidden_layer != -1:
+            raise ValueError(
+                f"hidden_layer: expected -1 (KV pages) or a layer index, got {self.hidden_layer}"
+            )
+        if self.weights and self.weights[-1][0] != end:
+            raise ValueError(
+                f"weights: the last range ends at layer {self.weights[-1][0]}, but these pages "
+                f"depend on the layers before {end}: list the weights of every range up to {end}"
+            )
+
+    @property
+    def layered(self) -> bool:
+        """Whether the pages are keyed by a layer range or weights (not a whole model's KV)."""
+        return bool(self.weights) or (self.first_layer, self.stop_layer) != (0, self.num_layers)
 
     @functools.cached_property
     def stored_layers(self) -> tuple[int, ...]:
         """Engine layer indices whose KV is stored, in page order."""
         shared = {layer for layer, _ in self.kv_sharing}
-        return tuple(layer for layer in range(self.num_layers) if layer not in shared)
+        return tuple(layer for layer in range(self.first_layer, self.stop_layer) if layer not in shared)
 
     @functools.cached_property
     def stored_position(self) -> Mapping[int, int]:
@@ -115,7 +188,7 @@ class PageSpec:
 
     @property
     def num_stored_layers(self) -> int:
-        return self.num_layers - len(self.kv_sharing)
+        return len(self.stored_layers)
 
     @property
     def kv_factor(self) -> int:
@@ -164,6 +237,14 @@ class PageSpec:
             "tp_size": str(self.tp_size),
             "salt": self.salt,
         }
+        if self.hidden_layer >= 0:
+            fields["page_format"] = "hidden"
+            fields["hidden_layer"] = str(self.hidden_layer)
+        if self.layered:  # absent for a whole model's KV: those namespaces are what they always were
+            fields["layers"] = f"{self.first_layer},{self.stop_layer}"
+        if self.weights:  # the weights, not the model's name or depth, say what the pages hold
+            del fields["model"], fields["num_layers"]
+            fields["weights"] = ";".join(f"{stop}={len(ident)}:{ident}" for stop, ident in self.weights)
         if tenant:  # absent without tenants: those namespaces are what they always were
             fields["tenant"] = tenant
         # Length-prefixed values: no model id or salt can forge another field.
@@ -196,10 +277,16 @@ class KVSpec:
     tp_rank: int = 0
     tp_size: int = 1
     salt: str = ""
+    first_layer: int = 0  # see PageSpec: the layers a page holds, the weights that key them
+    stop_layer: int = 0
+    weights: Sequence[tuple[int, str]] = ()  # kept as a tuple
+    hidden_layer: int = -1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "kv_sharing", dict(self.kv_sharing))
+        object.__setattr__(self, "weights", _check_weights(self.weights))
+        object.__setattr__(self, "stop_layer", self.stop_layer or self.num_layers)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         _check_positive("block_size", self.block_size)
@@ -234,12 +321,14 @@ class KVSpec:
         chunk_tokens: int | None = None,
         kv_sharing: Mapping[int, int] | None = None,
         salt: str = "",
+        weights: Any = (),
     ) -> KVSpec:
         """The spec of a transformers model's DynamicCache (`layout="hf"`), from its config.
 
         `model` names the weights (default: the config's `name_or_path`); two models with the
         same name share pages, so give random-weight or fine-tuned models their own name or
-        `salt`. `dtype` defaults to the config's.
+        `salt`. `dtype` defaults to the config's. `weights`: (stop layer, weights id) per layer
+        range, for a model whose layers before some boundary are another's (`KVSpec.layer_range`).
         """
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         name = model or getattr(config, "name_or_path", "") or getattr(text, "name_or_path", "")
@@ -260,7 +349,50 @@ class KVSpec:
             chunk_tokens=chunk_tokens,
             kv_sharing=dict(kv_sharing or {}),
             salt=salt,
+            weights=tuple(tuple(entry) for entry in weights),
         )
+
+    @property
+    def stored_layers(self) -> tuple[int, ...]:
+        """Engine layers whose KV a page holds (without building the page spec)."""
+        return tuple(
+            layer for layer in range(self.first_layer, self.stop_layer) if layer not in self.kv_sharing
+        )
+
+    def layer_range(self, first: int, stop: int) -> KVSpec:
+        """This spec's pages cut to engine layers `[first, stop)`, keyed by the weights up to `stop`
+        (which must end a range of `weights`, when it has them)."""
+        return replace(self, first_layer=first, stop_layer=stop, weights=self._weights_to(stop))
+
+    def hidden_states(self, layer: int, hidden_size: int, block_size: int | None = None) -> KVSpec:
+        """The spec of the hidden states entering `layer`, `[token][hidden_size]` in this spec's
+        dtype, keyed by the weights up to `layer`. Its cache is latent-format (`layout="mla"`):
+        one tensor `[blocks, block_size, hidden_size]`, a `[seq, hidden]` tensor cut into blocks."""
+        _check_positive("hidden_size", hidden_size)
+        return KVSpec(
+            model=self.model,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=hidden_size,
+            dtype=self.dtype,
+            block_size=block_size or self.block_size,
+            layout="mla",
+            chunk_tokens=self.chunk_tokens,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            salt=self.salt,
+            weights=self._weights_to(layer),
+            hidden_layer=layer,
+        )
+
+    def _weights_to(self, stop: int) -> tuple[tuple[int, str], ...]:
+        if not self.weights:
+            return ()
+        kept = tuple(entry for entry in self.weights if entry[0] <= stop)
+        if not kept or kept[-1][0] != stop:
+            ends = ", ".join(str(end) for end, _ in self.weights)
+            raise ValueError(f"layer {stop}: not where a range of weights ends ({ends})")
+        return kept
 
     @functools.cached_property
     def page(self) -> PageSpec:

@@ -88,6 +88,9 @@ def page_spec_message(page: PageSpec, **fields: Any) -> pb.PageSpec:
     chunk_tokens 0 where it takes the daemon's)."""
     values = {name: getattr(page, name) for name in _PAGE_FIELDS}
     values["kv_sharing"] = dict(page.kv_sharing)
+    values["weights"] = [pb.LayerWeights(stop=stop, id=ident) for stop, ident in page.weights]
+    if page.hidden_layer < 0:
+        del values["hidden_layer"]
     return pb.PageSpec(**(values | fields))
 
 
@@ -97,6 +100,8 @@ def page_spec_of(message: pb.PageSpec, default_chunk_tokens: int) -> PageSpec:
     values["kv_sharing"] = tuple(message.kv_sharing.items())
     values["chunk_tokens"] = message.chunk_tokens or default_chunk_tokens
     values["tp_size"] = message.tp_size or 1
+    values["weights"] = tuple((entry.stop, entry.id) for entry in message.weights)
+    values["hidden_layer"] = message.hidden_layer if message.HasField("hidden_layer") else -1
     return PageSpec(**values)
 
 

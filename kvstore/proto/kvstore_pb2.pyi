@@ -21,7 +21,7 @@ TIER_DISK: Tier
 TIER_REMOTE: Tier
 
 class PageSpec(_message.Message):
-    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "latent", "kv_sharing", "tp_rank", "tp_size", "salt")
+    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "latent", "kv_sharing", "tp_rank", "tp_size", "salt", "first_layer", "stop_layer", "weights", "hidden_layer")
     class KvSharingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,10 @@ class PageSpec(_message.Message):
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     SALT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    STOP_LAYER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_LAYER_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_kv_heads: int
@@ -51,7 +55,19 @@ class PageSpec(_message.Message):
     tp_rank: int
     tp_size: int
     salt: str
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., latent: _Optional[bool] = ..., kv_sharing: _Optional[_Mapping[int, int]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., salt: _Optional[str] = ...) -> None: ...
+    first_layer: int
+    stop_layer: int
+    weights: _containers.RepeatedCompositeFieldContainer[LayerWeights]
+    hidden_layer: int
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., latent: _Optional[bool] = ..., kv_sharing: _Optional[_Mapping[int, int]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., salt: _Optional[str] = ..., first_layer: _Optional[int] = ..., stop_layer: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[LayerWeights, _Mapping]]] = ..., hidden_layer: _Optional[int] = ...) -> None: ...
+
+class LayerWeights(_message.Message):
+    __slots__ = ("stop", "id")
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    stop: int
+    id: str
+    def __init__(self, stop: _Optional[int] = ..., id: _Optional[str] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("spec", "client_name", "device_pci_bus_id")
