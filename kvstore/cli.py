@@ -155,9 +155,19 @@ def _figure(key: str, value: float) -> str:
 
 
 def _namespace_table(namespaces: list[dict[str, Any]]) -> str:
-    """One row per namespace; a tenant column where the daemon has tenants."""
+    """One row per namespace; a tenant column where the daemon has tenants, a contents column
+    where a namespace holds a layer range or hidden states."""
     tenants = any("tenant" in n for n in namespaces)
-    headers = ("namespace", *(("tenant",) if tenants else ()), "model", "pages", "bytes", "page size")
+    contents = any("contents" in n for n in namespaces)
+    headers = (
+        "namespace",
+        *(("tenant",) if tenants else ()),
+        "model",
+        *(("holds",) if contents else ()),
+        "pages",
+        "bytes",
+        "page size",
+    )
     return table(
         headers,
         [
@@ -165,6 +175,7 @@ def _namespace_table(namespaces: list[dict[str, Any]]) -> str:
                 n["namespace"],
                 *((n.get("tenant", ""),) if tenants else ()),
                 n["model"],
+                *((n.get("contents", "KV"),) if contents else ()),
                 n["pages"],
                 human_bytes(n["bytes"]),
                 human_bytes(n["page_bytes"]),

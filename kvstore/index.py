@@ -181,6 +181,7 @@ class NamespaceUsage(NamedTuple):
     pages: int
     page_bytes: int
     tenant: str = ""
+    contents: str = ""  # PageSpec.contents: empty for a whole model's KV
 
 
 class StoreStats(NamedTuple):

@@ -176,6 +176,17 @@ class PageSpec:
         return bool(self.weights) or (self.first_layer, self.stop_layer) != (0, self.num_layers)
 
     @functools.cached_property
+    def contents(self) -> str:
+        """What a page holds, for people (`kvctl ls`); empty for a whole model's KV."""
+        if self.hidden_layer >= 0:
+            held = f"hidden states entering layer {self.hidden_layer}"
+        elif self.layered:
+            held = f"KV of layers {self.first_layer}-{self.stop_layer - 1}"
+        else:
+            return ""
+        return held + (f", weights {self.weights[-1][1]}" if self.weights else "")
+
+    @functools.cached_property
     def stored_layers(self) -> tuple[int, ...]:
         """Engine layer indices whose KV is stored, in page order."""
         shared = {layer for layer, _ in self.kv_sharing}

@@ -67,6 +67,7 @@ def stats_message(stats: StoreStats, version: str, uptime_s: float) -> pb.StatsR
                 stored_bytes=n.pages * n.page_bytes,
                 page_bytes=n.page_bytes,
                 tenant=n.tenant,
+                contents=n.contents,
             )
             for n in stats.namespaces
         ],

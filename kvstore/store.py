@@ -147,7 +147,7 @@ class Store(Loads, Writes):
             pages -= self.gpu_placement.pages
         tiers.append(TierUsage(Tier.CPU.name.lower(), self.cpu.bytes_used, self.cpu.capacity, pages))
         namespaces = [
-            NamespaceUsage(ns.id, ns.spec.model, ns.pages, ns.spec.page_bytes, self.tenant)
+            NamespaceUsage(ns.id, ns.spec.model, ns.pages, ns.spec.page_bytes, self.tenant, ns.spec.contents)
             for ns in self.namespaces.values()
         ]
         counters: dict[str, float] = dict(self.counters)

@@ -130,6 +130,7 @@ def stats_to_dict(msg: pb.StatsResponse) -> dict[str, Any]:
                 "bytes": n.stored_bytes,
                 "page_bytes": n.page_bytes,
                 **({"tenant": n.tenant} if n.tenant else {}),
+                **({"contents": n.contents} if n.contents else {}),
             }
             for n in msg.namespaces
         ],

@@ -101,6 +101,12 @@ def test_stage_two_runs_only_its_own_layers_and_gets_the_logits_of_a_full_forwar
     assert answered.path == "none"
     assert (answered.logits[0, -1] - reference_one.logits[0, -1]).abs().max().item() <= TOLERANCE
     assert first.save(ids, answered.past_key_values, answered.hidden_states) == 3 * 5
+    held = {n["namespace"]: n.get("contents") for n in first.lower.stats()["namespaces"]}
+    assert held == {
+        first.lower.namespace.hex(): "KV of layers 0-1, weights base-v1",
+        first.upper.namespace.hex(): "KV of layers 2-3, weights stage1-v1",
+        first.hidden.namespace.hex(): "hidden states entering layer 2, weights base-v1",
+    }
 
     second = staged(two, spec_of(two, "stage-2", "base-v1", "stage2-v1"))
     calls = layer_calls(two)

@@ -291,20 +291,22 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., pages: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "model", "pages", "stored_bytes", "page_bytes", "tenant")
+    __slots__ = ("namespace", "model", "pages", "stored_bytes", "page_bytes", "tenant", "contents")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    CONTENTS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     model: str
     pages: int
     stored_bytes: int
     page_bytes: int
     tenant: str
-    def __init__(self, namespace: _Optional[bytes] = ..., model: _Optional[str] = ..., pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    contents: str
+    def __init__(self, namespace: _Optional[bytes] = ..., model: _Optional[str] = ..., pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tenant: _Optional[str] = ..., contents: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "namespaces", "counters", "version", "uptime_s")
