@@ -5,6 +5,11 @@ Keys are 16 bytes, identical in every process and rank, and a key identifies its
 whole prefix. Only full chunks get keys unless `include_partial` asks for the
 trailing partial chunk, whose key covers exactly its tokens.
 
+An engine that names pages itself (SGLang's HiCache: a chained SHA-256 of each page's
+prefix) gets keys derived from its names inside the namespace, `xxh3_128(namespace || scheme
+|| name)` (`foreign_keys`): they name a whole prefix too, but they are not the keys computed
+from token ids, so the two never match each other.
+
 A chunk whose KV depends on more than its tokens (an engine's LoRA adapter, the images
 behind its placeholder tokens, a per-tenant cache salt) carries extra bytes, hashed after
 its tokens: `k_i = xxh3_128(k_{i-1} || tokens_i || extra_i)`. A chunk without them keys as
@@ -75,6 +80,15 @@ def chain_keys(
         prev = xxhash.xxh3_128_digest(data + extras[index] if extras is not None else data)
         keys.append(prev)
     return keys
+
+
+def foreign_keys(namespace: bytes, names: Sequence[str], scheme: bytes) -> list[bytes]:
+    """Keys of pages an engine names itself (`names`, e.g. SGLang's hex page hashes) in
+    `namespace`; `scheme` (a fixed tag per engine) keeps two engines' names apart."""
+    if len(namespace) != KEY_BYTES:
+        raise ValueError(f"namespace: expected {KEY_BYTES} bytes, got {len(namespace)}")
+    prefix = namespace + scheme
+    return [xxhash.xxh3_128_digest(prefix + name.encode()) for name in names]
 
 
 def _token_bytes(token_ids: Any) -> bytes:
