@@ -13,6 +13,7 @@ stdin, `{"address", "layout", "steps": [...]}`, and prints one JSON object per s
 - `get`: `batch_get_v1` of those keys into host slots poisoned first, and whether every page
   it reports True for is byte-identical to the page filled.
 - `legacy`: `set` of a flat page and `get` into a poisoned flat page.
+- `clear_pool`: SGLang's host pool drops every page (`clear`).
 - `wait`: reads a line on stdin (the test stops the daemon meanwhile).
 
 Every step's exceptions are reported, not raised: a backend that raises into SGLang fails the test.
@@ -223,6 +224,11 @@ class Session:
             "missing": self.backend.get(hashlib.sha256(b"absent").hexdigest(), torch.zeros_like(target))
             is None,
         }
+
+    def clear_pool(self, step: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's host pool drops every page (its `clear`): what comes back must come from kvstore."""
+        self.pool.clear()
+        return {"available": int(self.pool.available_size())}
 
     def wait(self, step: dict[str, Any]) -> dict[str, Any]:
         print(json.dumps({"waiting": True}), flush=True)

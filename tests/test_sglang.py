@@ -72,11 +72,19 @@ def run_worker(
 def test_sglang_builds_the_backend_and_its_pages_come_back_byte_identical(
     daemon: Daemon, layout: str
 ) -> None:
-    filled, stored, hits, got, legacy = run_worker(
+    filled, stored, hits, cleared, got, legacy = run_worker(
         daemon.address,
         layout,
-        [{"op": "fill", "pages": 6}, {"op": "set"}, {"op": "exists"}, {"op": "get"}, {"op": "legacy"}],
+        [
+            {"op": "fill", "pages": 6},
+            {"op": "set"},
+            {"op": "exists"},
+            {"op": "clear_pool"},
+            {"op": "get"},
+            {"op": "legacy"},
+        ],
     )
+    assert cleared["available"] > 0
     assert filled["keys"] == 6
     assert stored["results"] == [True] * 6
     assert hits["hits"] == 6
