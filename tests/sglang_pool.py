@@ -14,6 +14,8 @@ stdin, `{"address", "layout", "steps": [...]}`, and prints one JSON object per s
   it reports True for is byte-identical to the page filled.
 - `legacy`: `set` of a flat page and `get` into a poisoned flat page.
 - `clear_pool`: SGLang's host pool drops every page (`clear`).
+- `concurrent`: threads that set, check and get their own pages at once, as SGLang's prefetch,
+  I/O and backup threads do.
 - `wait`: reads a line on stdin (the test stops the daemon meanwhile).
 
 Every step's exceptions are reported, not raised: a backend that raises into SGLang fails the test.
@@ -209,6 +211,35 @@ class Session:
         ]
         self.pool.free(targets)
         return {"results": results, "identical": same}
+
+    def concurrent(self, step: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's three storage threads at once: each of `threads` threads sets, checks and
+        gets back its own share of the filled pages, `rounds` times."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        threads, rounds = step.get("threads", 3), step.get("rounds", 5)
+        shares = [list(range(i, len(self.keys), threads)) for i in range(threads)]
+
+        def work(share: list[int]) -> dict[str, Any]:
+            outcome: dict[str, Any] = {"set": [], "hits": [], "results": [], "identical": []}
+            for _ in range(rounds):
+                outcome["set"] += self.set({"keys": share})["results"]
+                outcome["hits"].append(self.backend.batch_exists([self.keys[i] for i in share]))
+                got = self.get({"keys": share})
+                outcome["results"] += got["results"]
+                outcome["identical"] += got["identical"]
+            return outcome
+
+        with ThreadPoolExecutor(threads) as pool:
+            outcomes = list(pool.map(work, shares))
+        return {
+            "all_set": all(all(o["set"]) for o in outcomes),
+            "all_hit": all(
+                hits == len(share) for o, share in zip(outcomes, shares, strict=True) for hits in o["hits"]
+            ),
+            "all_got": all(all(o["results"]) for o in outcomes),
+            "all_identical": all(all(o["identical"]) for o in outcomes),
+        }
 
     def legacy(self, step: dict[str, Any]) -> dict[str, Any]:
         torch = self.torch

@@ -109,6 +109,21 @@ def test_pages_stored_from_one_layout_load_into_another(daemon: Daemon) -> None:
     assert got["results"] == [True] * 4 and got["identical"] == [True] * 4
 
 
+def test_sglang_storage_threads_at_once_get_their_own_bytes(daemon: Daemon) -> None:
+    _, done = run_worker(
+        daemon.address,
+        "page_first_direct",
+        [{"op": "fill", "pages": 12}, {"op": "concurrent", "threads": 3, "rounds": 5}],
+    )
+    assert done == {
+        "op": "concurrent",
+        "all_set": True,
+        "all_hit": True,
+        "all_got": True,
+        "all_identical": True,
+    }
+
+
 def test_missing_and_partly_present_pages(daemon: Daemon) -> None:
     _, stored, everything, gap, got, unknown, none = run_worker(
         daemon.address,
