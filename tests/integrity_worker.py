@@ -4,7 +4,8 @@ until told to stop, checking every loaded byte, and reports what it saw as JSON.
     python -m tests.integrity_worker ADDRESS STOP_FILE REPORT_FILE --seed N [--prompts P]
 
 Every prompt's KV is a function of the prompt alone (`cache_for`), so any worker can check a
-page another worker stored. A load goes into a poisoned cache: the loaded tokens' blocks must
+page another worker stored. A third of the calls use the prompt less its last 5 tokens, stored
+and loaded with its tail page (`tail=True`). A load goes into a poisoned cache: the loaded tokens' blocks must
 equal the prompt's KV and every other block must still hold the poison. Any exception out of a
 public call is recorded, with its traceback, and the loop goes on.
 
@@ -38,6 +39,14 @@ SPEC = KVSpec(
     block_size=16,
     chunk_tokens=CHUNK,
 )  # 8 KiB pages
+
+
+TAIL_TOKENS = CHUNKS * CHUNK - 5  # 3 whole chunks and a tail of 11 tokens
+
+
+def whole_blocks(tokens: int) -> int:
+    """`tokens` rounded up to whole blocks: a tail's block counts whole."""
+    return -(-tokens // 16) * 16
 
 
 def prompt(i: int) -> list[int]:
@@ -96,19 +105,22 @@ def main() -> None:
     while not args.stop_file.exists():
         i = rng.randrange(args.prompts)
         counts["ops"] += 1
+        tail = rng.random() < 0.3  # the prompt less its last 5 tokens, stored and loaded with its tail
+        tokens = prompt(i)[: TAIL_TOKENS if tail else None]
         try:
             if rng.random() < 0.5:
-                stored = client.store(prompt(i), caches[i], blocks)
+                stored = client.store(tokens, caches[i], blocks, tail=tail)
                 counts["stored"] += stored
                 if stored:
                     note_served()
             else:
                 target = [torch.full_like(t, POISON) for t in caches[i]]
-                handle = client.load_async(prompt(i), target, blocks)
+                handle = client.load_async(tokens, target, blocks, tail=tail)
                 loaded = handle.wait()
                 counts["loads"] += 1
                 counts["hit_tokens"] += loaded
-                problems = wrong_blocks(target, caches[i], loaded, handle.tokens)
+                # A tail's page is its whole block, stored from the same cache: compare whole blocks.
+                problems = wrong_blocks(target, caches[i], whole_blocks(loaded), whole_blocks(handle.tokens))
                 if problems:
                     wrong.append({"prompt": i, "loaded": loaded, "problems": problems[:4]})
                 if loaded:
