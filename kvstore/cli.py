@@ -8,6 +8,7 @@
     kvctl top [--interval S] [--once]                               (a live view)
     kvctl events [--json] [--namespace NS] [--since N | --from-now] [--count N]
     kvctl replay TRACE --cpu-pages N [--policy NAME] [--json]     (in-process, no daemon)
+    kvctl replay TRACE --cpu-pages N --hosts H --remote-pages R [--assign round-robin|random|affinity]
     kvctl --version
 
 Tables for people, `--json` for scripts. The default address is the default
@@ -32,13 +33,14 @@ from kvstore import __version__
 from kvstore.channel import LocalChannel, Refused
 from kvstore.config import EvictionConfig
 from kvstore.errors import KVStoreError, from_rpc_error
+from kvstore.fleet import ASSIGNMENTS, fleet_replay
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.paths import default_socket_path, default_token, local_socket_of, read_token
 from kvstore.policy import policy_names
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.replay import bounds, replay, report
-from kvstore.trace import TraceError, load_trace
+from kvstore.trace import Trace, TraceError, load_trace
 from kvstore.wire import stats_to_dict
 
 
@@ -343,6 +345,8 @@ class ProgressBar:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
+    if args.hosts is not None or args.remote_pages is not None:
+        return _replay_fleet(trace, args)
     progress = ProgressBar(f"replay {args.policy}", len(trace.requests))
     try:
         result = replay(trace, args.cpu_pages, args.policy, progress, disk_pages=args.disk_pages or 0)
@@ -377,10 +381,49 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay_fleet(trace: Trace, args: argparse.Namespace) -> int:
+    """`kvctl replay --hosts N --remote-pages R`: the fleet simulation (`kvstore.fleet`)."""
+    if args.disk_pages:
+        raise KVStoreError("--disk-pages: the fleet simulation has no disk tiers; leave it out with --hosts")
+    hosts, remote = args.hosts or 1, args.remote_pages or 0
+    progress = ProgressBar(f"fleet of {hosts}", len(trace.requests))
+    try:
+        result = fleet_replay(trace, hosts, args.cpu_pages, remote, args.assign, args.policy, progress)
+    finally:
+        progress.close()
+    data = {"trace": trace.path, "requests": len(trace.requests), "policy": args.policy, **result.as_dict()}
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    print(
+        f"{trace.path}: {data['requests']} requests, {result.blocks} blocks over {hosts} hosts "
+        f"({args.assign}), each a CPU tier of {args.cpu_pages} pages, sharing a remote tier of "
+        f"{remote} pages; policy {args.policy}\n"
+    )
+    ratios = result.host_ratios()
+    shown = range(hosts) if hosts <= 8 else (ratios.index(min(ratios)), ratios.index(max(ratios)))
+    rows = [(f"host {h}", result.host_blocks[h], f"{100 * ratios[h]:.2f}%") for h in shown]
+    rows.append(("fleet", result.blocks, f"{100 * result.hit_ratio:.2f}%"))
+    print(table(("host", "blocks", "prefix hits"), rows))
+    print(
+        f"\nthe shared tier served {100 * result.remote_ratio:.2f}% of the blocks "
+        f"({100 * result.remote_ratio / (result.hit_ratio or 1):.1f}% of the hits); "
+        f"replay {result.elapsed_s:.1f} s"
+    )
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of pages, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or a positive number of pages, got {text}")
     return value
 
 
@@ -466,6 +509,15 @@ def _parser() -> argparse.ArgumentParser:
         "--disk-pages", type=_positive, help="a disk tier of this many pages behind the CPU tier"
     )
     play.add_argument("--policy", choices=policy_names(serving=False), default=EvictionConfig().policy)
+    play.add_argument("--hosts", type=_positive, help="a fleet of this many hosts, each its own CPU tier")
+    play.add_argument(
+        "--remote-pages",
+        type=_non_negative,
+        help="a remote tier of this many pages the hosts share (0: none)",
+    )
+    play.add_argument(
+        "--assign", choices=ASSIGNMENTS, default="round-robin", help="how the fleet's requests go to hosts"
+    )
     play.add_argument("--json", action="store_true")
     play.set_defaults(run=cmd_replay, local=True)
     return parser

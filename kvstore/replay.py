@@ -106,7 +106,7 @@ async def _replay(
     every = max(1, len(trace.requests) // 200)
     with tempfile.TemporaryDirectory(prefix="kvstore-replay-") as run_dir:
         disk = _disk(Path(run_dir), disk_pages) if disk_pages else None
-        store = _store(Path(run_dir), cpu_pages, policy, disk)
+        store = replay_store(Path(run_dir), cpu_pages, policy, disk)
         try:
             started = time.perf_counter()
             ns = store.connect(REPLAY_SPEC).id
@@ -154,7 +154,7 @@ def _disk(run_dir: Path, disk_pages: int) -> DiskTier:
     return disk
 
 
-def _store(run_dir: Path, cpu_pages: int, policy: str, disk: DiskTier | None = None) -> Store:
+def replay_store(run_dir: Path, cpu_pages: int, policy: str, disk: DiskTier | None = None) -> Store:
     size = cpu_pages * REPLAY_SPEC.page_bytes
     arena = Arena(run_dir / "arena", size, prefault=False)
     # A clock that never moves: no lease of the replay expires.
