@@ -133,11 +133,14 @@ def cmd_stats(admin: Admin, args: argparse.Namespace) -> int:
         detail = [
             (key, _figure(key, value))
             for key, value in tier.items()
-            if key not in ("bytes_used", "bytes_capacity", "pages")
+            if key not in ("bytes_used", "bytes_capacity", "pages", "nodes")
         ]
         if detail:
             print()
             print(table((f"{name} tier", "value"), detail))
+        if tier.get("nodes"):
+            print()
+            print(_nodes_table(name, tier["nodes"]))
     counters = stats["counters"]
     looked_up = counters.get("hit_chunks", 0) + counters.get("missed_chunks", 0)
     rows = [(name, value) for name, value in counters.items()]
@@ -148,6 +151,25 @@ def cmd_stats(admin: Admin, args: argparse.Namespace) -> int:
         print()
         print(_namespace_table(stats["namespaces"]))
     return 0
+
+
+def _nodes_table(tier: str, nodes: list[dict[str, Any]]) -> str:
+    """The remote tier's servers: a cluster's nodes, with what each holds and this daemon's errors."""
+    return table(
+        (f"{tier} node", "role", "state", "used", "maxmemory", "keys", "errors"),
+        [
+            (
+                node["address"],
+                node["role"],
+                "up" if node["up"] else "down",
+                human_bytes(node["bytes_used"]),
+                human_bytes(node["bytes_capacity"]) if node["bytes_capacity"] else "-",
+                node["keys"],
+                node["errors"],
+            )
+            for node in nodes
+        ],
+    )
 
 
 def _figure(key: str, value: float) -> str:

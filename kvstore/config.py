@@ -290,6 +290,9 @@ class RemoteTierConfig:
 
     enabled: bool = False
     url: str = setting("redis://127.0.0.1:6379/0", non_empty=True)  # redis://, rediss:// or unix://
+    # A Redis or Valkey Cluster: its slot map is discovered from the seed nodes in `urls` (or `url`).
+    cluster: bool = False
+    urls: tuple[str, ...] = ()  # a cluster's seed nodes, with the same credentials and TLS
     key_prefix: str = "kvstore:"  # records are <key_prefix><namespace hex>:<key hex>
     write: str = setting("through", choices=("through", "behind"))  # every commit, or at CPU eviction
     codec: str = setting("none", choices=("lz4", "none"))
@@ -302,14 +305,54 @@ class RemoteTierConfig:
     retry_s: float = setting(5.0, gt=0)  # after a failure the tier is skipped (misses) this long
     ttl_s: float = setting(0.0, ge=0)  # records expire after this (0: never; the server's maxmemory evicts)
 
+    @property
+    def seeds(self) -> tuple[str, ...]:
+        return self.urls or (self.url,)
+
+    @property
+    def where(self) -> str:
+        """The server, or the cluster's seeds, as a log line names them."""
+        return f"cluster {', '.join(self.seeds)}" if self.cluster else self.url
+
     def validate(self, path: str) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(
                 join(path, "url"), f"expected a redis://, rediss:// or unix:// URL, got {self.url!r}"
             )
+        if self.urls and not self.cluster:
+            raise ConfigError(
+                join(path, "urls"),
+                f"lists a cluster's seed nodes: set {join(path, 'cluster')}: true, or name one server in "
+                f"{join(path, 'url')}",
+            )
+        if self.cluster:
+            self._validate_seeds(join(path, "urls") if self.urls else join(path, "url"))
         if self.ttl_s and self.ttl_s < 1:
             expected = "expected 0 (no expiry) or at least 1 s"
             raise ConfigError(join(path, "ttl_s"), f"{expected}, got {self.ttl_s}")
+
+    def _validate_seeds(self, key: str) -> None:
+        from urllib.parse import urlsplit
+
+        first = urlsplit(self.seeds[0])
+        for i, url in enumerate(self.seeds):
+            where = f"{key}[{i}]" if self.urls else key
+            parts = urlsplit(url)
+            if parts.scheme not in ("redis", "rediss"):
+                raise ConfigError(
+                    where, f"a cluster is reached over TCP: expected redis:// or rediss://, got {url!r}"
+                )
+            if parts.path.strip("/") not in ("", "0"):
+                raise ConfigError(where, f"a cluster has database 0 only, got {url!r}")
+            if (parts.scheme, parts.username, parts.password, parts.query) != (
+                first.scheme,
+                first.username,
+                first.password,
+                first.query,
+            ):
+                raise ConfigError(
+                    where, "every seed node takes the same scheme, credentials and TLS settings as the first"
+                )
 
 
 @dataclass(frozen=True)

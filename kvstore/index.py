@@ -167,12 +167,27 @@ class PinResult(NamedTuple):
     pinned_bytes: int
 
 
+class NodeUsage(NamedTuple):
+    """One server of the remote tier (a cluster's node): its role in the slot map (master,
+    replica, absent), whether the tier uses it now, the server's own figures (zeros where it
+    did not answer) and the tier's errors with it."""
+
+    address: str
+    role: str
+    up: bool
+    bytes_used: int
+    bytes_capacity: int  # maxmemory; 0: no limit
+    keys: int
+    errors: int
+
+
 class TierUsage(NamedTuple):
     name: str
     bytes_used: int
     bytes_capacity: int
     pages: int
     extra: dict[str, float] | None = None
+    nodes: tuple[NodeUsage, ...] = ()  # the remote tier's servers
 
 
 class NamespaceUsage(NamedTuple):

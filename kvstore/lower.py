@@ -216,8 +216,11 @@ class LowerTiers:
             used, capacity, pages = (int(disk[name]) for name in ("bytes_used", "bytes_capacity", "pages"))
             tiers.append(TierUsage("disk", used, capacity, pages, disk))
         if self.remote is not None:
-            used, capacity, keys = self.remote.server_usage() if server_usage else (0, 0, 0)
-            tiers.append(TierUsage("remote", used, capacity, keys, self.remote.stats()))
+            from kvstore.tiers.remote import server_totals
+
+            nodes = self.remote.node_usage() if server_usage else []
+            used, capacity, keys = server_totals(nodes)
+            tiers.append(TierUsage("remote", used, capacity, keys, self.remote.stats(), tuple(nodes)))
         return tiers
 
     def figures(self) -> dict[str, float]:

@@ -40,6 +40,7 @@ def combined(parts: Sequence[StoreStats]) -> StoreStats:
                 seen.bytes_capacity + tier.bytes_capacity,
                 seen.pages + tier.pages,
                 dict(extra),
+                seen.nodes or tier.nodes,  # the remote servers, as the tenant that asked them saw them
             )
     counters: Counter[str] = Counter()
     for part in parts:
@@ -56,6 +57,7 @@ def stats_message(stats: StoreStats, version: str, uptime_s: float) -> pb.StatsR
                 bytes_capacity=t.bytes_capacity,
                 pages=t.pages,
                 extra=t.extra or {},
+                nodes=[pb.RemoteNode(**node._asdict()) for node in t.nodes],
             )
             for t in stats.tiers
         ],

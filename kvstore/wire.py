@@ -109,6 +109,10 @@ def _number(value: float) -> int | float:
     return int(value) if float(value).is_integer() else value
 
 
+def _node(node: pb.RemoteNode) -> dict[str, Any]:
+    return {field: getattr(node, field) for field in pb.RemoteNode.DESCRIPTOR.fields_by_name}
+
+
 def stats_to_dict(msg: pb.StatsResponse) -> dict[str, Any]:
     return {
         "version": msg.version,
@@ -119,6 +123,7 @@ def stats_to_dict(msg: pb.StatsResponse) -> dict[str, Any]:
                 "bytes_capacity": t.bytes_capacity,
                 "pages": t.pages,
                 **{k: _number(v) for k, v in sorted(t.extra.items())},
+                **({"nodes": [_node(node) for node in t.nodes]} if t.nodes else {}),
             }
             for t in msg.tiers
         },

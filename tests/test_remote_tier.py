@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,8 +23,11 @@ from kvstore.config import ConfigError, RemoteTierConfig, parse_config  # noqa: 
 from kvstore.tiers import Tier  # noqa: E402
 from kvstore.tiers.records import HEADER_BYTES  # noqa: E402
 from kvstore.tiers.remote import RemoteTier  # noqa: E402
+from kvstore.tiers.remote_resp import Endpoint, RecordConnection  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 from tests.harness import Daemon, RedisServer  # noqa: E402
+from tests.pki import make_pki  # noqa: E402
+from tests.test_tls import free_port  # noqa: E402
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))
@@ -96,18 +101,65 @@ def test_pages_round_trip_and_lookups_count_the_leading_run(open_tier: Callable[
     assert stats["written_bytes"] == 8 * (HEADER_BYTES + 64 * KIB)
 
 
-def test_reads_through_the_redis_client_where_no_direct_read_is_made(
-    open_tier: Callable[..., RemoteTier],
+@pytest.fixture
+def tls_server(redis_server: RedisServer, tmp_path: Path) -> Iterator[tuple[int, dict[str, str]]]:
+    """A redis-server that speaks TLS only, on a port of its own, with a certificate from a test CA."""
+    files = make_pki(tmp_path)
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            redis_server.executable,
+            "--port", "0",
+            "--tls-port", str(port),
+            "--bind", "127.0.0.1",
+            "--tls-cert-file", files["server_cert"],
+            "--tls-key-file", files["server_key"],
+            "--tls-ca-cert-file", files["ca"],
+            "--tls-auth-clients", "no",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    endpoint = Endpoint.parse(f"rediss://127.0.0.1:{port}?ssl_ca_certs={files['ca']}")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            RecordConnection.open(endpoint, 1).close()
+            break
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.skip("this redis-server was built without TLS")
+            time.sleep(0.05)
+    yield port, files
+    process.kill()
+    process.wait()
+
+
+def test_records_round_trip_over_tls_and_a_wrong_ca_is_refused(
+    tls_server: tuple[int, dict[str, str]],
 ) -> None:
-    """TLS (rediss://) reads go through the redis client instead of `remote_resp`: the same bytes
-    and the same checks."""
-    tier = open_tier()
-    tier._direct = False  # as for a rediss:// URL, which this test's server does not speak
-    pages = {i: page(i) for i in range(4)}
-    write(tier, NS, pages)
-    assert all(read(tier, NS, i) == data for i, data in pages.items())
-    assert read(tier, NS, 9) is None and read(tier, NS, 1, size=32 * KIB) is None
-    assert (tier.stats()["promotions"], tier.stats()["corrupted_records"]) == (4, 1)
+    """rediss:// goes through the same zero-copy reader: the same bytes and the same checks."""
+    port, files = tls_server
+    url = f"rediss://127.0.0.1:{port}?ssl_ca_certs={files['ca']}"
+    tier = RemoteTier(RemoteTierConfig(enabled=True, url=url, lookup_timeout_s=1.0))
+    wrong = RemoteTier(
+        RemoteTierConfig(enabled=True, url=f"rediss://127.0.0.1:{port}?ssl_ca_certs={files['other_ca']}")
+    )
+    try:
+        pages = {i: page(i) for i in range(4)}
+        write(tier, NS, pages)
+        assert tier.present(NS, [key(i) for i in range(5)]) == 4
+        assert all(read(tier, NS, i) == data for i, data in pages.items())
+        assert read(tier, NS, 9) is None and read(tier, NS, 1, size=32 * KIB) is None
+        assert (tier.stats()["promotions"], tier.stats()["corrupted_records"]) == (4, 1)
+        assert read(wrong, NS, 0) is None  # the server's certificate is not from this CA: a miss
+        assert (wrong.stats()["errors"], wrong.stats()["up"]) == (1, 0)
+    finally:
+        tier.close(timeout_s=5)
+        wrong.close(timeout_s=5)
 
 
 def test_a_password_and_a_database_from_the_url(redis_server: RedisServer) -> None:
@@ -525,12 +577,11 @@ def test_the_record_reader_takes_only_a_whole_checked_reply(
     tmp_path: Any, reply: list[bytes], outcome: Any
 ) -> None:
     from kvstore.tiers.records import CorruptRecord
-    from kvstore.tiers.remote_resp import RecordConnection, RespError
+    from kvstore.tiers.remote_resp import RespError
 
     path = str(tmp_path / "s.sock")
     server = scripted_server(path, reply)
-    reader = RecordConnection.open(f"unix://{path}", timeout_s=5)
-    assert reader is not None
+    reader = RecordConnection.open(Endpoint.parse(f"unix://{path}"), timeout_s=5)
     into = memoryview(bytearray(b"\xa5" * 4096))
     errors = {"RespError": RespError, "CorruptRecord": CorruptRecord, ConnectionError: ConnectionError}
     if outcome in errors:

@@ -270,7 +270,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "bytes_used", "bytes_capacity", "pages", "extra")
+    __slots__ = ("name", "bytes_used", "bytes_capacity", "pages", "extra", "nodes")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -283,12 +283,32 @@ class TierStats(_message.Message):
     BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
     name: str
     bytes_used: int
     bytes_capacity: int
     pages: int
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, name: _Optional[str] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., pages: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    nodes: _containers.RepeatedCompositeFieldContainer[RemoteNode]
+    def __init__(self, name: _Optional[str] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., pages: _Optional[int] = ..., extra: _Optional[_Mapping[str, float]] = ..., nodes: _Optional[_Iterable[_Union[RemoteNode, _Mapping]]] = ...) -> None: ...
+
+class RemoteNode(_message.Message):
+    __slots__ = ("address", "role", "up", "bytes_used", "bytes_capacity", "keys", "errors")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: str
+    up: bool
+    bytes_used: int
+    bytes_capacity: int
+    keys: int
+    errors: int
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., up: _Optional[bool] = ..., bytes_used: _Optional[int] = ..., bytes_capacity: _Optional[int] = ..., keys: _Optional[int] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("namespace", "model", "pages", "stored_bytes", "page_bytes", "tenant", "contents")

@@ -1,38 +1,42 @@
 """Remote tier: page records in Redis or Valkey, shared by every daemon pointed at it.
 
 One daemon per host keeps its CPU (and disk) tier; the remote tier is what lets a host
-reuse a prefix that another host computed. A page is stored as a record (`records`:
+reuse a prefix that another host computed. The server is one Redis or Valkey (`url`), or a
+Redis/Valkey Cluster (`cluster: true`, seed nodes in `urls`; `remote_nodes` routes each record to
+the master serving its slot and follows MOVED and ASK). A page is stored as a record (`records`:
 header with namespace, key, codec, lengths and xxh3 checksums, then the payload) under
 the key `<key_prefix><namespace hex>:<chunk key hex>`. A record that does not check out
 (wrong namespace or key, a checksum that fails) is a miss, never data, and is deleted.
 
 - `present(namespace, keys) -> int`: how many leading keys have a record (one pipelined
-  round trip, `lookup_timeout_s`). It runs on the daemon's event loop during a Lookup, so
-  it is bounded: a lookup past the deadline is a miss (`lookup_timeouts`); a server that
-  fails, or three such lookups in a row, make the tier `down` for `retry_s` (a warning
-  once per outage, `errors` in stats), and a down tier answers 0 at once.
+  round trip to each node the keys live on, sent to all of them at once, `lookup_timeout_s`
+  for all of it). It runs on the daemon's event loop during a Lookup, so it is bounded: a
+  lookup past the deadline is a miss (`lookup_timeouts`); a node that fails, or three such
+  lookups in a row, make that node `down` for `retry_s` (a warning once per outage, `errors`
+  in stats): its records are misses, answered at once. With one server, that is the tier.
 - `accepts(size)`, `submit_write(namespace, key, page) -> bool`: queued for a write worker,
   which skips a key already stored (records are content-addressed: same key, same bytes;
   its expiry is renewed) and writes the record with SET NX (PX `ttl_s` when set). False,
-  counted in `dropped_writes`, when the tier is down or `queue_bytes` are already waiting
+  counted in `dropped_writes`, when the record's node is down or `queue_bytes` are already waiting
   (`accepts` answers first). `page` may be a view of the arena slot itself: the store keeps
   it pinned until `done` is called, which happens exactly once for every queued write.
 - `submit_read(namespace, key, done, into) -> bool`: a read worker (reads never wait behind
   writes) GETs the record straight into `into` (an arena slot; `remote_resp`), checks it
   there and calls `done(page)`, or `done(None)` for a missing, unreadable or corrupt one.
-  False when the tier is down; a job queued before an outage answers at once. A worker's
+  False when the record's node is down; a job queued before an outage answers at once. A worker's
   connection that the server dropped (restart, idle timeout) is replaced and the read tried
   again once before it counts as a failure.
 - `kvctl clear` clears this daemon's own tiers, never the shared server: other hosts'
   pages are theirs too. A change of weights under the same model name needs a new `salt`
   (a new namespace); the old records age out under the server's eviction or `ttl_s`.
-- `stats()`, `server_usage()` (the server's memory and key count, for `kvctl stats`),
+- `stats()`, `node_usage()` (each server's role, health, memory, keys and errors: one, or a
+  cluster's nodes, for `kvctl stats`),
   `close(timeout_s)`: close lets queued writes finish for up to `timeout_s`, then drops
   the rest (counted).
 
 Eviction in the remote tier is the server's: run it with a `maxmemory` and an
-`allkeys-lru` (or `-lfu`) policy, or set `ttl_s`. The Python client (`redis`) is imported
-only when the tier is enabled.
+`allkeys-lru` (or `-lfu`) policy, or set `ttl_s`. The tier speaks RESP itself (`remote_resp`);
+the `redis` package parses its URLs and hashes cluster slots, imported only when it is enabled.
 """
 
 from __future__ import annotations
@@ -41,27 +45,47 @@ import contextlib
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstore.codec import CODECS, Buffer, compress
 from kvstore.config import ConfigError, RemoteTierConfig
+from kvstore.index import NodeUsage
 from kvstore.tiers import Tier
-from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, pack_header, unpack_header
-from kvstore.tiers.remote_resp import RecordConnection
+from kvstore.tiers.records import CorruptRecord, pack_header
+from kvstore.tiers.remote_nodes import Node, Nodes
+from kvstore.tiers.remote_resp import Address, Endpoint, RecordConnection, Redirect, RespError, command
 
 log = logging.getLogger(__name__)
 
-SLOW_LOOKUPS_DOWN = 3  # lookups in a row past lookup_timeout_s that make the tier down for retry_s
+MAX_REDIRECTS = 3  # MOVED/ASK hops one read or write follows (a reshard moves a slot once)
 
 ReadDone = Callable[[Buffer | None], None]
 WriteDone = Callable[[bool], None]
+Work = Callable[[RecordConnection, bool], Any]  # (connection, asking: after an ASK redirect)
+
+
+class NodeDown(Exception):
+    """A miss: the record's node is down (args[0] None: it was, or no node serves its slot yet),
+    or failed just now (args[0]: the error, already counted and warned of)."""
+
+
+def server_totals(nodes: Sequence[NodeUsage]) -> tuple[int, int, int]:
+    """(used memory, maxmemory (0: no limit), keys) summed over the masters: a cluster's data
+    counted once, not again for its replicas. These count every key, not only page records."""
+    masters = [node for node in nodes if node.role == "master"]
+    return (
+        sum(node.bytes_used for node in masters),
+        sum(node.bytes_capacity for node in masters),
+        sum(node.keys for node in masters),
+    )
 
 
 def start_remote(config: RemoteTierConfig) -> RemoteTier:
-    """The tier, after one PING: a server that does not answer is logged, and tried again later."""
+    """The tier, after one PING (or the cluster's slot map): a server that does not answer is
+    logged, and tried again later."""
     try:
         import redis  # noqa: F401
     except ImportError:
@@ -69,12 +93,7 @@ def start_remote(config: RemoteTierConfig) -> RemoteTier:
             "tiers.remote.enabled", "the remote tier needs the Python package redis (pip install redis)"
         ) from None
     tier = RemoteTier(config)
-    try:
-        tier._redis.ping()
-    except tier._errors as exc:
-        tier._failed("the first PING", exc)
-    else:
-        log.info("remote tier %s: reachable (records under %r)", config.url, config.key_prefix)
+    tier.start()
     return tier
 
 
@@ -83,22 +102,10 @@ class RemoteTier:
     medium = Tier.REMOTE
 
     def __init__(self, config: RemoteTierConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        import redis
-
         self.config = config
         self.write_through = config.write == "through"
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
-        self._timeout: type[BaseException] = redis.TimeoutError
-        self._slow_lookups = 0  # lookups in a row that ran past lookup_timeout_s
-        self._redis = redis.Redis.from_url(
-            config.url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s
-        )
-        # The event loop's own connection: connecting too is bounded by a Lookup's deadline.
-        self._lookup = redis.Redis.from_url(
-            config.url,
-            socket_timeout=config.lookup_timeout_s,
-            socket_connect_timeout=config.lookup_timeout_s,
-        )
+        seeds = [Endpoint.parse(url) for url in config.seeds]
+        self.nodes = Nodes(seeds, config.cluster, config.timeout_s, config.retry_s, clock)
         self._codec = CODECS[config.codec]
         self._clock = clock
         # Reads (a load waits on them) never queue behind writes (write-through may queue many).
@@ -108,13 +115,22 @@ class RemoteTier:
         self._queued_bytes = 0
         self._pending = 0  # jobs submitted and not finished
         self._idle = threading.Condition(self._lock)
-        self._down_until = 0.0
         self._closed = False
         self._deadline = float("inf")  # close(): queued writes past this are dropped
-        self._direct = True  # reads received straight into their slot (`remote_resp`); not for TLS
-        self._local = threading.local()  # each worker's RecordConnection
+        self._local = threading.local()  # each thread's connections, by node address
         self._connections: set[RecordConnection] = set()
         self.counters: Counter[str] = Counter()
+
+    def start(self) -> None:
+        if self.config.cluster:
+            self.nodes.start()
+            return
+        try:
+            self._routed(b"", lambda connection, _: connection.call(b"PING"), "the first PING")
+        except NodeDown:
+            pass  # warned: tried again after retry_s
+        else:
+            log.info("remote tier %s: reachable (records under %r)", self.config.url, self.config.key_prefix)
 
     # -- keys ---------------------------------------------------------------
 
@@ -125,30 +141,31 @@ class RemoteTier:
 
     @property
     def up(self) -> bool:
-        return not self._closed and self._clock() >= self._down_until
+        """Not closed, and the server (a cluster: any master) is not down."""
+        return not self._closed and self.nodes.any_usable()
+
+    def _usable(self, name: bytes) -> Node | None:
+        node = self.nodes.node_for(name)
+        return node if node is not None and not self._closed and self.nodes.usable(node) else None
 
     def present(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         """How many leading `keys` have a record; 0 while the tier is down."""
         if not keys or not self.up:
             return 0
         self._count("lookups")
-        try:
-            pipe = self._lookup.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self.record_key(namespace, key))
-            answers = pipe.execute()
-        except self._timeout as exc:
-            # A busy server (large writes ahead of it) can be slow once: that lookup is a miss.
-            # Only a run of them takes the tier out of Lookups for retry_s.
-            self._slow_lookups += 1
-            self._count("lookup_timeouts")
-            if self._slow_lookups >= SLOW_LOOKUPS_DOWN:
-                self._failed(f"{SLOW_LOOKUPS_DOWN} lookups in a row", exc)
-            return 0
-        except self._errors as exc:
-            self._failed("a lookup", exc)
-            return 0
-        self._slow_lookups = 0
+        deadline = self._clock() + self.config.lookup_timeout_s
+        asks: list[Ask] = []
+        for name in (self.record_key(namespace, key) for key in keys):
+            node = self._usable(name)
+            if node is None:
+                break  # the leading run ends at the first record whose node is down
+            asks.append(Ask(len(asks), name, node, False))
+        answers = [False] * len(asks)
+        for _ in range(2):  # a second round for the records a redirect sent elsewhere
+            redirected = self._exists(asks, answers, deadline)
+            if not redirected:
+                break
+            asks = redirected
         found = 0
         for answer in answers:
             if not answer:
@@ -156,6 +173,73 @@ class RemoteTier:
             found += 1
         self._count("lookup_hits", found)
         return found
+
+    def _exists(self, asks: list[Ask], answers: list[bool], deadline: float) -> list[Ask]:
+        """EXISTS of each name, pipelined to its node, all nodes at once; fills `answers` and
+        returns the asks a redirect sent to another node."""
+        by_node: dict[Node, list[Ask]] = defaultdict(list)
+        for ask in asks:
+            by_node[ask.node].append(ask)
+        requests = {
+            node: [part for ask in items for part in ask.commands()] for node, items in by_node.items()
+        }
+        replies = self._fan_out(requests, deadline, lookup=True)
+        redirected: list[Ask] = []
+        for node, items in by_node.items():
+            got = iter(replies.get(node, ()))  # none: failed or too slow, these records are misses
+            for ask in items:
+                if ask.asking:
+                    next(got, None)  # ASKING's OK
+                reply = next(got, None)
+                if isinstance(reply, Redirect):
+                    self._count("redirects")
+                    if not reply.ask:
+                        self.nodes.moved(reply)
+                    redirected.append(ask._replace(node=self.nodes.node_at(reply.address), asking=reply.ask))
+                elif isinstance(reply, int):
+                    answers[ask.place] = reply == 1
+        return redirected
+
+    def _fan_out(
+        self, requests: dict[Node, list[bytes]], deadline: float, lookup: bool
+    ) -> dict[Node, list[Any]]:
+        """Sends each node its commands, then reads every node's replies, all by `deadline`; a
+        node missing from the result failed or was late. For a `lookup`, a node that fails is
+        down for retry_s and one past the deadline counts a slow lookup; for figures, neither."""
+        sent: dict[Node, RecordConnection] = {}
+        for node, commands in requests.items():
+            connection = None
+            try:
+                connection = self._connection(node, max(deadline - self._clock(), 1e-3))
+                connection.send(commands)
+                sent[node] = connection
+            except OSError as exc:
+                if connection is not None:
+                    self._drop_connection(node, connection)
+                self._node_failed(node, exc, deadline, lookup)
+        replies: dict[Node, list[Any]] = {}
+        for node, connection in sent.items():
+            try:
+                connection.settimeout(max(deadline - self._clock(), 1e-3))
+                replies[node] = connection.replies(len(requests[node]))
+                node.slow_lookups = 0
+                self._recovered(node)
+            except (OSError, ValueError) as exc:
+                self._drop_connection(node, connection)  # its replies may be half read
+                self._node_failed(node, exc, deadline, lookup)
+        return replies
+
+    def _node_failed(self, node: Node, exc: Exception, deadline: float, lookup: bool) -> None:
+        if not lookup:
+            self._count("stats_failures")  # figures only: the node stays up
+        elif isinstance(exc, TimeoutError) or self._clock() >= deadline:
+            # A busy server (large writes ahead of it) can be slow once: that lookup is a miss.
+            # Only a run of them takes the node out of Lookups for retry_s.
+            self._count("lookup_timeouts")
+            if self.nodes.slow(node):
+                self._failed(node, f"{node.slow_lookups} lookups in a row", exc)
+        else:
+            self._failed(node, "a lookup", exc)
 
     def accepts(self, size: int) -> bool:
         """Whether a write of `size` bytes would be queued now (the store copies a page only then)."""
@@ -168,8 +252,9 @@ class RemoteTier:
         self, namespace: bytes, key: bytes, page: bytes | memoryview, done: WriteDone | None = None
     ) -> bool:
         size = len(page)
+        name = self.record_key(namespace, key)
         with self._lock:
-            if not self.up or self._queued_bytes + size > self.config.queue_bytes:
+            if self._usable(name) is None or self._queued_bytes + size > self.config.queue_bytes:
                 self.counters["dropped_writes"] += 1
                 return False
             self._queued_bytes += size
@@ -182,7 +267,7 @@ class RemoteTier:
         self, namespace: bytes, key: bytes, done: ReadDone, into: memoryview | None = None
     ) -> bool:
         with self._lock:
-            if not self.up:
+            if self._usable(self.record_key(namespace, key)) is None:
                 self.counters["read_misses"] += 1
                 return False
             self._pending += 1
@@ -210,16 +295,13 @@ class RemoteTier:
     def _write(self, namespace: bytes, key: bytes, page: bytes | memoryview, done: WriteDone | None) -> None:
         ok = False
         try:
-            if not self.up and (not self._closed or self._clock() > self._deadline):
-                self._count("dropped_writes")  # down since it was queued, or close() ran out of time
-                return
-            name = self.record_key(namespace, key)
             codec, payload = compress(self._codec, page)
             header = pack_header(namespace, key, codec, len(page), payload)
             try:
-                stored = self._put(name, header, payload)
-            except self._errors as exc:
-                self._failed("a write", exc)
+                stored = self._put(self.record_key(namespace, key), header, payload)
+            except NodeDown as exc:
+                if exc.args[0] is None:  # down since it was queued, or close() ran out of time
+                    self._count("dropped_writes")
                 return
             ok = True
             with self._lock:
@@ -238,110 +320,134 @@ class RemoteTier:
         """Stores the record unless one is there (then renews its expiry); True if it stored."""
         ttl_ms = int(self.config.ttl_s * 1000)
 
-        def direct(connection: RecordConnection) -> bool:
+        def put(connection: RecordConnection, asking: bool) -> bool:
+            if asking:
+                connection.asking()
             if connection.exists(name):
                 if ttl_ms:
+                    if asking:
+                        connection.asking()
                     connection.pexpire(name, ttl_ms)  # in use again: it lives on
                 return False
+            if asking:
+                connection.asking()
             return connection.put(name, header, payload, ttl_ms)
 
-        done, stored = self._on_connection(direct)
-        if done:
-            return bool(stored)
-        if self._redis.exists(name):
-            if ttl_ms:
-                self._redis.pexpire(name, ttl_ms)
-            return False
-        return bool(self._redis.set(name, header + bytes(payload), nx=True, px=ttl_ms or None))
+        return bool(self._routed(name, put, "a write"))
 
     def _read(self, namespace: bytes, key: bytes, done: ReadDone, into: memoryview) -> None:
         page: Buffer | None = None
         name = self.record_key(namespace, key)
+        ttl_ms = int(self.config.ttl_s * 1000)
         try:
-            if self.up:  # down since it was queued: a miss without asking
-                page = self._get(name, namespace, key, into)
+            page = self._routed(
+                name, lambda connection, _: connection.get(name, namespace, key, into, ttl_ms), "a read"
+            )
+        except NodeDown:
+            pass  # a miss: down (since it was queued, or now)
         except CorruptRecord as exc:
             self._count("corrupted_records")
             log.warning("remote tier: record %s is corrupt (%s); deleted, read as a miss", name.decode(), exc)
-            with contextlib.suppress(*self._errors):
-                self._redis.delete(name)
-        except self._errors as exc:
-            self._failed("a read", exc)
+            with contextlib.suppress(NodeDown):
+                self._routed(name, lambda connection, _: connection.call(b"DEL", name), "a delete")
         finally:
             if page is not None:
                 self._count("read_bytes", len(page))
             self._count("read_misses" if page is None else "promotions")
             done(page)
 
-    def _get(self, name: bytes, namespace: bytes, key: bytes, into: memoryview) -> Buffer | None:
-        """The page read into `into` (None: no record); CorruptRecord, or the client's errors."""
-        ttl_ms = int(self.config.ttl_s * 1000)
-        done, page = self._on_connection(
-            lambda connection: connection.get(name, namespace, key, into, ttl_ms=ttl_ms)
-        )
-        if done:
-            return page
-        ttl = self.config.ttl_s
-        record = self._redis.getex(name, px=int(ttl * 1000)) if ttl else self._redis.get(name)
-        if not isinstance(record, bytes):  # None: no record (replies are bytes: decode_responses is off)
-            return None
-        header = unpack_header(record)
-        if (header.namespace, header.key) != (namespace, key):
-            raise CorruptRecord("the header names another page")
-        page = header.decode(memoryview(record)[HEADER_BYTES:])
-        if len(page) != len(into):
-            raise CorruptRecord(f"record holds a {len(page)}-byte page, the slot is {len(into)} bytes")
-        into[:] = page
-        return into
+    def _routed(self, name: bytes, work: Work, what: str) -> Any:
+        """`work` on the connection to the node serving `name`, following MOVED and ASK. Raises
+        NodeDown(None) where that node is down, NodeDown(error) where it failed now (it is down
+        for retry_s from here, warned once)."""
+        node, asking = self._usable(name), False
+        for _ in range(MAX_REDIRECTS + 1):
+            if node is None:
+                raise NodeDown(None)
+            try:
+                result = self._on_node(node, work, asking)
+            except Redirect as redirect:
+                self._count("redirects")
+                if not redirect.ask:
+                    self.nodes.moved(redirect)
+                node, asking = self.nodes.node_at(redirect.address), redirect.ask
+                if not self.nodes.usable(node):
+                    node = None
+            except OSError as exc:
+                self._failed(node, what, exc)
+                raise NodeDown(exc) from exc
+            else:
+                self._recovered(node)
+                return result
+        error = RespError(f"more than {MAX_REDIRECTS} redirections for {name.decode()}")
+        self._failed(node, what, error)
+        raise NodeDown(error)
 
-    def _on_connection(self, work: Callable[[RecordConnection], Any]) -> tuple[bool, Any]:
-        """(True, work(this worker's connection)), or (False, None) where there is none (TLS: the
-        caller goes through the redis client). A connection that fails after serving earlier
-        calls (the server restarted, or closed it as idle) is replaced once and `work` run again."""
-        connection: RecordConnection | None = getattr(self._local, "connection", None)
+    def _on_node(self, node: Node, work: Work, asking: bool = False) -> Any:
+        """`work(connection)` on this worker's connection to `node`. A connection that fails after
+        serving earlier calls (the server restarted, or closed it as idle) is replaced once and
+        `work` run again."""
+        connection = self._connection(node, self.config.timeout_s, opened_only=True)
         if connection is not None:
             try:
-                return True, work(connection)
-            except (ConnectionError, EOFError):  # dropped by the server: try a fresh one, once
-                self._drop_connection(connection)
-            except BaseException:  # a timeout or an error reply: not tried again
-                self._drop_connection(connection)
+                return work(connection, asking)
+            except Redirect:
                 raise
-        if not self._direct:
-            return False, None
-        connection = RecordConnection.open(self.config.url, self.config.timeout_s)
-        if connection is None:
-            self._direct = False
-            return False, None
-        self._local.connection = connection
-        with self._lock:
-            self._connections.add(connection)
+            except (ConnectionError, EOFError):  # dropped by the server: try a fresh one, once
+                self._drop_connection(node, connection)
+            except BaseException:  # a timeout or an error reply: not tried again
+                self._drop_connection(node, connection)
+                raise
+        connection = self._connection(node, self.config.timeout_s)
         try:
-            return True, work(connection)
+            return work(connection, asking)
+        except Redirect:
+            raise
         except BaseException:
-            self._drop_connection(connection)
+            self._drop_connection(node, connection)
             raise
 
-    def _drop_connection(self, connection: RecordConnection) -> None:
-        self._local.connection = None
+    def _connection(self, node: Node, timeout_s: float, opened_only: bool = False) -> Any:
+        """This thread's connection to `node` (opened now unless `opened_only`: then None if
+        there is none), with `timeout_s` for each send and receive."""
+        connections: dict[Address, RecordConnection] | None = getattr(self._local, "connections", None)
+        if connections is None:
+            connections = self._local.connections = {}
+        connection = connections.get(node.address)
+        if connection is None:
+            if opened_only:
+                return None
+            connection = connections[node.address] = RecordConnection.open(node.endpoint, timeout_s)
+            with self._lock:
+                self._connections.add(connection)
+        connection.settimeout(timeout_s)
+        return connection
+
+    def _drop_connection(self, node: Node, connection: RecordConnection) -> None:
+        connection.close()
+        getattr(self._local, "connections", {}).pop(node.address, None)
         with self._lock:
             self._connections.discard(connection)
 
-    def _failed(self, what: str, exc: BaseException) -> None:
-        with self._lock:
-            self.counters["errors"] += 1
-            was_up = self._clock() >= self._down_until
-            self._down_until = self._clock() + self.config.retry_s
-            if was_up:
-                self.counters["outages"] += 1
-        if was_up:
-            log.warning(
-                "remote tier %s: %s failed (%s); its pages are misses for %.1f s, then it is tried again",
-                self.config.url,
-                what,
-                exc,
-                self.config.retry_s,
-            )
+    def _recovered(self, node: Node) -> None:
+        if self.nodes.recovered(node):
+            log.info("remote tier %s: answering again", self._where(node))
+
+    def _where(self, node: Node) -> str:
+        return f"node {node} of cluster" if self.nodes.cluster else self.config.url
+
+    def _failed(self, node: Node | None, what: str, exc: BaseException) -> None:
+        self._count("errors")
+        if node is None or not self.nodes.failed(node):
+            return
+        self._count("outages")
+        log.warning(
+            "remote tier %s: %s failed (%s); its pages are misses for %.1f s, then it is tried again",
+            self._where(node),
+            what,
+            exc,
+            self.config.retry_s,
+        )
 
     # -- figures and shutdown -----------------------------------------------
 
@@ -349,6 +455,13 @@ class RemoteTier:
         with self._lock:
             figures: dict[str, float] = dict(self.counters)
             figures.update(up=float(self.up), queue_bytes=self._queued_bytes, jobs=self._pending)
+        if self.nodes.cluster:
+            nodes = self.nodes.nodes()
+            figures.update(
+                nodes=len(nodes),
+                nodes_down=sum(not self.nodes.usable(node) for node in nodes if node.role == "master"),
+                slot_map_refreshes=self.nodes.refreshes,
+            )
         for name in (
             "written",
             "written_bytes",
@@ -362,6 +475,7 @@ class RemoteTier:
             "lookups",
             "lookup_hits",
             "lookup_timeouts",
+            "redirects",
             "stats_failures",
             "errors",
             "outages",
@@ -369,20 +483,31 @@ class RemoteTier:
             figures.setdefault(name, 0.0)
         return figures
 
+    def node_usage(self) -> list[NodeUsage]:
+        """Each node's figures (INFO memory, DBSIZE), asked of all at once within lookup_timeout_s;
+        a node that does not answer shows zeros. These count everything in that database."""
+        nodes = [node for node in self.nodes.nodes() if node.role != "absent"]
+        usable = [node for node in nodes if self.nodes.usable(node)] if not self._closed else []
+        requests = {node: [command(b"INFO", b"memory"), command(b"DBSIZE")] for node in usable}
+        replies = self._fan_out(requests, self._clock() + self.config.lookup_timeout_s, lookup=False)
+        usage = []
+        for node in nodes:
+            used = maximum = keys = 0
+            got = replies.get(node)  # none: not asked (down), or failed (counted)
+            if got is not None and isinstance(got[0], bytes) and isinstance(got[1], int):
+                text = got[0].decode(errors="replace")
+                info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+                used, maximum, keys = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), got[1]
+            elif got is not None:
+                self._count("stats_failures")  # an error reply
+            usage.append(
+                NodeUsage(str(node), node.role, self.nodes.usable(node), used, maximum, keys, node.errors)
+            )
+        return usage
+
     def server_usage(self) -> tuple[int, int, int]:
-        """The server's (used memory, maxmemory (0: no limit), keys in the database); zeros when
-        it cannot be asked. These count everything in that database, not only page records."""
-        if not self.up:
-            return 0, 0, 0
-        try:
-            pipe = self._lookup.pipeline(transaction=False)
-            pipe.info("memory")
-            pipe.dbsize()
-            memory, keys = pipe.execute()
-        except self._errors:
-            self._count("stats_failures")  # figures only: the tier stays up
-            return 0, 0, 0
-        return int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0)), int(keys)
+        """The server's (used memory, maxmemory (0: no limit), keys): `server_totals`."""
+        return server_totals(self.node_usage())
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Waits until no job is queued or running; False if `timeout_s` passed first."""
@@ -397,9 +522,22 @@ class RemoteTier:
             self._closed = True
         self._read_workers.shutdown(wait=True, cancel_futures=False)
         self._write_workers.shutdown(wait=True, cancel_futures=False)
-        self._redis.close()
-        self._lookup.close()
+        self.nodes.close()
         with self._lock:
             connections, self._connections = self._connections, set()
         for connection in connections:
             connection.close()
+
+
+class Ask(NamedTuple):
+    """One record of a Lookup: its place in the run, its name, the node asked, and whether an
+    ASK redirect sent it there (ASKING first: for this request only)."""
+
+    place: int
+    name: bytes
+    node: Node
+    asking: bool
+
+    def commands(self) -> tuple[bytes, ...]:
+        exists = command(b"EXISTS", self.name)
+        return (command(b"ASKING"), exists) if self.asking else (exists,)

@@ -1,4 +1,5 @@
-"""Page records to and from Redis without a copy: sent from, and received into, arena slots.
+"""RESP connections to one Redis or Valkey server: page records sent from, and received into,
+arena slots without a copy, and the few other commands the remote tier sends.
 
 The remote tier moves pages of a few MiB to tens of MiB. Through the `redis` client a reply
 is parsed into a bytes object and then copied into the slot, and a record to store is first
@@ -9,20 +10,32 @@ the GIL released while the kernel copies. The record's header and checksum are c
 the bytes in place. Compressed records, and replies of an unexpected size, are received
 whole and decoded.
 
-- `RecordConnection.open(url, timeout_s)`: a connection per worker thread (unix or TCP; AUTH and
-  SELECT as the URL asks); None for `rediss://`, which goes through the `redis` client.
-- `exists(name) -> bool`, `pexpire(name, ms)`, `put(name, header, payload, ttl_ms) -> bool`
-  (SET NX [PX]: False when a record was already there).
-- `RecordConnection.get(name, namespace, key, into, ttl_ms=0) -> Buffer | None`: the page (`into`
-  itself, filled) or None where there is no record. Raises `CorruptRecord` for a record that
-  does not check out (or a value of another type under its name), `OSError` (or `RespError`)
-  for a connection that failed. On any exception the connection is closed: the reply may be
-  half read.
+- `Endpoint.parse(url)`: where and how to reach a server (unix or TCP; AUTH with a user and a
+  password, SELECT, and TLS for `rediss://`: `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`,
+  `ssl_cert_reqs=none`, `ssl_check_hostname=false` in the query, as redis-py takes them);
+  `endpoint.at(host, port)`: the same credentials and TLS at another node of a cluster.
+- `RecordConnection.open(endpoint, timeout_s)`, then
+  - `exists(name) -> bool`, `pexpire(name, ms)`, `put(name, header, payload, ttl_ms) -> bool`
+    (SET NX [PX]: False when a record was already there);
+  - `get(name, namespace, key, into, ttl_ms=0) -> Buffer | None`: the page (`into` itself,
+    filled) or None where there is no record. Raises `CorruptRecord` for a record that does not
+    check out (or a value of another type under its name), `OSError` (or `RespError`) for a
+    connection that failed. On any exception but a `Redirect` the connection is closed: the
+    reply may be half read;
+  - `call(*parts)`: any command, its reply parsed (bulk strings as bytes, arrays as lists);
+    `send(commands)` then `replies(n)`: pipelined commands, the caller reading each server's
+    replies after sending to all of them. An error reply is returned among `replies` (a
+    `RespError`), raised by the other calls.
+- `Redirect`: a cluster's `-MOVED` or `-ASK` (the slot, the node that serves it, and whether it
+  is only for this one request); the connection stays usable.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.codec import Buffer, Codec
@@ -30,20 +43,90 @@ from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, unpack_header
 
 FIRST_READ_BYTES = 1 << 16
 DEFAULT_PORT = 6379  # as redis-py takes a URL without a port
+MAX_REPLY_ITEMS = 1 << 20  # an array reply longer than this is not one the tier asked for
+
+Address = str | tuple[str, int]  # a unix socket path, or (host, port)
 
 
-def address_of(settings: dict[str, Any]) -> str | tuple[str, int]:
+def address_of(settings: dict[str, Any]) -> Address:
     """A unix socket path, or (host, port) with redis-py's defaults for what the URL leaves out."""
     if "path" in settings:
         return str(settings["path"])
     return str(settings.get("host", "localhost")), int(settings.get("port", DEFAULT_PORT))
 
 
+def format_address(address: Address) -> str:
+    return address if isinstance(address, str) else f"{address[0]}:{address[1]}"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where and how to reach one server."""
+
+    address: Address
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+    tls: ssl.SSLContext | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> Endpoint:
+        from redis.connection import parse_url
+
+        settings: dict[str, Any] = parse_url(url)
+        return cls(
+            address_of(settings),
+            settings.get("username"),
+            settings.get("password"),
+            int(settings.get("db") or 0),
+            tls_context(settings) if url.startswith("rediss://") else None,
+        )
+
+    def at(self, host: str, port: int) -> Endpoint:
+        return replace(self, address=(host, port))
+
+    def __str__(self) -> str:
+        return format_address(self.address)
+
+
+def tls_context(settings: dict[str, Any]) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=settings.get("ssl_ca_certs"))
+    if settings.get("ssl_certfile"):
+        context.load_cert_chain(settings["ssl_certfile"], settings.get("ssl_keyfile"))
+    if str(settings.get("ssl_cert_reqs", "required")).lower() == "none":
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    elif settings.get("ssl_check_hostname") is False:
+        context.check_hostname = False
+    return context
+
+
 class RespError(OSError):
-    """The server answered with an error, or with something that is not a bulk string."""
+    """The server answered with an error, or with something the tier did not ask for."""
 
 
-def _command(*parts: bytes) -> bytes:
+class Redirect(RespError):
+    """A cluster node's `MOVED slot host:port` (the slot lives there now) or `ASK slot host:port`
+    (this one request goes there, after ASKING)."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        kind, slot, where = line.split()
+        host, _, port = where.rpartition(":")
+        self.ask = kind == "ASK"
+        self.slot = int(slot)
+        self.address: tuple[str, int] = (host, int(port))
+
+
+def error_of(line: bytes) -> RespError:
+    """The exception for an error reply `line` (without its leading '-')."""
+    text = line.decode(errors="replace")
+    if text.startswith(("MOVED ", "ASK ")) and len(text.split()) == 3:
+        return Redirect(text)
+    return RespError(text)
+
+
+def command(*parts: bytes) -> bytes:
     out = [b"*%d\r\n" % len(parts)]
     for part in parts:
         out.append(b"$%d\r\n%s\r\n" % (len(part), part))
@@ -56,13 +139,8 @@ class RecordConnection:
         self._rest = bytearray()  # received and not yet taken: only this reply's bytes
 
     @classmethod
-    def open(cls, url: str, timeout_s: float) -> RecordConnection | None:
-        from redis.connection import parse_url
-
-        if url.startswith("rediss://"):
-            return None
-        settings: dict[str, Any] = parse_url(url)
-        address = address_of(settings)
+    def open(cls, endpoint: Endpoint, timeout_s: float) -> RecordConnection:
+        address = endpoint.address
         if isinstance(address, str):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(timeout_s)
@@ -74,14 +152,20 @@ class RecordConnection:
         else:
             sock = socket.create_connection(address, timeout=timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if endpoint.tls is not None:
+            host = address if isinstance(address, str) else address[0]
+            try:
+                sock = endpoint.tls.wrap_socket(sock, server_hostname=host)
+            except OSError:
+                sock.close()
+                raise
         connection = cls(sock)
         try:
-            password, username = settings.get("password"), settings.get("username")
-            if password is not None:
-                auth = (username.encode(), password.encode()) if username else (password.encode(),)
-                connection._call(_command(b"AUTH", *auth))
-            if settings.get("db"):
-                connection._call(_command(b"SELECT", str(settings["db"]).encode()))
+            if endpoint.password is not None:
+                user = (endpoint.username.encode(),) if endpoint.username else ()
+                connection.call(b"AUTH", *user, endpoint.password.encode())
+            if endpoint.db:
+                connection.call(b"SELECT", b"%d" % endpoint.db)
         except OSError:
             connection.close()
             raise
@@ -90,11 +174,18 @@ class RecordConnection:
     def close(self) -> None:
         self._sock.close()
 
+    def settimeout(self, timeout_s: float) -> None:
+        self._sock.settimeout(timeout_s)
+
     def exists(self, name: bytes) -> bool:
-        return self._call(_command(b"EXISTS", name)) == b":1"
+        return self.call(b"EXISTS", name) == 1
 
     def pexpire(self, name: bytes, ttl_ms: int) -> None:
-        self._call(_command(b"PEXPIRE", name, b"%d" % ttl_ms))
+        self.call(b"PEXPIRE", name, b"%d" % ttl_ms)
+
+    def asking(self) -> None:
+        """The next command is for a slot this node is importing (after an ASK redirect)."""
+        self.call(b"ASKING")
 
     def put(self, name: bytes, header: bytes, payload: Buffer, ttl_ms: int = 0) -> bool:
         """SET NX of header + payload, the payload sent from where it lies; False: already there."""
@@ -104,21 +195,39 @@ class RecordConnection:
         head += b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in parts)
         head += b"$%d\r\n" % (len(header) + len(payload)) + header
         tail = b"\r\n" + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in (b"NX", *expiry))
-        return self._call(head, payload, tail) == b"+OK"
+        return self._exchange(head, payload, tail) == b"OK"
 
-    def _call(self, *chunks: Buffer) -> bytes:
-        """One command, sent as `chunks`, with a one-line reply (an error reply raises RespError)."""
+    def call(self, *parts: bytes) -> Any:
+        """One command and its reply (an error reply raises RespError)."""
+        return self._exchange(command(*parts))
+
+    def send(self, commands: Sequence[bytes]) -> None:
+        """Sends encoded `commands` (`command(...)`) at once; `replies` reads their answers."""
         try:
-            for chunk in chunks:
-                self._sock.sendall(chunk)
-            line = self._line()
+            self._sock.sendall(b"".join(commands))
         except BaseException:
             self.close()
             raise
-        if line.startswith(b"-"):
+
+    def replies(self, count: int) -> list[Any]:
+        """The next `count` replies; an error reply is a RespError in the list, not raised."""
+        try:
+            return [self._reply() for _ in range(count)]
+        except BaseException:
             self.close()
-            raise RespError(line[1:].decode(errors="replace"))
-        return line
+            raise
+
+    def _exchange(self, *chunks: Buffer) -> Any:
+        try:
+            for chunk in chunks:
+                self._sock.sendall(chunk)
+            reply = self._reply()
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(reply, RespError):
+            raise reply  # read whole: the connection stays usable
+        return reply
 
     def get(
         self, name: bytes, namespace: bytes, key: bytes, into: memoryview, ttl_ms: int = 0
@@ -126,18 +235,20 @@ class RecordConnection:
         """With `ttl_ms`, the read also renews the record's expiry (GETEX)."""
         try:
             return self._get(name, namespace, key, into, ttl_ms)
+        except Redirect:
+            raise  # the reply was one line, read whole
         except BaseException:
             self.close()  # the reply may be half read: this connection is done
             raise
 
     def _get(self, name: bytes, namespace: bytes, key: bytes, into: memoryview, ttl_ms: int) -> Buffer | None:
-        command = _command(b"GETEX", name, b"PX", b"%d" % ttl_ms) if ttl_ms else _command(b"GET", name)
-        self._sock.sendall(command)
+        request = command(b"GETEX", name, b"PX", b"%d" % ttl_ms) if ttl_ms else command(b"GET", name)
+        self._sock.sendall(request)
         line = self._line()
         if line.startswith(b"-WRONGTYPE"):  # something else under a record's name
             raise CorruptRecord(line[1:].decode(errors="replace"))
         if line.startswith(b"-"):
-            raise RespError(line[1:].decode(errors="replace"))
+            raise error_of(line[1:])
         if not line.startswith(b"$"):
             raise RespError(f"expected a bulk string, got {line[:64]!r}")
         length = int(line[1:])
@@ -167,6 +278,29 @@ class RecordConnection:
         return into
 
     # -- RESP ---------------------------------------------------------------
+
+    def _reply(self) -> Any:
+        """One reply: bytes (simple or bulk string), int, None, a list, or a RespError (returned)."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return error_of(rest)
+        if kind == b":":
+            return int(rest)
+        if kind in (b"$", b"*"):
+            count = int(rest)
+            if count < 0:
+                return None
+            if kind == b"$":
+                data = self._exactly(count)
+                self._crlf()
+                return data
+            if count > MAX_REPLY_ITEMS:
+                raise RespError(f"an array reply of {count} items")
+            return [self._reply() for _ in range(count)]
+        raise RespError(f"an unexpected reply {line[:64]!r}")
 
     def _receive(self) -> None:
         part = self._sock.recv(FIRST_READ_BYTES)

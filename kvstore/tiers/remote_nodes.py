@@ -1,0 +1,233 @@
+"""Which server holds a record: the one server of `tiers.remote.url`, or the node of a Redis or
+Valkey Cluster that serves the record's slot.
+
+A cluster is used as it is: a record's name hashes to one of 16384 slots (CRC16, as every
+cluster client does; the names carry no hash tag, so a namespace spreads over every node),
+and `CLUSTER SLOTS`, asked of any node, says which master serves each slot.
+
+- `Nodes(seeds, cluster, timeout_s)`: one node (`cluster=False`), or the cluster the seed
+  nodes belong to; `start()` discovers the slot map and keeps it fresh on a thread of its own
+  (every `REFRESH_S`, at once after a redirect or a failure, and every `REFRESH_DOWN_S` while a
+  node is down, so that a failover to a replica is seen in about that time).
+- `node_for(name) -> Node | None`: the node that serves `name` (None: no map yet, or a slot no
+  node serves). `node_at(address)`: the node at an address a redirect named.
+- `moved(redirect)`: a `MOVED` reply moves that slot at once and asks for a fresh map.
+- Health, per node: `usable(node)`; `failed(node) -> bool` makes it a miss for `retry_s`
+  (True for the first failure of an outage, which lasts until `recovered(node)`, its next
+  answer: the caller warns once); `slow(node) -> bool`
+  counts a lookup past its deadline (True when `SLOW_LOOKUPS_DOWN` in a row took it down).
+- `nodes()`: every node seen, with its role in the current map and its errors, for stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.tiers.remote_resp import Address, Endpoint, RecordConnection, Redirect, format_address
+
+log = logging.getLogger(__name__)
+
+SLOTS = 16384
+REFRESH_S = 30.0
+REFRESH_DOWN_S = 0.5
+SLOW_LOOKUPS_DOWN = 3  # lookups in a row past lookup_timeout_s that make a node down for retry_s
+
+
+@dataclass(eq=False)
+class Node:
+    endpoint: Endpoint
+    role: str = "master"  # in the current slot map: master, replica, or absent (no longer in it)
+    down_until: float = 0.0
+    failing: bool = False  # in an outage: from a failure to the next request it answers
+    slow_lookups: int = 0  # lookups in a row that ran past lookup_timeout_s
+    errors: int = 0
+    outages: int = 0
+
+    @property
+    def address(self) -> Address:
+        return self.endpoint.address
+
+    def __str__(self) -> str:
+        return str(self.endpoint)
+
+
+class Nodes:
+    def __init__(
+        self,
+        seeds: Sequence[Endpoint],
+        cluster: bool,
+        timeout_s: float,
+        retry_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cluster = cluster
+        self._seeds = list(seeds)
+        self._timeout_s = timeout_s
+        self._retry_s = retry_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._nodes: dict[Address, Node] = {}
+        self._slots: list[Node | None] = [None] * SLOTS
+        self._single = None if cluster else self._node(seeds[0].address)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.refreshes = 0
+        self.refresh_failures = 0
+
+    # -- routing ------------------------------------------------------------
+
+    def node_for(self, name: bytes) -> Node | None:
+        if self._single is not None:
+            return self._single
+        from redis.crc import key_slot
+
+        return self._slots[key_slot(name)]
+
+    def node_at(self, address: Address) -> Node:
+        with self._lock:
+            return self._node(address)
+
+    def moved(self, redirect: Redirect) -> None:
+        with self._lock:
+            self._slots[redirect.slot] = self._node(redirect.address)
+        self._wake.set()
+
+    def _node(self, address: Address) -> Node:
+        """The node at `address`, made on first sight (under the lock, or before threads start)."""
+        node = self._nodes.get(address)
+        if node is None:
+            seed = self._seeds[0]
+            endpoint = seed if isinstance(address, str) else seed.at(*address)
+            node = self._nodes[address] = Node(endpoint)
+        return node
+
+    # -- health -------------------------------------------------------------
+
+    def usable(self, node: Node) -> bool:
+        return self._clock() >= node.down_until
+
+    def any_usable(self) -> bool:
+        with self._lock:
+            masters = [node for node in self._nodes.values() if node.role == "master"]
+        return any(self.usable(node) for node in masters)
+
+    def failed(self, node: Node) -> bool:
+        """`node` is a miss for retry_s; True for the first failure of an outage (one that ends
+        when the node answers again: `recovered`)."""
+        with self._lock:
+            node.errors += 1
+            node.down_until = self._clock() + self._retry_s
+            node.slow_lookups = 0
+            new = not node.failing
+            node.failing = True
+            if new:
+                node.outages += 1
+        self._wake.set()  # a failover may move its slots: look again soon
+        return new
+
+    def recovered(self, node: Node) -> bool:
+        """`node` answered; True when that ends an outage."""
+        if not node.failing:
+            return False
+        with self._lock:
+            ended, node.failing = node.failing, False
+        return ended
+
+    def slow(self, node: Node) -> bool:
+        node.slow_lookups += 1
+        return node.slow_lookups >= SLOW_LOOKUPS_DOWN
+
+    # -- the slot map -------------------------------------------------------
+
+    def start(self) -> None:
+        """Discovers the slot map (a cluster), then keeps it fresh on a thread; a cluster no seed
+        answers is warned of, and every record a miss until one does."""
+        if not self.cluster:
+            return
+        if not self.refresh():
+            log.warning(
+                "remote tier: no seed node of the cluster (%s) answered CLUSTER SLOTS; its pages are "
+                "misses until one does",
+                ", ".join(str(seed) for seed in self._seeds),
+            )
+        self._thread = threading.Thread(target=self._refresher, name="kvstore-remote-slots", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._timeout_s + 1)
+
+    def _refresher(self) -> None:
+        while not self._stop.is_set():
+            down = any(not self.usable(node) for node in list(self._nodes.values()) if node.role == "master")
+            self._wake.wait(REFRESH_DOWN_S if down else REFRESH_S)
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            self.refresh()
+            self._stop.wait(REFRESH_DOWN_S)  # a burst of redirects asks once
+
+    def refresh(self) -> bool:
+        """Asks the nodes (usable masters first, then the others, then the seeds) for the slot map
+        until one answers; True if the map was replaced."""
+        with self._lock:
+            known = sorted(
+                self._nodes.values(), key=lambda node: (node.role != "master", not self.usable(node))
+            )
+        candidates = [node.endpoint for node in known] + self._seeds
+        tried: set[Address] = set()
+        for endpoint in candidates:
+            if endpoint.address in tried:
+                continue
+            tried.add(endpoint.address)
+            try:
+                connection = RecordConnection.open(endpoint, self._timeout_s)
+                try:
+                    reply = connection.call(b"CLUSTER", b"SLOTS")
+                finally:
+                    connection.close()
+                self._install(reply, endpoint)
+            except (OSError, ValueError, IndexError, TypeError) as exc:
+                log.debug("remote tier: CLUSTER SLOTS from %s failed: %s", endpoint, exc)
+                continue
+            self.refreshes += 1
+            return True
+        self.refresh_failures += 1
+        return False
+
+    def _install(self, reply: Any, asked: Endpoint) -> None:
+        """Replaces the map with `CLUSTER SLOTS`'s: [[first, last, [host, port, id, ...], replicas...]]."""
+        asked_host = asked.address[0] if isinstance(asked.address, tuple) else "127.0.0.1"
+
+        def address(entry: list[Any]) -> tuple[str, int]:
+            host = entry[0].decode() if isinstance(entry[0], bytes) else ""
+            return (host if host and host != "?" else asked_host), int(entry[1])
+
+        slots: list[Node | None] = [None] * SLOTS
+        with self._lock:
+            roles: dict[Address, str] = {}
+            for first, last, master, *replicas in reply:
+                node = self._node(address(master))
+                roles[node.address] = "master"
+                slots[int(first) : int(last) + 1] = [node] * (int(last) - int(first) + 1)
+                for replica in replicas:
+                    roles.setdefault(self._node(address(replica)).address, "replica")
+            if len(slots) != SLOTS:
+                raise ValueError("CLUSTER SLOTS named a slot past 16383")
+            for node in self._nodes.values():
+                node.role = roles.get(node.address, "absent")
+            self._slots = slots
+
+    # -- figures ------------------------------------------------------------
+
+    def nodes(self) -> list[Node]:
+        with self._lock:
+            return sorted(self._nodes.values(), key=lambda node: format_address(node.address))
