@@ -20,6 +20,9 @@ slice of Llama-3.1-8B geometry (8 MiB pages of 256 tokens); loads land in CPU te
 figures are the host's (no GPU needed). Needs redis-server (or valkey-server) on PATH.
 
     python bench/remote.py [--tokens 4096] [--layers 8] [--rounds 7] [--threads 4]
+
+`--parts cluster` (`bench/remote_cluster.py`) compares one server with a three-master Redis
+Cluster instead: Lookup latency for 512 keys and the read of 64 pages.
 """
 
 from __future__ import annotations
@@ -97,7 +100,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=4, help="tiers.remote.threads of both daemons")
+    parser.add_argument("--parts", default="transfer", help="transfer, cluster, or both (comma-separated)")
+    parser.add_argument("--lookups", type=int, default=2000, help="cluster: Lookups timed per setup")
+    parser.add_argument(
+        "--page-mib", type=float, default=8.0, help="cluster: the size of each of the 64 pages"
+    )
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if unknown := set(parts) - {"transfer", "cluster"}:
+        parser.error(f"--parts: unknown {sorted(unknown)}; expected transfer and/or cluster")
+    if "transfer" in parts:
+        transfer(args)
+    if "cluster" in parts:
+        from bench import remote_cluster
+
+        remote_cluster.run(args.lookups, args.page_mib, args.rounds, args.threads)
+
+
+def transfer(args: argparse.Namespace) -> None:
     spec = KVSpec("bench/remote", args.layers, HEADS, HEAD_DIM, torch.bfloat16, block_size=BLOCK)
     chunks, blocks = args.tokens // CHUNK, args.tokens // BLOCK
     page_bytes = spec.with_chunk_tokens(CHUNK).page.page_bytes

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import subprocess
 import sys
 import threading
@@ -308,3 +309,13 @@ def test_cluster_config_errors_name_the_key(remote: dict[str, Any], message: str
 
     with pytest.raises(ConfigError, match=message):
         parse_config({"tiers": {"remote": {"enabled": True, **remote}}})
+
+
+def test_slots_are_the_cluster_specs_crc16_with_hash_tags() -> None:
+    from kvstore.tiers.remote_nodes import slot
+
+    assert slot(b"123456789") == 0x31C3 % 16384  # the CRC16/XMODEM check value
+    assert slot(b"user{1000}.following") == slot(b"user{1000}.followers") == slot(b"1000")
+    assert slot(b"foo{}{bar}") == key_slot(b"foo{}{bar}")  # an empty tag: the whole key
+    names = [bytes(random.Random(i).randbytes(i % 40)) for i in range(5000)] + [b"a{b", b"{a}}", b"}{a}"]
+    assert [slot(name) for name in names] == [key_slot(name) for name in names]

@@ -36,7 +36,7 @@ the key `<key_prefix><namespace hex>:<chunk key hex>`. A record that does not ch
 
 Eviction in the remote tier is the server's: run it with a `maxmemory` and an
 `allkeys-lru` (or `-lfu`) policy, or set `ttl_s`. The tier speaks RESP itself (`remote_resp`);
-the `redis` package parses its URLs and hashes cluster slots, imported only when it is enabled.
+the `redis` package parses its URLs, imported only when it is enabled.
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ import contextlib
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvstore.codec import CODECS, Buffer, compress
 from kvstore.config import ConfigError, RemoteTierConfig
@@ -60,6 +60,8 @@ from kvstore.tiers.remote_resp import Address, Endpoint, RecordConnection, Redir
 
 log = logging.getLogger(__name__)
 
+EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"  # a Lookup's command, % (len(name), name)
+ASKING = command(b"ASKING")
 MAX_REDIRECTS = 3  # MOVED/ASK hops one read or write follows (a reshard moves a slot once)
 
 ReadDone = Callable[[Buffer | None], None]
@@ -154,18 +156,24 @@ class RemoteTier:
             return 0
         self._count("lookups")
         deadline = self._clock() + self.config.lookup_timeout_s
-        asks: list[Ask] = []
-        for name in (self.record_key(namespace, key) for key in keys):
-            node = self._usable(name)
+        prefix = self.record_key(namespace, b"")
+        names = [prefix + key.hex().encode() for key in keys]
+        by_node: dict[Node, list[int]] = {}  # the leading run, up to the first record whose node is down
+        for i, node in enumerate(self.nodes.route(names)):
             if node is None:
-                break  # the leading run ends at the first record whose node is down
-            asks.append(Ask(len(asks), name, node, False))
-        answers = [False] * len(asks)
-        for _ in range(2):  # a second round for the records a redirect sent elsewhere
-            redirected = self._exists(asks, answers, deadline)
-            if not redirected:
                 break
-            asks = redirected
+            places = by_node.get(node)
+            if places is None:
+                if self._closed or not self.nodes.usable(node):
+                    break
+                places = by_node[node] = []
+            places.append(i)
+        answers = [False] * sum(len(places) for places in by_node.values())
+        asking: set[int] = set()
+        for _ in range(2):  # a second round for the records a redirect sent elsewhere
+            by_node, asking = self._exists(names, by_node, asking, answers, deadline)
+            if not by_node:
+                break
         found = 0
         for answer in answers:
             if not answer:
@@ -174,38 +182,48 @@ class RemoteTier:
         self._count("lookup_hits", found)
         return found
 
-    def _exists(self, asks: list[Ask], answers: list[bool], deadline: float) -> list[Ask]:
-        """EXISTS of each name, pipelined to its node, all nodes at once; fills `answers` and
-        returns the asks a redirect sent to another node."""
-        by_node: dict[Node, list[Ask]] = defaultdict(list)
-        for ask in asks:
-            by_node[ask.node].append(ask)
+    def _exists(
+        self,
+        names: list[bytes],
+        by_node: dict[Node, list[int]],
+        asking: set[int],
+        answers: list[bool],
+        deadline: float,
+    ) -> tuple[dict[Node, list[int]], set[int]]:
+        """EXISTS of each name, pipelined to its node, all nodes at once (ASKING first for those in
+        `asking`); fills `answers`, and returns the names a redirect sent to another node."""
         requests = {
-            node: [part for ask in items for part in ask.commands()] for node, items in by_node.items()
+            node: [(ASKING if i in asking else b"") + EXISTS % (len(names[i]), names[i]) for i in places]
+            for node, places in by_node.items()
         }
-        replies = self._fan_out(requests, deadline, lookup=True)
-        redirected: list[Ask] = []
-        for node, items in by_node.items():
+        counts = {node: len(places) + sum(i in asking for i in places) for node, places in by_node.items()}
+        replies = self._fan_out(requests, counts, deadline, lookup=True)
+        redirected: dict[Node, list[int]] = {}
+        redirected_asking: set[int] = set()
+        for node, places in by_node.items():
             got = iter(replies.get(node, ()))  # none: failed or too slow, these records are misses
-            for ask in items:
-                if ask.asking:
+            for i in places:
+                if i in asking:
                     next(got, None)  # ASKING's OK
                 reply = next(got, None)
-                if isinstance(reply, Redirect):
+                if reply.__class__ is int:
+                    answers[i] = reply == 1
+                elif isinstance(reply, Redirect):
                     self._count("redirects")
-                    if not reply.ask:
+                    if reply.ask:
+                        redirected_asking.add(i)
+                    else:
                         self.nodes.moved(reply)
-                    redirected.append(ask._replace(node=self.nodes.node_at(reply.address), asking=reply.ask))
-                elif isinstance(reply, int):
-                    answers[ask.place] = reply == 1
-        return redirected
+                    redirected.setdefault(self.nodes.node_at(reply.address), []).append(i)
+        return redirected, redirected_asking
 
     def _fan_out(
-        self, requests: dict[Node, list[bytes]], deadline: float, lookup: bool
+        self, requests: dict[Node, list[bytes]], counts: dict[Node, int], deadline: float, lookup: bool
     ) -> dict[Node, list[Any]]:
-        """Sends each node its commands, then reads every node's replies, all by `deadline`; a
-        node missing from the result failed or was late. For a `lookup`, a node that fails is
-        down for retry_s and one past the deadline counts a slow lookup; for figures, neither."""
+        """Sends each node its commands, then reads its `counts[node]` replies, all nodes by
+        `deadline`; a node missing from the result failed or was late. A `lookup`'s replies are
+        one line each; for a lookup, a node that fails is down for retry_s and one past the
+        deadline counts a slow lookup; for figures, neither."""
         sent: dict[Node, RecordConnection] = {}
         for node, commands in requests.items():
             connection = None
@@ -221,7 +239,8 @@ class RemoteTier:
         for node, connection in sent.items():
             try:
                 connection.settimeout(max(deadline - self._clock(), 1e-3))
-                replies[node] = connection.replies(len(requests[node]))
+                count = counts[node]
+                replies[node] = connection.line_replies(count) if lookup else connection.replies(count)
                 node.slow_lookups = 0
                 self._recovered(node)
             except (OSError, ValueError) as exc:
@@ -489,7 +508,8 @@ class RemoteTier:
         nodes = [node for node in self.nodes.nodes() if node.role != "absent"]
         usable = [node for node in nodes if self.nodes.usable(node)] if not self._closed else []
         requests = {node: [command(b"INFO", b"memory"), command(b"DBSIZE")] for node in usable}
-        replies = self._fan_out(requests, self._clock() + self.config.lookup_timeout_s, lookup=False)
+        counts = {node: 2 for node in usable}
+        replies = self._fan_out(requests, counts, self._clock() + self.config.lookup_timeout_s, lookup=False)
         usage = []
         for node in nodes:
             used = maximum = keys = 0
@@ -527,17 +547,3 @@ class RemoteTier:
             connections, self._connections = self._connections, set()
         for connection in connections:
             connection.close()
-
-
-class Ask(NamedTuple):
-    """One record of a Lookup: its place in the run, its name, the node asked, and whether an
-    ASK redirect sent it there (ASKING first: for this request only)."""
-
-    place: int
-    name: bytes
-    node: Node
-    asking: bool
-
-    def commands(self) -> tuple[bytes, ...]:
-        exists = command(b"EXISTS", self.name)
-        return (command(b"ASKING"), exists) if self.asking else (exists,)

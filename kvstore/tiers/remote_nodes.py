@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from binascii import crc_hqx
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,19 @@ from kvstore.tiers.remote_resp import Address, Endpoint, RecordConnection, Redir
 log = logging.getLogger(__name__)
 
 SLOTS = 16384
+LAST_SLOT = SLOTS - 1
+
+
+def slot(name: bytes) -> int:
+    """The cluster slot of a key: CRC16 (XMODEM) of the key, or of its {hash tag}, mod 16384."""
+    start = name.find(b"{")
+    if start >= 0:
+        end = name.find(b"}", start + 1)
+        if end > start + 1:
+            name = name[start + 1 : end]
+    return crc_hqx(name, 0) & LAST_SLOT
+
+
 REFRESH_S = 30.0
 REFRESH_DOWN_S = 0.5
 SLOW_LOOKUPS_DOWN = 3  # lookups in a row past lookup_timeout_s that make a node down for retry_s
@@ -83,11 +97,16 @@ class Nodes:
     # -- routing ------------------------------------------------------------
 
     def node_for(self, name: bytes) -> Node | None:
-        if self._single is not None:
-            return self._single
-        from redis.crc import key_slot
+        return self.route((name,))[0]
 
-        return self._slots[key_slot(name)]
+    def route(self, names: Sequence[bytes]) -> list[Node | None]:
+        """The node of each name (`node_for`), for a Lookup's whole run at once."""
+        if self._single is not None:
+            return [self._single] * len(names)
+        slots = self._slots
+        return [
+            slots[crc_hqx(name, 0) & LAST_SLOT] if b"{" not in name else slots[slot(name)] for name in names
+        ]
 
     def node_at(self, address: Address) -> Node:
         with self._lock:

@@ -23,9 +23,9 @@ whole and decoded.
     connection that failed. On any exception but a `Redirect` the connection is closed: the
     reply may be half read;
   - `call(*parts)`: any command, its reply parsed (bulk strings as bytes, arrays as lists);
-    `send(commands)` then `replies(n)`: pipelined commands, the caller reading each server's
-    replies after sending to all of them. An error reply is returned among `replies` (a
-    `RespError`), raised by the other calls.
+    `send(commands)` then `replies(n)` (or `line_replies(n)`, where each is one line): pipelined
+    commands, the caller reading each server's replies after sending to all of them. An error
+    reply is returned among these (a `RespError`), raised by the other calls.
 - `Redirect`: a cluster's `-MOVED` or `-ASK` (the slot, the node that serves it, and whether it
   is only for this one request); the connection stays usable.
 """
@@ -126,6 +126,17 @@ def error_of(line: bytes) -> RespError:
     return RespError(text)
 
 
+def _line_reply(line: bytes) -> Any:
+    kind = line[:1]
+    if kind == b":":
+        return int(line[1:])
+    if kind == b"+":
+        return line[1:]
+    if kind == b"-":
+        return error_of(line[1:])
+    raise RespError(f"expected a one-line reply, got {line[:64]!r}")
+
+
 def command(*parts: bytes) -> bytes:
     out = [b"*%d\r\n" % len(parts)]
     for part in parts:
@@ -213,6 +224,21 @@ class RecordConnection:
         """The next `count` replies; an error reply is a RespError in the list, not raised."""
         try:
             return [self._reply() for _ in range(count)]
+        except BaseException:
+            self.close()
+            raise
+
+    def line_replies(self, count: int) -> list[Any]:
+        """`replies` where each is one line (an integer, a status or an error, as EXISTS and
+        ASKING answer): parsed together, for a Lookup's hundreds of them."""
+        try:
+            while self._rest.count(b"\r\n") < count:
+                if len(self._rest) > count * 1024:
+                    raise RespError(f"replies longer than a line: {bytes(self._rest[:64])!r}")
+                self._receive()
+            *lines, rest = bytes(self._rest).split(b"\r\n", count)
+            self._rest = bytearray(rest)
+            return [_line_reply(line) for line in lines]
         except BaseException:
             self.close()
             raise
