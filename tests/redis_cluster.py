@@ -48,16 +48,21 @@ def _free(port: int) -> bool:
 
 
 class RedisCluster:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, tls: dict[str, str] | None = None) -> None:
+        """`tls`: `tests.pki.make_pki`'s files; then every node, the cluster bus and replication
+        speak TLS only."""
         tools = cluster_tools()
         assert tools is not None
         self.server, self.cli = tools
         self.directory = directory
         self.ports = free_ports(NODES)
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.tls = tls
 
     @property
     def seed_url(self) -> str:
+        if self.tls:
+            return f"rediss://127.0.0.1:{self.ports[0]}?ssl_ca_certs={self.tls['ca']}"
         return f"redis://127.0.0.1:{self.ports[0]}"
 
     def start(self) -> None:
@@ -66,7 +71,7 @@ class RedisCluster:
         for port in self.ports:
             self._wait(lambda port=port: self.client(port).ping(), f"node {port} to answer")
         subprocess.run(
-            [self.cli, "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports)]
+            [self.cli, *self._cli_tls(), "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports)]
             + ["--cluster-replicas", "1", "--cluster-yes"],
             check=True,
             capture_output=True,
@@ -77,10 +82,22 @@ class RedisCluster:
     def _launch(self, port: int) -> None:
         directory = self.directory / str(port)
         directory.mkdir(exist_ok=True)
+        listen = ["--port", str(port)]
+        if self.tls:
+            listen = [
+                "--port", "0",
+                "--tls-port", str(port),
+                "--tls-cluster", "yes",
+                "--tls-replication", "yes",
+                "--tls-cert-file", self.tls["server_cert"],
+                "--tls-key-file", self.tls["server_key"],
+                "--tls-ca-cert-file", self.tls["ca"],
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
         self.processes[port] = subprocess.Popen(
             [
                 self.server,
-                "--port", str(port),
+                *listen,
                 "--bind", "127.0.0.1",
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",
@@ -114,7 +131,11 @@ class RedisCluster:
     def client(self, port: int) -> Any:
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+        tls: dict[str, Any] = {"ssl": True, "ssl_ca_certs": self.tls["ca"]} if self.tls else {}
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=5, **tls)
+
+    def _cli_tls(self) -> list[str]:
+        return ["--tls", "--cacert", self.tls["ca"]] if self.tls else []
 
     def slots(self) -> list[tuple[int, int, int]]:
         """(first, last, master port) of each range, asked of a live node."""
@@ -150,7 +171,7 @@ class RedisCluster:
     def reshard(self, source: int, target: int, slots: int) -> subprocess.Popen[bytes]:
         masters = self.masters()
         return subprocess.Popen(
-            [self.cli, "--cluster", "reshard", f"127.0.0.1:{target}"]
+            [self.cli, *self._cli_tls(), "--cluster", "reshard", f"127.0.0.1:{target}"]
             + ["--cluster-from", masters[source], "--cluster-to", masters[target]]
             + ["--cluster-slots", str(slots), "--cluster-yes", "--cluster-pipeline", "10"],
             stdout=subprocess.DEVNULL,

@@ -1,7 +1,8 @@
 """The remote tier on a real Redis Cluster (three masters, one replica each, on localhost):
 records spread over every master and read back byte for byte, a prompt shared between two
 daemons through it, a master killed mid-load (misses until its replica takes over, then hits,
-never a wrong byte), a reshard while pages are written and read, and ACL users."""
+never a wrong byte), a reshard while pages are written and read, ACL users, and a cluster that
+speaks TLS only."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from kvstore.tiers import Tier  # noqa: E402
 from kvstore.tiers.remote import RemoteTier  # noqa: E402
 from kvstore_client import KVStoreClient  # noqa: E402
 from tests.harness import Daemon  # noqa: E402
+from tests.pki import make_pki  # noqa: E402
 from tests.redis_cluster import RedisCluster, cluster_tools  # noqa: E402
 from tests.test_remote_tier import (  # noqa: E402
     CHUNK,
@@ -277,6 +279,36 @@ def test_an_acl_user_and_password_on_every_node(
     wrong = open_tier(urls=(cluster.seed_url.replace("redis://", "redis://kv:nope@"),))
     assert wrong.present(NS, [key(0)]) == 0 and read(wrong, NS, 0, PAGE) is None  # refused: misses
     assert wrong.stats()["up"] == 0  # no slot map: nothing answered
+
+
+def test_a_cluster_over_tls(tmp_path: Path) -> None:
+    """rediss:// seeds: the nodes the slot map names are reached with the same CA, through the
+    same zero-copy reader."""
+    if cluster_tools() is None:
+        pytest.skip("needs redis-server and redis-cli on PATH (apt-get install redis-server; .ci/run does)")
+    (tmp_path / "pki").mkdir()
+    files = make_pki(tmp_path / "pki")
+    cluster = RedisCluster(tmp_path, tls=files)
+    tier = None
+    try:
+        try:
+            cluster.start()
+        except (RuntimeError, subprocess.CalledProcessError):
+            pytest.skip("this redis-server or redis-cli was built without TLS")
+        tier = RemoteTier(
+            RemoteTierConfig(enabled=True, cluster=True, urls=(cluster.seed_url,), lookup_timeout_s=1.0)
+        )
+        tier.start()
+        pages = {i: page(i, PAGE) for i in range(24)}
+        write(tier, NS, pages)
+        assert {owner(cluster, tier, i) for i in pages} == set(cluster.masters())
+        assert tier.present(NS, [key(i) for i in pages]) == 24
+        assert all(read(tier, NS, i, PAGE) == data for i, data in pages.items())
+        assert (tier.stats()["errors"], tier.stats()["written"]) == (0, 24)
+    finally:
+        if tier is not None:
+            tier.close(timeout_s=5)
+        cluster.stop()
 
 
 @pytest.mark.parametrize(

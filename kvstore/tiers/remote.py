@@ -126,6 +126,15 @@ class RemoteTier:
     def start(self) -> None:
         if self.config.cluster:
             self.nodes.start()
+            masters = [node for node in self.nodes.nodes() if node.role == "master"]
+            if masters:
+                log.info(
+                    "remote tier %s: %d masters (%s), records under %r",
+                    self.config.where,
+                    len(masters),
+                    ", ".join(str(node) for node in masters),
+                    self.config.key_prefix,
+                )
             return
         try:
             self._routed(b"", lambda connection, _: connection.call(b"PING"), "the first PING")
