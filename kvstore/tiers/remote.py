@@ -60,7 +60,7 @@ from kvstore.tiers.remote_resp import Address, Endpoint, RecordConnection, Redir
 
 log = logging.getLogger(__name__)
 
-EXISTS = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n"  # a Lookup's command, % (len(name), name)
+EXISTS_HEAD = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s"  # a Lookup's command, % (len(name), prefix): + key hex
 ASKING = command(b"ASKING")
 MAX_REDIRECTS = 3  # MOVED/ASK hops one read or write follows (a reshard moves a slot once)
 
@@ -165,22 +165,19 @@ class RemoteTier:
             return 0
         self._count("lookups")
         deadline = self._clock() + self.config.lookup_timeout_s
-        prefix = self.record_key(namespace, b"")
-        names = [prefix + key.hex().encode() for key in keys]
-        by_node: dict[Node, list[int]] = {}  # the leading run, up to the first record whose node is down
-        for i, node in enumerate(self.nodes.route(names)):
-            if node is None:
-                break
-            places = by_node.get(node)
-            if places is None:
-                if self._closed or not self.nodes.usable(node):
-                    break
-                places = by_node[node] = []
-            places.append(i)
-        answers = [False] * sum(len(places) for places in by_node.values())
+        prefix = self.record_key(namespace, b"")  # a record's name is prefix + its key in hex
+        suffixes = [key.hex().encode() for key in keys]
+        nodes = self.nodes.route(prefix, suffixes)
+        usable = {node for node in set(nodes) if node is not None and self.nodes.usable(node)}
+        run = len(nodes)  # the leading run, up to the first record whose node is down
+        for node in set(nodes) - usable:
+            run = min(run, nodes.index(node))
+        del nodes[run:]
+        by_node = {node: [i for i, other in enumerate(nodes) if other is node] for node in usable}
+        answers = [False] * run
         asking: set[int] = set()
         for _ in range(2):  # a second round for the records a redirect sent elsewhere
-            by_node, asking = self._exists(names, by_node, asking, answers, deadline)
+            by_node, asking = self._exists(prefix, suffixes, by_node, asking, answers, deadline)
             if not by_node:
                 break
         found = 0
@@ -193,7 +190,8 @@ class RemoteTier:
 
     def _exists(
         self,
-        names: list[bytes],
+        prefix: bytes,
+        suffixes: list[bytes],
         by_node: dict[Node, list[int]],
         asking: set[int],
         answers: list[bool],
@@ -201,9 +199,11 @@ class RemoteTier:
     ) -> tuple[dict[Node, list[int]], set[int]]:
         """EXISTS of each name, pipelined to its node, all nodes at once (ASKING first for those in
         `asking`); fills `answers`, and returns the names a redirect sent to another node."""
+        head = EXISTS_HEAD % (len(prefix) + len(suffixes[0]), prefix)  # keys are all of one length
         requests = {
-            node: [(ASKING if i in asking else b"") + EXISTS % (len(names[i]), names[i]) for i in places]
+            node: [(ASKING if i in asking else b"") + head + suffixes[i] + b"\r\n" for i in places]
             for node, places in by_node.items()
+            if places
         }
         counts = {node: len(places) + sum(i in asking for i in places) for node, places in by_node.items()}
         replies = self._fan_out(requests, counts, deadline, lookup=True)

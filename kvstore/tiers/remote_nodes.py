@@ -10,7 +10,8 @@ and `CLUSTER SLOTS`, asked of any node, says which master serves each slot.
   (every `REFRESH_S`, at once after a redirect or a failure, and every `REFRESH_DOWN_S` while a
   node is down, so that a failover to a replica is seen in about that time).
 - `node_for(name) -> Node | None`: the node that serves `name` (None: no map yet, or a slot no
-  node serves). `node_at(address)`: the node at an address a redirect named.
+  node serves); `route(prefix, suffixes)`: the same for many names that share a prefix.
+  `node_at(address)`: the node at an address a redirect named.
 - `moved(redirect)`: a `MOVED` reply moves that slot at once and asks for a fresh map.
 - Health, per node: `usable(node)`; `failed(node) -> bool` makes it a miss for `retry_s`
   (True for the first failure of an outage, which lasts until `recovered(node)`, its next
@@ -97,16 +98,18 @@ class Nodes:
     # -- routing ------------------------------------------------------------
 
     def node_for(self, name: bytes) -> Node | None:
-        return self.route((name,))[0]
+        return self.route(name, [b""])[0]
 
-    def route(self, names: Sequence[bytes]) -> list[Node | None]:
-        """The node of each name (`node_for`), for a Lookup's whole run at once."""
+    def route(self, prefix: bytes, suffixes: Sequence[bytes]) -> list[Node | None]:
+        """The node of each name prefix + suffix, for a Lookup's whole run at once (the CRC of the
+        prefix is taken once)."""
         if self._single is not None:
-            return [self._single] * len(names)
+            return [self._single] * len(suffixes)
         slots = self._slots
-        return [
-            slots[crc_hqx(name, 0) & LAST_SLOT] if b"{" not in name else slots[slot(name)] for name in names
-        ]
+        if b"{" in prefix or any(b"{" in suffix for suffix in suffixes):
+            return [slots[slot(prefix + suffix)] for suffix in suffixes]
+        base = crc_hqx(prefix, 0)
+        return [slots[crc_hqx(suffix, base) & LAST_SLOT] for suffix in suffixes]
 
     def node_at(self, address: Address) -> Node:
         with self._lock:
