@@ -42,6 +42,7 @@ from tests.test_remote_tier import (  # noqa: E402
     page,
     prompt,
     read,
+    remote_stats,
     tiers_of,
     wait_written,
     write,
@@ -204,6 +205,51 @@ def test_a_master_killed_mid_load_is_misses_until_failover_then_hits(
     assert stats["outages"] == 1 and stats["errors"] >= 1 and stats["up"] == 1
     nodes = {node.address: node for node in tier.node_usage()}
     assert f"127.0.0.1:{victim}" not in nodes or nodes[f"127.0.0.1:{victim}"].role == "absent"
+
+
+def test_a_daemon_loading_while_a_master_is_killed_serves_misses_then_hits(
+    cluster: RedisCluster, daemon_factory: Callable[..., Daemon]
+) -> None:
+    """Through two real daemons: B loads prompts A stored (clearing its own copies each time, so
+    every load reads the cluster) while a master is SIGKILLed; loads fall short, never wrong,
+    and are whole again after the failover, with no daemon restart."""
+    overrides = {
+        "chunk_tokens": CHUNK,
+        "tiers__remote__enabled": True,
+        "tiers__remote__cluster": True,
+        "tiers__remote__urls": [cluster.seed_url],
+        "tiers__remote__lookup_timeout_s": 1.0,
+        "tiers__remote__retry_s": 1.0,
+    }
+    first, second = daemon_factory("first", **overrides), daemon_factory("second", **overrides)
+    chunks = 8
+    with KVStoreClient.connect(first.address, SPEC) as writer:
+        for i in range(3):
+            assert writer.store(prompt(i, chunks), cache_for(i, chunks), torch.arange(chunks)) == chunks
+        wait_written(writer, 3 * chunks)
+    cluster.replicate()
+    loaded: list[int] = []
+    with KVStoreClient.connect(second.address, SPEC) as reader:
+
+        def load_all() -> int:
+            reader.clear()  # this host's copies: the next load reads the cluster again
+            return sum(load_and_compare(reader, i, chunks) for i in range(3))  # bytes compared
+
+        assert load_all() == 3 * chunks * CHUNK
+        cluster.kill(owner_of_chunk(cluster, reader, 0))
+        deadline = time.monotonic() + 60
+        while (got := load_all()) < 3 * chunks * CHUNK:  # misses while the master is down
+            loaded.append(got)
+            assert time.monotonic() < deadline, loaded
+            time.sleep(0.2)
+        assert loaded  # the first load after the kill fell short; whole again after the failover
+        assert remote_stats(reader)["outages"] == 1
+
+
+def owner_of_chunk(cluster: RedisCluster, client: KVStoreClient, i: int) -> int:
+    """The master holding chunk 0 of prompt `i`'s record."""
+    name = f"kvstore:{client.namespace.hex()}:{client.keys(prompt(i, 1))[0].hex()}".encode()
+    return cluster.slot_owner(key_slot(name))
 
 
 def test_a_reshard_while_pages_are_written_and_read_gives_misses_only(
