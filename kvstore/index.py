@@ -13,7 +13,7 @@ these fields; nothing here calls either.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -179,6 +179,17 @@ class NodeUsage(NamedTuple):
     bytes_capacity: int  # maxmemory; 0: no limit
     keys: int
     errors: int
+
+
+def server_totals(nodes: Sequence[NodeUsage]) -> tuple[int, int, int]:
+    """(used memory, maxmemory (0: no limit), keys) summed over the masters: a cluster's data
+    counted once, not again for its replicas. These count every key, not only page records."""
+    masters = [node for node in nodes if node.role == "master"]
+    return (
+        sum(node.bytes_used for node in masters),
+        sum(node.bytes_capacity for node in masters),
+        sum(node.keys for node in masters),
+    )
 
 
 class TierUsage(NamedTuple):

@@ -28,7 +28,7 @@ from kvstore.codec import Buffer
 from kvstore.errors import ResourceExhausted
 from kvstore.events import EventKind
 from kvstore.eviction import Eviction
-from kvstore.index import Entry, Namespace, TierUsage
+from kvstore.index import Entry, Namespace, TierUsage, server_totals
 from kvstore.tiers import Tier
 from kvstore.tiers.cpu import CpuTier
 
@@ -216,8 +216,6 @@ class LowerTiers:
             used, capacity, pages = (int(disk[name]) for name in ("bytes_used", "bytes_capacity", "pages"))
             tiers.append(TierUsage("disk", used, capacity, pages, disk))
         if self.remote is not None:
-            from kvstore.tiers.remote import server_totals
-
             nodes = self.remote.node_usage() if server_usage else []
             used, capacity, keys = server_totals(nodes)
             tiers.append(TierUsage("remote", used, capacity, keys, self.remote.stats(), tuple(nodes)))

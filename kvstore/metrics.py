@@ -48,7 +48,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kvstore import __version__
-from kvstore.index import StoreStats
+from kvstore.index import NodeUsage, StoreStats, server_totals
 from kvstore.stats import RPC_BUCKETS, combined
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class Snapshot:
     rpc: dict[tuple[str, str], tuple[list[int], float]]
     serving: bool
     uptime_s: float
-    remote: tuple[int, int, int] | None = None  # the remote server's (used, maxmemory, keys)
+    remote_nodes: list[NodeUsage] | None = None  # the remote tier's servers (a cluster's nodes)
 
     @classmethod
     def take(cls, handlers: Handlers) -> Snapshot:
@@ -203,8 +203,10 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     used = {name: float(tier.bytes_used) for name, tier in tiers.items()}
     capacity = {name: float(tier.bytes_capacity) for name, tier in tiers.items()}
     pages = {name: float(tier.pages) for name, tier in tiers.items()}
-    if snap.remote is not None and "remote" in tiers:
-        used["remote"], capacity["remote"], pages["remote"] = (float(v) for v in snap.remote)
+    if snap.remote_nodes is not None and "remote" in tiers:
+        used["remote"], capacity["remote"], pages["remote"] = (
+            float(v) for v in server_totals(snap.remote_nodes)
+        )
     yield by_tier(GaugeMetricFamily, "tier_used_bytes", "Bytes each tier holds (remote: the server's).", used)
     yield by_tier(
         GaugeMetricFamily,
@@ -216,6 +218,7 @@ def families(snap: Snapshot) -> Iterator[Metric]:
         GaugeMetricFamily, "tier_pages", "Pages each tier holds (remote: keys of its database).", pages
     )
     yield from _namespace_families(snap)
+    yield from _remote_node_families(snap.remote_nodes or [])
     leases = GaugeMetricFamily("kvstore_active_leases", "Leases held now, by kind.", labels=["kind"])
     leases.add_metric(["store"], counters.get("active_store_leases", 0))
     leases.add_metric(["load"], counters.get("active_load_leases", 0))
@@ -228,6 +231,28 @@ def families(snap: Snapshot) -> Iterator[Metric]:
         counters.get("quarantined_bytes", 0),
     )
     yield _rpc_family(snap.rpc)
+
+
+def _remote_node_families(nodes: list[NodeUsage]) -> Iterator[Metric]:
+    """The remote tier's servers, one label value each (a cluster's nodes: a handful)."""
+    if not nodes:
+        return
+    up = GaugeMetricFamily(
+        "kvstore_remote_node_up",
+        "1 while the tier uses the server, by role in the slot map.",
+        labels=["node", "role"],
+    )
+    used = GaugeMetricFamily("kvstore_remote_node_used_bytes", "The server's used_memory.", labels=["node"])
+    keys = GaugeMetricFamily("kvstore_remote_node_keys", "Keys in the server's database.", labels=["node"])
+    errors = CounterMetricFamily(
+        "kvstore_remote_node_errors", "This daemon's failed requests to the server.", labels=["node"]
+    )
+    for node in nodes:
+        up.add_metric([node.address, node.role], float(node.up))
+        used.add_metric([node.address], node.bytes_used)
+        keys.add_metric([node.address], node.keys)
+        errors.add_metric([node.address], node.errors)
+    yield from (up, used, keys, errors)
 
 
 def _namespace_families(snap: Snapshot) -> Iterator[Metric]:
@@ -307,7 +332,7 @@ class MetricsServer:
         snap: Snapshot = on_loop(self._loop, lambda: Snapshot.take(self._handlers), PROBE_TIMEOUT_S)
         for store in self._handlers.stores.values():  # one server, shared: asked once, off the loop
             if store.lower is not None and store.lower.remote is not None:
-                snap.remote = store.lower.remote.server_usage()
+                snap.remote_nodes = store.lower.remote.node_usage()
                 break
         return snap
 

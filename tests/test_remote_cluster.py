@@ -31,6 +31,7 @@ from kvstore_client import KVStoreClient  # noqa: E402
 from tests.harness import Daemon  # noqa: E402
 from tests.pki import make_pki  # noqa: E402
 from tests.redis_cluster import RedisCluster, cluster_tools  # noqa: E402
+from tests.test_metrics import free_port, scrape  # noqa: E402
 from tests.test_remote_tier import (  # noqa: E402
     CHUNK,
     KIB,
@@ -120,7 +121,9 @@ def test_a_prompt_on_every_master_is_shared_by_two_daemons(
         "tiers__remote__urls": [cluster.seed_url],
         "tiers__remote__lookup_timeout_s": 1.0,
     }
-    first, second = daemon_factory("first", **overrides), daemon_factory("second", **overrides)
+    metrics = free_port()
+    first = daemon_factory("first", **overrides)
+    second = daemon_factory("second", server__metrics_address=f"127.0.0.1:{metrics}", **overrides)
     chunks = 12
     with KVStoreClient.connect(first.address, SPEC) as writer:
         assert writer.store(prompt(0, chunks), cache_for(0, chunks), torch.arange(chunks)) == chunks
@@ -153,6 +156,17 @@ def test_a_prompt_on_every_master_is_shared_by_two_daemons(
     remote = json.loads(as_json.stdout)["tiers"]["remote"]
     assert remote["pages"] == chunks and len(remote["nodes"]) == 6
     assert sum(node["keys"] for node in remote["nodes"] if node["role"] == "master") == chunks
+    samples = scrape(metrics)
+    up = {labels: value for (name, labels), value in samples.items() if name == "kvstore_remote_node_up"}
+    assert sorted(dict(labels)["role"] for labels in up) == ["master"] * 3 + ["replica"] * 3
+    assert all(value == 1 for value in up.values())
+    keys = {
+        dict(labels)["node"]: value
+        for (name, labels), value in samples.items()
+        if name == "kvstore_remote_node_keys"
+    }
+    assert sum(keys[f"127.0.0.1:{master}"] for master in cluster.masters()) == chunks
+    assert samples[("kvstore_tier_pages", (("tier", "remote"),))] == chunks  # the masters' keys
 
 
 def test_a_master_killed_mid_load_is_misses_until_failover_then_hits(

@@ -52,7 +52,7 @@ from typing import Any
 
 from kvstore.codec import CODECS, Buffer, compress
 from kvstore.config import ConfigError, RemoteTierConfig
-from kvstore.index import NodeUsage
+from kvstore.index import NodeUsage, server_totals
 from kvstore.tiers import Tier
 from kvstore.tiers.records import CorruptRecord, pack_header
 from kvstore.tiers.remote_nodes import Node, Nodes
@@ -72,17 +72,6 @@ Work = Callable[[RecordConnection, bool], Any]  # (connection, asking: after an 
 class NodeDown(Exception):
     """A miss: the record's node is down (args[0] None: it was, or no node serves its slot yet),
     or failed just now (args[0]: the error, already counted and warned of)."""
-
-
-def server_totals(nodes: Sequence[NodeUsage]) -> tuple[int, int, int]:
-    """(used memory, maxmemory (0: no limit), keys) summed over the masters: a cluster's data
-    counted once, not again for its replicas. These count every key, not only page records."""
-    masters = [node for node in nodes if node.role == "master"]
-    return (
-        sum(node.bytes_used for node in masters),
-        sum(node.bytes_capacity for node in masters),
-        sum(node.keys for node in masters),
-    )
 
 
 def start_remote(config: RemoteTierConfig) -> RemoteTier:
