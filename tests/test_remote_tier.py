@@ -593,3 +593,62 @@ def test_the_record_reader_takes_only_a_whole_checked_reply(
         assert (None if got is None else bytes(got)) == (page(1, 4096) if outcome == "page" else None)
         reader.close()
     server.join(5)
+
+
+@pytest.mark.parametrize(
+    ("reply", "call", "outcome"),
+    [
+        pytest.param(
+            [b"*1\r\n*3\r\n:0\r\n:16383\r\n*3\r\n$9\r\n127.0.0.1\r\n:7000\r\n$2\r\nid\r\n"],
+            "call",
+            [[0, 16383, [b"127.0.0.1", 7000, b"id"]]],
+            id="cluster-slots",
+        ),
+        pytest.param([b":1\r\n:0\r\n+OK\r\n-MOVED 7 10.0.0.2:7001\r\n"], "lines", "mixed", id="lines"),
+        pytest.param([b"-ASK 12 10.0.0.3:7002\r\n"], "call", "ASK", id="ask"),
+        pytest.param([b"$999999999\r\n"], "call", "RespError", id="a-huge-bulk"),
+        pytest.param([b"*99999999\r\n"], "call", "RespError", id="a-huge-array"),
+        pytest.param([b"$3\r\nabc\r\n"], "lines", "RespError", id="a-bulk-among-lines"),
+        pytest.param([b":1\r\n:"], "lines", ConnectionError, id="cut-short"),
+    ],
+)
+def test_the_reader_parses_replies_and_refuses_ones_it_did_not_ask_for(
+    tmp_path: Any, reply: list[bytes], call: str, outcome: Any
+) -> None:
+    from kvstore.tiers.remote_resp import Redirect, RespError
+
+    path = str(tmp_path / "s.sock")
+    server = scripted_server(path, reply)
+    reader = RecordConnection.open(Endpoint.parse(f"unix://{path}"), timeout_s=5)
+
+    def run() -> Any:
+        if call == "call":
+            return reader.call(b"CLUSTER", b"SLOTS")
+        reader.send([b"PING\r\n"])
+        return reader.line_replies(4 if outcome == "mixed" else 2)
+
+    if outcome in ("RespError", ConnectionError):
+        with pytest.raises(RespError if outcome == "RespError" else ConnectionError):
+            run()
+        assert reader._sock.fileno() == -1  # closed: never parsed again from the middle
+    elif outcome == "ASK":
+        with pytest.raises(Redirect) as redirect:
+            run()
+        assert (redirect.value.ask, redirect.value.slot, redirect.value.address) == (
+            True,
+            12,
+            ("10.0.0.3", 7002),
+        )
+        assert reader._sock.fileno() != -1  # a whole reply: the connection stays usable
+    elif outcome == "mixed":
+        one, zero, ok, moved = run()
+        assert (one, zero, ok) == (1, 0, b"OK")
+        assert isinstance(moved, Redirect) and (moved.ask, moved.slot, moved.address) == (
+            False,
+            7,
+            ("10.0.0.2", 7001),
+        )
+    else:
+        assert run() == outcome
+    reader.close()
+    server.join(5)

@@ -43,7 +43,9 @@ from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, unpack_header
 
 FIRST_READ_BYTES = 1 << 16
 DEFAULT_PORT = 6379  # as redis-py takes a URL without a port
-MAX_REPLY_ITEMS = 1 << 20  # an array reply longer than this is not one the tier asked for
+# Replies other than records (INFO, CLUSTER SLOTS) past these are not ones the tier asked for.
+MAX_REPLY_ITEMS = 1 << 20
+MAX_REPLY_BYTES = 16 << 20
 
 Address = str | tuple[str, int]  # a unix socket path, or (host, port)
 
@@ -320,6 +322,8 @@ class RecordConnection:
             if count < 0:
                 return None
             if kind == b"$":
+                if count > MAX_REPLY_BYTES:
+                    raise RespError(f"a reply of {count} bytes")
                 data = self._exactly(count)
                 self._crlf()
                 return data
