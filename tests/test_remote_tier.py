@@ -652,3 +652,37 @@ def test_the_reader_parses_replies_and_refuses_ones_it_did_not_ask_for(
         assert run() == outcome
     reader.close()
     server.join(5)
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        pytest.param([b":1", b":0", b":1"], [1, 0, 1], id="integers"),
+        pytest.param(
+            [b":1", b"-MOVED 7 10.0.0.2:7001", b":1"], ["1", "MOVED", "1"], id="an-error-among-them"
+        ),
+        pytest.param([b":1", b"+OK", b":0"], ["1", "OK", "0"], id="a-status-among-them"),
+        pytest.param([b":1", b":x", b":0"], "RespError", id="not-a-number"),
+    ],
+)
+def test_one_line_replies_in_bulk_match_them_one_by_one(
+    tmp_path: Any, lines: list[bytes], expected: Any
+) -> None:
+    from kvstore.tiers.remote_resp import Redirect, RespError
+
+    path = str(tmp_path / "s.sock")
+    server = scripted_server(path, [b"".join(line + b"\r\n" for line in lines)])
+    reader = RecordConnection.open(Endpoint.parse(f"unix://{path}"), timeout_s=5)
+    reader.send([b"PING\r\n"])
+    if expected == "RespError":
+        with pytest.raises(RespError):
+            reader.line_replies(len(lines))
+    else:
+        got = reader.line_replies(len(lines))
+        shown = [
+            "MOVED" if isinstance(r, Redirect) else r.decode() if isinstance(r, bytes) else str(r)
+            for r in got
+        ]
+        assert shown == [str(e) for e in expected]
+    reader.close()
+    server.join(5)

@@ -45,6 +45,7 @@ import contextlib
 import logging
 import threading
 import time
+from binascii import hexlify
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -155,7 +156,7 @@ class RemoteTier:
         self._count("lookups")
         deadline = self._clock() + self.config.lookup_timeout_s
         prefix = self.record_key(namespace, b"")  # a record's name is prefix + its key in hex
-        suffixes = [key.hex().encode() for key in keys]
+        suffixes = [hexlify(key) for key in keys]
         nodes = self.nodes.route(prefix, suffixes)
         usable = {node for node in set(nodes) if node is not None and self.nodes.usable(node)}
         run = len(nodes)  # the leading run, up to the first record whose node is down
@@ -190,7 +191,11 @@ class RemoteTier:
         `asking`); fills `answers`, and returns the names a redirect sent to another node."""
         head = EXISTS_HEAD % (len(prefix) + len(suffixes[0]), prefix)  # keys are all of one length
         requests = {
-            node: [(ASKING if i in asking else b"") + head + suffixes[i] + b"\r\n" for i in places]
+            node: [
+                b"".join((ASKING if i in asking else b"") + head + suffixes[i] + b"\r\n" for i in places)
+                if asking
+                else head + (b"\r\n" + head).join([suffixes[i] for i in places]) + b"\r\n"
+            ]
             for node, places in by_node.items()
             if places
         }

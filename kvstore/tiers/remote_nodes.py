@@ -102,11 +102,11 @@ class Nodes:
 
     def route(self, prefix: bytes, suffixes: Sequence[bytes]) -> list[Node | None]:
         """The node of each name prefix + suffix, for a Lookup's whole run at once (the CRC of the
-        prefix is taken once)."""
+        prefix is taken once). The suffixes are keys in hex: only the prefix may hold a {hash tag}."""
         if self._single is not None:
             return [self._single] * len(suffixes)
         slots = self._slots
-        if b"{" in prefix or any(b"{" in suffix for suffix in suffixes):
+        if b"{" in prefix:
             return [slots[slot(prefix + suffix)] for suffix in suffixes]
         base = crc_hqx(prefix, 0)
         return [slots[crc_hqx(suffix, base) & LAST_SLOT] for suffix in suffixes]

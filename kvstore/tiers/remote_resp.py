@@ -32,6 +32,7 @@ whole and decoded.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 from collections.abc import Sequence
@@ -131,6 +132,8 @@ def error_of(line: bytes) -> RespError:
 def _line_reply(line: bytes) -> Any:
     kind = line[:1]
     if kind == b":":
+        if not line[1:].lstrip(b"-").isdigit():
+            raise RespError(f"an integer reply that is not a number: {line[:64]!r}")
         return int(line[1:])
     if kind == b"+":
         return line[1:]
@@ -240,6 +243,12 @@ class RecordConnection:
                 self._receive()
             *lines, rest = bytes(self._rest).split(b"\r\n", count)
             self._rest = bytearray(rest)
+            if all(line[:1] == b":" for line in (lines[0], lines[-1])):
+                # Integers alone (EXISTS), the common case: parsed in one pass, checked whole.
+                replies = b"\r\n".join(lines)[1:].split(b"\r\n:")
+                if len(replies) == count:  # else a line of another kind is among them
+                    with contextlib.suppress(ValueError):
+                        return list(map(int, replies))
             return [_line_reply(line) for line in lines]
         except BaseException:
             self.close()
