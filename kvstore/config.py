@@ -228,7 +228,7 @@ class CpuTierConfig:
     )  # pages of one size class are carved from slabs this big
     shm_dir: str = setting("/dev/shm", non_empty=True)
     file_mode: Mode = 0o600
-    prefault: bool = True  # reserve the memory at start, so a full /dev/shm fails at start, not later
+    prefault: bool = True  # back the arena with memory: a slab before serving, the rest behind (`reserve`)
 
     def validate(self, path: str) -> None:
         if self.slab_bytes > self.bytes:
