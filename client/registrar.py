@@ -8,7 +8,8 @@ are faulted in as they are pinned), so a connect only starts a `SlabRegistrar` a
 - `ready(slabs, wait_s)`: whether every slab in `slabs` is registered, waiting at most `wait_s`
   for those still pending (moved to the front of the queue). False: one failed, or the wait ran
   out; the caller then moves its pages on a path that needs no registration.
-- `stop()`: ends the thread (after the registration in progress) and unregisters every slab.
+- `stop()`: ends the registrations (after the one in progress); the thread unregisters every
+  slab before it exits, so every CUDA call is made on it, with the worker's device current.
 - `stats()`: slabs registered, pending and failed; transfers waiting now, those that waited and
   how long in all; transfers that took the unpinned path.
 - `HostRegistrar`: what pins host memory; `CudaRegistrar` is the CUDA runtime's
@@ -40,8 +41,9 @@ class HostRegistrar(Protocol):
 
 
 class CudaRegistrar:
-    """`cudaHostRegister` through the runtime the worker's torch loaded, on `device` (the
-    calling thread's current device: a registrar thread must not make a context on device 0)."""
+    """`cudaHostRegister` (portable: for every context) through the runtime the worker's torch
+    loaded. `device` is the worker's current device at connect: a thread calling here makes it
+    current first, so the registrar's thread never makes a context on device 0."""
 
     def __init__(self, device: int) -> None:
         from kvstore_kernels.cudart import runtime
@@ -138,6 +140,15 @@ class SlabRegistrar:
                 self.num_slabs,
                 time.perf_counter() - self.started,
             )
+        with self._cond:  # unregistering waits for stop(), here: no CUDA call on the caller's thread
+            while not self._stopping:
+                self._cond.wait()
+        for slab, state in enumerate(self._state):
+            if state == REGISTERED:
+                try:
+                    self.host.unregister(self._extent(slab)[0])
+                except Exception as exc:
+                    log.warning("unregistering slab %d of the arena failed: %s", slab, exc)
 
     def ready(self, slabs: Iterable[int], wait_s: float) -> bool:
         """Whether every slab in `slabs` is registered, after waiting at most `wait_s` for the
@@ -172,14 +183,9 @@ class SlabRegistrar:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join()
-        for slab, state in enumerate(self._state):
-            if state == REGISTERED:
-                try:
-                    self.host.unregister(self._extent(slab)[0])
-                except Exception as exc:
-                    log.warning("unregistering slab %d of the arena failed: %s", slab, exc)
-                self._state[slab] = PENDING
-        self.num_registered = 0
+        with self._cond:
+            self._state = [PENDING] * self.num_slabs
+            self.num_registered = 0
 
     def stats(self) -> dict[str, float]:
         with self._cond:
