@@ -125,7 +125,8 @@ def rows_of(results: list[dict[str, Any]]) -> list[list[Any]]:
                 f"{one['second_connect_s']:.3f} ({one['second_slabs_failed']})",
                 max(w["connect_s"] for w in many),
                 f"{max(load['s'] for load in first_loads):.3f} "
-                f"({max(load['waited_s'] for load in first_loads):.3f})",
+                f"({max(load['waited_s'] for load in first_loads):.3f}; "
+                f"{min(load['chunks'] for load in first_loads)} chunks)",
                 max(w["store"]["s"] for w in many),
                 f"{sum(w['slabs_failed'] for w in [one, *many])} / "
                 f"{sum(w['store']['unpinned'] + w['load']['unpinned'] for w in [one, *many])}",
@@ -175,7 +176,7 @@ def main() -> None:
             "all slabs",
             "2nd connect (failed slabs)",
             f"{n}: connect",
-            f"{n}: first load (waited)",
+            f"{n}: first load (waited; fewest chunks hit)",
             f"{n}: store",
             "failed slabs / unpinned",
             "bytes exact",

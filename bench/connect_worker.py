@@ -99,15 +99,20 @@ def store(client: KVStoreClient, prompt: Prompt) -> dict[str, Any]:
 
 
 def load(client: KVStoreClient, prompt: Prompt) -> dict[str, Any]:
-    """Loads the prompt into a poisoned cache; `bytes_exact`: every block equals what was stored."""
+    """Loads the prompt into a poisoned cache. `chunks`: those loaded (fewer where other workers'
+    stores evicted the rest); `bytes_exact`: each loaded block equals what was stored, and each
+    block past them is still poisoned."""
     target = cache(len(prompt.blocks), prompt.on, None)
     result = timed(
         client,
         prompt.on,
         lambda: client.load(prompt.tokens, target, prompt.blocks) // client.spec.chunk_tokens,
     )
-    result["bytes_exact"] = result["chunks"] * client.spec.chunk_tokens == len(prompt.tokens) and all(
-        torch.equal(t[:, prompt.blocks].view(torch.uint8), s[:, prompt.blocks].view(torch.uint8))
+    hit = result["chunks"] * client.spec.chunk_tokens // BLOCK
+    loaded, rest = prompt.blocks[:hit], prompt.blocks[hit:]
+    result["bytes_exact"] = all(
+        torch.equal(t[:, loaded].view(torch.uint8), s[:, loaded].view(torch.uint8))
+        and bool((t[:, rest] == -7.0).all())
         for t, s in zip(target, prompt.source, strict=True)
     )
     return result
