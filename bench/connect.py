@@ -1,15 +1,16 @@
-"""Daemon start and worker connect against the CPU tier's size (issue 20's table).
+"""Daemon start, worker connect and the first transfers against the CPU tier's size (issue 20).
 
-For each arena size: a kvstored is started (timed from launch to health SERVING), then fresh
-worker processes (CUDA initialised before the clock starts, as an engine's worker is) time
-`KVStoreClient.connect` (mapping the arena and, with a GPU, registering it with CUDA) and a
-second connect in the same process; then `--workers` fresh workers connect at once and the
-slowest is reported. Whether each connect pinned the arena is reported beside its time: a
-registration that fails is quick and leaves the transfers at pageable speed. Run it from two
-trees to compare them (this tree and a baseline checkout, in one device call).
+For each arena size (GiB): a kvstored is started (timed from launch to health SERVING, and until
+its arena's memory is all reserved, which it does in the background); then one fresh worker
+(`bench/connect_worker.py`: CUDA initialised before the clock, an 8B-geometry KV cache) times
+`KVStoreClient.connect`, its first 8k-token store and load (and how long they waited for their
+slabs to be registered, or whether they went unpinned), the time until every slab is registered,
+a store and load of another prompt after that (the steady state), and a second connect in the same
+process; then `--workers` fresh workers connect at once, each loading the first worker's prompt
+(its first transfer) and storing one of its own. Every load is checked byte for byte.
 
-    python bench/connect.py --sizes 8 32 64          # GiB
-    python bench/connect.py --sizes 1 --workers 2    # a smoke run anywhere
+    python bench/connect.py --sizes 8 32 64 100      # GiB, on the GPU machine
+    python bench/connect.py --sizes 1 --workers 2 --tokens 512    # a smoke run anywhere
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,107 +29,164 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
 from bench.common import print_table, running_daemon, write_results  # noqa: E402
-from tests.harness import python_env  # noqa: E402
+from kvstore.proto import kvstore_pb2 as pb  # noqa: E402
+from tests.harness import Daemon, python_env  # noqa: E402
 
-WORKER = r"""
-import json, sys, time
-import torch
-if torch.cuda.is_available():
-    torch.cuda.init(); torch.empty(1, device="cuda")  # the CUDA context, before the clock
-from kvstore_client import KVSpec, KVStoreClient
-spec = KVSpec(model="connect-bench", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
-started = time.perf_counter()
-first = KVStoreClient.connect(sys.argv[1], spec)
-first_s = time.perf_counter() - started
-registered = first._registered
-started = time.perf_counter()
-second = KVStoreClient.connect(sys.argv[1], spec)
-second_s = time.perf_counter() - started
-print(json.dumps({"first_s": first_s, "second_s": second_s, "registered": registered,
-                  "second_registered": second._registered}))
-second.close(); first.close()
-"""
+WORKER = Path(__file__).with_name("connect_worker.py")
 
 
-def workers(address: str, count: int) -> list[dict[str, Any]]:
-    """`count` fresh worker processes connecting at once; each one's timings."""
+def workers(address: str, arguments: list[list[str]]) -> list[dict[str, Any]]:
+    """Fresh worker processes started at once, one per argument list; each one's figures."""
     started = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, address], stdout=subprocess.PIPE, text=True, env=python_env()
+            [sys.executable, str(WORKER), address, *extra],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=python_env(),
         )
-        for _ in range(count)
+        for extra in arguments
     ]
     results = []
     for process in started:
-        out, _ = process.communicate(timeout=600)
+        out, _ = process.communicate(timeout=900)
         if process.returncode != 0:
+            for other in started:
+                other.kill()
             raise RuntimeError(f"a worker failed (exit {process.returncode})")
         results.append(json.loads(out.strip().splitlines()[-1]))
     return results
 
 
-def measure(size_gib: int, count: int, shm_dir: str) -> dict[str, Any]:
+class ReserveWatch:
+    """Polls the daemon's stats from a thread until its arena is all reserved; `seconds` after
+    `since` (None: not yet)."""
+
+    def __init__(self, daemon: Daemon, since: float) -> None:
+        self.seconds: float | None = None
+        self._stub, self._since = daemon.stub(), since
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            reply = self._stub.Stats(pb.StatsRequest())
+            capacity = next(t.bytes_capacity for t in reply.tiers if t.name == "cpu")
+            if reply.counters["arena_reserved_bytes"] >= capacity:
+                self.seconds = time.perf_counter() - self._since
+                return
+            time.sleep(0.05)
+
+    def wait(self, timeout_s: float) -> float | None:
+        self._thread.join(timeout_s)
+        self._stop.set()
+        return self.seconds
+
+
+def measure(size_gib: int, count: int, shm_dir: str, tokens: int) -> dict[str, Any]:
     config = {
         "log_level": "warning",
         "tiers": {"cpu": {"bytes": f"{size_gib}GiB", "slab_bytes": "256MiB", "shm_dir": shm_dir}},
     }
+    common = ["--tokens", str(tokens)]
     started = time.perf_counter()
     with running_daemon(config) as daemon:
         start_s = time.perf_counter() - started
-        one = workers(daemon.address, 1)[0]
-        many = workers(daemon.address, count) if count > 1 else [one]
-    return {
-        "gib": size_gib,
-        "daemon_start_s": start_s,
-        "first_connect_s": one["first_s"],
-        "second_connect_s": one["second_s"],
-        "registered": one["registered"],
-        "second_registered": one["second_registered"],
-        "workers": count,
-        "slowest_of_workers_s": max(result["first_s"] for result in many),
-        "workers_registered": sum(result["registered"] for result in many),
-    }
+        watch = ReserveWatch(daemon, started)
+        one = workers(daemon.address, [[*common, "--seed", "0", "--steady", "--second-connect"]])[0]
+        many = workers(
+            daemon.address, [[*common, "--seed", str(i + 1), "--load-first", "0"] for i in range(count)]
+        )
+        reserved_s = watch.wait(600)
+    return {"gib": size_gib, "daemon_start_s": start_s, "reserved_s": reserved_s, "one": one, "many": many}
+
+
+def ratio(first: dict[str, Any], steady: dict[str, Any]) -> float:
+    return first["gbps"] / steady["gbps"] if steady["gbps"] else 0.0
+
+
+def rows_of(results: list[dict[str, Any]]) -> list[list[Any]]:
+    rows = []
+    for r in results:
+        one, many = r["one"], r["many"]
+        first_loads = [w["first_load"] for w in many]
+        exact = all(w["load"]["bytes_exact"] for w in [one, *many]) and one["steady_load"]["bytes_exact"]
+        exact = exact and all(load["bytes_exact"] for load in first_loads)
+        rows.append(
+            [
+                r["gib"],
+                r["daemon_start_s"],
+                r["reserved_s"] if r["reserved_s"] is not None else "not yet",
+                one["connect_s"],
+                f"{one['store']['s']:.3f} ({one['store']['waited_s']:.3f})",
+                ratio(one["store"], one["steady_store"]),
+                ratio(one["load"], one["steady_load"]),
+                one["register_all_s"] if one["register_all_s"] is not None else "not yet",
+                f"{one['second_connect_s']:.3f} ({one['second_slabs_failed']})",
+                max(w["connect_s"] for w in many),
+                f"{max(load['s'] for load in first_loads):.3f} "
+                f"({max(load['waited_s'] for load in first_loads):.3f}; "
+                f"{min(load['chunks'] for load in first_loads)} chunks)",
+                max(w["store"]["s"] for w in many),
+                f"{sum(w['slabs_failed'] for w in [one, *many])} / "
+                f"{sum(w['store']['unpinned'] + w['load']['unpinned'] for w in [one, *many])}",
+                "yes" if exact else "NO",
+            ]
+        )
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 32, 64], help="arena sizes, GiB")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 32, 64, 100], help="arena sizes, GiB")
     parser.add_argument("--workers", type=int, default=8, help="workers that connect at once")
+    parser.add_argument(
+        "--tokens", type=int, default=8192, help="a prompt's tokens (8B geometry: 128 KiB each)"
+    )
     parser.add_argument("--shm-dir", default="/dev/shm")
     parser.add_argument("--name", default="connect")
     parser.add_argument("--label", default="this tree")
     args = parser.parse_args()
     free = shutil.disk_usage(args.shm_dir).free
-    rows = []
+    results = []
     for size in args.sizes:
         if size << 30 > free - (1 << 30):
             print(f"{size} GiB: skipped, {args.shm_dir} has {free >> 30} GiB free", flush=True)
             continue
-        rows.append(measure(size, args.workers, args.shm_dir))
+        try:
+            results.append(measure(size, args.workers, args.shm_dir, args.tokens))
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the sizes measured still count
+            print(f"{size} GiB: failed: {exc}", flush=True)
+            continue
         print(f"{size} GiB: done", flush=True)
-    print(f"\n{args.label}: daemon start and worker connect (s)")
+        write_results(
+            args.name, {"label": args.label, "cpus": len(os.sched_getaffinity(0)), "results": results}
+        )
+    n = args.workers
+    print(f"\n{args.label}: daemon start, worker connect and first transfers ({args.tokens} tokens; s)")
     print_table(
         [
             "GiB",
-            "daemon start",
-            "first connect",
-            "second connect",
-            f"slowest of {args.workers} at once",
-            "pinned: first / second / workers",
+            "start",
+            "reserved",
+            "connect",
+            "store (waited)",
+            "store/steady",
+            "load/steady",
+            "all slabs",
+            "2nd connect (failed slabs)",
+            f"{n}: connect",
+            f"{n}: first load (waited; fewest chunks hit)",
+            f"{n}: store",
+            "failed slabs / unpinned",
+            "bytes exact",
         ],
-        [
-            [
-                r["gib"],
-                r["daemon_start_s"],
-                r["first_connect_s"],
-                r["second_connect_s"],
-                r["slowest_of_workers_s"],
-            ]
-            + [f"{r['registered']} / {r['second_registered']} / {r['workers_registered']} of {r['workers']}"]
-            for r in rows
-        ],
+        rows_of(results),
     )
-    path = write_results(args.name, {"label": args.label, "cpus": len(os.sched_getaffinity(0)), "rows": rows})
+    print(f"({n}: the slowest of {n} workers connecting at once)")
+    path = write_results(
+        args.name, {"label": args.label, "cpus": len(os.sched_getaffinity(0)), "results": results}
+    )
     print(f"wrote {path}")
 
 

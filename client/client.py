@@ -293,7 +293,12 @@ class KVStoreClient(StorePath, LoadPath):
         return hit
 
     def stats(self) -> dict[str, Any]:
-        return stats_to_dict(self._conn.call("Stats", pb.StatsRequest))
+        """The daemon's stats, and under "client" this worker's: the arena's registration with
+        CUDA (slabs registered, pending, failed) and the transfers that waited for it (how many,
+        seconds in all) or took the unpinned path."""
+        stats = stats_to_dict(self._conn.call("Stats", pb.StatsRequest))
+        stats["client"] = {"arena": self._mapped.stats()}
+        return stats
 
     def clear(self) -> int:
         """Drop every page of this client's namespace; returns how many."""

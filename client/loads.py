@@ -182,7 +182,11 @@ class LoadPath(Session):
         pieces = self._gpu_pools.pieces(acquired, self.arena)  # the arena's chunks, each pool's
         groups = layer_groups(layers, self.layerwise_runs) if layerwise and layers else [layers]
         scatter = kvstore_kernels.scatter
-        if layerwise and self._mapped.registered and cache_device(kv_caches).type == "cuda":
+        arena_offsets = [offset for buf, _, offsets in pieces if buf is self.arena for offset in offsets]
+        options = self._mapped.transfer_options(arena_offsets)  # None: their slabs are registered
+        if options is not None:
+            scatter = functools.partial(scatter, options=options)
+        elif layerwise and self._mapped.registered and cache_device(kv_caches).type == "cuda":
             scatter = functools.partial(scatter, options=self.layerwise_options)
         events = [
             [

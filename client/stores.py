@@ -109,8 +109,14 @@ class StorePath(Session):
         inline through Put (done)."""
         if self.arena is not None:
             offsets = [reply.offsets[i] for i in chunks]
+            options = self._mapped.transfer_options(offsets)  # None: their slabs are registered
+            gather = (
+                kvstore_kernels.gather
+                if options is None
+                else functools.partial(kvstore_kernels.gather, options=options)
+            )
             return self._streams.enqueue(
-                kvstore_kernels.gather,
+                gather,
                 self.spec,
                 kv_caches,
                 block_ids,

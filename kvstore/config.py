@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.hugepages import hugetlbfs_page_bytes
 from kvstore.paths import LOCAL_SUFFIX, default_socket_path
 from kvstore.settings import (
     ConfigError,
@@ -227,7 +228,7 @@ class CpuTierConfig:
     )  # pages of one size class are carved from slabs this big
     shm_dir: str = setting("/dev/shm", non_empty=True)
     file_mode: Mode = 0o600
-    prefault: bool = True  # reserve the memory at start, so a full /dev/shm fails at start, not later
+    prefault: bool = True  # back the arena with memory: a slab before serving, the rest behind (`reserve`)
 
     def validate(self, path: str) -> None:
         if self.slab_bytes > self.bytes:
@@ -236,6 +237,14 @@ class CpuTierConfig:
             raise ConfigError(join(path, "slab_bytes"), f"{expected}, got {format_size(self.slab_bytes)}")
         if not os.path.isabs(self.shm_dir):
             raise ConfigError(join(path, "shm_dir"), f"expected an absolute path, got {self.shm_dir!r}")
+        huge_page = hugetlbfs_page_bytes(self.shm_dir) if os.path.isdir(self.shm_dir) else None
+        for key, value in (("bytes", self.bytes), ("slab_bytes", self.slab_bytes)):
+            if huge_page and value % huge_page:  # a hugetlbfs file grows and maps in whole pages
+                raise ConfigError(
+                    join(path, key),
+                    f"{join(path, 'shm_dir')} {self.shm_dir} is on hugetlbfs with {format_size(huge_page)} "
+                    f"pages: expected a multiple of {format_size(huge_page)}, got {format_size(value)}",
+                )
 
 
 @dataclass(frozen=True)

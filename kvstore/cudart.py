@@ -4,7 +4,7 @@ tier, the client's GPU pools and the kernels' copy-engine paths all call it (no 
 - `load_runtime()`: the runtime, loaded once (`CudaRuntime`), or `CudaUnavailable` saying why
   there is none (no library, no driver, no device).
 - devices: `device_count()`, `set_device(d)`, `pci_bus_id(d)`, `device_by_pci_bus_id(bus_id)`.
-- memory: `malloc(size)`, `free(ptr)`, `memset(ptr, value, size)`, `host_register(ptr, size)`,
+- memory: `malloc(size)`, `free(ptr)`, `memset(ptr, value, size)`, `host_register(ptr, size, portable=False)`,
   `host_unregister(ptr)`.
 - CUDA IPC: `ipc_handle(ptr)` (64 bytes), `ipc_open(handle)` (on the current device), `ipc_close(ptr)`.
 - streams and events: `stream_create()`, `stream_destroy(s)`, `stream_synchronize(s)`;
@@ -41,6 +41,7 @@ _BATCH_MIN_VERSION = 12080
 _NO_FAIL_INDEX_VERSION = 13000
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 _STREAM_NON_BLOCKING = 1
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 _NO_DEVICE = 100  # cudaErrorNoDevice
 _INSUFFICIENT_DRIVER = 35  # cudaErrorInsufficientDriver
 
@@ -164,8 +165,10 @@ class CudaRuntime:
     def memset(self, pointer: int, value: int, size: int) -> None:
         self._check(self._lib.cudaMemset(pointer, value, size), "cudaMemset")
 
-    def host_register(self, pointer: int, size: int) -> None:
-        self._check(self._lib.cudaHostRegister(pointer, size, 0), "cudaHostRegister")
+    def host_register(self, pointer: int, size: int, portable: bool = False) -> None:
+        """Pins host memory; `portable`: for every CUDA context, not only the current one."""
+        flags = _HOST_REGISTER_PORTABLE if portable else 0
+        self._check(self._lib.cudaHostRegister(pointer, size, flags), "cudaHostRegister")
 
     def host_unregister(self, pointer: int) -> None:
         self._check(self._lib.cudaHostUnregister(pointer), "cudaHostUnregister")

@@ -52,6 +52,7 @@ from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.remote import RemoteTier, start_remote
+from kvstore.tiers.reserve import ArenaReserver
 
 log = logging.getLogger("kvstored")
 
@@ -82,6 +83,7 @@ class Tiers:
         self.tenant = tenant
         self.events = events
         self.arena: Arena | None = None
+        self.reserver: ArenaReserver | None = None
         self.disk: DiskTier | None = None
         self.remote: RemoteTier | None = None
         self.gpu: GpuTier | None = None
@@ -105,6 +107,11 @@ class Tiers:
         self.arena = Arena(
             Path(cpu_config.shm_dir) / name, size, cpu_config.file_mode, cpu_config.prefault, sealed
         )
+        # With prefault, the first slab's memory is reserved before serving and the rest after
+        # (`reserve.py`), each slab handed out once reserved.
+        cpu = CpuTier(self.arena, cpu_config.slab_bytes, 1 if cpu_config.prefault else None)
+        if cpu_config.prefault:
+            self.arena.reserve(0, cpu.slots.slab_bytes)
         starting()
         if disk_config.enabled:
             self.disk = DiskTier(disk_config)
@@ -120,7 +127,7 @@ class Tiers:
             self.gpu = await asyncio.to_thread(GpuTier.start, gpu_config, self.arena)
             starting()
         self.store = Store(
-            CpuTier(self.arena, cpu_config.slab_bytes),
+            cpu,
             make_policy(config.eviction.policy),
             config.leases.ttl_s,
             config.leases.max_ttl_s,
@@ -136,6 +143,16 @@ class Tiers:
             max_namespaces=tenant.max_namespaces if tenant is not None else None,
             events=self.events,
         )
+        if cpu.slots.num_reserved < cpu.slots.num_slabs:
+            loop = asyncio.get_running_loop()
+            self.reserver = ArenaReserver(
+                self.arena.reserve,
+                cpu.slots.slab_bytes,
+                cpu.slots.num_slabs,
+                cpu.slots.num_reserved,
+                lambda count: loop.call_soon_threadsafe(cpu.add_reserved, count),
+                f"arena {self.arena.path}{self.label}",
+            )
         return self.store
 
     async def close(self, grace_s: float) -> None:
@@ -145,6 +162,8 @@ class Tiers:
             await _cleanup(f"the disk tier{self.label}", asyncio.to_thread(self.disk.close))
         if self.remote is not None:
             await _cleanup(f"the remote tier{self.label}", asyncio.to_thread(self.remote.close, grace_s))
+        if self.reserver is not None:
+            await _cleanup(f"the arena's reservation{self.label}", asyncio.to_thread(self.reserver.stop))
         if self.arena is not None:
             await _cleanup(f"the arena{self.label}", asyncio.to_thread(self.arena.close, True))
 

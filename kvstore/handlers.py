@@ -122,6 +122,7 @@ class Handlers:
                 device=arena.identity[0],
                 inode=arena.identity[1],
                 boot_id=self.boot_id,
+                slab_bytes=store.cpu.slots.slab_bytes,
             ),
             epoch=arena.epoch,
             lease_ttl_ms=int(store.lease_ttl_s * 1000),

@@ -156,6 +156,7 @@ class Store(Loads, Writes):
         counters["pinned_pages"] = len(self.pins)
         counters["pinned_bytes"] = self.pins.bytes
         counters["namespaces"] = len(self.namespaces)
+        counters["arena_reserved_bytes"] = self.cpu.reserved_bytes  # below capacity: still reserving
         if self.lower is not None:
             tiers += self.lower.usage(server_usage)
             counters.update(self.lower.figures())

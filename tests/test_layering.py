@@ -30,6 +30,7 @@ SHARED = {
     "kvstore.channel",
     "kvstore.cudart",
     "kvstore.errors",
+    "kvstore.hugepages",
     "kvstore.keys",
     "kvstore.paths",
     "kvstore.peers",

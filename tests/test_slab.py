@@ -102,3 +102,22 @@ def test_random_churn_keeps_accounting_exact() -> None:
         assert slots.bytes_used == sum(live.values())
     spans = sorted((o, o + s) for o, s in live.items())
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
+
+
+def test_slabs_not_reserved_yet_are_not_handed_out() -> None:
+    slots = SlabAllocator(capacity=1024 * KIB, slab_bytes=256 * KIB, reserved_slabs=1)
+    assert slots.available(128 * KIB) == 2
+    first = [slots.alloc(128 * KIB), slots.alloc(128 * KIB)]
+    with pytest.raises(MemoryError):  # slabs 1-3 are not backed by memory yet
+        slots.alloc(128 * KIB)
+    slots.add_reserved(2)
+    assert slots.available(128 * KIB) == 4
+    other = slots.alloc(64 * KIB)  # another size class takes the next slab in order
+    more = [slots.alloc(128 * KIB), slots.alloc(128 * KIB)]
+    assert first == [0, 128 * KIB] and other == 256 * KIB and more == [512 * KIB, 640 * KIB]
+    slots.free(other)  # slab 1 empties: it goes out before slab 3, reserved later
+    slots.add_reserved(5)  # past the end: the arena's 4 slabs
+    assert slots.num_reserved == 4
+    assert [slots.alloc(256 * KIB), slots.alloc(256 * KIB)] == [256 * KIB, 768 * KIB]
+    with pytest.raises(MemoryError):
+        slots.alloc(256 * KIB)

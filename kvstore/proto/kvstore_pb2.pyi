@@ -80,18 +80,20 @@ class ConnectRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[PageSpec, _Mapping]] = ..., client_name: _Optional[str] = ..., device_pci_bus_id: _Optional[str] = ...) -> None: ...
 
 class Arena(_message.Message):
-    __slots__ = ("shm_path", "size", "device", "inode", "boot_id")
+    __slots__ = ("shm_path", "size", "device", "inode", "boot_id", "slab_bytes")
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     INODE_FIELD_NUMBER: _ClassVar[int]
     BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SLAB_BYTES_FIELD_NUMBER: _ClassVar[int]
     shm_path: str
     size: int
     device: int
     inode: int
     boot_id: str
-    def __init__(self, shm_path: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[int] = ..., inode: _Optional[int] = ..., boot_id: _Optional[str] = ...) -> None: ...
+    slab_bytes: int
+    def __init__(self, shm_path: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[int] = ..., inode: _Optional[int] = ..., boot_id: _Optional[str] = ..., slab_bytes: _Optional[int] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
     __slots__ = ("namespace", "chunk_tokens", "page_bytes", "arena", "lease_ttl_ms", "max_message_bytes", "local_socket", "gpu_pools", "epoch", "tenant", "credential")

@@ -22,10 +22,13 @@ import secrets
 import time
 from pathlib import Path
 
+from kvstore.hugepages import advise_huge, thp_advised
 from kvstore.tiers.slab import SlabAllocator
 from kvstore.wire import MEMFD_PREFIX
 
 log = logging.getLogger(__name__)
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.13 names it
 
 
 class Arena:
@@ -57,16 +60,15 @@ class Arena:
             self.path = path
             fd = self._create(path, size, mode, prefault)
         try:
-            if prefault:
-                # Reserve the memory now: a full /dev/shm fails here, not as SIGBUS later.
-                os.posix_fallocate(fd, 0, size)
-            else:
-                os.ftruncate(fd, size)
+            os.ftruncate(fd, size)  # `reserve` backs it with memory, slab by slab (`reserve.py`)
             if sealed:
                 fcntl.fcntl(
                     fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
                 )
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # Where tmpfs gives huge pages only to mappings that ask, this one asks, and reserves
+            # by faulting through it (a fallocate would get small pages).
+            self.huge_advised = thp_advised(None if sealed else str(path.parent)) and advise_huge(self._mmap)
             st = os.fstat(fd)
             self.identity = (st.st_dev, st.st_ino)  # while mapped here, no other file has it
         except OSError as exc:
@@ -79,10 +81,26 @@ class Arena:
             ) from exc
         if sealed:
             self.fd = fd
-        else:
+        elif not prefault:
             os.close(fd)
+        self._reserve_fd = fd if prefault else -1
         self.view = memoryview(self._mmap)
         log.info("arena %s: %d MiB in %.2f s", self.path, size >> 20, time.perf_counter() - started)
+
+    def reserve(self, start: int, length: int) -> None:
+        """Backs `length` bytes at `start` with memory now (`prefault`): where the shm directory
+        is full this fails, rather than a later write there faulting (SIGBUS)."""
+        try:
+            if self.huge_advised:
+                self._mmap.madvise(MADV_POPULATE_WRITE, start, length)
+            else:
+                os.posix_fallocate(self._reserve_fd, start, length)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"tiers.cpu.bytes: cannot reserve {length} bytes at {start} of the arena at {self.path}: "
+                f"{exc.strerror}; free space in {self.path.parent} or lower tiers.cpu.bytes",
+            ) from exc
 
     @staticmethod
     def _create(path: Path, size: int, mode: int, prefault: bool) -> int:
@@ -113,6 +131,9 @@ class Arena:
         except BufferError:  # a tier still holds a view of it: the mapping goes with the process
             log.warning("arena %s still in use at close; it is unmapped when the daemon exits", self.path)
         finally:
+            if not self.sealed and self._reserve_fd >= 0:
+                os.close(self._reserve_fd)
+            self._reserve_fd = -1
             if self.sealed:
                 if self.fd >= 0:
                     os.close(self.fd)
@@ -124,9 +145,18 @@ class Arena:
 class CpuTier:
     name = "cpu"
 
-    def __init__(self, arena: Arena, slab_bytes: int) -> None:
+    def __init__(self, arena: Arena, slab_bytes: int, reserved_slabs: int | None = None) -> None:
+        """`reserved_slabs`: how many leading slabs may be handed out (None: all); `add_reserved`
+        adds the next ones as their memory is reserved."""
         self.arena = arena
-        self.slots = SlabAllocator(arena.size, slab_bytes)
+        self.slots = SlabAllocator(arena.size, slab_bytes, reserved_slabs)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.slots.num_reserved * self.slots.slab_bytes
+
+    def add_reserved(self, count: int) -> None:
+        self.slots.add_reserved(count)
 
     @property
     def capacity(self) -> int:

@@ -4,6 +4,9 @@ The arena is cut into equal slabs. A slab belongs to one size class (one page
 size) while any of its slots is in use and returns to the pool when its last
 slot is freed, so namespaces with different page sizes share the arena.
 
+- `SlabAllocator(capacity, slab_bytes, reserved_slabs=None)`: only the first `reserved_slabs`
+  slabs are handed out until `add_reserved(count)` adds the next ones (an arena whose memory is
+  reserved in the background, `reserve`); slabs go out lowest first.
 - `alloc(page_bytes)` / `free(offset)`: O(1) (slabs are carved lazily with a
   bump index; returning a slab costs what its allocations already paid).
 - `available(page_bytes)`: slots that can be allocated without eviction.
@@ -35,19 +38,27 @@ class SizeClass:
 
 
 class SlabAllocator:
-    def __init__(self, capacity: int, slab_bytes: int) -> None:
+    def __init__(self, capacity: int, slab_bytes: int, reserved_slabs: int | None = None) -> None:
         slab_bytes = min(slab_bytes, capacity) // SLOT_ALIGN * SLOT_ALIGN
         if slab_bytes <= 0:
             raise ValueError(f"arena of {capacity} bytes is smaller than one {SLOT_ALIGN}-byte slot")
         self.slab_bytes = slab_bytes
         self.num_slabs = capacity // slab_bytes
         self.capacity = self.num_slabs * slab_bytes
-        self._free_slabs = list(range(self.num_slabs - 1, -1, -1))
+        self.num_reserved = self.num_slabs if reserved_slabs is None else min(reserved_slabs, self.num_slabs)
+        self._free_slabs = list(range(self.num_reserved - 1, -1, -1))  # popped from the end: lowest first
         self._owner: list[SizeClass | None] = [None] * self.num_slabs
         self._used = [0] * self.num_slabs  # allocated slots per slab
         self._carved = [0] * self.num_slabs  # slots handed out so far by the bump index
         self._classes: dict[int, SizeClass] = {}
         self.bytes_used = 0
+
+    def add_reserved(self, count: int) -> None:
+        """The next `count` slabs (their memory now reserved) may be handed out, after the free
+        slabs that may be now."""
+        start = self.num_reserved
+        self.num_reserved = min(self.num_slabs, start + count)
+        self._free_slabs[:0] = range(self.num_reserved - 1, start - 1, -1)
 
     def can_hold(self, page_bytes: int) -> bool:
         return 0 < page_bytes <= self.slab_bytes

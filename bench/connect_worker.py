@@ -1,0 +1,180 @@
+"""One fresh worker of `bench/connect.py`: connect, then (`--load-first`) a load of a prompt another
+worker stored, a store and a load of its own prompt, then (`--steady`) the same for another prompt
+once every slab is registered; prints one JSON line.
+
+    python bench/connect_worker.py ADDRESS --tokens 8192 --seed 0 [--load-first S] [--steady]
+        [--second-connect]
+
+CUDA is initialised before the clock starts, as an engine's worker is. The KV cache has the 8B
+geometry (32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks), on the GPU where there is
+one (on the CPU otherwise: a smoke run). Every load goes into a poisoned cache and is compared
+byte for byte with what was stored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
+
+BLOCK = 16
+SPEC = KVSpec(
+    model="connect-bench",
+    num_layers=32,
+    num_kv_heads=8,
+    head_dim=128,
+    dtype="bfloat16",
+    block_size=BLOCK,
+    layout="flash_attn",
+)
+REGISTER_TIMEOUT_S = 300.0
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # the CUDA context, before the clock
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def cache(num_blocks: int, on: torch.device, seed: int | None) -> list[torch.Tensor]:
+    shape = (2, num_blocks, BLOCK, SPEC.num_kv_heads, SPEC.head_dim)
+    if seed is None:  # poisoned
+        return [torch.full(shape, -7.0, dtype=torch.bfloat16, device=on) for _ in range(SPEC.num_layers)]
+    gen = torch.Generator(device=on).manual_seed(seed)
+    return [
+        torch.randn(shape, generator=gen, device=on, dtype=torch.bfloat16) for _ in range(SPEC.num_layers)
+    ]
+
+
+def synchronize(on: torch.device) -> None:
+    if on.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Prompt:
+    """A prompt's tokens and its KV in a cache of its own blocks (deterministic in `seed`)."""
+
+    def __init__(self, num_tokens: int, seed: int, on: torch.device) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, 128_000, (num_tokens,), generator=gen).tolist()
+        num_blocks = num_tokens // BLOCK
+        self.source = cache(num_blocks, on, seed)
+        self.blocks = torch.randperm(num_blocks, generator=gen)
+        self.on = on
+
+
+def timed(client: KVStoreClient, on: torch.device, move: Any) -> dict[str, Any]:
+    """Runs `move()` (a store or a load, returning its chunks) to completion: its time, rate,
+    wait for slabs to be registered and transfers that took the unpinned path."""
+    synchronize(on)
+    before = client._mapped.stats()
+    started = time.perf_counter()
+    chunks = move()
+    synchronize(on)
+    seconds = time.perf_counter() - started
+    after = client._mapped.stats()
+    moved = chunks * client.page_bytes
+    return {
+        "chunks": chunks,
+        "s": seconds,
+        "gbps": moved / seconds / 1e9 if seconds and moved else 0.0,
+        "waited_s": after.get("wait_s", 0.0) - before.get("wait_s", 0.0),
+        "unpinned": after.get("transfers_unpinned", 0) - before.get("transfers_unpinned", 0),
+    }
+
+
+def store(client: KVStoreClient, prompt: Prompt) -> dict[str, Any]:
+    return timed(client, prompt.on, lambda: client.store(prompt.tokens, prompt.source, prompt.blocks))
+
+
+def load(client: KVStoreClient, prompt: Prompt) -> dict[str, Any]:
+    """Loads the prompt into a poisoned cache. `chunks`: those loaded (fewer where other workers'
+    stores evicted the rest); `bytes_exact`: each loaded block equals what was stored, and each
+    block past them is still poisoned."""
+    target = cache(len(prompt.blocks), prompt.on, None)
+    result = timed(
+        client,
+        prompt.on,
+        lambda: client.load(prompt.tokens, target, prompt.blocks) // client.spec.chunk_tokens,
+    )
+    hit = result["chunks"] * client.spec.chunk_tokens // BLOCK
+    loaded, rest = prompt.blocks[:hit], prompt.blocks[hit:]
+    result["bytes_exact"] = all(
+        torch.equal(t[:, loaded].view(torch.uint8), s[:, loaded].view(torch.uint8))
+        and bool((t[:, rest] == -7.0).all())
+        for t, s in zip(target, prompt.source, strict=True)
+    )
+    return result
+
+
+def registered_all(client: KVStoreClient, since: float) -> tuple[float | None, dict[str, Any]]:
+    """Seconds from `since` until no slab is pending (None: not within the timeout), and the stats."""
+    deadline = time.perf_counter() + REGISTER_TIMEOUT_S
+    while True:
+        stats = client._mapped.stats()
+        if not stats.get("slabs_pending", 0):
+            return time.perf_counter() - since, stats
+        if time.perf_counter() > deadline:
+            return None, stats
+        time.sleep(0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("address")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0, help="this worker's prompt")
+    parser.add_argument("--load-first", type=int, default=None, help="first load the prompt of this seed")
+    parser.add_argument(
+        "--steady", action="store_true", help="then a store and load with every slab registered"
+    )
+    parser.add_argument("--second-connect", action="store_true", help="then connect a second client here")
+    args = parser.parse_args()
+    on = device()
+    started = time.perf_counter()
+    client = KVStoreClient.connect(args.address, SPEC)
+    connect_s = time.perf_counter() - started
+    at_connect = client._mapped.stats()
+    result: dict[str, Any] = {
+        "connect_s": connect_s,
+        "pinning": client._registered,
+        "slabs": at_connect.get("slabs", 0),
+        "slabs_registered_at_connect": at_connect.get("slabs_registered", 0),
+    }
+    if args.load_first is not None:  # a prompt another worker stored: the first transfer is a load
+        result["first_load"] = load(client, Prompt(args.tokens, args.load_first, on))
+    own = Prompt(args.tokens, args.seed, on)
+    result["store"] = store(client, own)
+    result["load"] = load(client, own)
+    all_s, stats = registered_all(client, started)
+    result.update(register_all_s=all_s, slabs_registered=stats.get("slabs_registered", 0))
+    result["slabs_failed"] = stats.get("slabs_failed", 0)
+    if args.steady:
+        steady = Prompt(args.tokens, args.seed + 1000, on)
+        result["steady_store"] = store(client, steady)
+        result["steady_load"] = load(client, steady)
+    if args.second_connect:
+        started = time.perf_counter()
+        second = KVStoreClient.connect(args.address, SPEC)
+        result["second_connect_s"] = time.perf_counter() - started
+        all_s, stats = registered_all(second, started)
+        result["second_register_all_s"] = all_s
+        result["second_slabs_failed"] = stats.get("slabs_failed", 0)
+        second.close()
+    client.close()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
