@@ -4,7 +4,11 @@ Registering a whole host-scale arena at connect costs the worker seconds per 10 
 are faulted in as they are pinned), so a connect only starts a `SlabRegistrar` and returns:
 
 - `SlabRegistrar(host, base, size, slab_bytes)`: a thread that registers the arena's slabs in the
-  order the daemon hands them out (ascending offsets), the slabs a transfer asks for first.
+  order the daemon hands them out (ascending offsets), the slabs a transfer asks for first. The
+  CUDA driver serialises a registration with the worker's own CUDA calls, so the slabs no
+  transfer asked for wait until no transfer has asked for `quiet_s` (a transfer then waits for
+  one registration in progress at most), and `CudaRegistrar` faults a slab's pages in before it
+  calls `cudaHostRegister`, outside the driver's lock, which then only pins them.
 - `ready(slabs, wait_s)`: whether every slab in `slabs` is registered, waiting at most `wait_s`
   for those still pending (moved to the front of the queue). False: one failed, or the wait ran
   out; the caller then moves its pages on a path that needs no registration.
@@ -21,6 +25,7 @@ A slot never crosses a slab (`kvstore.tiers.slab`), so a page is pinned once its
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -31,6 +36,17 @@ from typing import Protocol
 log = logging.getLogger(__name__)
 
 PENDING, REGISTERED, FAILED = 0, 1, 2
+QUIET_S = 0.25  # slabs no transfer asked for are registered once transfers have paused this long
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def populate(address: int, size: int) -> bool:
+    """Faults in `size` bytes at `address` for writing, their contents unchanged (the GIL released:
+    a ctypes call); False where the kernel cannot (the registration faults them in itself)."""
+    return _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_WRITE) == 0
 
 
 class HostRegistrar(Protocol):
@@ -58,6 +74,7 @@ class CudaRegistrar:
             self._on_device.add(threading.get_ident())
 
     def register(self, address: int, size: int) -> None:
+        populate(address, size)  # outside the driver's lock, which the worker's transfers need
         self._use_device()
         self._runtime.host_register(address, size, portable=True)
 
@@ -67,7 +84,9 @@ class CudaRegistrar:
 
 
 class SlabRegistrar:
-    def __init__(self, host: HostRegistrar, base: int, size: int, slab_bytes: int) -> None:
+    def __init__(
+        self, host: HostRegistrar, base: int, size: int, slab_bytes: int, quiet_s: float = QUIET_S
+    ) -> None:
         self.host = host
         self.base = base
         self.size = size
@@ -77,6 +96,8 @@ class SlabRegistrar:
         self._next = 0  # the lowest slab not yet taken in order
         self._urgent: deque[int] = deque()  # slabs a transfer waits for
         self._stopping = False
+        self._quiet_s = quiet_s
+        self._quiet_until = 0.0  # slabs no transfer asked for wait until then
         self._cond = threading.Condition()
         self.num_registered = self.num_failed = 0
         self.transfers_waited = self.transfers_unpinned = 0
@@ -95,11 +116,20 @@ class SlabRegistrar:
         return self.base + start, min(self.slab_bytes, self.size - start)
 
     def _take(self) -> int | None:
-        """The next slab to register: one a transfer waits for, else the lowest pending one."""
-        while self._urgent:
-            slab = self._urgent.popleft()
-            if self._state[slab] == PENDING:
-                return slab
+        """The next slab to register: one a transfer waits for, else (once transfers have paused
+        for quiet_s) the lowest pending one; None when none is left or the registrar stops."""
+        while not self._stopping:
+            while self._urgent:
+                slab = self._urgent.popleft()
+                if self._state[slab] == PENDING:
+                    return slab
+            pause = self._quiet_until - time.perf_counter()
+            if pause <= 0:
+                return self._take_next()
+            self._cond.wait(pause)
+        return None
+
+    def _take_next(self) -> int | None:
         while self._next < self.num_slabs:
             slab, self._next = self._next, self._next + 1
             if self._state[slab] == PENDING:
@@ -109,7 +139,7 @@ class SlabRegistrar:
     def _run(self) -> None:
         while True:
             with self._cond:
-                slab = None if self._stopping else self._take()
+                slab = self._take()
                 if slab is None:
                     break
                 self._state[slab] = -1  # in progress
@@ -154,6 +184,7 @@ class SlabRegistrar:
         """Whether every slab in `slabs` is registered, after waiting at most `wait_s` for the
         pending ones (registered next). Counted: a wait, its time, or a transfer left unpinned."""
         with self._cond:
+            self._quiet_until = time.perf_counter() + self._quiet_s
             missing = sorted(slab for slab in slabs if self._state[slab] != REGISTERED)
             if not missing:
                 return True
@@ -161,6 +192,7 @@ class SlabRegistrar:
             deadline = started + wait_s
             if all(self._state[slab] != FAILED for slab in missing):
                 self._urgent.extend(missing)
+                self._cond.notify_all()
                 self.transfers_waiting += 1
                 while not self._stopping and any(self._state[slab] in (PENDING, -1) for slab in missing):
                     left = deadline - time.perf_counter()

@@ -110,6 +110,48 @@ def test_a_slab_not_ready_in_time_or_failed_sends_the_transfer_unpinned() -> Non
     assert host.order == [0, 2, 3] and sorted(host.unregistered) == [0, 2, 3]
 
 
+def test_slabs_no_transfer_asked_for_wait_while_transfers_keep_coming() -> None:
+    """The driver serialises registrations with the worker's transfers: while transfers come less
+    than quiet_s apart, only the slabs they need are registered; the rest follow once they pause."""
+    host = GatedRegistrar(base=0, slab_bytes=SLAB)
+    registrar = SlabRegistrar(host, 0, 6 * SLAB, SLAB, quiet_s=0.3)
+    thread, ready = in_thread(lambda: registrar.ready({0}, wait_s=30.0))  # slab 0 is in progress
+    until_waiting(registrar)
+    host.allow(1)
+    thread.join(10)
+    assert ready == [True]
+    host.allow(5)  # permits for every other slab: only the pause holds them back now
+    stop = time.monotonic() + 0.9
+    while time.monotonic() < stop:
+        assert registrar.ready({0}, wait_s=0.0)  # a transfer every 50 ms
+        assert host.order == [0]
+        time.sleep(0.05)
+    assert registrar.ready({4}, wait_s=30.0)  # one a transfer needs goes at once
+    assert host.order == [0, 4]
+    assert registrar.ready(range(6), wait_s=30.0)  # this one waits for the rest: they go now
+    assert host.order == [0, 4, 1, 2, 3, 5]
+    registrar.stop()
+
+
+def test_populating_a_shared_mapping_keeps_its_bytes(tmp_path: Any) -> None:
+    import mmap
+    import os
+
+    from kvstore_client.registrar import populate
+
+    data = os.urandom(4 * SLAB)
+    path = tmp_path / "arena"
+    path.write_bytes(data)
+    with path.open("r+b") as file:
+        mapping = mmap.mmap(file.fileno(), len(data), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    view = torch.frombuffer(mapping, dtype=torch.uint8)
+    done = populate(view.data_ptr() + SLAB, 2 * SLAB)  # False on a kernel before 5.14
+    assert isinstance(done, bool)
+    assert bytes(mapping) == data
+    del view
+    mapping.close()
+
+
 def test_an_arena_of_one_slab_when_the_daemon_names_none() -> None:
     host = GatedRegistrar(base=0, slab_bytes=3 * SLAB)
     registrar = SlabRegistrar(host, 0, 3 * SLAB, 0)
