@@ -5,10 +5,12 @@ once every slab is registered; prints one JSON line.
     python bench/connect_worker.py ADDRESS --tokens 8192 --seed 0 [--load-first S] [--steady]
         [--second-connect]
 
-CUDA is initialised before the clock starts, as an engine's worker is. The KV cache has the 8B
-geometry (32 layers, 8 KV heads, head dim 128, bf16, 16-token blocks), on the GPU where there is
-one (on the CPU otherwise: a smoke run). Every load goes into a poisoned cache and is compared
-byte for byte with what was stored.
+CUDA is initialised before the clock starts, as an engine's worker is, and the transfer kernels
+are compiled (Triton, on a pinned buffer of the worker's own, timed as `kernels_s`), as an
+engine's first forward would have them compiled: the first store after connect shows what the
+arena costs. The KV cache has the 8B geometry (32 layers, 8 KV heads, head dim 128, bf16,
+16-token blocks), on the GPU where there is one (on the CPU otherwise: a smoke run). Every load
+goes into a poisoned cache and is compared byte for byte with what was stored.
 """
 
 from __future__ import annotations
@@ -55,6 +57,29 @@ def cache(num_blocks: int, on: torch.device, seed: int | None) -> list[torch.Ten
     return [
         torch.randn(shape, generator=gen, device=on, dtype=torch.bfloat16) for _ in range(SPEC.num_layers)
     ]
+
+
+def warm_kernels(on: torch.device) -> float:
+    """Seconds to compile and run the gather and scatter kernels once on 2 pages of a pinned buffer
+    of this process's own (the bench's daemon has 256-token chunks); 0 without a GPU."""
+    if on.type != "cuda":
+        return 0.0
+    import kvstore_kernels
+
+    spec = SPEC.with_chunk_tokens(256)
+    blocks = 2 * 256 // BLOCK
+    source, target = cache(blocks, on, 1), cache(blocks, on, None)
+    page = spec.page.page_bytes
+    buffer = torch.empty(2 * page, dtype=torch.uint8, pin_memory=True)
+    ids = torch.arange(blocks)
+    started = time.perf_counter()
+    kvstore_kernels.gather(spec, source, ids, [0, 1], buffer, [0, page])
+    kvstore_kernels.scatter(spec, target, ids, [0, 1], buffer, [0, page])
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    if not all(torch.equal(t, s) for t, s in zip(target, source, strict=True)):
+        raise AssertionError("the kernels' warm-up moved wrong bytes")
+    return seconds
 
 
 def synchronize(on: torch.device) -> None:
@@ -142,12 +167,14 @@ def main() -> None:
     parser.add_argument("--second-connect", action="store_true", help="then connect a second client here")
     args = parser.parse_args()
     on = device()
+    kernels_s = warm_kernels(on)
     started = time.perf_counter()
     client = KVStoreClient.connect(args.address, SPEC)
     connect_s = time.perf_counter() - started
     at_connect = client._mapped.stats()
     result: dict[str, Any] = {
         "connect_s": connect_s,
+        "kernels_s": kernels_s,
         "pinning": client._registered,
         "slabs": at_connect.get("slabs", 0),
         "slabs_registered_at_connect": at_connect.get("slabs_registered", 0),
