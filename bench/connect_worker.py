@@ -59,22 +59,24 @@ def cache(num_blocks: int, on: torch.device, seed: int | None) -> list[torch.Ten
     ]
 
 
-def warm_kernels(on: torch.device) -> float:
-    """Seconds to compile and run the gather and scatter kernels once on 2 pages of a pinned buffer
-    of this process's own (the bench's daemon has 256-token chunks); 0 without a GPU."""
+def warm_kernels(on: torch.device, num_tokens: int) -> float:
+    """Seconds to compile and run the gather and scatter kernels once, for a prompt of `num_tokens`
+    (the bench's daemon has 256-token chunks), on a pinned buffer of this process's own; 0 without
+    a GPU."""
     if on.type != "cuda":
         return 0.0
     import kvstore_kernels
 
     spec = SPEC.with_chunk_tokens(256)
-    blocks = 2 * 256 // BLOCK
+    chunks = num_tokens // 256
+    blocks = chunks * 256 // BLOCK
     source, target = cache(blocks, on, 1), cache(blocks, on, None)
     page = spec.page.page_bytes
-    buffer = torch.empty(2 * page, dtype=torch.uint8, pin_memory=True)
-    ids = torch.arange(blocks)
+    buffer = torch.empty(chunks * page, dtype=torch.uint8, pin_memory=True)
+    ids, offsets = torch.randperm(blocks), [i * page for i in range(chunks)]
     started = time.perf_counter()
-    kvstore_kernels.gather(spec, source, ids, [0, 1], buffer, [0, page])
-    kvstore_kernels.scatter(spec, target, ids, [0, 1], buffer, [0, page])
+    kvstore_kernels.gather(spec, source, ids, list(range(chunks)), buffer, offsets)
+    kvstore_kernels.scatter(spec, target, ids, list(range(chunks)), buffer, offsets)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     if not all(torch.equal(t, s) for t, s in zip(target, source, strict=True)):
@@ -167,7 +169,7 @@ def main() -> None:
     parser.add_argument("--second-connect", action="store_true", help="then connect a second client here")
     args = parser.parse_args()
     on = device()
-    kernels_s = warm_kernels(on)
+    kernels_s = warm_kernels(on, args.tokens)
     started = time.perf_counter()
     client = KVStoreClient.connect(args.address, SPEC)
     connect_s = time.perf_counter() - started
