@@ -60,6 +60,11 @@ class RedisCluster:
         self.tls = tls
 
     @property
+    def url(self) -> str:
+        """A seed node's URL, as `tiers.remote.url` of a cluster (`tiers.remote.cluster: true`)."""
+        return self.seed_url
+
+    @property
     def seed_url(self) -> str:
         if self.tls:
             return f"rediss://127.0.0.1:{self.ports[0]}?ssl_ca_certs={self.tls['ca']}"

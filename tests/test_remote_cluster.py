@@ -43,6 +43,7 @@ from tests.test_remote_tier import (  # noqa: E402
     page,
     prompt,
     read,
+    remote_overrides,
     remote_stats,
     tiers_of,
     wait_written,
@@ -114,13 +115,7 @@ def test_records_round_trip_across_slots_on_every_master(
 def test_a_prompt_on_every_master_is_shared_by_two_daemons(
     cluster: RedisCluster, daemon_factory: Callable[..., Daemon]
 ) -> None:
-    overrides = {
-        "chunk_tokens": CHUNK,
-        "tiers__remote__enabled": True,
-        "tiers__remote__cluster": True,
-        "tiers__remote__urls": [cluster.seed_url],
-        "tiers__remote__lookup_timeout_s": 1.0,
-    }
+    overrides = remote_overrides(cluster, cluster=True)
     metrics = free_port()
     first = daemon_factory("first", **overrides)
     second = daemon_factory("second", server__metrics_address=f"127.0.0.1:{metrics}", **overrides)
@@ -227,14 +222,7 @@ def test_a_daemon_loading_while_a_master_is_killed_serves_misses_then_hits(
     """Through two real daemons: B loads prompts A stored (clearing its own copies each time, so
     every load reads the cluster) while a master is SIGKILLed; loads fall short, never wrong,
     and are whole again after the failover, with no daemon restart."""
-    overrides = {
-        "chunk_tokens": CHUNK,
-        "tiers__remote__enabled": True,
-        "tiers__remote__cluster": True,
-        "tiers__remote__urls": [cluster.seed_url],
-        "tiers__remote__lookup_timeout_s": 1.0,
-        "tiers__remote__retry_s": 1.0,
-    }
+    overrides = remote_overrides(cluster, cluster=True, retry_s=1.0)
     first, second = daemon_factory("first", **overrides), daemon_factory("second", **overrides)
     chunks = 8
     with KVStoreClient.connect(first.address, SPEC) as writer:

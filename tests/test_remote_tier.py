@@ -27,6 +27,7 @@ from kvstore.tiers.remote_resp import Endpoint, RecordConnection  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 from tests.harness import Daemon, RedisServer  # noqa: E402
 from tests.pki import make_pki  # noqa: E402
+from tests.redis_cluster import RedisCluster  # noqa: E402
 from tests.test_tls import free_port  # noqa: E402
 
 NS = bytes(range(16))
@@ -359,7 +360,7 @@ def load_and_compare(client: KVStoreClient, i: int, chunks: int) -> int:
     return loaded
 
 
-def remote_overrides(redis_server: RedisServer, **settings: Any) -> dict[str, Any]:
+def remote_overrides(redis_server: RedisServer | RedisCluster, **settings: Any) -> dict[str, Any]:
     overrides = {
         "chunk_tokens": CHUNK,
         "tiers__remote__enabled": True,
