@@ -189,7 +189,7 @@ class Nodes:
 
     def _refresher(self) -> None:
         while not self._stop.is_set():
-            down = any(not self.usable(node) for node in list(self._nodes.values()) if node.role == "master")
+            down = any(not self.usable(node) for node in self.nodes() if node.role == "master")
             self._wake.wait(REFRESH_DOWN_S if down else REFRESH_S)
             if self._stop.is_set():
                 return
