@@ -687,3 +687,19 @@ def test_one_line_replies_in_bulk_match_them_one_by_one(
         assert shown == [str(e) for e in expected]
     reader.close()
     server.join(5)
+
+
+def test_a_server_whose_figures_are_not_numbers_shows_zeros(tmp_path: Any) -> None:
+    """kvctl stats and the metrics ask each server for INFO memory and DBSIZE: a reply that does
+    not parse is counted and shown as zeros, never an error out of Stats."""
+    path = str(tmp_path / "s.sock")
+    info = b"# Memory\r\nused_memory:lots\r\nmaxmemory:0\r\n"
+    server = scripted_server(path, [b"$%d\r\n%s\r\n:5\r\n" % (len(info), info)])
+    tier = RemoteTier(RemoteTierConfig(enabled=True, url=f"unix://{path}", lookup_timeout_s=5.0))
+    try:
+        (node,) = tier.node_usage()
+        assert (node.bytes_used, node.bytes_capacity, node.keys) == (0, 0, 0)
+        assert tier.stats()["stats_failures"] == 1 and tier.stats()["up"] == 1
+    finally:
+        tier.close(timeout_s=5)
+        server.join(5)

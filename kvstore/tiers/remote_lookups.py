@@ -174,12 +174,16 @@ class Lookups:
         for node in nodes:
             used = maximum = keys = 0
             got = replies.get(node)  # none: not asked (down), or failed (counted)
-            if got is not None and isinstance(got[0], bytes) and isinstance(got[1], int):
-                text = got[0].decode(errors="replace")
-                info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-                used, maximum, keys = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), got[1]
-            elif got is not None:
-                self._count("stats_failures")  # an error reply
+            try:
+                if got is not None and isinstance(got[0], bytes) and isinstance(got[1], int):
+                    text = got[0].decode(errors="replace")
+                    info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+                    used, maximum = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+                    keys = got[1]
+                elif got is not None:
+                    self._count("stats_failures")  # an error reply
+            except ValueError:
+                self._count("stats_failures")  # figures that are not numbers
             usage.append(
                 NodeUsage(str(node), node.role, self.nodes.usable(node), used, maximum, keys, node.errors)
             )
