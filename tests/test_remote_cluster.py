@@ -10,7 +10,6 @@ import json
 import logging
 import random
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ from kvstore_client import KVStoreClient  # noqa: E402
 from tests.harness import Daemon  # noqa: E402
 from tests.pki import make_pki  # noqa: E402
 from tests.redis_cluster import RedisCluster, cluster_tools  # noqa: E402
+from tests.test_cli import kvctl  # noqa: E402
 from tests.test_metrics import free_port, scrape  # noqa: E402
 from tests.test_remote_tier import (  # noqa: E402
     CHUNK,
@@ -132,22 +132,12 @@ def test_a_prompt_on_every_master_is_shared_by_two_daemons(
         assert tiers_of(reader, prompt(0, chunks)) == bytes([Tier.REMOTE]) * chunks
         assert load_and_compare(reader, 0, chunks) == chunks * CHUNK
     cluster.replicate()
-    shown = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "--address", second.address, "stats"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    shown = kvctl(second, "stats")
     assert shown.returncode == 0, shown.stderr
     for port in cluster.ports:
         assert f"127.0.0.1:{port}" in shown.stdout
     assert shown.stdout.count(" master ") == 3 and shown.stdout.count(" replica ") == 3
-    as_json = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "--address", second.address, "stats", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    as_json = kvctl(second, "stats", "--json")
     remote = json.loads(as_json.stdout)["tiers"]["remote"]
     assert remote["pages"] == chunks and len(remote["nodes"]) == 6
     assert sum(node["keys"] for node in remote["nodes"] if node["role"] == "master") == chunks
