@@ -15,6 +15,13 @@ k|v content]`: K and V of a (block, head, token) side by side in the last dimens
 of the stride orders vLLM allocates (LBHNC, LBNHC, or block-outermost BLHNC / BLNHC, where one
 block holds every layer: vLLM's cross-layer cache, still one view per layer).
 
+The `vllm_rows` layout is the same tensor as vLLM's CPU attention backend reads it: each
+(block, head)'s bytes hold the block's K rows, then its V rows (`[blocks, kv_heads, 2 *
+block_size, head_dim]` over the `[blocks, kv_heads, block_size, 2 * head_dim]` view vLLM hands
+the connector), which needs each (block, head)'s tokens and content dense (`LBHNC`, the one
+stride order that backend takes). Which of the two a vLLM engine's tensors hold is its attention
+backend's to say, never the shape's: the connector reads it (`kvstore_client.vllm.groups`).
+
 The `hf` layout has no blocks: sequence position `p` is presented as block
 `p // block_size`, token `p % block_size`, so a chunk's blocks are consecutive.
 """
@@ -41,6 +48,7 @@ def expected_shape(spec: KVSpec) -> tuple[tuple[str, int | None], ...]:
         "cross_layer": (("num_blocks", None), ("num_layers", spec.num_layers), ("k|v", 2), bs, heads, dim),
         "mla": (("num_blocks", None), bs, ("latent_dim", spec.head_dim)),
         "vllm": (("num_blocks", None), heads, bs, ("k|v content", 2 * spec.head_dim)),
+        "vllm_rows": (("num_blocks", None), heads, bs, ("k|v content", 2 * spec.head_dim)),
         "hf": (("batch", None), heads, ("seq", None), dim),
     }
     return shapes[spec.layout]
@@ -87,6 +95,8 @@ def kv_views(spec: KVSpec, kv_caches: KVCaches, layer: int, batch_index: int = 0
     if layout == "vllm":
         cache, dim = kv_caches[layer], spec.head_dim
         return cache[..., :dim].transpose(1, 2), cache[..., dim:].transpose(1, 2)
+    if layout == "vllm_rows":
+        return _row_views(kv_caches[layer], spec.block_size, spec.head_dim)
     key, value = kv_caches[layer]
     return _hf_blocks(spec, key, batch_index), _hf_blocks(spec, value, batch_index)
 
@@ -96,3 +106,19 @@ def _hf_blocks(spec: KVSpec, tensor: torch.Tensor, batch_index: int) -> torch.Te
     num_blocks = by_position.shape[0] // spec.block_size
     # unflatten of one dimension is always a view, whatever the strides.
     return by_position[: num_blocks * spec.block_size].unflatten(0, (num_blocks, spec.block_size))
+
+
+def _row_views(cache: torch.Tensor, block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a `vllm_rows` layer: per (block, head), `block_size` K rows then as many V
+    rows, each `head_dim` wide. A cache whose (token, content) bytes are not dense raises."""
+    if cache.stride(-1) != 1 or cache.stride(-2) != 2 * head_dim:
+        raise ValueError(
+            "kv_caches: the vllm_rows layout needs each (block, head)'s tokens and content dense "
+            f"(strides [..., {2 * head_dim}, 1]), got strides {tuple(cache.stride())}"
+        )
+    rows = torch.as_strided(
+        cache,
+        (cache.shape[0], cache.shape[1], 2, block_size, head_dim),
+        (cache.stride(0), cache.stride(1), block_size * head_dim, head_dim, 1),
+    )
+    return rows[:, :, 0].transpose(1, 2), rows[:, :, 1].transpose(1, 2)

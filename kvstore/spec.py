@@ -15,6 +15,11 @@ Two kinds of pages beyond a whole model's KV:
   model that changed any layer before `stop` can never read them (the KV of layer `l` depends
   on the weights of every layer up to `l`, and on the embedding, which the first range's id
   must cover).
+- A group of layers (`layer_ids`): the KV of those engine layers only, in that order
+  (`num_layers` of them): one of a hybrid model's KV-cache groups (its sliding-window layers,
+  say), whose pages are loaded apart from the other groups'.
+- Quantized caches (fp8): `scales` names the scales that give the bytes their meaning, so pages
+  written under other scales are another namespace, never a hit.
 - Hidden states (`hidden_layer=b`): the residual stream entering layer `b`, `[token][hidden]`
   in the model's dtype, one "layer" of a latent-format page (`num_kv_heads=1`, `head_dim` the
   hidden size), keyed by the weights up to `b`.
@@ -40,9 +45,11 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "float16": 2,
     "bfloat16": 2,
     "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 
-LAYOUTS = ("flash_attn", "flashinfer", "cross_layer", "mla", "hf", "vllm")
+LAYOUTS = ("flash_attn", "flashinfer", "cross_layer", "mla", "hf", "vllm", "vllm_rows")
+MAX_SCALES_BYTES = 1024  # the text of a cache's quantization scales (`PageSpec.scales`)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -73,6 +80,23 @@ def _check_weights(weights: Any) -> tuple[tuple[int, str], ...]:
             )
         checked.append((stop, ident))
     return tuple(checked)
+
+
+def _check_layer_ids(layer_ids: Any, num_layers: int) -> tuple[int, ...]:
+    """`layer_ids` as a tuple of distinct increasing engine layer indices, one per layer (or empty)."""
+    ids = tuple(layer_ids)
+    if not ids:
+        return ()
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+        raise ValueError(f"layer_ids: expected engine layer indices, got {ids!r:.120}")
+    if len(ids) != num_layers or list(ids) != sorted(set(ids)):
+        raise ValueError(
+            f"layer_ids: expected {num_layers} distinct increasing layer indices (one per layer), "
+            f"got {len(ids)}"
+        )
+    if ids[-1] >= SPEC_LIMITS["num_layers"]:
+        raise ValueError(f"layer_ids: {ids[-1]} is over {SPEC_LIMITS['num_layers']}")
+    return ids
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -109,6 +133,8 @@ class PageSpec:
     stop_layer: int = 0  # 0: num_layers
     weights: tuple[tuple[int, str], ...] = ()  # (stop, weights id) of each layer range up to stop_layer
     hidden_layer: int = -1  # >= 0: the page holds the hidden states entering this layer
+    layer_ids: tuple[int, ...] = ()  # the engine layers of a group of them (num_layers of them)
+    scales: str = ""  # what gives quantized bytes their meaning ("k=0.0125,v=0.02")
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -146,6 +172,11 @@ class PageSpec:
                 f"num_layers {self.num_layers}"
             )
         object.__setattr__(self, "weights", _check_weights(self.weights))
+        object.__setattr__(self, "layer_ids", _check_layer_ids(self.layer_ids, self.num_layers))
+        if self.layer_ids and (self.layered or self.hidden_layer >= 0):
+            raise ValueError("layer_ids: a group of layers cannot also be a layer range, weights or hidden states")
+        if not isinstance(self.scales, str) or len(self.scales.encode()) > MAX_SCALES_BYTES:
+            raise ValueError(f"scales: expected text of at most {MAX_SCALES_BYTES} bytes, got {self.scales!r:.80}")
         self._check_kind()
 
     def _check_kind(self) -> None:
@@ -180,6 +211,8 @@ class PageSpec:
         """What a page holds, for people (`kvctl ls`); empty for a whole model's KV."""
         if self.hidden_layer >= 0:
             held = f"hidden states entering layer {self.hidden_layer}"
+        elif self.layer_ids:
+            held = f"KV of layers {','.join(map(str, self.layer_ids))}"
         elif self.layered:
             held = f"KV of layers {self.first_layer}-{self.stop_layer - 1}"
         else:
@@ -256,6 +289,10 @@ class PageSpec:
         if self.weights:  # the weights, not the model's name or depth, say what the pages hold
             del fields["model"], fields["num_layers"]
             fields["weights"] = ";".join(f"{stop}={len(ident)}:{ident}" for stop, ident in self.weights)
+        if self.layer_ids:  # a group of the engine's layers: which ones (absent for a whole model)
+            fields["layer_ids"] = ",".join(map(str, self.layer_ids))
+        if self.scales:  # quantized pages: the scales that give the bytes their meaning
+            fields["scales"] = self.scales
         if tenant:  # absent without tenants: those namespaces are what they always were
             fields["tenant"] = tenant
         # Length-prefixed values: no model id or salt can forge another field.
@@ -292,9 +329,12 @@ class KVSpec:
     stop_layer: int = 0
     weights: Sequence[tuple[int, str]] = ()  # kept as a tuple
     hidden_layer: int = -1
+    layer_ids: Sequence[int] = ()  # see PageSpec: a group of the engine's layers, kept as a tuple
+    scales: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
         object.__setattr__(self, "kv_sharing", dict(self.kv_sharing))
         object.__setattr__(self, "weights", _check_weights(self.weights))
         object.__setattr__(self, "stop_layer", self.stop_layer or self.num_layers)

@@ -101,6 +101,7 @@ def page_spec_of(message: pb.PageSpec, default_chunk_tokens: int) -> PageSpec:
     values["chunk_tokens"] = message.chunk_tokens or default_chunk_tokens
     values["tp_size"] = message.tp_size or 1
     values["weights"] = tuple((entry.stop, entry.id) for entry in message.weights)
+    values["layer_ids"] = tuple(message.layer_ids)
     values["hidden_layer"] = message.hidden_layer if message.HasField("hidden_layer") else -1
     return PageSpec(**values)
 

@@ -21,7 +21,7 @@ TIER_DISK: Tier
 TIER_REMOTE: Tier
 
 class PageSpec(_message.Message):
-    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "latent", "kv_sharing", "tp_rank", "tp_size", "salt", "first_layer", "stop_layer", "weights", "hidden_layer")
+    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "latent", "kv_sharing", "tp_rank", "tp_size", "salt", "first_layer", "stop_layer", "weights", "hidden_layer", "layer_ids", "scales")
     class KvSharingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,8 @@ class PageSpec(_message.Message):
     STOP_LAYER_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_kv_heads: int
@@ -59,7 +61,9 @@ class PageSpec(_message.Message):
     stop_layer: int
     weights: _containers.RepeatedCompositeFieldContainer[LayerWeights]
     hidden_layer: int
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., latent: _Optional[bool] = ..., kv_sharing: _Optional[_Mapping[int, int]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., salt: _Optional[str] = ..., first_layer: _Optional[int] = ..., stop_layer: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[LayerWeights, _Mapping]]] = ..., hidden_layer: _Optional[int] = ...) -> None: ...
+    layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    scales: str
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., latent: _Optional[bool] = ..., kv_sharing: _Optional[_Mapping[int, int]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., salt: _Optional[str] = ..., first_layer: _Optional[int] = ..., stop_layer: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[LayerWeights, _Mapping]]] = ..., hidden_layer: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., scales: _Optional[str] = ...) -> None: ...
 
 class LayerWeights(_message.Message):
     __slots__ = ("stop", "id")
