@@ -33,8 +33,8 @@ import pytest  # noqa: E402
 import kvstore_kernels  # noqa: E402
 from kvstore.spec import KVSpec  # noqa: E402
 
-LAYOUTS = ["flash_attn", "flashinfer", "cross_layer", "mla", "hf", "vllm"]
-DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn"]
+LAYOUTS = ["flash_attn", "flashinfer", "cross_layer", "mla", "hf", "vllm", "vllm_rows"]
+DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]
 IMPLS = ["torch", "triton", "copy_engine", "staged"]
 POISONS = (0xA5, 0x5A)
 BATCH = 2
@@ -124,12 +124,13 @@ def make_spec(
     block_size: int = 2,
     chunk_tokens: int | None = None,
     sharing: dict[int, int] | None = None,
+    head_dim: int = 4,
 ) -> KVSpec:
     return KVSpec(
         model="m",
         num_layers=num_layers,
         num_kv_heads=1 if layout == "mla" else 2,
-        head_dim=4,
+        head_dim=head_dim,
         dtype=dtype,
         block_size=block_size,
         layout=layout,
@@ -151,6 +152,7 @@ def _base_and_view(spec: KVSpec, num_blocks: int, strided: bool) -> tuple[tuple[
         "mla": (num_blocks, bs, d),
         "hf": (BATCH, h, seq, d),
         "vllm": (num_blocks, h, bs, 2 * d),  # vLLM's LBHNC
+        "vllm_rows": (num_blocks, h, bs, 2 * d),  # the same tensor, read as K rows then V rows
     }
     if not strided:
         return plain[spec.layout], lambda t: t
@@ -161,6 +163,7 @@ def _base_and_view(spec: KVSpec, num_blocks: int, strided: bool) -> tuple[tuple[
         "mla": ((num_blocks, bs, d + 3), lambda t: t[..., :d]),
         "hf": ((BATCH, seq, h, d), lambda t: t.transpose(1, 2)),
         "vllm": ((num_blocks, bs, h, 2 * d), lambda t: t.transpose(1, 2)),  # vLLM's LBNHC
+        "vllm_rows": ((num_blocks, h + 1, bs, 2 * d), lambda t: t[:, :h]),  # heads apart, rows dense
     }[spec.layout]
 
 
@@ -227,6 +230,10 @@ def _selector(spec: KVSpec, caches: Any, layer: int, kv: int, batch_index: int) 
     if spec.layout == "vllm":  # [block, head, offset, k|v content]
         dim = spec.head_dim
         return caches[layer][..., kv * dim : (kv + 1) * dim].transpose(1, 2)
+    if spec.layout == "vllm_rows":  # [block, head, K rows then V rows, head_dim]
+        bs, dim = spec.block_size, spec.head_dim
+        rows = caches[layer].view(caches[layer].shape[0], spec.num_kv_heads, 2 * bs, dim)
+        return rows[:, :, kv * bs : (kv + 1) * bs].transpose(1, 2)
     return caches[layer][kv][batch_index].transpose(0, 1)
 
 

@@ -171,7 +171,7 @@ def test_remembered_cache_facts_follow_the_tensors(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "mla", "hf"])
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "mla", "hf", "vllm_rows"])
 def test_registered_caches_move_the_same_bytes(impl: str, layout: str) -> None:
     """Caches checked once (`register`) move exactly what the plain tensors move, for every
     layer subset and both directions; a strided view keeps its own strides."""
@@ -416,3 +416,69 @@ def test_mla_page_format_by_hand(impl: str) -> None:
     buffer = buffer_of(impl, torch.zeros(spec.page.page_bytes, dtype=torch.uint8))
     run(impl, "gather", spec, [c.to(device_of(impl)) for c in caches], table, [0], buffer, [0])
     assert buffer.cpu().view(torch.float32).tolist() == expected
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vllm_rows_page_format_by_hand(impl: str) -> None:
+    """vLLM's CPU attention backend: per (block, head), the block's K rows then its V rows. K of
+    (block b, head h, token t) is `view(blocks, heads, 2 * block_size, head_dim)[b, h, t]`, V is
+    `[b, h, block_size + t]`; the page is [stored_layer][k|v][token][kv_head][head_dim], and a
+    scatter of it writes those rows back and nothing else."""
+    spec = make_spec("vllm_rows", "float32", num_layers=2, block_size=2, chunk_tokens=4)
+    blocks, heads, block_size, dim = 4, spec.num_kv_heads, spec.block_size, spec.head_dim
+    caches = [
+        torch.arange(blocks * heads * block_size * 2 * dim, dtype=torch.float32).reshape(
+            blocks, heads, block_size, 2 * dim
+        )
+        + 1000 * layer
+        for layer in range(2)
+    ]
+    table = [3, 1, 0, 2]
+    device = device_of(impl)
+    buffer = buffer_of(impl, torch.full((spec.page.page_bytes + 8,), 0xA5, dtype=torch.uint8))
+    if impl == "copy_engine":  # a block's K rows of one head sit apart from the next head's
+        with pytest.raises(ValueError, match=REFUSAL):
+            run(impl, "gather", spec, [c.to(device) for c in caches], table, [1], buffer, [8])
+        return
+    page: list[float] = []
+    for layer in range(2):
+        rows = caches[layer].view(blocks, heads, 2 * block_size, dim)
+        for kv in range(2):
+            for token in range(4, 8):  # chunk 1: blocks 0 and 2
+                block, offset = table[token // block_size], token % block_size
+                for head in range(heads):
+                    page.extend(rows[block, head, kv * block_size + offset].tolist())
+    run(impl, "gather", spec, [c.to(device) for c in caches], table, [1], buffer, [8])
+    assert torch.equal(buffer[8:].cpu().view(torch.float32), torch.tensor(page))
+    assert torch.equal(buffer[:8].cpu(), torch.full((8,), 0xA5, dtype=torch.uint8))
+    restored = [torch.full_like(c, -1.0).to(device) for c in caches]
+    run(impl, "scatter", spec, restored, table, [1], buffer, [8])
+    for got, original in zip(restored, caches, strict=True):
+        want = torch.full_like(original, -1.0)
+        want[[0, 2]] = original[[0, 2]]
+        assert torch.equal(got.cpu(), want)
+
+
+def test_vllm_rows_refuses_rows_that_are_not_dense() -> None:
+    """vLLM's LBNHC stride order cannot hold a block's K rows then its V rows: refused, never
+    read through the wrong strides."""
+    spec = make_spec("vllm_rows", "bfloat16")
+    table, chunks, offsets, size = scenario(spec)
+    caches = [torch.zeros(12, spec.block_size, 2, 8, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
+    with pytest.raises(ValueError, match="the vllm_rows layout needs each .* dense"):
+        kvstore_kernels.gather(spec, caches, table, chunks, torch.zeros(size, dtype=torch.uint8), offsets)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_mla_at_deepseek_latent_width(direction: str, dtype: str, impl: str) -> None:
+    """DeepSeek-V3's MLA page: one 576-wide latent (512 compressed KV + 64 rope) per token, at
+    vLLM's MLA block size of 64."""
+    spec = make_spec("mla", dtype, num_layers=2, block_size=64, head_dim=576)
+    table, chunks, offsets, size = scenario(spec)
+    if direction == "gather":
+        _, caches = build(spec, device_of(impl))
+        check_gather(impl, spec, caches, table, chunks, offsets, size)
+    else:
+        check_scatter(impl, spec, table, chunks, offsets, size)
