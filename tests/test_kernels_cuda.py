@@ -14,6 +14,7 @@ import kvstore_kernels
 from kvstore.spec import KVSpec
 from tests.kernel_cases import (
     POISONS,
+    as_bytes,
     block_table,
     buffer_of,
     build,
@@ -29,6 +30,7 @@ from tests.kernel_cases import (
     small_call,
     staged_options,
     triton_module,
+    write_expected,
 )
 
 # -- CUDA: real kernels, pinned host pages, wide tiles -------------------------------------------
@@ -120,6 +122,71 @@ def test_cuda_many_calls_in_flight_reuse_the_table_slots() -> None:
     torch.cuda.synchronize()
     expected = expected_buffer(spec, caches, table, chunks, offsets, size)
     assert torch.equal(buffer, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
+
+
+def _model_call(layout: str, dtype: str) -> tuple[KVSpec, Any, torch.Tensor, list[int], list[int], int]:
+    """vLLM-sized caches of the newer page kinds: vllm_rows (8 KV heads, head dim 128, blocks of
+    16) and DeepSeek's MLA latent (576 wide, blocks of 64); layer 3 shares layer 1's KV."""
+    mla = layout == "mla"
+    spec = KVSpec(
+        model="m",
+        num_layers=4,
+        num_kv_heads=1 if mla else 8,
+        head_dim=576 if mla else 128,
+        dtype=dtype,
+        block_size=64 if mla else 16,
+        layout=layout,
+        chunk_tokens=256 if mla else 64,
+        kv_sharing={3: 1},
+    )
+    _, caches = build(spec, "cuda", num_blocks=40)
+    page_bytes = spec.page.page_bytes
+    chunks, offsets = [5, 1, 7, 0], [0, 3 * page_bytes + 16, page_bytes, 6 * page_bytes + 8]
+    return spec, caches, block_table(40, 32), chunks, offsets, 7 * page_bytes + 32
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    ("buffer_on", "engine"),
+    [("pinned", "auto"), ("pinned", "kernel"), ("pinned", "staged"), ("cuda", "auto"), ("cuda", "kernel")],
+)
+@pytest.mark.parametrize(
+    ("layout", "dtype"),
+    [
+        ("vllm_rows", "bfloat16"),
+        ("vllm_rows", "float8_e5m2"),
+        ("flash_attn", "float8_e5m2"),
+        ("mla", "bfloat16"),
+        ("mla", "float8_e4m3fn"),
+        ("mla", "float8_e5m2"),
+    ],
+)
+def test_cuda_newer_page_kinds(layout: str, dtype: str, buffer_on: str, engine: str) -> None:
+    """vllm_rows caches, float8_e5m2 pages and DeepSeek's 576-wide MLA latent at vLLM's sizes, on
+    each GPU path: gathered pages match the torch reference (every byte, poisoned first), and a
+    scatter of random pages writes exactly what the reference writes."""
+    spec, caches, table, chunks, offsets, size = _model_call(layout, dtype)
+    options = kvstore_kernels.TransferOptions(engine=engine)
+    expected = expected_buffer(spec, caches, table, chunks, offsets, size)
+
+    def place(buffer: torch.Tensor) -> torch.Tensor:
+        return buffer.pin_memory() if buffer_on == "pinned" else buffer.cuda()
+
+    for poison in POISONS:
+        buffer = place(torch.full((size,), poison, dtype=torch.uint8))
+        kvstore_kernels.gather(spec, caches, table, chunks, buffer, offsets, options=options)
+        torch.cuda.synchronize()
+        assert torch.equal(buffer.cpu(), torch.where(expected < 0, poison, expected).to(torch.uint8))
+    pages = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    for poison in POISONS:
+        bases, restored = build(spec, "cuda", num_blocks=40, fill=poison)
+        want_bases, want = build(spec, "cpu", num_blocks=40, fill=poison)
+        kvstore_kernels.scatter(spec, restored, table, chunks, place(pages), offsets, options=options)
+        torch.cuda.synchronize()
+        write_expected(spec, want, table, chunks, pages, offsets)
+        for got, wanted in zip(as_bytes(bases), as_bytes(want_bases), strict=True):
+            assert torch.equal(got, wanted)
 
 
 # -- the staged path: pieces, ring slots, refusals ------------------------------------------------
