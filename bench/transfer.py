@@ -37,6 +37,23 @@ direction, in one run:
   tier vs a device-to-device copy of the same bytes, timed in turn in one run; its table and
   its acceptance checks are printed after the others and kept under "gpu_tier" in the JSON.
 
+Model rows (`--models mla sliding`, instead of the table above), each through the public client
+(`KVStoreClient.store` / `load` with the chunk keys, as an engine passes them) against a real
+kvstored, each timed in turn with a pinned memcpy of the same bytes (`--model-tokens`, default
+8k and 32k):
+
+- mla: DeepSeek-V3's MLA cache (61 layers, one 576-wide latent per token, vLLM's MLA block
+  size 64), bf16 and fp8 (float8_e4m3fn): a prompt's pages stored (the namespace cleared before
+  each, untimed) and loaded.
+- sliding: gpt-oss-120b (36 layers alternating sliding window 128 and full attention, 8 KV
+  heads, head dim 64, bf16), one namespace per KV-cache group as the vLLM connector keys them.
+  A request resumed at the end of the prompt loads the full layers' every chunk and the
+  sliding layers' last chunk(s) only (the w - 1 tokens its next token attends to), against
+  every chunk of both groups: bytes and time of each.
+
+`--dry-run` runs the model rows on CPU (small prompts, the torch reference path): that they
+run and load the right bytes, not their speed.
+
 `--sweep` instead measures kernel shapes (bytes per load, segments per step, warps,
 programs, cache hints) and the copy-engine paths' issue cost, for choosing the defaults.
 
@@ -45,6 +62,8 @@ programs, cache hints) and the copy-engine paths' issue cost, for choosing the d
     python bench/transfer.py --sweep    # bench/results/transfer-sweep.json
     python bench/transfer.py --profile  # the public call's host time, step by step
     python bench/transfer.py --variants memcpy auto --pairs memcpy auto+auto --name t  # a subset
+    python bench/transfer.py --models mla sliding --name transfer-mla-sliding-h100
+    python bench/transfer.py --dry-run  # the model rows on CPU, small prompts
 """
 
 from __future__ import annotations
@@ -65,15 +84,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.*` when run as a script
 
 from bench import gpu_tier  # noqa: E402
-from bench.common import print_table, write_results  # noqa: E402
+from bench.common import print_table, running_daemon, write_results  # noqa: E402
 from bench.interference import MatmulStream  # noqa: E402
 from bench.transfer_cases import (  # noqa: E402
     CAPS,
+    CHUNK_TOKENS,
+    GPT_OSS_WINDOW,
     Enqueue,
+    HostCopy,
+    ModelCache,
     Setup,
+    against,
     both_ways,
     copy_engines,
+    daemon_config,
+    deepseek_v3_spec,
     device_pack,
+    gpt_oss_spec,
     kernel,
     memcpy,
     memcpy_pages,
@@ -84,7 +111,10 @@ from bench.transfer_cases import (  # noqa: E402
     timed_against,
     timed_pair,
     verify,
+    walls_in_turn,
+    window_chunks,
 )
+from kvstore_client import KVStoreClient  # noqa: E402
 from kvstore_kernels import TransferOptions, copy_engine, cudart, staged, triton_copy  # noqa: E402
 
 MiB = 1 << 20
@@ -416,6 +446,177 @@ def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]],
     return table, pair_table, accept
 
 
+# -- model geometries through the public client ---------------------------------------------------
+
+MLA_DTYPES = ("bfloat16", "float8_e4m3fn")
+
+
+def mla_rows(dtype: str, tokens: int, reps: int) -> list[dict[str, Any]]:
+    """DeepSeek-V3's MLA pages of a `tokens` prompt stored, then loaded, by the public client, each
+    in turn with a pinned memcpy of the same bytes (the namespace cleared before each store)."""
+    spec = deepseek_v3_spec(dtype)
+    cache = ModelCache(spec, tokens, seed=1)
+    moved = cache.num_chunks * spec.page.page_bytes
+    copy = HostCopy(moved)
+    try:
+        with (
+            running_daemon(daemon_config(spec.page.page_bytes, cache.num_chunks)) as daemon,
+            KVStoreClient.connect(daemon.address, spec) as client,
+        ):
+            keys = client.keys(list(range(tokens)))
+
+            def store() -> None:
+                if client.store(None, cache.source, cache.table, keys=keys) != cache.num_chunks:
+                    raise RuntimeError("store: the daemon took fewer pages than the prompt has")
+
+            def load() -> None:
+                if client.load(None, cache.target, cache.table, keys=keys) != tokens:
+                    raise RuntimeError("load: fewer tokens than were stored")
+
+            store()
+            load()
+            ok = cache.loaded_right(0)
+            runs = {
+                "memcpy store": copy.run(moved, True),
+                "store": store,
+                "memcpy load": copy.run(moved, False),
+                "load": load,
+            }
+            walls = walls_in_turn(runs, reps, before={"store": client.clear})
+            arena = client.stats()["client"]["arena"]
+    finally:
+        copy.release()
+    common = {"model": "deepseek-v3", "dtype": dtype, "tokens": tokens, "page_bytes": spec.page.page_bytes}
+    return [
+        {
+            **common,
+            "direction": way,
+            **against(walls[way], walls[f"memcpy {way}"], moved),
+            "ok": ok,
+            "arena": arena,
+        }
+        for way in ("store", "load")
+    ]
+
+
+def sliding_rows(tokens: int, reps: int) -> list[dict[str, Any]]:
+    """gpt-oss-120b, a request resumed at `tokens`: the full-attention group's every chunk and the
+    sliding group's window, against every chunk of both; each in turn with a pinned memcpy (to the
+    device) of the same bytes."""
+    full, sliding = (
+        ModelCache(gpt_oss_spec(False), tokens, seed=2),
+        ModelCache(gpt_oss_spec(True), tokens, seed=3),
+    )
+    page_bytes, chunks = full.spec.page.page_bytes, full.num_chunks
+    first = {"window": chunks - window_chunks(GPT_OSS_WINDOW, CHUNK_TOKENS), "every token": 0}
+    moved = {name: (2 * chunks - start) * page_bytes for name, start in first.items()}
+    copy = HostCopy(moved["every token"])
+    try:
+        with (
+            running_daemon(daemon_config(page_bytes, 2 * chunks)) as daemon,
+            KVStoreClient.connect(daemon.address, full.spec) as full_client,
+            KVStoreClient.connect(daemon.address, sliding.spec) as sliding_client,
+        ):
+            groups = [(full_client, full), (sliding_client, sliding)]
+            keys = [client.keys(list(range(tokens))) for client, _ in groups]
+            for (client, cache), group_keys in zip(groups, keys, strict=True):
+                if client.store(None, cache.source, cache.table, keys=group_keys) != chunks:
+                    raise RuntimeError("store: the daemon took fewer pages than the prompt has")
+
+            def request(start: int) -> Callable[[], None]:
+                """Both groups' loads issued, then waited for, as the connector does per request."""
+
+                def run() -> None:
+                    handles = [
+                        full_client.load_async(None, full.target, full.table, keys=keys[0]),
+                        sliding_client.load_async(
+                            None, sliding.target, sliding.blocks_of(start), keys=keys[1][start:]
+                        ),
+                    ]
+                    if [handle.wait() for handle in handles] != [tokens, tokens - start * CHUNK_TOKENS]:
+                        raise RuntimeError("load: fewer tokens than were stored")
+
+                return run
+
+            runs, ok = {}, {}
+            for name, start in first.items():
+                full.poison()
+                sliding.poison()
+                request(start)()
+                ok[name] = full.loaded_right(0) and sliding.loaded_right(start)
+                runs[f"memcpy {name}"], runs[name] = copy.run(moved[name], False), request(start)
+            walls = walls_in_turn(runs, reps)
+    finally:
+        copy.release()
+    return [
+        {
+            "model": "gpt-oss-120b",
+            "tokens": tokens,
+            "load": name,
+            "chunks": {"full": chunks, "sliding": chunks - start},
+            **against(walls[name], walls[f"memcpy {name}"], moved[name]),
+            "ok": ok[name],
+        }
+        for name, start in first.items()
+    ]
+
+
+def run_models(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
+    result: dict[str, Any] = {"mla": [], "sliding": []}
+    for tokens in args.model_tokens:
+        if "mla" in args.models:
+            for dtype in MLA_DTYPES:
+                result["mla"] += (
+                    guarded(log, f"mla {dtype} {tokens}", mla_rows, dtype, tokens, args.reps) or []
+                )
+                print_progress(result["mla"][-2:])
+        if "sliding" in args.models:
+            result["sliding"] += guarded(log, f"sliding {tokens}", sliding_rows, tokens, args.reps) or []
+            print_progress(result["sliding"][-2:])
+    return result
+
+
+def print_progress(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        what = row.get("direction") or row.get("load")
+        speed = f"{row['gbps']:7.2f} GB/s {row['x_memcpy']:.3f}x memcpy"
+        print(f"{row['model']:12} {row['tokens']:6} {what:11} {speed}", flush=True)
+
+
+def print_models(result: dict[str, Any]) -> None:
+    mib = 1 << 20
+    if result["mla"]:
+        print_table(
+            ["model", "dtype", "tokens", "way", "MiB", "ms", "GB/s", "memcpy ms", "x memcpy", "ok"],
+            [
+                [r["model"], r["dtype"], r["tokens"], r["direction"], round(r["bytes"] / mib, 1),
+                 round(r["ms"], 2), round(r["gbps"], 2), round(r["memcpy_ms"], 2), round(r["x_memcpy"], 3),
+                 r["ok"]]
+                for r in result["mla"]
+            ],
+        )  # fmt: skip
+        print()
+    if result["sliding"]:
+        print_table(
+            ["model", "tokens", "resumed request loads", "chunks full/sliding", "MiB", "ms", "GB/s",
+             "memcpy ms", "x memcpy", "ok"],
+            [
+                [r["model"], r["tokens"], r["load"], f"{r['chunks']['full']}/{r['chunks']['sliding']}",
+                 round(r["bytes"] / mib, 1), round(r["ms"], 2), round(r["gbps"], 2), round(r["memcpy_ms"], 2),
+                 round(r["x_memcpy"], 3), r["ok"]]
+                for r in result["sliding"]
+            ],
+        )  # fmt: skip
+        rows = {(r["tokens"], r["load"]): r for r in result["sliding"]}
+        for tokens in sorted({r["tokens"] for r in result["sliding"]}):
+            window, every = rows.get((tokens, "window")), rows.get((tokens, "every token"))
+            if window and every:
+                print(
+                    f"{tokens} tokens: the window moves {window['bytes'] / every['bytes']:.3f}x the bytes "
+                    f"in {window['ms'] / every['ms']:.3f}x the time of every token"
+                )
+
+
 # -- the sweep: kernel shapes and copy-engine paths ---------------------------------------------------
 
 SWEEP_SHAPES = [  # (tile_bytes, segments_per_step, num_warps)
@@ -683,14 +884,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also load from a daemon's GPU tier vs its CPU tier vs a d2d copy (bench/gpu_tier.py)",
     )
     parser.add_argument("--gpu-tier-repeats", type=int, default=20, help="timed rounds of the GPU-tier rows")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=("mla", "sliding"),
+        help="the model rows instead (DeepSeek-V3 MLA, gpt-oss)",
+    )
+    parser.add_argument(
+        "--model-tokens", nargs="+", type=int, default=[8192, 32768], help="prompts of the model rows"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="the model rows on CPU: 1024 tokens, 2 rounds")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.models, args.model_tokens, args.reps = args.models or ["mla", "sliding"], [1024], 2
+    if args.models and args.name == "transfer":
+        args.name = "transfer-models-dry-run" if args.dry_run else "transfer-models"
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    log: list[str] = []
+    if args.models:
+        run_and_print_models(args, log)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench/transfer.py needs a CUDA GPU (the page buffer is pinned host memory)")
-    log: list[str] = []
     env = environment()
     if args.profile:
         run_profile(args)
@@ -740,6 +959,25 @@ def main(argv: list[str] | None = None) -> None:
             gpu_tier.print_report(result["gpu_tier"])
     if log:
         print(f"\n{len(log)} measurements failed; tracebacks in {path}", file=sys.stderr)
+    print(path)
+
+
+def run_and_print_models(args: argparse.Namespace, log: list[str]) -> None:
+    if not torch.cuda.is_available() and not args.dry_run:
+        raise SystemExit("bench/transfer.py --models needs a CUDA GPU; --dry-run runs the rows on CPU")
+    env = (
+        environment()
+        if torch.cuda.is_available()
+        else {"device": "cpu (dry run)", "torch": torch.__version__}
+    )
+    result = run_models(args, log)
+    path = write_results(args.name, {"config": vars(args), "environment": env, **result, "errors": log})
+    print(f"\n{env['device']}, torch {env['torch']}")
+    print_models(result)
+    if log:
+        print(f"\n{len(log)} measurements failed; tracebacks in {path}", file=sys.stderr)
+        for entry in log:
+            print(entry, file=sys.stderr)
     print(path)
 
 
