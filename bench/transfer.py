@@ -44,7 +44,8 @@ kvstored, each timed in turn with a pinned memcpy of the same bytes (`--model-to
 
 - mla: DeepSeek-V3's MLA cache (61 layers, one 576-wide latent per token, vLLM's MLA block
   size 64), bf16 and fp8 (float8_e4m3fn): a prompt's pages stored (the namespace cleared before
-  each, untimed) and loaded.
+  each, untimed) and loaded; and the copy alone (`kvstore_kernels.gather` / `scatter` into the
+  memcpy's pinned buffer, no daemon), which tells what the client's control calls add.
 - sliding: gpt-oss-120b (36 layers alternating sliding window 128 and full attention, 8 KV
   heads, head dim 64, bf16), one namespace per KV-cache group as the vLLM connector keys them.
   A request resumed at the end of the prompt loads the full layers' every chunk and the
@@ -107,6 +108,7 @@ from bench.transfer_cases import (  # noqa: E402
     per_block_cuda,
     per_block_python,
     staged_path,
+    synchronize,
     timed,
     timed_against,
     timed_pair,
@@ -115,7 +117,15 @@ from bench.transfer_cases import (  # noqa: E402
     window_chunks,
 )
 from kvstore_client import KVStoreClient  # noqa: E402
-from kvstore_kernels import TransferOptions, copy_engine, cudart, staged, triton_copy  # noqa: E402
+from kvstore_kernels import (  # noqa: E402
+    TransferOptions,
+    copy_engine,
+    cudart,
+    gather,
+    scatter,
+    staged,
+    triton_copy,
+)
 
 MiB = 1 << 20
 
@@ -453,7 +463,9 @@ MLA_DTYPES = ("bfloat16", "float8_e4m3fn")
 
 def mla_rows(dtype: str, tokens: int, reps: int) -> list[dict[str, Any]]:
     """DeepSeek-V3's MLA pages of a `tokens` prompt stored, then loaded, by the public client, each
-    in turn with a pinned memcpy of the same bytes (the namespace cleared before each store)."""
+    in turn with a pinned memcpy of the same bytes (the namespace cleared before each store); and
+    the copy alone, `kvstore_kernels.gather` / `scatter` into the memcpy's pinned buffer, no
+    daemon: what the client's control calls add."""
     spec = deepseek_v3_spec(dtype)
     cache = ModelCache(spec, tokens, seed=1)
     moved = cache.num_chunks * spec.page.page_bytes
@@ -473,16 +485,25 @@ def mla_rows(dtype: str, tokens: int, reps: int) -> list[dict[str, Any]]:
                 if client.load(None, cache.target, cache.table, keys=keys) != tokens:
                     raise RuntimeError("load: fewer tokens than were stored")
 
+            offsets = [chunk * spec.page.page_bytes for chunk in range(cache.num_chunks)]
+            chunks = range(cache.num_chunks)
             store()
             load()
             ok = cache.loaded_right(0)
             runs = {
                 "memcpy store": copy.run(moved, True),
                 "store": store,
+                "gather alone": lambda: gather(spec, cache.source, cache.table, chunks, copy.host, offsets),
                 "memcpy load": copy.run(moved, False),
                 "load": load,
+                "scatter alone": lambda: scatter(spec, cache.target, cache.table, chunks, copy.host, offsets),
             }
             walls = walls_in_turn(runs, reps, before={"store": client.clear})
+            cache.poison()  # the copy alone, checked: pages gathered, then scattered back
+            runs["gather alone"]()
+            runs["scatter alone"]()
+            synchronize()
+            ok_alone = cache.loaded_right(0)
             arena = client.stats()["client"]["arena"]
     finally:
         copy.release()
@@ -491,11 +512,16 @@ def mla_rows(dtype: str, tokens: int, reps: int) -> list[dict[str, Any]]:
         {
             **common,
             "direction": way,
-            **against(walls[way], walls[f"memcpy {way}"], moved),
-            "ok": ok,
+            **against(walls[way], walls[f"memcpy {baseline}"], moved),
+            "ok": ok_alone if way.endswith("alone") else ok,
             "arena": arena,
         }
-        for way in ("store", "load")
+        for way, baseline in (
+            ("store", "store"),
+            ("gather alone", "store"),
+            ("load", "load"),
+            ("scatter alone", "load"),
+        )
     ]
 
 
@@ -569,7 +595,7 @@ def run_models(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
                 result["mla"] += (
                     guarded(log, f"mla {dtype} {tokens}", mla_rows, dtype, tokens, args.reps) or []
                 )
-                print_progress(result["mla"][-2:])
+                print_progress(result["mla"][-4:])
         if "sliding" in args.models:
             result["sliding"] += guarded(log, f"sliding {tokens}", sliding_rows, tokens, args.reps) or []
             print_progress(result["sliding"][-2:])
