@@ -279,7 +279,7 @@ def test_pages_gone_between_lookup_and_load_are_recomputed(
     cleared: list[int] = []
 
     def clear_then_load(context: Any) -> None:  # after the scheduler's lookup, before the load
-        client = engine.workers[0]._worker._conn.get()
+        client = engine.workers[0]._worker.groups[0].conn.get()
         if not cleared and client is not None:
             cleared.append(client.clear())
         original(context)
@@ -402,7 +402,7 @@ def test_a_request_aborted_mid_load_or_mid_prefill_gives_every_block_back(
     engine.scheduler.finish_requests("B", RequestStatus.FINISHED_ABORTED)
     engine.run()
     pool = engine.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == engine.num_blocks - 1  # block 0 is vLLM's null block
+    assert pool.get_num_free_blocks() == engine.kv_cache_config.num_blocks - 1  # block 0 is vLLM's null block
     worker = engine.workers[0]._worker
     assert not worker._finished and not worker._loading and not worker._saving
     scheduler = engine.connector._scheduler

@@ -29,9 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.core.kv_cache_planning import get_kv_cache_configs, get_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -50,10 +52,24 @@ class WrongKV(AssertionError):
 
 @dataclass(frozen=True)
 class Model:
+    """The stand-in model: its depth and each layer's kind (`full`, `sliding` with `window`, or
+    `mla`, whose latent is `head_dim` wide and the same on every TP rank), its KV-cache dtype
+    (`auto` or vLLM's fp8 names, with one per-tensor `kv_scale` for K and V) and the attention
+    backend whose layout its KV is written in (`FLASH_ATTN`: K|V side by side, `CPU_ATTN`: K rows
+    then V rows per block and head, `TRITON_MLA`: one latent per token)."""
+
     num_layers: int = 3
     num_kv_heads: int = 2  # per TP rank
     head_dim: int = 8
     dtype: torch.dtype = torch.float16
+    kinds: tuple[str, ...] = ()  # per layer; () is every layer full attention
+    window: int = 64
+    cache_dtype: str = "auto"
+    kv_scale: float = 1.0
+    backend: str = "FLASH_ATTN"
+
+    def kind(self, layer: int) -> str:
+        return self.kinds[layer] if self.kinds else "full"
 
     def write_config(self, directory: Path, tp_size: int) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
@@ -79,6 +95,7 @@ def vllm_config(
     model_dir: Path,
     extra: dict[str, Any] | None,
     *,
+    cache_dtype: str = "auto",
     kv_role: str = "kv_both",
     prefix_caching: bool = False,
     tp_size: int = 1,
@@ -109,11 +126,15 @@ def vllm_config(
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
         ),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+        cache_config=CacheConfig(
+            block_size=block_size, enable_prefix_caching=prefix_caching, cache_dtype=cast(Any, cache_dtype)
+        ),
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
     )
     config.parallel_config.tensor_parallel_size = tp_size
+    config.model_config.max_model_len = max_model_len
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False  # as on a GPU: the HMA on
     return config
 
 
@@ -140,27 +161,23 @@ class Engine:
             _hash_ready = True
         block_size = self.config.cache_config.block_size
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.model.num_layers)]
-        spec = FullAttentionSpec(
-            block_size=block_size,
-            num_kv_heads=self.model.num_kv_heads,
-            head_size=self.model.head_dim,
-            dtype=self.model.dtype,
-        )
-        page, layers = spec.page_size_bytes, self.model.num_layers
-        outer_layers = self.layout.is_layer_compact
-        tensor = KVCacheTensor(
-            size=page * self.num_blocks * layers,
-            layers=self.layer_names,
-            layer_stride=page * self.num_blocks if outer_layers else page,
-            block_stride=page if outer_layers else page * layers,
-        )
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=self.num_blocks,
-            kv_cache_tensors=[tensor],
-            kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)],
-        )
+        specs = {name: _layer_spec(self.model, layer, block_size) for layer, name in enumerate(self.layer_names)}
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         self.config.cache_config.kv_cache_layout = self.layout.name
+        model_config = self.config.model_config
+        model_config.max_model_len = min(model_config.max_model_len, self.num_blocks * block_size)
+        self.config.scheduler_config.max_model_len = model_config.max_model_len
+        # vLLM's own planner groups the layers (one group per kind, the HMA's way) and lays out
+        # the tensors; the stand-in layers tell the connector which backend reads them
+        groups = get_kv_cache_groups(self.config, specs)
+        memory = (self.num_blocks + 1) * sum(spec.page_size_bytes for spec in specs.values())  # + the null block
+        self.kv_cache_config = get_kv_cache_configs(self.config, [specs], [memory], groups)[0]
+        context = self.config.compilation_config.static_forward_context
+        for layer, name in enumerate(self.layer_names):
+            context[name] = StandInLayer(self.model, specs[name], layer)
+        self.group_of = {
+            name: index for index, group in enumerate(self.kv_cache_config.kv_cache_groups) for name in group.layer_names
+        }
         self.scheduler = Scheduler(
             vllm_config=self.config,
             kv_cache_config=self.kv_cache_config,
@@ -172,8 +189,10 @@ class Engine:
         self.scheduler.kv_event_publisher = cast(Any, _Recorder(self.events))
         tp_size = self.config.parallel_config.tensor_parallel_size
         self.aggregator = KVOutputAggregator(tp_size)
+        handshakes = {}
         for rank in range(tp_size if self.config.kv_transfer_config is not None else 0):
-            worker_config = copy.deepcopy(self.config)
+            worker_config = copy.copy(self.config)
+            worker_config.parallel_config = copy.deepcopy(self.config.parallel_config)
             worker_config.parallel_config.rank = rank
             connector = KVConnectorFactory.create_connector(
                 config=worker_config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config
@@ -182,8 +201,11 @@ class Engine:
             for view in views.values():
                 view.view(torch.uint8).fill_(POISON)
             connector.register_kv_caches(views)
+            handshakes[(0, rank)] = connector.get_handshake_metadata()
             self.workers.append(connector)
             self.caches.append([views[name] for name in self.layer_names])
+        if handshakes and self.connector is not None:
+            self.connector.set_xfer_handshake_metadata_pp_aware(handshakes)
 
     @property
     def connector(self) -> Any:
@@ -273,29 +295,33 @@ class Engine:
 
     def _forward(self, rank: int, worker: Any, output: Any) -> None:
         scheduled = self._scheduled(output)
+        block_size = self.config.cache_config.block_size
         for layer, name in enumerate(self.layer_names):
             worker.wait_for_layer_load(name)
             if not self.check:
                 continue
             cache = self.caches[rank][layer]
+            kind = self.model.kind(layer)
             for req_id, done, count in scheduled:
                 request = self.scheduler.requests[req_id]
                 tokens = request.all_token_ids
-                blocks = self._block_ids(req_id)
-                if done:
-                    held = _gather(cache, blocks, 0, done, self.config.cache_config.block_size)
-                    want = expected_kv(tokens[:done], layer, rank, self.model)
+                blocks = self._block_ids(req_id, self.group_of[name])
+                # a sliding window's layers attend to (and vLLM keeps) the window's tokens only
+                start = max(0, done - (self.model.window - 1)) if kind == "sliding" else 0
+                if done > start:
+                    held = read_kv(self.model, cache, blocks, start, done, block_size)
+                    want = expected_kv(tokens[:done], layer, rank, self.model)[start:]
                     if not torch.equal(held.view(torch.uint8), want.view(torch.uint8)):
-                        wrong = (held.view(torch.uint8) != want.view(torch.uint8)).reshape(done, -1).any(1)
+                        wrong = (held.view(torch.uint8) != want.view(torch.uint8)).reshape(done - start, -1)
                         raise WrongKV(
-                            f"{req_id}: rank {rank} layer {layer}: token {int(wrong.nonzero()[0])} of the "
-                            f"{done} computed holds the wrong KV"
+                            f"{req_id}: rank {rank} layer {layer}: token "
+                            f"{start + int(wrong.any(1).nonzero()[0])} of the {done} computed holds the wrong KV"
                         )
                 values = expected_kv(tokens[: done + count], layer, rank, self.model)[done:]
-                _scatter(cache, blocks, done, values, self.config.cache_config.block_size)
+                write_kv(self.model, cache, blocks, done, values, block_size)
 
-    def _block_ids(self, req_id: str) -> list[int]:
-        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+    def _block_ids(self, req_id: str, group: int = 0) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[group])
 
     def _runner_output(self, output: Any, kv_output: KVConnectorOutput) -> ModelRunnerOutput:
         scheduled = self._scheduled(output)
@@ -337,18 +363,80 @@ class _Recorder:
         pass
 
 
+class StandInLayer(AttentionLayerBase):
+    """What the connector reads of a model layer: its attention backend, its KV-cache spec and,
+    for an fp8 cache, its k/v scales."""
+
+    def __init__(self, model: Model, spec: KVCacheSpec, layer: int) -> None:
+        self.model, self.spec, self.layer = model, spec, layer
+        self._k_scale_float = self._v_scale_float = float(model.kv_scale)
+
+    def get_attn_backend(self) -> Any:
+        return _backend(self.model.backend if self.model.kind(self.layer) != "mla" else self.model.backend)
+
+    def get_kv_cache_spec(self, vllm_config: Any) -> KVCacheSpec:
+        return self.spec
+
+
+def _backend(name: str) -> Any:
+    if name == "CPU_ATTN":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return CPUAttentionBackend
+    if name == "FLASH_ATTN":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        return FlashAttentionBackend
+    if name == "TRITON_MLA":
+        from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
+
+        return TritonMLABackend
+    if name == "CPU_MLA":
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+        return CPUMLABackend
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
+
+    return {"FLEX_ATTENTION": FlexAttentionBackend}[name]
+
+
+def cache_dtype(model: Model) -> torch.dtype:
+    """The dtype of the model's KV values (an fp8 cache's, whose tensors vLLM keeps as bytes)."""
+    return {"auto": model.dtype, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+            "fp8_e5m2": torch.float8_e5m2}[model.cache_dtype]
+
+
+def _layer_spec(model: Model, layer: int, block_size: int) -> KVCacheSpec:
+    dtype = model.dtype if model.cache_dtype == "auto" else torch.uint8
+    kind = model.kind(layer)
+    if kind == "mla":
+        return MLAAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=model.head_dim, dtype=dtype,
+            cache_dtype_str=model.cache_dtype,
+        )
+    if kind == "sliding":
+        return SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=model.num_kv_heads, head_size=model.head_dim, dtype=dtype,
+            sliding_window=model.window,
+        )
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=model.num_kv_heads, head_size=model.head_dim, dtype=dtype)
+
+
 def expected_kv(tokens: Sequence[int], layer: int, rank: int, model: Model) -> torch.Tensor:
-    """[len(tokens), heads, 2 * head_dim]: the stand-in model's K|V of each position."""
+    """[len(tokens), heads, width]: the stand-in model's K|V (or MLA latent) of each position, in
+    the cache's dtype. An MLA latent is the same on every TP rank."""
     prefix = torch.empty(len(tokens), dtype=torch.int64)
     value = 17
     for position, token in enumerate(tokens):
         value = (value * 1_000_003 + int(token) + 1) % 2_147_483_629
         prefix[position] = value
-    width = model.num_kv_heads * 2 * model.head_dim
-    salt = (layer + 1) * 7919 + rank * 104_729
-    lanes = torch.arange(width, dtype=torch.int64)
+    mla = model.kind(layer) == "mla"
+    heads, width = (1, model.head_dim) if mla else (model.num_kv_heads, 2 * model.head_dim)
+    salt = (layer + 1) * 7919 + (0 if mla else rank * 104_729)
+    lanes = torch.arange(heads * width, dtype=torch.int64)
     mixed = ((prefix[:, None] + salt) * 2_654_435_761 + lanes * 40_503) % 65_521
-    return (mixed.to(torch.float32) / 65_521 - 0.5).to(model.dtype).view(len(tokens), model.num_kv_heads, -1)
+    values = (mixed.to(torch.float32) / 65_521 - 0.5).to(cache_dtype(model))
+    return values.view(len(tokens), heads, width)
 
 
 def _positions(
@@ -359,15 +447,30 @@ def _positions(
     return table[positions // block_size], positions % block_size
 
 
-def _gather(
-    cache: torch.Tensor, blocks: Sequence[int], start: int, stop: int, block_size: int
-) -> torch.Tensor:
+def _typed(model: Model, cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(cache_dtype(model)) if cache.dtype != cache_dtype(model) else cache
+
+
+def read_kv(model: Model, cache: torch.Tensor, blocks: Sequence[int], start: int, stop: int, block_size: int) -> torch.Tensor:
+    """[stop - start, heads, width] as the model's backend reads the cache."""
     index, offset = _positions(blocks, start, stop, block_size)
+    cache = _typed(model, cache)
+    if model.backend == "CPU_ATTN":
+        rows = cache.view(cache.shape[0], cache.shape[1], 2 * block_size, -1)
+        return torch.cat([rows[index, :, offset], rows[index, :, block_size + offset]], dim=-1)
     return cache[index, :, offset]
 
 
-def _scatter(
-    cache: torch.Tensor, blocks: Sequence[int], start: int, values: torch.Tensor, block_size: int
+def write_kv(
+    model: Model, cache: torch.Tensor, blocks: Sequence[int], start: int, values: torch.Tensor, block_size: int
 ) -> None:
+    """Writes `values` ([tokens, heads, width]) where the model's backend keeps them."""
     index, offset = _positions(blocks, start, start + len(values), block_size)
-    cache[index, :, offset] = values
+    cache = _typed(model, cache)
+    if model.backend == "CPU_ATTN":
+        rows = cache.view(cache.shape[0], cache.shape[1], 2 * block_size, -1)
+        half = values.shape[-1] // 2
+        rows[index, :, offset] = values[..., :half]
+        rows[index, :, block_size + offset] = values[..., half:]
+    else:
+        cache[index, :, offset] = values

@@ -24,14 +24,16 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvstore_client.vllm.config import ConnectorConfig, engine_spec
-from kvstore_client.vllm.metadata import StepMetadata
+from kvstore_client.vllm.config import ConnectorConfig, engine_specs
+from kvstore_client.vllm.metadata import Handshake, StepMetadata
 from kvstore_client.vllm.scheduler import SchedulerSide
 from kvstore_client.vllm.worker import WorkerSide
 
@@ -49,7 +51,7 @@ def _tp_rank(vllm_config: Any) -> int:
     return int(parallel.rank) % parallel.tensor_parallel_size
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
@@ -70,8 +72,16 @@ class KVStoreConnector(KVConnectorBase_V1):
                 vllm_config, kv_cache_config, self.config, loads=loads, saves=saves
             )
         else:
-            spec = engine_spec(vllm_config, kv_cache_config, self.config, _tp_rank(vllm_config))
-            self._worker = WorkerSide(vllm_config, kv_cache_config, self.config, spec, saves=saves)
+            rank = _tp_rank(vllm_config)
+            groups = engine_specs(vllm_config, kv_cache_config, self.config, rank)
+            self._worker = WorkerSide(
+                vllm_config,
+                [group for group, _ in groups],
+                [spec for _, spec in groups],
+                self.config,
+                rank,
+                saves=saves,
+            )
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -131,6 +141,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker_side().take_report()
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._worker_side().handshake
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -155,7 +168,15 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
-            self._scheduler_side().after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+            self._scheduler_side().after_alloc(request, blocks, num_external_tokens)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._scheduler_side().bind_block_pool(gpu_block_pool)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._scheduler_side().handshake(
+            {meta.scales for meta in metadata.values() if isinstance(meta, Handshake)}
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._scheduler_side().build_metadata(scheduler_output)
@@ -166,6 +187,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().finished(request), None
 
     def take_events(self) -> Iterable[Any]:

@@ -1,4 +1,4 @@
-"""The connector's settings (vLLM's `kv_connector_extra_config`) and the KVSpec of a vLLM engine.
+"""The connector's settings (vLLM's `kv_connector_extra_config`) and the KVSpecs of a vLLM engine.
 
 Extra-config keys, all optional:
 
@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.spec import KVSpec
+from kvstore_client.vllm.groups import Group, read_groups
 
 LOAD_MODES = ("async", "layerwise")
 _KEYS = ("address", "model", "salt", "load_mode", "lookup_timeout_s", "timeout_s", "token")
-# vLLM's cache dtypes that name a page dtype kvstore stores ("auto": the model's dtype).
-_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 
 @dataclass(frozen=True)
@@ -68,41 +67,14 @@ class ConnectorConfig:
         return cls(**extra)
 
 
-def engine_spec(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, tp_rank: int) -> KVSpec:
-    """The KVSpec of TP rank `tp_rank` of the engine `vllm_config` describes, or a ValueError
-    saying what the connector does not serve (several KV-cache groups, pipeline stages, MLA)."""
-    model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
-    cache_config = vllm_config.cache_config
-    if parallel.pipeline_parallel_size != 1:
-        raise ValueError(
-            "KVStoreConnector: pipeline parallelism is not supported (each stage would need its own "
-            "layer range in the namespace); run with pipeline_parallel_size=1"
-        )
-    if model_config.use_mla:
-        raise ValueError("KVStoreConnector: MLA models are not supported yet")
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1:
-        raise ValueError(
-            f"KVStoreConnector: the model has {len(groups)} KV-cache groups; only models whose layers "
-            "all use full attention (one group) are supported"
-        )
-    cache_dtype = str(cache_config.cache_dtype)
-    if cache_dtype == "auto":
-        dtype: Any = model_config.dtype
-    elif cache_dtype in _CACHE_DTYPES:
-        dtype = _CACHE_DTYPES[cache_dtype]
-    else:
-        raise ValueError(f"KVStoreConnector: cache_dtype {cache_dtype!r} is not supported")
-    tp_size = parallel.tensor_parallel_size
-    return KVSpec(
-        model=config.model or str(model_config.model),
-        num_layers=len(groups[0].layer_names),
-        num_kv_heads=model_config.get_num_kv_heads(parallel),
-        head_dim=model_config.get_head_size(),
-        dtype=dtype,
-        block_size=cache_config.block_size,
-        layout="vllm",
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        salt=config.salt,
-    )
+def engine_specs(
+    vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, tp_rank: int, scales: str = ""
+) -> list[tuple[Group, KVSpec]]:
+    """Each served KV-cache group of the engine and its KVSpec on TP rank `tp_rank`, or a
+    ValueError saying what the connector does not serve (`groups.read_groups`). A model whose
+    layers are all one full-attention group keeps a whole model's namespace."""
+    groups = read_groups(vllm_config, kv_cache_config)
+    whole = len(groups) == 1 and groups[0].layer_ids == tuple(range(len(groups[0].layer_ids)))
+    model = config.model or str(vllm_config.model_config.model)
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    return [(group, group.spec(config, model, tp_rank, tp_size, whole=whole, scales=scales)) for group in groups]

@@ -47,6 +47,11 @@ class LazyClient:
             log.info("kvstored at %s answers: KV is loaded and saved again", self._client.address)
         return self._client
 
+    def with_spec(self, spec: KVSpec) -> LazyClient:
+        """A client like this one for `spec` (this one is closed)."""
+        self.close()
+        return LazyClient(self.address, spec, **self._options)
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()

@@ -13,7 +13,13 @@ from its memo of earlier prompts' keys, so no token id is packed, hashed or pick
 - `StepMetadata`: one step's loads and saves, the finished requests whose blocks vLLM holds until
   every worker has saved them (`held`), and the preempted ones, whose saves must end before their
   blocks are reused.
-- `StoredChunks`: worker -> scheduler, the chunks a step committed or found missing, for KV events.
+- `StoredChunks`: worker -> scheduler, the chunks a step committed or found missing, for KV events,
+  and the chunks whose loads failed, which the scheduler does not offer again for a while.
+- `Handshake`: worker -> scheduler once at start-up (vLLM's handshake metadata): what the workers
+  read that the namespaces depend on (an fp8 cache's scales).
+
+Every spec names its KV-cache group (`kvstore_client.vllm.groups`); a hybrid model's request has a
+load and a save per group, each with the keys of that group's namespace.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -37,6 +44,7 @@ class SaveSpec:
     first: int
     stop: int
     block_ids: tuple[int, ...]
+    group: int = 0  # vLLM's KV-cache group id
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class LoadSpec(SaveSpec):
 
 @dataclass
 class StepMetadata(KVConnectorMetadata):
-    namespaces: tuple[bytes, ...] = ()  # per TP rank: the namespace its keys are made under
+    namespaces: dict[int, tuple[bytes, ...]] = field(default_factory=dict)  # per group, per TP rank
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     held: set[str] = field(default_factory=set)
@@ -65,9 +73,16 @@ class StoredChunks(KVConnectorWorkerMetadata):
 
     stored: list[tuple[str, int, bytes, bytes | None]] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
+    failed: list[tuple[str, int, int]] = field(default_factory=list)  # (request, group, first chunk not loaded)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, StoredChunks):
             self.stored.extend(other.stored)
             self.removed.extend(other.removed)
+            self.failed.extend(other.failed)
         return self
+
+
+@dataclass
+class Handshake(KVConnectorHandshakeMetadata):
+    scales: str = ""  # `groups.scales_text` of an fp8 cache's layers; empty for others

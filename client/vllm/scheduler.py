@@ -17,7 +17,9 @@ bounded by that deadline and never raises (`KVStoreClient`).
 
 from __future__ import annotations
 
+import logging
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,13 +27,19 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from kvstore.keys import chain_keys
-from kvstore_client.vllm.config import ConnectorConfig, engine_spec
+from kvstore_client.vllm.config import ConnectorConfig, engine_specs
 from kvstore_client.vllm.connection import LazyClient
+from kvstore_client.vllm.groups import Group, is_quantized
 from kvstore_client.vllm.metadata import LoadSpec, SaveSpec, StepMetadata, StoredChunks
+
+log = logging.getLogger(__name__)
 
 MEDIUM = "CPU"  # where a committed page lands first: the daemon's shared-memory arena
 PROBE_TOKENS = 2048  # a lookup's first window (see `num_new_matched_tokens`)
 MEMO_CHUNKS = 1 << 16  # chunk keys remembered per TP rank by vLLM's block hash (~10 MiB)
+ANSWER_STEPS = 8  # steps a waiting request's lookup answer is reused for (it asks every step)
+FAILED_S = 30.0  # how long a chunk whose load failed is not offered to other requests
+MAX_FAILED = 4096  # such chunks remembered
 
 
 def chunk_extras(request: Any, chunks: int, chunk_tokens: int) -> list[bytes] | None:
@@ -75,6 +83,9 @@ class _Request:
         "block_ids",
         "saved",
         "saving",
+        "loading",
+        "limit",
+        "answer",
     )
 
     def __init__(self, request: Any, prompt: list[int], hashes: Sequence[bytes]) -> None:
@@ -87,9 +98,12 @@ class _Request:
         self.keys: dict[bytes, list[bytes]] = {}  # per namespace (TP rank): its first chunks' keys
         self._extras: list[bytes] | None | bool = False  # not yet made
         self.local = 0  # tokens vLLM had computed when the lookup was made
-        self.block_ids: list[int] = []
-        self.saved = 0  # leading chunks saved, or known stored
+        self.block_ids: list[list[int]] = []  # per KV-cache group
+        self.saved = 0  # leading chunks saved
         self.saving = False  # some save was handed to the workers
+        self.loading = (-1, 0)  # chunks [first, stop) being loaded (stored: no need to save them)
+        self.limit = len(prompt)  # tokens a lookup may offer: a failed load cuts it
+        self.answer: tuple[int, int, int] | None = None  # (computed tokens, answer, step) of the last lookup
 
     def window(self, start: int, stop: int) -> bytes | bytearray:
         """The prompt's tokens `[start, stop)`, packed. Packed tokens are kept from where the first
@@ -166,26 +180,30 @@ class _Memo:
             del memo[next(iter(memo))]
 
 
+class _GroupClients:
+    """One KV-cache group's clients on the scheduler side: one per TP rank (one for a group every
+    rank holds alike), made once the namespaces are known (an fp8 cache's after the handshake)."""
+
+    def __init__(self, group: Group, ranks: list[LazyClient]) -> None:
+        self.group = group
+        self.ranks = ranks
+
+
 class SchedulerSide:
     def __init__(
         self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, *, loads: bool, saves: bool
     ):
-        tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self._ranks = [
-            LazyClient(
-                config.address,
-                engine_spec(vllm_config, kv_cache_config, config, rank),
-                timeout_s=config.lookup_timeout_s,
-                token=config.token,
-                pin_arena=False,  # the scheduler moves no bytes
-                name=f"vllm-scheduler-tp{rank}",
-            )
-            for rank in range(tp_size)
-        ]
+        self.vllm_config, self.kv_cache_config, self.config = vllm_config, kv_cache_config, config
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        engine_specs(vllm_config, kv_cache_config, config, 0)  # refuses what is not served, at start-up
+        self._groups: list[_GroupClients] = []
+        if not is_quantized(vllm_config):  # else once the workers said their scales (`handshake`)
+            self._make_clients("")
         self.block_size = vllm_config.cache_config.block_size
         # vLLM hashes each request's blocks at this size (HMA aside, its block size)
         self.hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
-        self._memos: dict[bytes, _Memo] = {}  # per namespace (TP rank)
+        self.null_block = 0  # vLLM's null block (BlockPool), where a window's skipped blocks point
+        self._memos: dict[bytes, _Memo] = {}  # per namespace (group and TP rank)
         self.loads, self.saves = loads, saves
         self._requests: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
@@ -194,8 +212,45 @@ class SchedulerSide:
         # the prompts of requests with saves handed to the workers, until every rank reported
         # them done: a stored chunk's token ids for its BlockStored event
         self._prompts: dict[str, list[int]] = {}
+        # rank 0's key of the first group of chunks whose load failed -> when it may be offered again
+        self._failed: dict[bytes, float] = {}
         self.chunk_tokens = 0  # the daemon's, once connected
-        self.namespaces: tuple[bytes, ...] = ()  # per TP rank, once connected
+        self.namespaces: dict[int, tuple[bytes, ...]] = {}  # per group, per TP rank, once connected
+        self.steps = 0
+
+    def _make_clients(self, scales: str) -> None:
+        for group_clients in self._groups:
+            for rank in group_clients.ranks:
+                rank.close()
+        self._groups = []
+        ranks = range(self.tp_size)
+        per_rank = [engine_specs(self.vllm_config, self.kv_cache_config, self.config, r, scales) for r in ranks]
+        for index, (group, _) in enumerate(per_rank[0]):
+            specs = [per_rank[0][index][1]] if group.replicated else [per_rank[r][index][1] for r in ranks]
+            clients = [
+                LazyClient(
+                    self.config.address,
+                    spec,
+                    timeout_s=self.config.lookup_timeout_s,
+                    token=self.config.token,
+                    pin_arena=False,  # the scheduler moves no bytes
+                    name=f"vllm-scheduler-g{group.index}-tp{spec.tp_rank}",
+                )
+                for spec in specs
+            ]
+            self._groups.append(_GroupClients(group, clients))
+
+    def handshake(self, scales: set[str]) -> None:
+        """What the workers read at start-up: an fp8 cache's scales, which every rank must agree on."""
+        if not is_quantized(self.vllm_config):
+            return
+        if len(scales) != 1:
+            log.error("the TP ranks read different fp8 scales: nothing is loaded or saved")
+            return
+        self._make_clients(scales.pop())
+
+    def bind_block_pool(self, block_pool: Any) -> None:
+        self.null_block = int(block_pool.null_block.block_id)
 
     def _state(self, request: Any) -> _Request | None:
         state = self._requests.get(request.request_id)
@@ -218,87 +273,150 @@ class SchedulerSide:
             memo = self._memos[client.namespace] = _Memo(per_chunk)
         return memo
 
-    def _clients(self) -> list[Any] | None:
-        clients = [rank.get() for rank in self._ranks]
-        if any(client is None for client in clients):
+    def _clients(self) -> list[tuple[Group, list[Any]]] | None:
+        """Each group and its connected clients, or None while any is not connected."""
+        if not self._groups:
             return None
-        self.chunk_tokens = clients[0].spec.page.chunk_tokens
-        self.namespaces = tuple(client.namespace for client in clients)
-        return clients
+        groups = []
+        for group_clients in self._groups:
+            clients = [rank.get() for rank in group_clients.ranks]
+            if any(client is None for client in clients):
+                return None
+            groups.append((group_clients.group, clients))
+        self.chunk_tokens = groups[0][1][0].spec.page.chunk_tokens
+        self.namespaces = {group.index: tuple(c.namespace for c in clients) for group, clients in groups}
+        return groups
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         state = self._state(request)
         if state is None:
             return 0
         state.local = num_computed_tokens
+        remembered = state.answer
+        if remembered is not None and remembered[0] == num_computed_tokens and self.steps - remembered[2] < ANSWER_STEPS:
+            return remembered[1]  # a request waiting for blocks asks every step: the answer holds a while
         clients = self._clients() if self.loads or self.saves else None
         if not self.loads or clients is None:
             return 0
+        tokens = self._matched(state, request, num_computed_tokens, clients)
+        state.answer = (num_computed_tokens, tokens, self.steps)
+        return tokens
+
+    def _matched(self, state: _Request, request: Any, local: int, groups: list[tuple[Group, list[Any]]]) -> int:
         chunk = self.chunk_tokens
-        first, whole = num_computed_tokens // chunk, state.num_prompt // chunk
+        first, whole = local // chunk, min(state.num_prompt, state.limit) // chunk
         if whole <= first:
             return 0
-        # Rank 0 first looks up the chunks whose keys the memo holds, or those of PROBE_TOKENS where
-        # it holds fewer, then, where all of them hit, the rest: the tokens past the first miss
-        # are never packed for a lookup (most prompts miss early).
-        memo = self._memo(clients[0])
-        known = state.known(clients[0], whole, memo)
-        stop = min(whole, max(known, first + max(1, PROBE_TOKENS // chunk)))
-        hit = first + clients[0].lookup_chunks(state.chunk_keys(clients[0], stop, memo)[first:])
-        if hit == stop < whole:
-            hit += clients[0].lookup_chunks(state.chunk_keys(clients[0], whole, memo)[stop:])
-        for client in clients[1:]:  # every rank must hold what is promised
-            if hit <= first:
-                break
-            hit = first + client.lookup_chunks(state.chunk_keys(client, hit, self._memo(client))[first:])
+        hit = whole
+        # Groups of every token first (full attention, MLA), then the windows within their hit.
+        for group, clients in sorted(groups, key=lambda entry: entry[0].retained > 0):
+            for client in clients:
+                if hit <= first:
+                    return 0
+                if group.retained:
+                    hit = self._window_hit(state, client, group, first, hit, request.num_tokens)
+                else:
+                    hit = self._prefix_hit(state, client, first, hit)
+        hit = self._before_failures(state, groups, first, hit)
         end = min(hit * chunk, request.num_tokens - 1)
         if self.block_size == 1 and end % chunk:  # the last chunk's last block would be missing
             end -= end % chunk
-        return max(end - num_computed_tokens, 0)
+        return max(end - local, 0)
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+    def _prefix_hit(self, state: _Request, client: Any, first: int, stop: int) -> int:
+        """`first` plus the stored chunks from `first` on under `client`'s namespace, up to `stop`.
+        The chunks whose keys the memo holds (or PROBE_TOKENS' worth, where fewer) are looked
+        up first, the rest only where all of those hit: the tokens past the first miss are never
+        packed for a lookup (most prompts miss early)."""
+        memo = self._memo(client)
+        known = state.known(client, stop, memo)
+        probe = min(stop, max(known, first + max(1, PROBE_TOKENS // self.chunk_tokens)))
+        hit = first + client.lookup_chunks(state.chunk_keys(client, probe, memo)[first:])
+        if hit == probe < stop:
+            hit += client.lookup_chunks(state.chunk_keys(client, stop, memo)[probe:])
+        return hit
+
+    def _window_hit(self, state: _Request, client: Any, group: Group, first: int, stop: int, tokens: int) -> int:
+        """How far the window's chunks of a sliding-window group are stored: `stop` where the
+        chunks of the `retained` tokens before the resume point are, else the stored prefix."""
+        end = min(stop * self.chunk_tokens, tokens - 1)
+        start = max(first, (end - group.retained) // self.chunk_tokens)
+        memo = self._memo(client)
+        keys = state.chunk_keys(client, stop, memo)
+        if client.lookup_chunks(keys[start:stop]) == stop - start:
+            return stop
+        return self._prefix_hit(state, client, first, stop)
+
+    def _before_failures(
+        self, state: _Request, groups: list[tuple[Group, list[Any]]], first: int, hit: int
+    ) -> int:
+        """`hit` cut before any chunk whose load failed lately (for any request)."""
+        if not self._failed or hit <= first:
+            return hit
+        now = time.monotonic()
+        for key, until in list(self._failed.items()):
+            if until <= now:
+                del self._failed[key]
+        keys = state.keys.get(groups[0][1][0].namespace, [])
+        for index in range(first, min(hit, len(keys))):
+            if keys[index] in self._failed:
+                return index
+        return hit
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
         if num_external_tokens <= 0 or state is None or not self.chunk_tokens:
             return
         chunk, local = self.chunk_tokens, state.local
         first, stop = local // chunk, -(-(local + num_external_tokens) // chunk)
         per_chunk = chunk // self.block_size
-        # the lookup made every rank's keys as far as the hit: a rank without them loads nothing
-        # and its blocks are recomputed (`WorkerSide`)
-        keys = [state.keys.get(namespace, [])[first:stop] for namespace in self.namespaces]
-        self._pending_loads.append(
-            LoadSpec(
-                req_id=request.request_id,
-                keys=tuple(map(tuple, keys)),
-                parent=state.keys[self.namespaces[0]][first - 1] if first else None,
-                chunk_tokens=chunk,
-                first=first,
-                stop=stop,
-                skip=(local - first * chunk) // self.block_size,
-                block_ids=tuple(block_ids[first * per_chunk : stop * per_chunk]),
+        block_ids = blocks.get_block_ids()
+        for group_clients in self._groups:
+            group = group_clients.group
+            namespaces = self.namespaces.get(group.index, ())
+            table = list(block_ids[group.index]) if group.index < len(block_ids) else []
+            # blocks the load must not write: vLLM's own (its prefix cache), a window's skipped ones
+            writable = max(local // self.block_size, _null_head(table, self.null_block))
+            group_first = max(first, writable // per_chunk)
+            if group_first >= stop:
+                continue
+            # the lookup made every rank's keys as far as the hit: a rank without them loads nothing
+            # and its blocks are recomputed (`WorkerSide`)
+            keys = [state.keys.get(namespace, [])[group_first:stop] for namespace in namespaces]
+            self._pending_loads.append(
+                LoadSpec(
+                    req_id=request.request_id,
+                    keys=tuple(map(tuple, keys)),
+                    parent=state.keys[namespaces[0]][group_first - 1] if group_first else None,
+                    chunk_tokens=chunk,
+                    first=group_first,
+                    stop=stop,
+                    skip=writable - group_first * per_chunk,
+                    block_ids=tuple(table[group_first * per_chunk : stop * per_chunk]),
+                    group=group.index,
+                )
             )
-        )
-        if first == 0:  # the chunks before `stop` are stored: no need to save them again
-            state.saved = max(state.saved, stop)
+        state.loading = (first, stop)
 
     def build_metadata(self, scheduler_output: Any) -> StepMetadata:
+        self.steps += 1
         meta = StepMetadata(
-            namespaces=self.namespaces,
+            namespaces=dict(self.namespaces),
             loads=self._pending_loads,
             held=self._held,
             preempted=set(scheduler_output.preempted_req_ids or ()),
         )
         self._pending_loads, self._held = [], set()
-        clients = self._clients() if self.saves and self.chunk_tokens else None
-        if clients is None:
+        groups = self._clients() if self.saves and self.chunk_tokens else None
+        if groups is None:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0])
+                state.block_ids = [list(ids) for ids in new.block_ids]
                 computed = new.num_computed_tokens + scheduled[new.req_id]
-                self._plan_save(meta, clients, new.req_id, state, computed)
+                self._plan_save(meta, groups, new.req_id, state, computed)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -306,33 +424,52 @@ class SchedulerSide:
                 continue
             new_block_ids = cached.new_block_ids[index]
             if req_id in cached.resumed_req_ids:  # a resumed request gets its whole block table anew
-                state.block_ids = list(new_block_ids[0]) if new_block_ids else []
+                state.block_ids = [list(ids) for ids in new_block_ids] if new_block_ids else []
             elif new_block_ids:
-                state.block_ids.extend(new_block_ids[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_block_ids]
+                for table, ids in zip(state.block_ids, new_block_ids, strict=False):
+                    table.extend(ids)
             computed = cached.num_computed_tokens[index] + scheduled.get(req_id, 0)
-            self._plan_save(meta, clients, req_id, state, computed)
+            self._plan_save(meta, groups, req_id, state, computed)
         return meta
 
     def _plan_save(
-        self, meta: StepMetadata, clients: list[Any], req_id: str, state: _Request, computed: int
+        self, meta: StepMetadata, groups: list[tuple[Group, list[Any]]], req_id: str, state: _Request, computed: int
     ) -> None:
         chunk = self.chunk_tokens
         per_chunk = chunk // self.block_size
-        first, stop = state.saved, min(computed, state.num_prompt) // chunk
-        if stop <= first or len(state.block_ids) < stop * per_chunk:
+        loaded_from, _ = state.loading
+        first = state.saved if loaded_from != 0 else max(state.saved, state.loading[1])
+        stop = min(computed, state.num_prompt) // chunk
+        if stop <= first:
             return
-        keys = [state.chunk_keys(client, stop, self._memo(client)) for client in clients]
-        meta.saves.append(
-            SaveSpec(
-                req_id=req_id,
-                keys=tuple(tuple(rank_keys[first:stop]) for rank_keys in keys),
-                parent=keys[0][first - 1] if first else None,
-                chunk_tokens=chunk,
-                first=first,
-                stop=stop,
-                block_ids=tuple(state.block_ids[first * per_chunk : stop * per_chunk]),
+        planned = []
+        for group, clients in groups:
+            table = state.block_ids[group.index] if group.index < len(state.block_ids) else []
+            if len(table) < stop * per_chunk:
+                return
+            blocks = list(table[first * per_chunk : stop * per_chunk])
+            if group.retained:  # positions outside each chunk's own window: the null block's zeros
+                for offset in range(len(blocks)):
+                    block_end = (first * per_chunk + offset + 1) * self.block_size
+                    chunk_end = (first + offset // per_chunk + 1) * chunk
+                    if block_end <= chunk_end - group.retained:
+                        blocks[offset] = self.null_block
+            keys = [state.chunk_keys(client, stop, self._memo(client)) for client in clients]
+            planned.append(
+                SaveSpec(
+                    req_id=req_id,
+                    keys=tuple(tuple(rank_keys[first:stop]) for rank_keys in keys),
+                    parent=keys[0][first - 1] if first else None,
+                    chunk_tokens=chunk,
+                    first=first,
+                    stop=stop,
+                    block_ids=tuple(blocks),
+                    group=group.index,
+                )
             )
-        )
+        meta.saves.extend(planned)
         self._prompts[req_id] = state.prompt
         state.saved, state.saving = stop, True
 
@@ -345,12 +482,34 @@ class SchedulerSide:
         return True
 
     def record(self, worker_meta: Any, finished_sending: set[str] | None) -> None:
-        """Events for what the workers stored and found gone; `finished_sending`: the requests
-        whose saves every rank has ended."""
+        """Events for what the workers stored and found gone, and the loads that failed;
+        `finished_sending`: the requests whose saves every rank has ended."""
         if isinstance(worker_meta, StoredChunks):
             self._record(worker_meta)
+            self._record_failures(worker_meta.failed)
         for req_id in finished_sending or ():
             self._prompts.pop(req_id, None)
+
+    def _record_failures(self, failed: list[tuple[str, int, int]]) -> None:
+        """A chunk whose load failed is not offered again to its request (which recomputes it and
+        saves it anew), nor for FAILED_S to any other."""
+        if not failed or not self._groups:
+            return
+        namespace = self.namespaces.get(self._groups[0].group.index, (b"",))[0]
+        until = time.monotonic() + FAILED_S
+        for req_id, _group, index in failed:
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            state.limit = min(state.limit, index * self.chunk_tokens)
+            state.saved = min(state.saved, index)
+            state.loading = (-1, 0)
+            state.answer = None
+            keys = state.keys.get(namespace, [])
+            if index < len(keys):
+                self._failed[keys[index]] = until
+        while len(self._failed) > MAX_FAILED:
+            del self._failed[next(iter(self._failed))]
 
     def _record(self, worker_meta: StoredChunks) -> None:
         chunk = self.chunk_tokens
@@ -375,5 +534,16 @@ class SchedulerSide:
         return events
 
     def close(self) -> None:
-        for rank in self._ranks:
-            rank.close()
+        for group_clients in self._groups:
+            for rank in group_clients.ranks:
+                rank.close()
+
+
+def _null_head(table: Sequence[int], null_block: int) -> int:
+    """How many leading entries of a block table are vLLM's null block."""
+    count = 0
+    for block in table:
+        if block != null_block:
+            break
+        count += 1
+    return count

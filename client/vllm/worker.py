@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,7 +33,9 @@ from kvstore_client.client import KVStoreClient
 from kvstore_client.handles import LoadHandle, StoreHandle
 from kvstore_client.vllm.config import ConnectorConfig
 from kvstore_client.vllm.connection import LazyClient
-from kvstore_client.vllm.metadata import LoadSpec, SaveSpec, StepMetadata, StoredChunks
+from kvstore_client.vllm.groups import Group, is_quantized, scales_text
+from kvstore_client.vllm.layouts import GroupCache, group_cache, layer_scales
+from kvstore_client.vllm.metadata import Handshake, LoadSpec, SaveSpec, StepMetadata, StoredChunks
 
 log = logging.getLogger(__name__)
 
@@ -60,29 +63,65 @@ class _Load:
         )
 
 
-class WorkerSide:
-    def __init__(
-        self, vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig, spec: KVSpec, *, saves: bool
-    ) -> None:
-        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
-        self.layer_index = {name: index for index, name in enumerate(self.layer_names)}
+class _GroupSide:
+    """One KV-cache group on this worker: its client (its own namespace) and, once vLLM registered
+    the caches, its tensors as the kernels take them."""
+
+    def __init__(self, group: Group, spec: KVSpec, config: ConnectorConfig, tp_rank: int) -> None:
+        self.group = group
         self.spec = spec
-        self.saves = saves
-        self.layerwise = config.load_mode == "layerwise"
-        self.reports = spec.tp_rank == 0  # KV events speak of rank 0's keys
-        self._conn = LazyClient(
+        self.layer_index = {name: index for index, name in enumerate(group.layer_names)}
+        self.conn = LazyClient(
             config.address,
             spec,
             timeout_s=config.timeout_s,
             token=config.token,
-            name=f"vllm-tp{spec.tp_rank}",
+            name=f"vllm-tp{tp_rank}-g{group.index}",
         )
-        self._tensors: list[torch.Tensor] | None = None
-        self._caches: Any = None
-        self._scratch: list[torch.Tensor] | None = None
+        self.cache: GroupCache | None = None
+        self.registered: Any = None  # kvstore_kernels.register's view of cache.tensors
+        self.scratch: list[torch.Tensor] | None = None
+
+    def register(self, vllm_config: Any, kv_caches: dict[str, torch.Tensor], scales: str) -> None:
+        if scales:
+            self.spec = replace(self.spec, scales=scales)
+            self.conn = self.conn.with_spec(self.spec)
+        self.cache = group_cache(vllm_config, self.group, self.spec, kv_caches)
+        kernel = self.cache.spec
+        self.registered = kvstore_kernels.register(kernel.with_chunk_tokens(kernel.block_size), list(self.cache.tensors))
+
+    def client(self, chunk_tokens: int) -> KVStoreClient | None:
+        """The client, where it is connected and the daemon's chunk size is the scheduler's."""
+        client = self.conn.get() if self.cache is not None else None
+        if client is None or client.spec.page.chunk_tokens != chunk_tokens:
+            return None
+        return client
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        vllm_config: Any,
+        groups: list[Group],
+        specs: list[KVSpec],
+        config: ConnectorConfig,
+        tp_rank: int,
+        *,
+        saves: bool,
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.tp_rank = tp_rank
+        self.groups = {
+            group.index: _GroupSide(group, spec, config, tp_rank) for group, spec in zip(groups, specs, strict=True)
+        }
+        self.layer_group = {name: side for side in self.groups.values() for name in side.group.layer_names}
+        self.saves = saves
+        self.layerwise = config.load_mode == "layerwise"
+        self.reports = tp_rank == 0  # KV events speak of rank 0's keys
+        self.handshake = Handshake()
         self._stream: Any = None
-        self._namespaces: tuple[bytes, ...] = ()  # the step's, per TP rank (`StepMetadata`)
-        self._loading: dict[str, _Load] = {}  # async loads in flight
+        self._namespaces: dict[int, tuple[bytes, ...]] = {}  # the step's, per group and TP rank
+        self._loading: dict[str, list[_Load]] = {}  # async loads in flight, one per group
         self._step_loads: list[_Load] = []  # layer-wise loads of the current step
         self._saving: dict[str, list[tuple[StoreHandle, SaveSpec]]] = {}
         self._errors: set[int] = set()
@@ -92,29 +131,25 @@ class WorkerSide:
     # -- set-up -------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        missing = [name for name in self.layer_names if name not in kv_caches]
-        if missing:
-            raise ValueError(f"kv_caches: no tensor for layer(s) {', '.join(missing[:4])}")
-        self._tensors = [kv_caches[name] for name in self.layer_names]
-        self._caches = kvstore_kernels.register(
-            self.spec.with_chunk_tokens(self.spec.block_size), self._tensors
-        )
-        if self._tensors[0].is_cuda:
-            self._stream = torch.cuda.Stream(self._tensors[0].device)
-        self._conn.get()  # connect now where the daemon is up, not in the first step
+        scales = ""
+        if is_quantized(self.vllm_config):
+            names = [name for side in self.groups.values() for name in side.group.layer_names]
+            scales = scales_text(layer_scales(self.vllm_config, names))
+        self.handshake = Handshake(scales=scales)
+        for side in self.groups.values():
+            side.register(self.vllm_config, kv_caches, scales)
+        first = next(iter(self.groups.values())).cache
+        if first is not None and first.tensors[0].is_cuda:
+            self._stream = torch.cuda.Stream(first.tensors[0].device)
+        for side in self.groups.values():
+            side.conn.get()  # connect now where the daemon is up, not in the first step
 
-    def _client(self, chunk_tokens: int) -> KVStoreClient | None:
-        """The client, where it is connected and the daemon's chunk size is the scheduler's."""
-        client = self._conn.get() if self._caches is not None else None
-        if client is None or client.spec.page.chunk_tokens != chunk_tokens:
-            return None
-        return client
-
-    def _keys_of(self, client: KVStoreClient, spec: SaveSpec) -> tuple[bytes, ...] | None:
-        """This rank's keys of chunks `[spec.first, spec.stop)`; None where the scheduler made none
-        for it or made them under another namespace than this rank's client has."""
-        rank = self.spec.tp_rank
-        if rank >= len(self._namespaces) or self._namespaces[rank] != client.namespace:
+    def _keys_of(self, side: _GroupSide, client: KVStoreClient, spec: SaveSpec) -> tuple[bytes, ...] | None:
+        """This rank's keys of chunks `[spec.first, spec.stop)` of the spec's group; None where the
+        scheduler made none for it or made them under another namespace than this rank's client has."""
+        rank = 0 if side.group.replicated else self.tp_rank
+        namespaces = self._namespaces.get(spec.group, ())
+        if rank >= len(namespaces) or namespaces[rank] != client.namespace:
             return None
         keys = spec.keys[rank] if rank < len(spec.keys) else ()
         return keys if len(keys) == spec.stop - spec.first else None
@@ -128,45 +163,44 @@ class WorkerSide:
     # -- loads --------------------------------------------------------------
 
     def start_loads(self, meta: StepMetadata) -> None:
-        self._namespaces = meta.namespaces
+        self._namespaces = dict(meta.namespaces)
         for spec in meta.loads:
             load = self._start_load(spec)
             if self.layerwise:
                 self._step_loads.append(load)
             else:
-                self._loading[spec.req_id] = load
+                self._loading.setdefault(spec.req_id, []).append(load)
 
     def _start_load(self, spec: LoadSpec) -> _Load:
-        client = self._client(spec.chunk_tokens)
-        if client is None:
+        side = self.groups.get(spec.group)
+        client = side.client(spec.chunk_tokens) if side is not None else None
+        if side is None or client is None or side.cache is None:
             return _Load(spec, [])
-        keys = self._keys_of(client, spec)
+        keys = self._keys_of(side, client, spec)
         if keys is None:
             return _Load(spec, [])
-        per_chunk = spec.chunk_tokens // self.spec.block_size
+        cache = side.cache
+        ratio, per_chunk = cache.ratio, spec.chunk_tokens // cache.spec.block_size
         stream = self._ordered_stream()
         parts: list[tuple[LoadHandle, int, int]] = []
         first, copied = spec.first, None
         try:
-            if spec.skip:  # vLLM holds the chunk's first blocks: the chunk goes through the scratch cache
-                scratch = self._scratch_cache(per_chunk)
+            if spec.skip:  # the chunk's first blocks are vLLM's (or none): through the scratch cache
+                scratch = self._scratch_cache(side, per_chunk)
                 handle = client.load_async(
-                    None,
-                    scratch,
-                    list(range(per_chunk)),
-                    keys=keys[:1],
-                    stream=stream,
+                    None, scratch, list(range(per_chunk)), keys=keys[:1], stream=stream
                 )
                 parts.append((handle, first, first + 1))
                 if handle.tokens:
-                    self._copy_blocks(scratch, spec.skip, spec.block_ids[spec.skip : per_chunk], stream)
+                    target = cache.kernel_blocks(spec.block_ids[spec.skip : per_chunk // ratio])
+                    self._copy_blocks(cache, scratch, spec.skip * ratio, target, stream)
                     copied = _record(stream)
                 first += 1
             if first < spec.stop and all(handle.tokens for handle, _, _ in parts):
                 handle = client.load_async(
                     None,
-                    self._caches,
-                    list(spec.block_ids[(first - spec.first) * per_chunk :]),
+                    side.registered,
+                    cache.kernel_blocks(spec.block_ids[(first - spec.first) * (per_chunk // ratio) :]),
                     keys=keys[first - spec.first :],
                     stream=stream,
                     layerwise=self.layerwise,
@@ -176,28 +210,34 @@ class WorkerSide:
             log.exception("loading %s failed; its tokens are recomputed", spec.req_id)
         return _Load(spec, parts, copied, _record(stream))
 
-    def _scratch_cache(self, blocks: int) -> list[torch.Tensor]:
-        """One chunk's blocks of every layer, shaped like vLLM's (made once per chunk size)."""
-        assert self._tensors is not None
-        if self._scratch is None or self._scratch[0].shape[0] != blocks:
-            like = self._tensors[0]
+    def _scratch_cache(self, side: _GroupSide, blocks: int) -> list[torch.Tensor]:
+        """One chunk's blocks of every layer of a group, shaped like vLLM's (made once per size)."""
+        assert side.cache is not None
+        if side.scratch is None or side.scratch[0].shape[0] != blocks:
+            like = side.cache.tensors[0]
             shape = (blocks, *like.shape[1:])
-            self._scratch = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in self._tensors]
-        return self._scratch
+            side.scratch = [
+                torch.empty(shape, dtype=like.dtype, device=like.device) for _ in side.cache.tensors
+            ]
+        return side.scratch
 
-    def _copy_blocks(self, scratch: list[torch.Tensor], skip: int, block_ids: Any, stream: Any) -> None:
-        """Scratch blocks `skip..` -> vLLM's `block_ids`, every layer, on `stream` after the scatter."""
-        assert self._tensors is not None
-        target = torch.tensor(list(block_ids), dtype=torch.int64, device=self._tensors[0].device)
+    def _copy_blocks(
+        self, cache: GroupCache, scratch: list[torch.Tensor], skip: int, block_ids: list[int], stream: Any
+    ) -> None:
+        """Scratch blocks `skip..` -> `block_ids` of the group, every layer, on `stream` after the scatter."""
+        target = torch.tensor(block_ids, dtype=torch.int64, device=cache.tensors[0].device)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for cache, source in zip(self._tensors, scratch, strict=True):
-                cache.index_copy_(0, target, source[skip:])
+            for tensor, source in zip(cache.tensors, scratch, strict=True):
+                tensor.index_copy_(0, target, source[skip : skip + len(block_ids)])
 
     def wait_layer(self, layer_name: str) -> None:
-        layer = self.layer_index.get(layer_name)
-        if layer is None:
+        side = self.layer_group.get(layer_name)
+        if side is None:
             return
+        layer = side.layer_index[layer_name]
         for load in self._step_loads:
+            if load.spec.group != side.group.index:
+                continue
             if load.copied is not None:
                 torch.cuda.current_stream().wait_event(load.copied)
             for handle, _, _ in load.parts:
@@ -210,16 +250,17 @@ class WorkerSide:
         self._step_loads = []
 
     def finished_loads(self) -> set[str]:
-        done = {req_id for req_id, load in self._loading.items() if load.done()}
+        done = {req_id for req_id, loads in self._loading.items() if all(load.done() for load in loads)}
         for req_id in done:
-            self._finish(self._loading.pop(req_id))
+            for load in self._loading.pop(req_id):
+                self._finish(load)
             if req_id in self._finished:  # aborted while its pages were loading
                 self._forget(req_id)
         return done
 
     def _finish(self, load: _Load) -> None:
         """Ends a load's leases; the blocks of every chunk not known valid become load errors."""
-        spec, per_chunk = load.spec, load.spec.chunk_tokens // self.spec.block_size
+        spec = load.spec
         valid = spec.first
         for handle, first, stop in load.parts:
             try:
@@ -233,7 +274,10 @@ class WorkerSide:
                 gone = first + handle.tokens // spec.chunk_tokens  # the daemon no longer holds it
                 self._report.removed.append(spec.keys[0][gone - spec.first])
         if valid < spec.stop:
+            side = self.groups.get(spec.group)
+            per_chunk = spec.chunk_tokens // (side.group.block_size if side is not None else 1)
             self._errors.update(spec.target_blocks(per_chunk, valid, spec.stop))
+            self._report.failed.append((spec.req_id, spec.group, valid))
 
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -242,19 +286,22 @@ class WorkerSide:
     # -- saves --------------------------------------------------------------
 
     def start_saves(self, meta: StepMetadata) -> None:
-        self._namespaces = meta.namespaces
+        self._namespaces = dict(meta.namespaces)
         for spec in meta.saves if self.saves else ():
-            client = self._client(spec.chunk_tokens)
-            if client is None:
+            side = self.groups.get(spec.group)
+            if side is None or (side.group.replicated and self.tp_rank != 0):
+                continue  # one copy of a replicated group: rank 0's
+            client = side.client(spec.chunk_tokens)
+            if client is None or side.cache is None:
                 continue
-            keys = self._keys_of(client, spec)
+            keys = self._keys_of(side, client, spec)
             if keys is None:
                 continue
             try:
                 handle = client.store_async(
                     None,
-                    self._caches,
-                    list(spec.block_ids),
+                    side.registered,
+                    side.cache.kernel_blocks(spec.block_ids),
                     keys=keys,
                     stream=self._ordered_stream(),
                 )
@@ -275,11 +322,15 @@ class WorkerSide:
             except Exception:
                 log.exception("committing a save of %s failed; its chunks are not stored", req_id)
                 continue
-            if self.reports:
+            if self.reports and spec.group == self._reporting_group():
                 keys = spec.keys[0]
                 for position in handle.positions:
                     parent = keys[position - 1] if position else spec.parent
                     self._report.stored.append((req_id, spec.first + position, keys[position], parent))
+
+    def _reporting_group(self) -> int:
+        """The group whose keys KV events name: the first one."""
+        return next(iter(self.groups))
 
     def settle(self, req_ids: set[str]) -> None:
         """Commits (waiting for their gathers) every save of `req_ids`: their blocks may be reused next."""
@@ -305,17 +356,18 @@ class WorkerSide:
         self._finished.discard(req_id)
 
     def take_report(self) -> StoredChunks | None:
-        if not self._report.stored and not self._report.removed:
+        if not self._report.stored and not self._report.removed and not self._report.failed:
             return None
         report, self._report = self._report, StoredChunks()
         return report
 
     def close(self) -> None:
         self.settle(set(self._saving))
-        for load in [*self._loading.values(), *self._step_loads]:
+        for load in [*(load for loads in self._loading.values() for load in loads), *self._step_loads]:
             self._finish(load)
         self._loading, self._step_loads = {}, []
-        self._conn.close()
+        for side in self.groups.values():
+            side.conn.close()
 
 
 def _record(stream: Any) -> Any:
