@@ -113,6 +113,7 @@ from bench.transfer_cases import (  # noqa: E402
     timed_against,
     timed_pair,
     verify,
+    wait_reserved,
     walls_in_turn,
     window_chunks,
 )
@@ -475,6 +476,7 @@ def mla_rows(dtype: str, tokens: int, reps: int) -> list[dict[str, Any]]:
             running_daemon(daemon_config(spec.page.page_bytes, cache.num_chunks)) as daemon,
             KVStoreClient.connect(daemon.address, spec) as client,
         ):
+            wait_reserved(client)
             keys = client.keys(list(range(tokens)))
 
             def store() -> None:
@@ -543,6 +545,7 @@ def sliding_rows(tokens: int, reps: int) -> list[dict[str, Any]]:
             KVStoreClient.connect(daemon.address, full.spec) as full_client,
             KVStoreClient.connect(daemon.address, sliding.spec) as sliding_client,
         ):
+            wait_reserved(full_client)
             groups = [(full_client, full), (sliding_client, sliding)]
             keys = [client.keys(list(range(tokens))) for client, _ in groups]
             for (client, cache), group_keys in zip(groups, keys, strict=True):

@@ -513,6 +513,20 @@ def daemon_config(page_bytes: int, pages: int) -> dict[str, Any]:
     }
 
 
+def wait_reserved(client: Any, timeout_s: float = 120.0) -> None:
+    """Until the daemon has reserved its whole arena. It serves once the first slab is reserved and
+    reserves the rest behind; a Reserve that needs the rest before then is refused
+    (RESOURCE_EXHAUSTED, seen on the H100 host with 3 slabs of 4 still pending)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.stats()
+        if stats["counters"]["arena_reserved_bytes"] >= stats["tiers"]["cpu"]["bytes_capacity"]:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the daemon's arena is still not reserved after {timeout_s} s")
+        time.sleep(0.01)
+
+
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run through the reference path
 
