@@ -1,4 +1,4 @@
-"""kvstore as SGLang's HiCache storage backend (L3), for SGLang 0.5.23.
+"""kvstore as SGLang's HiCache storage backend (L3), for SGLang 0.5.23: its MHA and MLA host pools.
 
     python -m sglang.launch_server --model-path MODEL --page-size 64 \\
       --enable-hierarchical-cache --hicache-storage-backend dynamic \\
@@ -13,12 +13,25 @@ the daemon's arena with no intermediate copy. Extra-config keys: `address` (defa
 default config's socket), `namespace_salt` (pages of different salts never match), `timeout_s`.
 
 - Pages: one SGLang page (`--page-size` tokens) is one kvstore page, in kvstore's own layout
-  (`[layer][k|v][token][head][dim]`) whatever the host pool's (`layer_first`, `page_first`,
-  `page_first_direct`, `page_head`): the pool is seen as one `[k|v][page][token][head][dim]`
-  view per layer and `kvstore_kernels` gathers and scatters the pages from it (on the CPU,
-  vectorised torch copies, one per layer and K/V). SGLang instances with different host
-  layouts therefore share pages, and a namespace is the model's (name, geometry, dtype, page
-  size, TP rank and size; PP and context-parallel ranks in the salt).
+  whatever the host pool's. The pool is seen as one view per layer and `kvstore_kernels`
+  gathers and scatters the pages from it (on the CPU, vectorised torch copies, one per layer
+  and K/V). SGLang instances with different host layouts therefore share pages.
+  - MHA pools (`layer_first`, `page_first`, `page_first_direct`, `page_head`): pages
+    `[layer][k|v][token][head][dim]`, views `[k|v][page][token][head][dim]`; the namespace is
+    the model's and this TP rank's (each rank holds its own heads).
+  - MLA pools (`MLATokenToKVPoolHost`: `layer_first`, `page_first`, `page_first_direct`,
+    `page_unified`): pages `[layer][token][latent]` (the latent: kv_lora_rank + rope dims),
+    views `[page][token][latent]`. The latent is the same on every TP rank, so the namespace
+    names no TP rank or size: a chunk is stored once and every rank loads it. SGLang 0.5.23
+    writes MLA pages from rank 0 only (`HiCacheStorageConfig.is_storage_writer`); the backend
+    does not check, since another rank's store of those keys is skipped by the daemon (Reserve
+    skips keys already stored or being written) and reports them held once committed.
+  PP and context-parallel ranks are in the salt of both.
+- Not served, refused at `register_mem_pool_host` with a message naming it: MLA's
+  `page_first_kv_split` (Ascend), allocator-only MLA pools (no host buffer), layer-sharded MLA
+  pools, decode context parallelism, other rank-replicated pools (DeepSeek V4's), and the
+  sidecar pools SGLang's v2 calls serve (sliding-window, Mamba, DSA indexer, draft), refused at
+  `register_mem_host_pool_v2`.
 - Keys: SGLang names each page itself (SHA-256 chained over the prefix's token ids, as hex);
   `kvstore.keys.foreign_keys` maps each name into the namespace. Such a key still names its
   whole prefix, but it is not the key kvstore's own clients compute from the token ids, which
@@ -26,35 +39,42 @@ default config's socket), `namespace_salt` (pages of different salts never match
   find each other's prefixes (the README says why).
 - A daemon that is down is a miss: `batch_exists` answers 0, gets and sets report False,
   nothing raises into SGLang (one warning per outage; the client connects again by itself).
-- MLA pools (DeepSeek) and the pools SGLang's v2 calls serve (sliding-window, Mamba) are not
-  served: `register_mem_pool_host` refuses them with a message.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+import kvstore_kernels
 from kvstore.keys import foreign_keys
 from kvstore.spec import KVSpec
 from kvstore_client.client import KVStoreClient
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_unified")
+MLA_POOL_MODULE = "sglang.srt.mem_cache.pool_host.mla"
 CONNECT_RETRY_S = 5.0  # a daemon that could not be reached at start is tried again this often
 KEY_SCHEME = b"sglang-page-sha256\n"
 
 
+def _unserved_layout(kind: str, served: Sequence[str], layout: str) -> ValueError:
+    served_text = ", ".join(served)
+    return ValueError(f"layout: kvstore serves SGLang {kind} host pools of {served_text}; got {layout!r}")
+
+
 def layer_views(buffer: torch.Tensor, layout: str, page_size: int) -> list[torch.Tensor]:
-    """The pool's `kv_buffer` (of `layout`) as one `[k|v][page][token][head][dim]` view per layer,
-    the `flash_attn` layout with one block per SGLang page. Views, never copies."""
+    """An MHA pool's `kv_buffer` (of `layout`) as one `[k|v][page][token][head][dim]` view per
+    layer, the `flash_attn` layout with one block per SGLang page. Views, never copies."""
     if layout == "layer_first":  # [2, L, S, H, D]
         return [buffer[:, layer].unflatten(1, (-1, page_size)) for layer in range(buffer.shape[1])]
     if layout == "page_first":  # [2, S, L, H, D]
@@ -63,11 +83,25 @@ def layer_views(buffer: torch.Tensor, layout: str, page_size: int) -> list[torch
         return [buffer[:, :, layer] for layer in range(buffer.shape[2])]
     if layout == "page_head":  # [2, P, H, ps, L, D]
         return [buffer[:, :, :, :, layer].transpose(2, 3) for layer in range(buffer.shape[4])]
-    raise ValueError(f"layout: kvstore serves SGLang host pools of {', '.join(LAYOUTS)}; got {layout!r}")
+    raise _unserved_layout("MHA", MHA_LAYOUTS, layout)
+
+
+def mla_layer_views(buffer: torch.Tensor, layout: str, page_size: int) -> list[torch.Tensor]:
+    """An MLA pool's `kv_buffer` (of `layout`) as one `[page][token][latent]` view per layer, the
+    `mla` layout with one block per SGLang page. Views, never copies."""
+    if layout == "layer_first":  # [L, S, 1, D]
+        return [buffer[layer, :, 0].unflatten(0, (-1, page_size)) for layer in range(buffer.shape[0])]
+    if layout == "page_first":  # [S, L, 1, D]
+        return [buffer[:, layer, 0].unflatten(0, (-1, page_size)) for layer in range(buffer.shape[1])]
+    if layout == "page_first_direct":  # [P, L, ps, 1, D]
+        return [buffer[:, layer, :, 0] for layer in range(buffer.shape[1])]
+    if layout == "page_unified":  # [P, L, ps, D]
+        return [buffer[:, layer] for layer in range(buffer.shape[1])]
+    raise _unserved_layout("MLA", MLA_LAYOUTS, layout)
 
 
 def page_shape(layout: str, layers: int, page_size: int, heads: int, head_dim: int) -> tuple[int, ...]:
-    """The shape SGLang gives one page of `layout` (`get_data_page(flat=False)`)."""
+    """The shape SGLang gives one MHA page of `layout` (`get_data_page(flat=False)`)."""
     shapes = {
         "layer_first": (2, layers, page_size, heads, head_dim),
         "page_first": (2, page_size, layers, heads, head_dim),
@@ -75,6 +109,102 @@ def page_shape(layout: str, layers: int, page_size: int, heads: int, head_dim: i
         "page_head": (2, 1, heads, page_size, layers, head_dim),
     }
     return shapes[layout]
+
+
+def mla_page_shape(layout: str, layers: int, page_size: int, latent: int) -> tuple[int, ...]:
+    """The shape of one MLA page of `layout` (`get_data_page(flat=False)`; `page_unified`: its
+    page block, which SGLang 0.5.23 never hands out as a flat page)."""
+    shapes = {
+        "layer_first": (layers, page_size, 1, latent),
+        "page_first": (page_size, layers, 1, latent),
+        "page_first_direct": (1, layers, page_size, 1, latent),
+        "page_unified": (1, layers, page_size, latent),
+    }
+    return shapes[layout]
+
+
+class HostPool(NamedTuple):
+    """What the backend serves of one SGLang host pool: its pages' spec, and how a buffer of its
+    layout (the pool's, or one flat page of the older calls) is seen as per-layer views."""
+
+    spec: KVSpec
+    views: Callable[[torch.Tensor], list[torch.Tensor]]
+    page_shape: tuple[int, ...]
+
+
+def _is_mla_pool(pool: Any) -> bool:
+    # An MLA pool exists only once SGLang imported its module; importing it here would cost an
+    # MHA instance seconds (and, on CUDA, sgl_kernel) for nothing.
+    module = sys.modules.get(MLA_POOL_MODULE)
+    return module is not None and isinstance(pool, module.MLATokenToKVPoolHost)
+
+
+def mha_pool(pool: Any, config: Any, model: str, salt: str) -> HostPool:
+    layout, page_size = pool.layout, int(pool.page_size)
+    if layout not in MHA_LAYOUTS:
+        raise _unserved_layout("MHA", MHA_LAYOUTS, layout)
+    spec = KVSpec(
+        model=model,
+        num_layers=int(pool.layer_num),
+        num_kv_heads=int(pool.head_num),
+        head_dim=int(pool.head_dim),
+        dtype=pool.dtype,
+        block_size=page_size,
+        layout="flash_attn",
+        chunk_tokens=page_size,
+        tp_rank=int(getattr(config, "tp_rank", 0)),
+        tp_size=int(getattr(config, "tp_size", 1)),
+        salt=salt,
+    )
+    shape = page_shape(layout, spec.num_layers, page_size, spec.num_kv_heads, spec.head_dim)
+    return HostPool(spec, lambda buffer: layer_views(buffer, layout, page_size), shape)
+
+
+def mla_pool(pool: Any, config: Any, model: str, salt: str) -> HostPool:
+    """The pool's latent pages, under a namespace of no TP rank (every rank holds the same)."""
+    layout, page_size = pool.layout, int(pool.page_size)
+    if layout not in MLA_LAYOUTS:
+        raise _unserved_layout("MLA", MLA_LAYOUTS, layout)
+    if getattr(pool, "kv_buffer", None) is None:
+        raise ValueError("mem_pool_host: an allocator-only MLA host pool (no host buffer) is not served")
+    if getattr(pool, "_layer_shard_enabled", False):
+        raise ValueError(
+            "mem_pool_host: a layer-sharded MLA host pool (each rank holds some of the layers) is not served"
+        )
+    dcp_size = max(int(getattr(pool, "dcp_size", 1)), int(getattr(config, "dcp_size", 1) or 1))
+    if dcp_size > 1:
+        raise ValueError(
+            f"dcp_size: decode context parallelism ({dcp_size} ranks, each holding a share of a page's "
+            "tokens) is not served"
+        )
+    spec = KVSpec(
+        model=model,
+        num_layers=int(pool.layer_num),
+        num_kv_heads=1,
+        head_dim=int(pool.kv_cache_dim),
+        dtype=pool.dtype,
+        block_size=page_size,
+        layout="mla",
+        chunk_tokens=page_size,
+        tp_rank=0,
+        tp_size=1,
+        salt=salt,
+    )
+    shape = mla_page_shape(layout, spec.num_layers, page_size, spec.head_dim)
+    return HostPool(spec, lambda buffer: mla_layer_views(buffer, layout, page_size), shape)
+
+
+def host_pool(pool: Any, config: Any, salt: str) -> HostPool:
+    """The pool as the backend serves it; a ValueError naming what is not served."""
+    model = getattr(config, "model_name", None) or "sglang"
+    if _is_mla_pool(pool):
+        return mla_pool(pool, config, model, salt)
+    if getattr(config, "is_mla_model", False) or not hasattr(pool, "head_num"):
+        raise ValueError(
+            f"mem_pool_host: kvstore serves SGLang's MHA host pools and its MLA host pool "
+            f"(MLATokenToKVPoolHost); got a {type(pool).__name__}"
+        )
+    return mha_pool(pool, config, model, salt)
 
 
 class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
@@ -92,40 +222,28 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
         self._client: KVStoreClient | None = None
         self._retry_at = 0.0
         self.spec: KVSpec | None = None
+        self._pool: HostPool | None = None
         self._views: Any = None
-        self._layout = ""
 
     # -- the host pool ------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        config = self.config
-        if getattr(config, "is_mla_model", False) or not hasattr(mem_pool_host, "head_num"):
-            raise ValueError(
-                "mem_pool_host: kvstore serves SGLang's MHA host pools; MLA pools are not supported yet"
-            )
-        layout = mem_pool_host.layout
-        if layout not in LAYOUTS:
-            raise ValueError(
-                f"layout: kvstore serves SGLang host pools of {', '.join(LAYOUTS)}; got {layout!r}"
-            )
-        page_size = int(mem_pool_host.page_size)
-        self._layout = layout
-        self.spec = KVSpec(
-            model=getattr(config, "model_name", None) or "sglang",
-            num_layers=int(mem_pool_host.layer_num),
-            num_kv_heads=int(mem_pool_host.head_num),
-            head_dim=int(mem_pool_host.head_dim),
-            dtype=mem_pool_host.dtype,
-            block_size=page_size,
-            layout="flash_attn",
-            chunk_tokens=page_size,
-            tp_rank=int(getattr(config, "tp_rank", 0)),
-            tp_size=int(getattr(config, "tp_size", 1)),
-            salt=self._salt(config),
-        )
-        self._views = layer_views(mem_pool_host.kv_buffer, layout, page_size)
+        self._pool = host_pool(mem_pool_host, self.config, self._salt(self.config))
+        self.spec = self._pool.spec
+        # Checked now, so that a pool the kernels cannot serve fails SGLang's start-up.
+        self._views = kvstore_kernels.register(self.spec, self._pool.views(mem_pool_host.kv_buffer))
         self._connected()
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """The KV pool registered again is accepted; a sidecar pool (served by SGLang's v2 calls,
+        which kvstore does not implement) is refused, so SGLang does not start without its pages."""
+        if host_pool is not getattr(self, "mem_pool_host", None):
+            raise ValueError(
+                f"host pool {str(host_pool_name)!r} ({type(host_pool).__name__}): kvstore serves "
+                "SGLang's KV host pool only, not the sidecar pools of its v2 calls"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _salt(self, config: Any) -> str:
         """The namespace salt, with the parallel ranks that cut the pages other than TP."""
@@ -145,7 +263,6 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
             if self._client is None and time.monotonic() >= self._retry_at:
                 try:
                     self._client = KVStoreClient.connect(self.address, self.spec, timeout_s=self.timeout_s)
-                    self._views = self._client.register_kv_caches(self._views)
                 except Exception as exc:
                     if self._retry_at == 0.0:
                         log.warning(
@@ -206,11 +323,9 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
     # -- the older calls: one flat page (the pool's layout) per key ---------
 
     def _page_views(self, page: torch.Tensor) -> list[torch.Tensor]:
-        spec = self.spec
-        if spec is None:
+        if self._pool is None:
             raise RuntimeError("register_mem_pool_host was not called")
-        shape = page_shape(self._layout, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        return layer_views(page.view(shape), self._layout, spec.block_size)
+        return self._pool.views(page.view(self._pool.page_shape))
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         client = self._connected()
@@ -247,7 +362,7 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
     # -- administration -----------------------------------------------------
 
     def clear(self) -> None:
-        """Drops every page of this rank's namespace."""
+        """Drops every page of this rank's namespace (MLA: of every rank's, which is one)."""
         client = self._connected()
         if client is not None:
             client.clear()

@@ -1,21 +1,31 @@
-"""SGLang's real host memory pool and backend factory against a real kvstored, in a process of its own.
+"""SGLang's real host memory pools and backend factory against a real kvstored, in a process of its own.
 
-`tests/test_sglang.py` runs this file as a script: importing SGLang's host pool
-(`sglang.srt.mem_cache.pool_host.mha`) takes seconds and needs the torchvision stand-in in
-`tests/sglang_env`, neither of which belongs in the test process. It reads one JSON request on
-stdin, `{"address", "layout", "steps": [...]}`, and prints one JSON object per step:
+`tests/test_sglang.py` runs this file as a script: importing SGLang's host pools
+(`sglang.srt.mem_cache.pool_host.mha`, `.mla`) takes seconds and needs the torchvision stand-in
+in `tests/sglang_env`, neither of which belongs in the test process. It reads one JSON request on
+stdin, `{"address", "instances": [...], "steps": [...]}`, and prints one JSON object per step.
 
-- `fill`: `pages` pages of random KV written into fresh host slots (SGLang's own `alloc` and
-  `set_from_flat_data_page`, in the pool's layout: one seed gives the same KV in every layout),
-  named by SGLang's chained SHA-256 page keys of random tokens.
+An instance is one SGLang host pool with its own backend (its own kvstore client), as one TP
+rank of one SGLang instance has: `{"kind": "mha" | "mla", "layout", "seed", "tp_rank",
+"tp_size"}`. The MLA pool has DeepSeek-V2-Lite's latent (kv_lora_rank 512 + rope 64) over 3
+layers. Pages pass between instances only through the daemon. A step acts on instance `on`
+(default 0):
+
+- `fill`: `pages` pages of random KV (MHA: normal values; MLA: random bytes) written into fresh
+  host slots in the pool's layout (SGLang's own `set_from_flat_data_page`; `page_unified`, which
+  SGLang 0.5.23 gives no flat-page calls, through its page blocks), named by SGLang's chained
+  SHA-256 page keys of random tokens. One seed gives the same keys and KV in every instance and
+  layout. With `"write": false` the pool is left alone: the instance only knows what to expect.
 - `set`: `batch_set_v1` of the filled pages (or `keys` indices of them).
 - `exists`: `batch_exists` of the filled keys, with `missing` indices swapped for unknown keys.
-- `get`: `batch_get_v1` of those keys into host slots poisoned first, and whether every page
-  it reports True for is byte-identical to the page filled.
+- `get`: `batch_get_v1` of those keys into host slots poisoned first; per page whether it is
+  byte-identical to the page filled, and whether it still holds only the poison.
 - `legacy`: `set` of a flat page and `get` into a poisoned flat page.
 - `clear_pool`: SGLang's host pool drops every page (`clear`).
 - `concurrent`: threads that set, check and get their own pages at once, as SGLang's prefetch,
   I/O and backup threads do.
+- `refusals`: what `register_mem_pool_host` (and `register_mem_host_pool_v2`) say of the MLA
+  pools and settings the backend does not serve.
 - `wait`: reads a line on stdin (the test stops the daemon meanwhile).
 
 Every step's exceptions are reported, not raised: a backend that raises into SGLang fails the test.
@@ -30,6 +40,12 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Any
+
+MHA_GEOMETRY = {"layers": 4, "heads": 2, "head_dim": 16}
+MLA_GEOMETRY = {"layers": 3, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+PAGE_SIZE = 16
+DEVICE_TOKENS = 256
+POISON_BITS = -1  # 0xffff: a NaN, never what a page of normal values holds
 
 
 def sglang_environment() -> None:
@@ -51,28 +67,33 @@ def page_keys(tokens: list[int], page_size: int) -> list[str]:
     return keys
 
 
-def host_pool(layout: str, layers: int = 4, heads: int = 2, head_dim: int = 16, page_size: int = 16) -> Any:
+def pointers(tensors: tuple[Any, ...]) -> Any:
+    import torch
+
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+
+
+def poison_page(shape: tuple[int, ...]) -> Any:
+    import torch
+
+    return torch.full(shape, POISON_BITS, dtype=torch.int16).view(torch.bfloat16)
+
+
+def mha_host_pool(layout: str) -> Any:
     import torch
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    device_tokens = 256
-    k = tuple(
-        torch.zeros(device_tokens + page_size, heads, head_dim, dtype=torch.bfloat16) for _ in range(layers)
-    )
-    v = tuple(
-        torch.zeros(device_tokens + page_size, heads, head_dim, dtype=torch.bfloat16) for _ in range(layers)
-    )
-
-    def pointers(tensors: tuple[Any, ...]) -> Any:
-        return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
-
+    layers, heads, head_dim = MHA_GEOMETRY["layers"], MHA_GEOMETRY["heads"], MHA_GEOMETRY["head_dim"]
+    rows = DEVICE_TOKENS + PAGE_SIZE
+    k = tuple(torch.zeros(rows, heads, head_dim, dtype=torch.bfloat16) for _ in range(layers))
+    v = tuple(torch.zeros(rows, heads, head_dim, dtype=torch.bfloat16) for _ in range(layers))
     info = MHABufferInfo(
         buffers=KVBuffers(
             k=k, v=v, k_data_ptrs=pointers(k), v_data_ptrs=pointers(v), layout=KVBufferLayout.NHD
         ),
-        page_size=page_size,
+        page_size=PAGE_SIZE,
         head_num=heads,
         head_dim=head_dim,
         v_head_dim=head_dim,
@@ -84,32 +105,82 @@ def host_pool(layout: str, layers: int = 4, heads: int = 2, head_dim: int = 16, 
             info,
             4.0,
             0,
-            page_size,
+            PAGE_SIZE,
             layout,
             pin_memory=False,
             device="cpu",
-            device_capacity_tokens=device_tokens,
+            device_capacity_tokens=DEVICE_TOKENS,
             start_layer=0,
             end_layer=layers,
         )
 
 
-def backend(address: str, pool: Any, model: str) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.storage import StorageBackendFactory
+def mla_host_pool(layout: str, *, allocator_only: bool = False, layer_shard_enabled: bool = False) -> Any:
+    """SGLang's MLA host pool over device rows `[token, 1, kv_lora_rank + rope]` per layer, as
+    its MLATokenToKVPool hands them over (CPU tensors here)."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mla import MLAHostAllocation, MLATokenToKVPoolHost
 
-    config = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=pool.layout == "page_first",
-        model_name=model,
-        extra_config={
+    layers, lora, rope = (MLA_GEOMETRY[name] for name in ("layers", "kv_lora_rank", "qk_rope_head_dim"))
+    info: Any
+    if allocator_only:
+        itemsize = torch.bfloat16.itemsize
+        info = MLAHostAllocation(
+            dtype=torch.bfloat16,
+            kv_lora_rank=lora,
+            qk_rope_head_dim=rope,
+            kv_cache_dim=lora + rope,
+            size_per_token=(lora + rope) * itemsize * layers,
+        )
+    else:
+        shape = (DEVICE_TOKENS + PAGE_SIZE, 1, lora + rope)
+        rows = tuple(torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layers))
+        info = MLABufferInfo(
+            buffers=rows,
+            data_ptrs=pointers(rows),
+            layer_indices=tuple(range(layers)),
+            device_layer_num=layers,
+            page_size=PAGE_SIZE,
+            kv_lora_rank=lora,
+            qk_rope_head_dim=rope,
+            kv_cache_dim=lora + rope,
+            dtype=torch.bfloat16,
+            device=torch.device("cpu"),
+        )
+    with host_memory_budget_scope(1 << 34):
+        return MLATokenToKVPoolHost(
+            info,
+            4.0,
+            0,
+            PAGE_SIZE,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=DEVICE_TOKENS,
+            start_layer=0,
+            end_layer=layers,
+            target_layer_num=layers,
+            layer_shard_enabled=layer_shard_enabled,
+        )
+
+
+def storage_config(address: str, pool: Any, model: str, **overrides: Any) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    fields: dict[str, Any] = {
+        "tp_rank": 0,
+        "tp_size": 1,
+        "pp_rank": 0,
+        "pp_size": 1,
+        "attn_cp_rank": 0,
+        "attn_cp_size": 1,
+        "is_mla_model": False,
+        "enable_storage_metrics": False,
+        "is_page_first_layout": pool.layout == "page_first",
+        "model_name": model,
+        "extra_config": {
             "backend_name": "kvstore",
             "module_path": "kvstore_client.sglang",
             "class_name": "KVStoreHiCache",
@@ -117,13 +188,19 @@ def backend(address: str, pool: Any, model: str) -> Any:
             "address": address,
             "timeout_s": 5,
         },
-    )
+    }
+    return HiCacheStorageConfig(**(fields | overrides))
+
+
+def backend(config: Any, pool: Any) -> Any:
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
     made = StorageBackendFactory.create_backend("dynamic", config, pool)
     made.register_mem_pool_host(pool)  # as SGLang's cache controller does right after
     return made
 
 
-def in_layout(kv: Any, layout: str) -> Any:
+def mha_in_layout(kv: Any, layout: str) -> Any:
     """A page's KV, `[k|v][layer][token][head][dim]`, as the flat page of `layout` that SGLang's
     `set_from_flat_data_page` takes: the same KV in every layout."""
     if layout in ("layer_first", "page_first_direct"):  # [2, L, ps, H, D], [2, 1, L, ps, H, D]
@@ -135,19 +212,110 @@ def in_layout(kv: Any, layout: str) -> Any:
     raise ValueError(f"layout: {layout!r}")
 
 
-class Session:
-    def __init__(self, request: dict[str, Any]) -> None:
+class MHAPages:
+    """An MHA pool's pages, compared as SGLang's flat page of the pool's layout."""
+
+    def __init__(self, layout: str) -> None:
         import torch
 
         self.torch = torch
-        self.pool = host_pool(request["layout"])
-        self.backend = backend(request["address"], self.pool, request.get("model", "sglang-test"))
+        self.pool = mha_host_pool(layout)
+        pool = self.pool
+        self.shape = (2, pool.layer_num, PAGE_SIZE, pool.head_num, pool.head_dim)
+
+    def random(self, generator: Any) -> Any:
+        return self.torch.randn(self.shape, generator=generator).to(self.torch.bfloat16)
+
+    def write(self, start: int, kv: Any) -> None:
+        self.pool.set_from_flat_data_page(start, mha_in_layout(kv, self.pool.layout))
+
+    def expected(self, kv: Any) -> Any:
+        return mha_in_layout(kv, self.pool.layout)
+
+    def read(self, start: int) -> Any:
+        return self.pool.get_data_page(start, flat=True).clone()
+
+    def flat(self, expected: Any) -> Any:
+        return expected
+
+    def poison(self, start: int) -> None:
+        self.write(start, poison_page(self.shape))
+
+
+class MLAPages:
+    """An MLA pool's pages, compared as `[layer][token][latent]` whatever the pool's layout."""
+
+    def __init__(self, layout: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.pool = mla_host_pool(layout)
+        self.shape = (self.pool.layer_num, PAGE_SIZE, self.pool.kv_cache_dim)
+
+    def random(self, generator: Any) -> Any:
+        torch = self.torch
+        return torch.randint(-(1 << 15), 1 << 15, self.shape, generator=generator, dtype=torch.int16).view(
+            torch.bfloat16
+        )
+
+    def write(self, start: int, latent: Any) -> None:
+        if self.pool.layout == "page_unified":  # [page, layer, token, latent]
+            self.pool.kv_buffer[start // PAGE_SIZE] = latent
+        else:
+            self.pool.set_from_flat_data_page(start, self.flat(latent))
+
+    def flat(self, latent: Any) -> Any:
+        """The flat page of the pool's layout (`get_data_page`) holding `latent`."""
+        if self.pool.layout == "page_first":  # [token, layer, 1, latent]
+            return latent.transpose(0, 1).flatten()
+        if self.pool.layout in ("layer_first", "page_first_direct"):  # [layer, token, 1, latent], [1, ...]
+            return latent.flatten()
+        raise ValueError(f"layout: SGLang gives {self.pool.layout!r} MLA pools no flat pages")
+
+    def expected(self, latent: Any) -> Any:
+        return latent
+
+    def read(self, start: int) -> Any:
+        layout = self.pool.layout
+        if layout == "page_unified":
+            return self.pool.kv_buffer[start // PAGE_SIZE].clone()
+        page = self.pool.get_data_page(start, flat=False)
+        if layout == "page_first":
+            return page[:, :, 0].transpose(0, 1).clone()
+        if layout == "page_first_direct":
+            return page[0, :, :, 0].clone()
+        return page[:, :, 0].clone()
+
+    def poison(self, start: int) -> None:
+        self.write(start, poison_page(self.shape))
+
+
+class Session:
+    """One instance: a host pool and its backend."""
+
+    def __init__(self, address: str, instance: dict[str, Any]) -> None:
+        import torch
+
+        self.torch = torch
+        mla = instance.get("kind", "mha") == "mla"
+        self.store = MLAPages(instance["layout"]) if mla else MHAPages(instance["layout"])
+        self.pool = self.store.pool
+        model = instance.get("model", "sglang-mla-test" if mla else "sglang-test")
+        tp = {"tp_rank": instance.get("tp_rank", 0), "tp_size": instance.get("tp_size", 1)}
+        config = storage_config(address, self.pool, model, is_mla_model=mla, **tp)
+        self.backend = backend(config, self.pool)
         self.page_size = self.pool.page_size
-        generator = torch.Generator().manual_seed(request.get("seed", 0))
-        self.generator = generator
+        self.generator = torch.Generator().manual_seed(instance.get("seed", 0))
         self.keys: list[str] = []
         self.indices: Any = None
         self.pages: list[Any] = []
+
+    def same(self, start: int, expected: Any) -> bool:
+        int16 = self.torch.int16
+        return bool(self.torch.equal(self.store.read(start).view(int16), expected.view(int16)))
+
+    def poisoned(self, start: int) -> bool:
+        return bool((self.store.read(start).view(self.torch.int16) == POISON_BITS).all())
 
     def fill(self, step: dict[str, Any]) -> dict[str, Any]:
         torch = self.torch
@@ -156,19 +324,14 @@ class Session:
         self.keys = page_keys(tokens, self.page_size)
         self.indices = self.pool.alloc(count * self.page_size)
         self.pages = []
-        pool = self.pool
-        shape = (2, pool.layer_num, self.page_size, pool.head_num, pool.head_dim)
         for page in range(count):
-            kv = torch.randn(shape, generator=self.generator).to(
-                torch.bfloat16
-            )  # [k|v][layer][token][head][dim]
-            self.pool.set_from_flat_data_page(
-                int(self.indices[page * self.page_size]), in_layout(kv, pool.layout)
-            )
-            self.pages.append(
-                self.pool.get_data_page(int(self.indices[page * self.page_size]), flat=True).clone()
-            )
-        return {"keys": len(self.keys)}
+            kv = self.store.random(self.generator)
+            start = int(self.indices[page * self.page_size])
+            if step.get("write", True):
+                self.store.write(start, kv)
+            self.pages.append(self.store.expected(kv))
+        written = [self.same(int(self.indices[p * self.page_size]), self.pages[p]) for p in range(count)]
+        return {"keys": len(self.keys), "written": written}
 
     def chosen(self, step: dict[str, Any]) -> tuple[list[str], list[int]]:
         """The keys a step names (`keys`: indices of the filled ones; `missing`: swapped for unknown keys)."""
@@ -191,26 +354,16 @@ class Session:
         return {"hits": self.backend.batch_exists(keys)}
 
     def get(self, step: dict[str, Any]) -> dict[str, Any]:
-        torch = self.torch
         keys, which = self.chosen(step)
         targets = self.pool.alloc(len(which) * self.page_size)
-        poison = torch.full(
-            (self.pool.get_dummy_flat_data_page().numel(),), float("nan"), dtype=torch.bfloat16
-        )
-        for page in range(len(which)):
-            self.pool.set_from_flat_data_page(int(targets[page * self.page_size]), poison)
+        starts = [int(targets[page * self.page_size]) for page in range(len(which))]
+        for start in starts:
+            self.store.poison(start)
         results = self.backend.batch_get_v1(keys, targets)
-        same = [
-            bool(
-                torch.equal(
-                    self.pool.get_data_page(int(targets[page * self.page_size]), flat=True).view(torch.int16),
-                    self.pages[which[page]].view(torch.int16),
-                )
-            )
-            for page in range(len(which))
-        ]
+        same = [self.same(start, self.pages[i]) for start, i in zip(starts, which, strict=True)]
+        poisoned = [self.poisoned(start) for start in starts]
         self.pool.free(targets)
-        return {"results": results, "identical": same}
+        return {"results": results, "identical": same, "poisoned": poisoned}
 
     def concurrent(self, step: dict[str, Any]) -> dict[str, Any]:
         """SGLang's three storage threads at once: each of `threads` threads sets, checks and
@@ -242,16 +395,18 @@ class Session:
         }
 
     def legacy(self, step: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's older calls: the flat page of the pool's layout that `get_data_page` gives."""
         torch = self.torch
         key = hashlib.sha256(b"legacy").hexdigest()
-        stored = self.backend.set(key, self.pages[0])
-        target = torch.full_like(self.pages[0], float("nan"))
+        page = self.store.flat(self.pages[0])
+        stored = self.backend.set(key, page)
+        target = torch.full_like(page.view(torch.int16), POISON_BITS).view(page.dtype)
         got = self.backend.get(key, target)
         return {
             "set": stored,
             "exists": self.backend.exists(key),
             "got": got is not None,
-            "identical": bool(torch.equal(target.view(torch.int16), self.pages[0].view(torch.int16))),
+            "identical": bool(torch.equal(target.view(torch.int16), page.view(torch.int16))),
             "missing": self.backend.get(hashlib.sha256(b"absent").hexdigest(), torch.zeros_like(target))
             is None,
         }
@@ -265,18 +420,64 @@ class Session:
         print(json.dumps({"waiting": True}), flush=True)
         return {"line": sys.stdin.readline().strip()}
 
+    def close(self) -> None:
+        self.backend.close()
+
+
+def refusals(address: str) -> dict[str, Any]:
+    """What the backend says of each MLA pool or setting it does not serve (None: it was served)."""
+    from kvstore_client.sglang import KVStoreHiCache
+
+    def refusal(pool: Any, **overrides: Any) -> str | None:
+        config = storage_config(address, pool, "sglang-mla-refused", is_mla_model=True, **overrides)
+        made = KVStoreHiCache(config)
+        try:
+            made.register_mem_pool_host(pool)
+        except ValueError as exc:
+            return str(exc)
+        finally:
+            made.close()
+        return None
+
+    split = mla_host_pool("layer_first")
+    split.layout = "page_first_kv_split"  # Ascend's split latent: its pool needs NPU buffers to be built
+    served = mla_host_pool("page_first")
+    sidecar: str | None = None
+    made = KVStoreHiCache(storage_config(address, served, "sglang-mla-refused", is_mla_model=True))
+    made.register_mem_pool_host(served)
+    made.register_mem_host_pool_v2(served, "kv")  # the KV pool itself, again: accepted
+    try:
+        made.register_mem_host_pool_v2(mla_host_pool("page_first"), "indexer")
+    except ValueError as exc:
+        sidecar = str(exc)
+    made.close()
+    return {
+        "page_first_kv_split": refusal(split),
+        "allocator_only": refusal(mla_host_pool("layer_first", allocator_only=True)),
+        "layer_sharded": refusal(mla_host_pool("layer_first", layer_shard_enabled=True)),
+        "dcp": refusal(served, tp_size=2, dcp_size=2, logical_page_size=2 * PAGE_SIZE),
+        "mha_pool_of_an_mla_model": refusal(mha_host_pool("page_first")),
+        "sidecar": sidecar,
+    }
+
 
 def main() -> int:
     request = json.loads(sys.stdin.readline())
     sglang_environment()
-    session = Session(request)
+    address = request["address"]
+    instances = request["instances"]
+    sessions = [Session(address, instance) for instance in instances]
     for step in request["steps"]:
         try:
-            result = getattr(session, step["op"])(step)
+            if step["op"] == "refusals":
+                result = refusals(address)
+            else:
+                result = getattr(sessions[step.get("on", 0)], step["op"])(step)
         except Exception as exc:
             result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         print(json.dumps({"op": step["op"], **result}), flush=True)
-    session.backend.close()
+    for session in sessions:
+        session.close()
     return 0
 
 

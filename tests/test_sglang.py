@@ -24,6 +24,19 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage")  # tests/install-sgl
 
 WORKER = Path(__file__).with_name("sglang_pool.py")
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_unified")  # all SGLang 0.5.23 builds
+MLA_PAGE_BYTES = 3 * 16 * (512 + 64) * 2  # the worker's pool: 3 layers, 16 tokens, bf16 latent 512 + 64
+
+
+def namespaces_of(daemon: Daemon, model: str) -> list[dict[str, Any]]:
+    """The daemon's namespaces of `model`, from its stats."""
+    probe = KVSpec(model="probe", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+    with KVStoreClient.connect(daemon.address, probe) as client:
+        return [n for n in client.stats()["namespaces"] if n["model"] == model]
+
+
+def mla(layout: str, **fields: Any) -> dict[str, Any]:
+    return {"kind": "mla", "layout": layout, "seed": 5} | fields
 
 
 def run_worker(
@@ -32,8 +45,12 @@ def run_worker(
     steps: list[dict[str, Any]],
     seed: int = 0,
     meanwhile: Callable[[], object] | None = None,
+    instances: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """The worker's result per step; `meanwhile` runs where a step is `wait`."""
+    """The worker's result per step; `meanwhile` runs where a step is `wait`. `instances`: the
+    host pools and backends (`tests/sglang_pool.py`), else one MHA pool of `layout`."""
+    if instances is None:
+        instances = [{"kind": "mha", "layout": layout, "seed": seed}]
     worker = subprocess.Popen(
         [sys.executable, str(WORKER)],
         stdin=subprocess.PIPE,
@@ -42,9 +59,7 @@ def run_worker(
         text=True,
     )
     assert worker.stdin is not None and worker.stdout is not None
-    worker.stdin.write(
-        json.dumps({"address": address, "layout": layout, "steps": steps, "seed": seed}) + "\n"
-    )
+    worker.stdin.write(json.dumps({"address": address, "instances": instances, "steps": steps}) + "\n")
     worker.stdin.flush()
     results = []
     try:
@@ -97,10 +112,8 @@ def test_sglang_builds_the_backend_and_its_pages_come_back_byte_identical(
         "identical": True,
         "missing": True,
     }
-    probe = KVSpec(model="probe", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
-    with KVStoreClient.connect(daemon.address, probe) as client:
-        namespaces = {n["model"]: n for n in client.stats()["namespaces"]}
-    assert namespaces["sglang-test"]["pages"] == 7  # 6 pages and the legacy one
+    (namespace,) = namespaces_of(daemon, "sglang-test")
+    assert namespace["pages"] == 7  # 6 pages and the legacy one
 
 
 def test_pages_stored_from_one_layout_load_into_another(daemon: Daemon) -> None:
@@ -109,11 +122,13 @@ def test_pages_stored_from_one_layout_load_into_another(daemon: Daemon) -> None:
     assert got["results"] == [True] * 4 and got["identical"] == [True] * 4
 
 
-def test_sglang_storage_threads_at_once_get_their_own_bytes(daemon: Daemon) -> None:
+@pytest.mark.parametrize("kind, layout", [("mha", "page_first_direct"), ("mla", "page_unified")])
+def test_sglang_storage_threads_at_once_get_their_own_bytes(daemon: Daemon, kind: str, layout: str) -> None:
     _, done = run_worker(
         daemon.address,
-        "page_first_direct",
+        layout,
         [{"op": "fill", "pages": 12}, {"op": "concurrent", "threads": 3, "rounds": 5}],
+        instances=[{"kind": kind, "layout": layout}],
     )
     assert done == {
         "op": "concurrent",
@@ -181,3 +196,116 @@ def test_sglang_page_names_map_to_keys_of_their_own() -> None:
     assert not set(keys) & set(chunk_keys(namespace, list(range(32)), 16))  # never a token-id key
     with pytest.raises(ValueError, match="namespace: expected 16 bytes"):
         foreign_keys(b"short", names, b"x")
+
+
+# -- MLA host pools: one latent per token and layer, the same on every TP rank -------------
+
+
+@pytest.mark.parametrize("layout", MLA_LAYOUTS)
+def test_mla_pages_stored_by_one_instance_load_byte_exact_into_others(daemon: Daemon, layout: str) -> None:
+    """Instance 0 stores; instance 1 (same layout) and instance 2 (the next layout) know only what
+    to expect, and load into host slots poisoned first."""
+    other = MLA_LAYOUTS[(MLA_LAYOUTS.index(layout) + 1) % len(MLA_LAYOUTS)]
+    legacy = [{"op": "legacy"}] if layout != "page_unified" else []  # SGLang gives page_unified no flat pages
+    filled, stored, _, hits, got, _, got_other, *rest = run_worker(
+        daemon.address,
+        layout,
+        [
+            {"op": "fill", "pages": 6},
+            {"op": "set"},
+            {"op": "fill", "pages": 6, "write": False, "on": 1},
+            {"op": "exists", "on": 1},
+            {"op": "get", "on": 1},
+            {"op": "fill", "pages": 6, "write": False, "on": 2},
+            {"op": "get", "on": 2},
+            *legacy,
+        ],
+        instances=[mla(layout), mla(layout), mla(other)],
+    )
+    assert filled["written"] == [True] * 6  # the pool holds the random latent, read back by SGLang's calls
+    assert stored["results"] == [True] * 6
+    assert hits["hits"] == 6
+    for loaded in (got, got_other):
+        assert loaded["results"] == [True] * 6
+        assert loaded["identical"] == [True] * 6
+    if legacy:
+        assert rest[0] == {
+            "op": "legacy",
+            "set": True,
+            "exists": True,
+            "got": True,
+            "identical": True,
+            "missing": True,
+        }
+    (namespace,) = namespaces_of(daemon, "sglang-mla-test")
+    assert namespace["pages"] == 6 + len(legacy)
+    assert namespace["page_bytes"] == MLA_PAGE_BYTES
+
+
+def test_mla_pages_are_stored_once_for_every_tp_rank(daemon: Daemon) -> None:
+    """TP 2: both ranks hold the same latent; rank 0 stores it (as SGLang's storage writer),
+    rank 1's store of the same keys is skipped, both ranks and a TP 1 instance load it."""
+    ranks = [mla("page_first", tp_rank=0, tp_size=2), mla("page_first", tp_rank=1, tp_size=2)]
+    single = mla("layer_first", tp_rank=0, tp_size=1)
+    results = run_worker(
+        daemon.address,
+        "page_first",
+        [
+            {"op": "fill", "pages": 5, "on": 0},
+            {"op": "fill", "pages": 5, "on": 1},
+            {"op": "fill", "pages": 5, "write": False, "on": 2},
+            {"op": "set", "on": 0},
+            {"op": "set", "on": 1},
+            {"op": "exists", "on": 1},
+            {"op": "get", "on": 0},
+            {"op": "get", "on": 1},
+            {"op": "get", "on": 2},
+        ],
+        instances=[*ranks, single],
+    )
+    stored, stored_again, hits, *loads = results[3:]
+    assert stored["results"] == [True] * 5 and stored_again["results"] == [True] * 5
+    assert hits["hits"] == 5
+    for got in loads:
+        assert got["results"] == [True] * 5 and got["identical"] == [True] * 5
+    (namespace,) = namespaces_of(daemon, "sglang-mla-test")  # one namespace for every rank and TP size
+    assert namespace["pages"] == 5  # one copy, not one per rank
+    assert namespace["page_bytes"] == MLA_PAGE_BYTES
+
+
+def test_a_missing_mla_page_is_a_miss_from_there_on(daemon: Daemon) -> None:
+    """Pages 0, 1 and 3 stored: a load gets 0 and 1 and leaves every slot after them poisoned."""
+    results = run_worker(
+        daemon.address,
+        "page_first_direct",
+        [
+            {"op": "fill", "pages": 5},
+            {"op": "set", "keys": [0, 1, 3]},
+            {"op": "fill", "pages": 5, "write": False, "on": 1},
+            {"op": "exists", "on": 1},
+            {"op": "get", "on": 1},
+            {"op": "exists", "missing": [0], "on": 1},
+            {"op": "get", "missing": [1], "on": 1},
+            {"op": "get", "missing": [0, 1, 2, 3, 4], "on": 1},
+        ],
+        instances=[mla("page_first_direct"), mla("layer_first")],
+    )
+    stored, _, hits, got, none_first, gap, unknown = results[1:]
+    assert stored["results"] == [True] * 3
+    assert hits["hits"] == 2 and none_first["hits"] == 0
+    assert got["results"] == [True, True, False, False, False]
+    assert got["identical"][:2] == [True] * 2 and got["poisoned"] == [False, False, True, True, True]
+    assert gap["results"] == [True, False, False, False, False]
+    assert gap["identical"][0] and gap["poisoned"] == [False, True, True, True, True]
+    assert unknown["results"] == [False] * 5 and unknown["poisoned"] == [True] * 5
+
+
+def test_mla_pools_and_settings_not_served_are_refused_at_start_naming_what(daemon: Daemon) -> None:
+    (said,) = run_worker(daemon.address, "", [{"op": "refusals"}], instances=[])
+    assert "page_first_kv_split" in said["page_first_kv_split"]
+    assert "layer_first, page_first, page_first_direct, page_unified" in said["page_first_kv_split"]
+    assert "allocator-only MLA host pool" in said["allocator_only"]
+    assert "layer-sharded MLA host pool" in said["layer_sharded"]
+    assert "decode context parallelism (2 ranks" in said["dcp"]
+    assert "got a MHATokenToKVPoolHost" in said["mha_pool_of_an_mla_model"]
+    assert "'indexer'" in said["sidecar"] and "sidecar pools" in said["sidecar"]
