@@ -140,6 +140,7 @@ def _is_mla_pool(pool: Any) -> bool:
 
 
 def mha_pool(pool: Any, config: Any, model: str, salt: str) -> HostPool:
+    """The pool's K and V pages, under this TP rank's namespace (each rank holds its own heads)."""
     layout, page_size = pool.layout, int(pool.page_size)
     if layout not in MHA_LAYOUTS:
         raise _unserved_layout("MHA", MHA_LAYOUTS, layout)
