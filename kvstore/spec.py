@@ -174,9 +174,13 @@ class PageSpec:
         object.__setattr__(self, "weights", _check_weights(self.weights))
         object.__setattr__(self, "layer_ids", _check_layer_ids(self.layer_ids, self.num_layers))
         if self.layer_ids and (self.layered or self.hidden_layer >= 0):
-            raise ValueError("layer_ids: a group of layers cannot also be a layer range, weights or hidden states")
+            raise ValueError(
+                "layer_ids: a group of layers cannot also be a layer range, weights or hidden states"
+            )
         if not isinstance(self.scales, str) or len(self.scales.encode()) > MAX_SCALES_BYTES:
-            raise ValueError(f"scales: expected text of at most {MAX_SCALES_BYTES} bytes, got {self.scales!r:.80}")
+            raise ValueError(
+                f"scales: expected text of at most {MAX_SCALES_BYTES} bytes, got {self.scales!r:.80}"
+            )
         self._check_kind()
 
     def _check_kind(self) -> None:

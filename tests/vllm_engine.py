@@ -28,12 +28,18 @@ from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.utils.hashing import sha256
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_planning import get_kv_cache_configs, get_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -147,6 +153,7 @@ class Engine:
     num_blocks: int = 256
     layout: KVCacheLayout = KVCacheLayout.LBNHC
     check: bool = True  # the stand-in model writes and checks KV (off: the benchmark times scheduling)
+    kernel_block: int | None = None  # the backend's kernel block size, where it splits vLLM's blocks
     workers: list[Any] = field(default_factory=list)
     caches: list[list[torch.Tensor]] = field(default_factory=list)
     tokens: dict[str, list[int]] = field(default_factory=dict)  # each request's sampled tokens
@@ -161,7 +168,9 @@ class Engine:
             _hash_ready = True
         block_size = self.config.cache_config.block_size
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.model.num_layers)]
-        specs = {name: _layer_spec(self.model, layer, block_size) for layer, name in enumerate(self.layer_names)}
+        specs = {
+            name: _layer_spec(self.model, layer, block_size) for layer, name in enumerate(self.layer_names)
+        }
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         self.config.cache_config.kv_cache_layout = self.layout.name
         model_config = self.config.model_config
@@ -170,13 +179,17 @@ class Engine:
         # vLLM's own planner groups the layers (one group per kind, the HMA's way) and lays out
         # the tensors; the stand-in layers tell the connector which backend reads them
         groups = get_kv_cache_groups(self.config, specs)
-        memory = (self.num_blocks + 1) * sum(spec.page_size_bytes for spec in specs.values())  # + the null block
+        memory = (self.num_blocks + 1) * sum(
+            spec.page_size_bytes for spec in specs.values()
+        )  # + the null block
         self.kv_cache_config = get_kv_cache_configs(self.config, [specs], [memory], groups)[0]
         context = self.config.compilation_config.static_forward_context
         for layer, name in enumerate(self.layer_names):
             context[name] = StandInLayer(self.model, specs[name], layer)
         self.group_of = {
-            name: index for index, group in enumerate(self.kv_cache_config.kv_cache_groups) for name in group.layer_names
+            name: index
+            for index, group in enumerate(self.kv_cache_config.kv_cache_groups)
+            for name in group.layer_names
         }
         self.scheduler = Scheduler(
             vllm_config=self.config,
@@ -197,7 +210,8 @@ class Engine:
             connector = KVConnectorFactory.create_connector(
                 config=worker_config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_cache_config
             )
-            views = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), self.layout)
+            kernel_blocks = [self.kernel_block] * len(groups) if self.kernel_block else None
+            views = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), self.layout, kernel_blocks)
             for view in views.values():
                 view.view(torch.uint8).fill_(POISON)
             connector.register_kv_caches(views)
@@ -295,7 +309,8 @@ class Engine:
 
     def _forward(self, rank: int, worker: Any, output: Any) -> None:
         scheduled = self._scheduled(output)
-        block_size = self.config.cache_config.block_size
+        block_size = self.kernel_block or self.config.cache_config.block_size
+        ratio = self.config.cache_config.block_size // block_size  # kernel blocks per vLLM block
         for layer, name in enumerate(self.layer_names):
             worker.wait_for_layer_load(name)
             if not self.check:
@@ -305,7 +320,11 @@ class Engine:
             for req_id, done, count in scheduled:
                 request = self.scheduler.requests[req_id]
                 tokens = request.all_token_ids
-                blocks = self._block_ids(req_id, self.group_of[name])
+                blocks = [
+                    b * ratio + part
+                    for b in self._block_ids(req_id, self.group_of[name])
+                    for part in range(ratio)
+                ]
                 # a sliding window's layers attend to (and vLLM keeps) the window's tokens only
                 start = max(0, done - (self.model.window - 1)) if kind == "sliding" else 0
                 if done > start:
@@ -313,9 +332,10 @@ class Engine:
                     want = expected_kv(tokens[:done], layer, rank, self.model)[start:]
                     if not torch.equal(held.view(torch.uint8), want.view(torch.uint8)):
                         wrong = (held.view(torch.uint8) != want.view(torch.uint8)).reshape(done - start, -1)
+                        token = start + int(wrong.any(1).nonzero()[0])
                         raise WrongKV(
-                            f"{req_id}: rank {rank} layer {layer}: token "
-                            f"{start + int(wrong.any(1).nonzero()[0])} of the {done} computed holds the wrong KV"
+                            f"{req_id}: rank {rank} layer {layer}: token {token} of the {done} computed "
+                            "holds the wrong KV"
                         )
                 values = expected_kv(tokens[: done + count], layer, rank, self.model)[done:]
                 write_kv(self.model, cache, blocks, done, values, block_size)
@@ -372,7 +392,7 @@ class StandInLayer(AttentionLayerBase):
         self._k_scale_float = self._v_scale_float = float(model.kv_scale)
 
     def get_attn_backend(self) -> Any:
-        return _backend(self.model.backend if self.model.kind(self.layer) != "mla" else self.model.backend)
+        return _backend(self.model.backend)
 
     def get_kv_cache_spec(self, vllm_config: Any) -> KVCacheSpec:
         return self.spec
@@ -391,6 +411,10 @@ def _backend(name: str) -> Any:
         from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend
 
         return TritonMLABackend
+    if name == "FLASH_ATTN_DIFFKV":  # a backend whose layout the connector does not know
+        from vllm.v1.attention.backends.flash_attn_diffkv import FlashAttentionDiffKVBackend
+
+        return FlashAttentionDiffKVBackend
     if name == "CPU_MLA":
         from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
 
@@ -402,8 +426,12 @@ def _backend(name: str) -> Any:
 
 def cache_dtype(model: Model) -> torch.dtype:
     """The dtype of the model's KV values (an fp8 cache's, whose tensors vLLM keeps as bytes)."""
-    return {"auto": model.dtype, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-            "fp8_e5m2": torch.float8_e5m2}[model.cache_dtype]
+    return {
+        "auto": model.dtype,
+        "fp8": torch.float8_e4m3fn,
+        "fp8_e4m3": torch.float8_e4m3fn,
+        "fp8_e5m2": torch.float8_e5m2,
+    }[model.cache_dtype]
 
 
 def _layer_spec(model: Model, layer: int, block_size: int) -> KVCacheSpec:
@@ -411,15 +439,31 @@ def _layer_spec(model: Model, layer: int, block_size: int) -> KVCacheSpec:
     kind = model.kind(layer)
     if kind == "mla":
         return MLAAttentionSpec(
-            block_size=block_size, num_kv_heads=1, head_size=model.head_dim, dtype=dtype,
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=model.head_dim,
+            dtype=dtype,
             cache_dtype_str=model.cache_dtype,
+        )
+    if kind == "chunked":
+        return ChunkedLocalAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_size=model.head_dim,
+            dtype=dtype,
+            attention_chunk_size=4 * block_size,
         )
     if kind == "sliding":
         return SlidingWindowSpec(
-            block_size=block_size, num_kv_heads=model.num_kv_heads, head_size=model.head_dim, dtype=dtype,
+            block_size=block_size,
+            num_kv_heads=model.num_kv_heads,
+            head_size=model.head_dim,
+            dtype=dtype,
             sliding_window=model.window,
         )
-    return FullAttentionSpec(block_size=block_size, num_kv_heads=model.num_kv_heads, head_size=model.head_dim, dtype=dtype)
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=model.num_kv_heads, head_size=model.head_dim, dtype=dtype
+    )
 
 
 def expected_kv(tokens: Sequence[int], layer: int, rank: int, model: Model) -> torch.Tensor:
@@ -451,7 +495,9 @@ def _typed(model: Model, cache: torch.Tensor) -> torch.Tensor:
     return cache.view(cache_dtype(model)) if cache.dtype != cache_dtype(model) else cache
 
 
-def read_kv(model: Model, cache: torch.Tensor, blocks: Sequence[int], start: int, stop: int, block_size: int) -> torch.Tensor:
+def read_kv(
+    model: Model, cache: torch.Tensor, blocks: Sequence[int], start: int, stop: int, block_size: int
+) -> torch.Tensor:
     """[stop - start, heads, width] as the model's backend reads the cache."""
     index, offset = _positions(blocks, start, stop, block_size)
     cache = _typed(model, cache)
@@ -462,7 +508,12 @@ def read_kv(model: Model, cache: torch.Tensor, blocks: Sequence[int], start: int
 
 
 def write_kv(
-    model: Model, cache: torch.Tensor, blocks: Sequence[int], start: int, values: torch.Tensor, block_size: int
+    model: Model,
+    cache: torch.Tensor,
+    blocks: Sequence[int],
+    start: int,
+    values: torch.Tensor,
+    block_size: int,
 ) -> None:
     """Writes `values` ([tokens, heads, width]) where the model's backend keeps them."""
     index, offset = _positions(blocks, start, start + len(values), block_size)

@@ -77,4 +77,6 @@ def engine_specs(
     whole = len(groups) == 1 and groups[0].layer_ids == tuple(range(len(groups[0].layer_ids)))
     model = config.model or str(vllm_config.model_config.model)
     tp_size = vllm_config.parallel_config.tensor_parallel_size
-    return [(group, group.spec(config, model, tp_rank, tp_size, whole=whole, scales=scales)) for group in groups]
+    return [
+        (group, group.spec(config, model, tp_rank, tp_size, whole=whole, scales=scales)) for group in groups
+    ]

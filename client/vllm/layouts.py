@@ -70,7 +70,9 @@ def backend_name(vllm_config: Any, group: Group) -> str:
     return names[0]
 
 
-def group_cache(vllm_config: Any, group: Group, spec: KVSpec, kv_caches: dict[str, torch.Tensor]) -> GroupCache:
+def group_cache(
+    vllm_config: Any, group: Group, spec: KVSpec, kv_caches: dict[str, torch.Tensor]
+) -> GroupCache:
     """The group's tensors from `kv_caches`, checked against the layout its backend reads."""
     model = vllm_config.model_config.model
     missing = [name for name in group.layer_names if name not in kv_caches]
@@ -113,7 +115,9 @@ def group_cache(vllm_config: Any, group: Group, spec: KVSpec, kv_caches: dict[st
     if group.kind == MLA:
         tensors = [tensor.squeeze(1) for tensor in tensors]
     return GroupCache(
-        group, replace(spec, layout=layout, block_size=kernel_block), tuple(tensors),
+        group,
+        replace(spec, layout=layout, block_size=kernel_block),
+        tuple(tensors),
         group.block_size // kernel_block,
     )
 

@@ -73,7 +73,9 @@ class StoredChunks(KVConnectorWorkerMetadata):
 
     stored: list[tuple[str, int, bytes, bytes | None]] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
-    failed: list[tuple[str, int, int]] = field(default_factory=list)  # (request, group, first chunk not loaded)
+    failed: list[tuple[str, int, int]] = field(
+        default_factory=list
+    )  # (request, group, first chunk not loaded)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, StoredChunks):

@@ -224,7 +224,9 @@ class SchedulerSide:
                 rank.close()
         self._groups = []
         ranks = range(self.tp_size)
-        per_rank = [engine_specs(self.vllm_config, self.kv_cache_config, self.config, r, scales) for r in ranks]
+        per_rank = [
+            engine_specs(self.vllm_config, self.kv_cache_config, self.config, r, scales) for r in ranks
+        ]
         for index, (group, _) in enumerate(per_rank[0]):
             specs = [per_rank[0][index][1]] if group.replicated else [per_rank[r][index][1] for r in ranks]
             clients = [
@@ -293,7 +295,11 @@ class SchedulerSide:
             return 0
         state.local = num_computed_tokens
         remembered = state.answer
-        if remembered is not None and remembered[0] == num_computed_tokens and self.steps - remembered[2] < ANSWER_STEPS:
+        if (
+            remembered is not None
+            and remembered[0] == num_computed_tokens
+            and self.steps - remembered[2] < ANSWER_STEPS
+        ):
             return remembered[1]  # a request waiting for blocks asks every step: the answer holds a while
         clients = self._clients() if self.loads or self.saves else None
         if not self.loads or clients is None:
@@ -302,7 +308,9 @@ class SchedulerSide:
         state.answer = (num_computed_tokens, tokens, self.steps)
         return tokens
 
-    def _matched(self, state: _Request, request: Any, local: int, groups: list[tuple[Group, list[Any]]]) -> int:
+    def _matched(
+        self, state: _Request, request: Any, local: int, groups: list[tuple[Group, list[Any]]]
+    ) -> int:
         chunk = self.chunk_tokens
         first, whole = local // chunk, min(state.num_prompt, state.limit) // chunk
         if whole <= first:
@@ -336,7 +344,9 @@ class SchedulerSide:
             hit += client.lookup_chunks(state.chunk_keys(client, stop, memo)[probe:])
         return hit
 
-    def _window_hit(self, state: _Request, client: Any, group: Group, first: int, stop: int, tokens: int) -> int:
+    def _window_hit(
+        self, state: _Request, client: Any, group: Group, first: int, stop: int, tokens: int
+    ) -> int:
         """How far the window's chunks of a sliding-window group are stored: `stop` where the
         chunks of the `retained` tokens before the resume point are, else the stored prefix."""
         end = min(stop * self.chunk_tokens, tokens - 1)
@@ -435,7 +445,12 @@ class SchedulerSide:
         return meta
 
     def _plan_save(
-        self, meta: StepMetadata, groups: list[tuple[Group, list[Any]]], req_id: str, state: _Request, computed: int
+        self,
+        meta: StepMetadata,
+        groups: list[tuple[Group, list[Any]]],
+        req_id: str,
+        state: _Request,
+        computed: int,
     ) -> None:
         chunk = self.chunk_tokens
         per_chunk = chunk // self.block_size

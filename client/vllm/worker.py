@@ -83,12 +83,14 @@ class _GroupSide:
         self.scratch: list[torch.Tensor] | None = None
 
     def register(self, vllm_config: Any, kv_caches: dict[str, torch.Tensor], scales: str) -> None:
-        if scales:
-            self.spec = replace(self.spec, scales=scales)
-            self.conn = self.conn.with_spec(self.spec)
+        self.spec = replace(self.spec, scales=scales)
         self.cache = group_cache(vllm_config, self.group, self.spec, kv_caches)
+        # the client moves pages with the layout and (kernel) block size the tensors hold
+        self.conn = self.conn.with_spec(self.cache.spec)
         kernel = self.cache.spec
-        self.registered = kvstore_kernels.register(kernel.with_chunk_tokens(kernel.block_size), list(self.cache.tensors))
+        self.registered = kvstore_kernels.register(
+            kernel.with_chunk_tokens(kernel.block_size), list(self.cache.tensors)
+        )
 
     def client(self, chunk_tokens: int) -> KVStoreClient | None:
         """The client, where it is connected and the daemon's chunk size is the scheduler's."""
@@ -112,7 +114,8 @@ class WorkerSide:
         self.vllm_config = vllm_config
         self.tp_rank = tp_rank
         self.groups = {
-            group.index: _GroupSide(group, spec, config, tp_rank) for group, spec in zip(groups, specs, strict=True)
+            group.index: _GroupSide(group, spec, config, tp_rank)
+            for group, spec in zip(groups, specs, strict=True)
         }
         self.layer_group = {name: side for side in self.groups.values() for name in side.group.layer_names}
         self.saves = saves

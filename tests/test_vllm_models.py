@@ -1,0 +1,266 @@
+"""The vLLM connector on the model kinds people deploy: MLA, sliding-window hybrids, fp8 caches,
+and the layouts of different attention backends, driven by vLLM's real Scheduler (its hybrid
+allocator on) over a real kvstored.
+
+Every forward of the stand-in model (`tests.vllm_engine`) checks that each token a request
+attends to holds exactly the KV (or MLA latent) of its prefix, for every layer and TP rank: a
+test that runs to the end proved every loaded byte. A second engine has caches of its own, so a
+hit there can only come from the daemon.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: tests/install-vllm (the README's test command runs it)")
+
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+from kvstore_client import KVStoreClient  # noqa: E402
+from tests.harness import Daemon  # noqa: E402
+from tests.vllm_engine import Engine, Model, vllm_config  # noqa: E402
+
+CHUNK = 32
+# DeepSeek-V2-Lite's KV cache: 27 MLA layers, one latent of kv_lora_rank 512 + rope 64 per token
+DEEPSEEK_V2_LITE = Model(
+    num_layers=27, num_kv_heads=1, head_dim=576, kinds=("mla",) * 27, backend="TRITON_MLA"
+)
+# gpt-oss's pattern: sliding-window layers (window 128) alternating with full attention
+GPT_OSS = Model(num_layers=4, kinds=("sliding", "full") * 2, window=128)
+# Gemma 3's: five sliding-window layers to one full
+GEMMA3 = Model(num_layers=6, kinds=("sliding",) * 5 + ("full",), window=64)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [(seed * 7_919 + i * 31) % 30_000 + 10 for i in range(length)]
+
+
+@pytest.fixture
+def kvstored(daemon_factory: Callable[..., Daemon]) -> Daemon:
+    return daemon_factory(chunk_tokens=CHUNK)
+
+
+@pytest.fixture
+def make_engine(tmp_path: Path) -> Iterator[Callable[..., Engine]]:
+    engines: list[Engine] = []
+
+    def make(
+        daemon: Daemon, model: Model, *, tp_size: int = 1, name: str = "test-model", **options: Any
+    ) -> Engine:
+        layout = options.pop(
+            "layout", KVCacheLayout.LBHNC if model.backend == "CPU_ATTN" else KVCacheLayout.LBNHC
+        )
+        num_blocks = options.pop("num_blocks", 160)
+        kernel_block = options.pop("kernel_block", None)
+        model_dir = _write_config(tmp_path / f"model-{len(engines)}", model, tp_size)
+        settings = {"address": daemon.address, "model": name, **options.pop("extra", {})}
+        config = vllm_config(
+            model_dir, settings, tp_size=tp_size, cache_dtype=model.cache_dtype, max_model_len=2048, **options
+        )
+        engine = Engine(config, model, num_blocks=num_blocks, layout=layout, kernel_block=kernel_block)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def _write_config(directory: Path, model: Model, tp_size: int) -> Path:
+    return Model(
+        num_layers=model.num_layers, num_kv_heads=max(1, model.num_kv_heads), head_dim=8
+    ).write_config(directory, tp_size)
+
+
+def serve(engine: Engine, request_id: str, tokens: list[int]) -> int:
+    """Runs one request alone on poisoned caches; the prompt tokens the model computed for it."""
+    engine.poison()
+    engine.computed_prompt_tokens = 0
+    engine.add(request_id, tokens, 1)
+    engine.run()
+    return engine.computed_prompt_tokens
+
+
+def namespace_pages(daemon: Daemon) -> list[int]:
+    """The pages of each namespace holding any."""
+    with KVStoreClient.connect(daemon.address, _any_spec()) as client:
+        return sorted(entry["pages"] for entry in client.stats()["namespaces"] if entry["pages"])
+
+
+def _any_spec() -> Any:
+    from kvstore.spec import KVSpec
+
+    return KVSpec(model="probe", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", layout="vllm")
+
+
+# -- MLA ----------------------------------------------------------------------
+
+
+def test_an_mla_model_stores_once_and_another_engine_loads_it(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    a = prompt(1, 4 * CHUNK + 5)
+    assert serve(make_engine(kvstored, DEEPSEEK_V2_LITE), "A", a) == len(a)
+    second = make_engine(kvstored, DEEPSEEK_V2_LITE)
+    assert serve(second, "B", a) == len(a) - 4 * CHUNK  # every latent of 4 chunks loaded, byte-exact
+
+
+def test_mla_with_tp_2_stores_one_copy_that_both_ranks_load(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    model = Model(num_layers=3, num_kv_heads=1, head_dim=576, kinds=("mla",) * 3, backend="TRITON_MLA")
+    a = prompt(2, 3 * CHUNK + 1)
+    assert serve(make_engine(kvstored, model, tp_size=2), "A", a) == len(a)
+    assert namespace_pages(kvstored) == [3]  # one copy, not one per rank
+    second = make_engine(kvstored, model, tp_size=2)
+    assert serve(second, "B", a) == 1  # both ranks loaded the same latent, checked byte for byte
+
+
+# -- sliding windows ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", [GPT_OSS, GEMMA3], ids=["gpt-oss", "gemma3"])
+def test_a_sliding_window_hybrid_loads_its_full_layers_and_the_window_only(
+    kvstored: Daemon, make_engine: Callable[..., Engine], model: Model
+) -> None:
+    a = prompt(3, 12 * CHUNK + 7)
+    assert serve(make_engine(kvstored, model), "A", a) == len(a)
+    groups = len(make_engine(kvstored, model).kv_cache_config.kv_cache_groups)
+    assert namespace_pages(kvstored) == [12] * groups  # each group stores every chunk
+    second = make_engine(kvstored, model)
+    loaded = _record_loads(second)
+    assert serve(second, "B", a) == len(a) - 12 * CHUNK
+    kinds = {side.group.index: side.group.kind for side in second.workers[0]._worker.groups.values()}
+    window_chunks = -(-(model.window - 1) // CHUNK) + 1  # the chunks of the window's tokens, at most
+    for group, chunks in loaded.items():
+        if kinds[group] == "full":
+            assert chunks == 12
+        else:
+            assert 1 <= chunks <= window_chunks  # the window's chunks, not the prompt's 12
+
+
+def _record_loads(engine: Engine) -> dict[int, int]:
+    """Chunks each group's loads move on rank 0, from here on."""
+    worker, chunks = engine.workers[0]._worker, {}
+    original = worker._start_load
+
+    def recording(spec: Any) -> Any:
+        chunks[spec.group] = chunks.get(spec.group, 0) + spec.stop - spec.first
+        return original(spec)
+
+    worker._start_load = recording
+    return chunks
+
+
+def test_a_prefix_ending_inside_a_window_loads_what_that_window_needs(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    a = prompt(4, 10 * CHUNK)
+    assert serve(make_engine(kvstored, GPT_OSS), "A", a) == len(a)
+    b = a[: 6 * CHUNK + 9] + prompt(5, 40)  # shares 6 chunks and 9 tokens of the 7th
+    assert serve(make_engine(kvstored, GPT_OSS), "B", b) == len(b) - 6 * CHUNK
+
+
+def test_a_chunk_evicted_under_a_window_is_recomputed_never_a_wrong_byte(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    a = prompt(6, 10 * CHUNK + 3)
+    first = make_engine(kvstored, GPT_OSS)
+    assert serve(first, "A", a) == len(a)
+    sliding = first.workers[0]._worker.groups[0]
+    assert sliding.group.kind == "sliding"
+    client = sliding.conn.get()
+    assert client is not None and client.clear() == 10  # the window's pages are gone
+    assert serve(make_engine(kvstored, GPT_OSS), "B", a) == len(a)  # a miss: all computed
+
+
+# -- fp8 and scales -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_an_fp8_cache_round_trips_and_other_scales_never_hit(
+    kvstored: Daemon, make_engine: Callable[..., Engine], cache_dtype: str
+) -> None:
+    model = Model(cache_dtype=cache_dtype, kv_scale=0.5)
+    a = prompt(7, 5 * CHUNK + 2)
+    assert serve(make_engine(kvstored, model), "A", a) == len(a)
+    assert serve(make_engine(kvstored, model), "B", a) == len(a) - 5 * CHUNK
+    rescaled = Model(cache_dtype=cache_dtype, kv_scale=0.25)
+    assert serve(make_engine(kvstored, rescaled), "C", a) == len(a)  # other scales: no hit
+
+
+# -- layouts read from the backend --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "writer,reader", [("CPU_ATTN", "FLASH_ATTN"), ("FLASH_ATTN", "CPU_ATTN"), ("CPU_ATTN", "CPU_ATTN")]
+)
+def test_pages_are_canonical_whichever_backend_wrote_them(
+    kvstored: Daemon, make_engine: Callable[..., Engine], writer: str, reader: str
+) -> None:
+    a = prompt(8, 6 * CHUNK + 1)
+    assert serve(make_engine(kvstored, Model(backend=writer)), "A", a) == len(a)
+    assert serve(make_engine(kvstored, Model(backend=reader)), "B", a) == 1
+
+
+def test_a_backend_with_smaller_kernel_blocks_is_served(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    a = prompt(9, 4 * CHUNK + 3)
+    assert serve(make_engine(kvstored, Model(), block_size=32), "A", a) == len(a)
+    engine = make_engine(kvstored, Model(), block_size=32, kernel_block=16)
+    assert engine.caches[0][0].shape[2] == 16  # two kernel blocks per vLLM block
+    assert serve(engine, "B", a) == len(a) - 4 * CHUNK
+
+
+def test_an_attention_kind_the_connector_does_not_serve_is_refused_at_start_up(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.attn are ChunkedLocalAttentionSpec"):
+        make_engine(kvstored, Model(num_layers=2, kinds=("full", "chunked")))
+
+
+def test_a_backend_whose_layout_is_unknown_is_refused_at_start_up(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    with pytest.raises(
+        ValueError, match="FLASH_ATTN_DIFFKV attention backend, whose KV layout kvstore does not know"
+    ):
+        make_engine(kvstored, Model(backend="FLASH_ATTN_DIFFKV"))
+
+
+# -- failed loads ---------------------------------------------------------------
+
+
+def test_a_load_that_fails_is_not_offered_again_and_its_chunks_are_saved_again(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    engine = make_engine(kvstored, Model())
+    a = prompt(10, 5 * CHUNK + 4)
+    assert serve(engine, "A", a) == len(a)
+    worker = engine.workers[0]._worker
+    original = worker._start_load
+
+    def clear_then_load(spec: Any) -> Any:  # after the scheduler's lookup, before the load
+        client = worker.groups[0].conn.get()
+        assert client is not None and client.clear() == 5
+        return original(spec)
+
+    worker._start_load = clear_then_load
+    scheduler = engine.connector._scheduler
+    lookups, offered = scheduler.num_new_matched_tokens, []
+
+    def recording(*args: Any) -> int:
+        offered.append(lookups(*args))
+        return offered[-1]
+
+    scheduler.num_new_matched_tokens = recording
+    assert serve(engine, "B", a) == len(a)  # the load failed: recomputed, never offered again
+    assert offered[0] == 5 * CHUNK and all(tokens == 0 for tokens in offered[1:])
+    worker._start_load = original
+    # the chunks B recomputed were stored anew: another engine loads them
+    assert serve(make_engine(kvstored, Model()), "C", a) == len(a) - 5 * CHUNK
