@@ -22,9 +22,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from kvstore_client import KVStoreClient  # noqa: E402
 from tests.harness import Daemon  # noqa: E402
+from tests.test_vllm import CHUNK, prompt  # noqa: E402  (the same chunks and prompts)
 from tests.vllm_engine import Engine, Model, vllm_config  # noqa: E402
 
-CHUNK = 32
 # DeepSeek-V2-Lite's KV cache: 27 MLA layers, one latent of kv_lora_rank 512 + rope 64 per token
 DEEPSEEK_V2_LITE = Model(
     num_layers=27, num_kv_heads=1, head_dim=576, kinds=("mla",) * 27, backend="TRITON_MLA"
@@ -34,9 +34,6 @@ GPT_OSS = Model(num_layers=4, kinds=("sliding", "full") * 2, window=128)
 # Gemma 3's: five sliding-window layers to one full
 GEMMA3 = Model(num_layers=6, kinds=("sliding",) * 5 + ("full",), window=64)
 
-
-def prompt(seed: int, length: int) -> list[int]:
-    return [(seed * 7_919 + i * 31) % 30_000 + 10 for i in range(length)]
 
 
 @pytest.fixture
