@@ -10,6 +10,7 @@ hit there can only come from the daemon.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,6 @@ DEEPSEEK_V2_LITE = Model(
 GPT_OSS = Model(num_layers=4, kinds=("sliding", "full") * 2, window=128)
 # Gemma 3's: five sliding-window layers to one full
 GEMMA3 = Model(num_layers=6, kinds=("sliding",) * 5 + ("full",), window=64)
-
 
 
 @pytest.fixture
@@ -261,3 +261,37 @@ def test_a_load_that_fails_is_not_offered_again_and_its_chunks_are_saved_again(
     worker._start_load = original
     # the chunks B recomputed were stored anew: another engine loads them
     assert serve(make_engine(kvstored, Model()), "C", a) == len(a) - 5 * CHUNK
+
+
+@pytest.mark.parametrize("model", [GPT_OSS, DEEPSEEK_V2_LITE], ids=["gpt-oss", "mla"])
+def test_a_daemon_killed_between_lookup_and_load_costs_a_recompute_never_a_wrong_byte(
+    daemon_factory: Callable[..., Daemon], make_engine: Callable[..., Engine], model: Model
+) -> None:
+    daemon = daemon_factory("victim", chunk_tokens=CHUNK)
+    a = prompt(11, 6 * CHUNK + 5)
+    assert serve(make_engine(daemon, model), "A", a) == len(a)
+    engine = make_engine(daemon, model)
+    worker = engine.workers[0]._worker
+    original, killed = worker._start_load, []
+
+    def kill_then_load(spec: Any) -> Any:  # after the scheduler's lookup, before any page is read
+        if not killed:
+            killed.append(daemon.stop(signal.SIGKILL))
+        return original(spec)
+
+    worker._start_load = kill_then_load
+    assert serve(engine, "B", a) == len(a)  # every group's load failed: all of it recomputed
+    assert killed == [-signal.SIGKILL]
+    worker._start_load = original
+    daemon_factory("victim", chunk_tokens=CHUNK)  # the same socket, an empty daemon
+    assert serve(engine, "C", a) == len(a)  # nothing stored there yet: computed, and saved
+    assert serve(make_engine(daemon, model), "D", a) == len(a) - 6 * CHUNK
+
+
+def test_layerwise_loads_of_a_model_of_several_groups_are_refused_at_start_up(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    with pytest.raises(
+        ValueError, match="load_mode 'layerwise' cannot serve a model with several KV-cache groups"
+    ):
+        make_engine(kvstored, GPT_OSS, extra={"load_mode": "layerwise"})

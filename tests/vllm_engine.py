@@ -9,7 +9,7 @@ forward checks that every token the request attends to (its computed prefix, loa
 exactly the KV of that prefix: a load that left a wrong byte, or a block vLLM was told is loaded
 and is not, fails the step (`WrongKV`). The steps follow vLLM's worker: handle_preemptions, bind,
 start_load_kv (before the forward when a load is synchronous, after it otherwise),
-wait_for_layer_load per layer, wait_for_save, get_finished, load errors, worker metadata, and
+wait_for_layer_load per layer, wait_for_save, get_transfer_results, load errors, worker metadata, and
 the outputs of all ranks aggregated by vLLM's KVOutputAggregator.
 """
 
@@ -264,8 +264,10 @@ class Engine:
             if not output.has_sync_kv_loads:
                 worker.start_load_kv(None)
             worker.wait_for_save()
-            sending, recving = worker.get_finished(output.finished_req_ids)
+            results = worker.get_transfer_results(output.finished_req_ids)
+            sending, recving = results.finished_sending or None, results.finished_recving or None
             kv_output = KVConnectorOutput(
+                failed_recving=results.failed_recving,
                 finished_sending=sending,
                 finished_recving=recving,
                 invalid_block_ids=worker.get_block_ids_with_load_errors(),

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -74,6 +75,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             rank = _tp_rank(vllm_config)
             groups = engine_specs(vllm_config, kv_cache_config, self.config, rank)
+            if len(groups) > 1 and self.config.load_mode == "layerwise":
+                raise ValueError(
+                    "KVStoreConnector: load_mode 'layerwise' cannot serve a model with several "
+                    "KV-cache groups (vLLM recomputes a failed load of such a model only as a "
+                    "whole request, outside the forward); use load_mode 'async'"
+                )
             self._worker = WorkerSide(
                 vllm_config,
                 [group for group, _ in groups],
@@ -134,6 +141,14 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         recving = worker.finished_loads()
         worker.forget(finished_req_ids)
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self._worker_side().failed_requests(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().load_errors()

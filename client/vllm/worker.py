@@ -9,7 +9,9 @@
   and `wait_layer(i)` makes layer i's attention wait for layer i's pages only.
 - A chunk that could not be read back (gone from the daemon, a lease that lapsed, the daemon
   down) makes its blocks, and every block after them, a load error: vLLM recomputes exactly
-  those tokens and never runs on bytes that were not loaded.
+  those tokens and never runs on bytes that were not loaded. A model of several KV-cache groups
+  reports the request failed instead (vLLM cannot map a block id to a request across groups)
+  and vLLM recomputes all of it.
 - Saves (`start_saves`) gather the prompt chunks this step completed after the forward, as one
   call per request and all layers at once: a per-layer save would cost the host a call per
   layer inside the forward, and the gather on the side stream overlaps the next step anyway.
@@ -128,6 +130,7 @@ class WorkerSide:
         self._step_loads: list[_Load] = []  # layer-wise loads of the current step
         self._saving: dict[str, list[tuple[StoreHandle, SaveSpec]]] = {}
         self._errors: set[int] = set()
+        self._failed: set[str] = set()  # requests whose loads failed (several groups: see `_finish`)
         self._finished: set[str] = set()  # finished while loading: forgotten once loaded
         self._report = StoredChunks()
 
@@ -279,8 +282,17 @@ class WorkerSide:
         if valid < spec.stop:
             side = self.groups.get(spec.group)
             per_chunk = spec.chunk_tokens // (side.group.block_size if side is not None else 1)
-            self._errors.update(spec.target_blocks(per_chunk, valid, spec.stop))
+            if len(self.groups) > 1:  # vLLM maps no block id back to a request across groups
+                self._failed.add(spec.req_id)
+            else:
+                self._errors.update(spec.target_blocks(per_chunk, valid, spec.stop))
             self._report.failed.append((spec.req_id, spec.group, valid))
+
+    def failed_requests(self) -> set[str]:
+        """The requests reported done loading whose loads failed (a model of several groups):
+        vLLM recomputes each whole."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
