@@ -36,7 +36,7 @@ import xxhash
 from grpc_health.v1 import health, health_pb2
 
 from kvstore import __version__
-from kvstore.claim import AlreadyRunning, SocketClaim
+from kvstore.claim import AlreadyRunning, SocketClaim, check_shared_directory, claim_private_directory
 from kvstore.config import Config, ConfigError, TenantConfig, load_config, parse_config
 from kvstore.events import EventLog
 from kvstore.handlers import Handlers
@@ -206,6 +206,8 @@ async def serve(config: Config) -> None:
         stores: dict[str, Store] = {}
         events = EventLog(config.server.events_buffer)
         events.bind(loop)
+        if config.tenants and config.tiers.disk.enabled:  # the tenants' directories are made in it
+            os.close(claim_private_directory(Path(config.tiers.disk.path), "tiers.disk.path"))
         for tenant in config.tenants or (None,):
             tiers = Tiers(tenant, events)
             opened.append(tiers)
@@ -405,6 +407,7 @@ def _checked(config: Config) -> Config:
         raise ConfigError(
             "tiers.cpu.shm_dir", f"{shm_dir} is not a directory on this host (a tmpfs: /dev/shm)"
         )
+    check_shared_directory(shm_dir, "tiers.cpu.shm_dir")  # no one else can replace the arena there
     tenancy(config)  # the tokens files are readable, private, and each token is one tenant's
     if config.server.max_local_connections_per_uid > config.server.max_local_connections:
         raise ConfigError(

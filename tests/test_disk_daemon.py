@@ -164,11 +164,11 @@ def mount_tmpfs(path: Path, size: str) -> bool:
 def test_a_full_disk_leaves_the_cpu_tier_serving(
     tmp_path: Path, daemon_factory: Callable[..., Daemon]
 ) -> None:
-    disk_path = tmp_path / "small"
-    if not mount_tmpfs(disk_path, "256k"):
+    mount = tmp_path / "small"
+    if not mount_tmpfs(mount, "256k"):
         pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
-    try:
-        daemon = daemon_factory(**disk_overrides(disk_path))
+    try:  # a directory of the daemon's own in it: the tmpfs's root is world-writable (1777)
+        daemon = daemon_factory(**disk_overrides(mount / "disk"))
         with KVStoreClient.connect(daemon.address, SPEC) as client:
             for i in range(60):  # 600 pages of 8 KiB: far more than 256 KiB of disk
                 client.store(prompt(i, 10), cache_for(i, 10), torch.arange(10))
@@ -183,7 +183,7 @@ def test_a_full_disk_leaves_the_cpu_tier_serving(
             assert load_and_compare(client, 700, 10) == 10 * CHUNK
         assert "disk tier" in daemon.log()
     finally:
-        subprocess.run(["umount", "-l", str(disk_path)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 def test_kvctl_stats_shows_the_disk_tier(tmp_path: Path, daemon_factory: Callable[..., Daemon]) -> None:

@@ -9,6 +9,11 @@ learns it at Connect with the file's identity (st_dev, st_ino), checks that the
 file it mapped is that one, and sends the epoch back with every call that names
 offsets, so a call meant for another daemon's arena is refused, never served.
 
+The arena's file is the daemon's own: `tiers.cpu.shm_dir` must be of the daemon's user or root
+and writable by others only with the sticky bit (/dev/shm is), and the file is created new
+(O_EXCL|O_NOFOLLOW) and checked to be this user's; a stale arena of this user is replaced,
+anything else at its path is refused (`kvstore.claim`).
+
 The tier knows bytes and slots only; the store decides what lives here.
 """
 
@@ -22,12 +27,14 @@ import secrets
 import time
 from pathlib import Path
 
+from kvstore.claim import check_shared_directory, create_private_file, remove_stale_file
 from kvstore.hugepages import advise_huge, thp_advised
 from kvstore.tiers.slab import SlabAllocator
 from kvstore.wire import MEMFD_PREFIX
 
 log = logging.getLogger(__name__)
 
+SHM_KEY = "tiers.cpu.shm_dir"
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.13 names it
 
 
@@ -104,9 +111,8 @@ class Arena:
 
     @staticmethod
     def _create(path: Path, size: int, mode: int, prefault: bool) -> int:
-        if path.exists():
-            log.warning("replacing stale arena %s left by a daemon that did not shut down", path)
-            path.unlink()
+        check_shared_directory(path.parent, SHM_KEY)
+        remove_stale_file(path, SHM_KEY)  # before the free space is measured: it may hold some
         if prefault:
             fs = os.statvfs(path.parent)
             free = fs.f_bavail * fs.f_frsize
@@ -115,7 +121,7 @@ class Arena:
                     f"tiers.cpu.bytes: a {size}-byte arena does not fit in {path.parent}, which has "
                     f"{free} bytes free; free space there or lower tiers.cpu.bytes"
                 )
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        fd = create_private_file(path, mode, SHM_KEY)
         try:
             os.fchmod(fd, mode)  # the umask must not widen or narrow the configured mode
         except OSError:

@@ -8,7 +8,12 @@ records: `records.py`; files and recovery: `disk_files.py`; the index: `disk_ind
 why one file per page: bench/NOTES-disk.md.
 
 Primitives (any thread; the store calls them from its event loop):
-- `DiskTier(config)`: creates and locks the directory; reads nothing yet.
+- `DiskTier(config)`: claims (`kvstore.claim.claim_private_directory`: created 0700, or a
+  directory of this user or root that no one else can write, else a ConfigError naming
+  `tiers.disk.path`) and locks the directory; reads nothing yet. Every file operation after
+  that goes through the claimed descriptor (`base`, `/proc/self/fd/<fd>`), never the path
+  again, and opens files with O_NOFOLLOW; a file there that is not a regular file of this
+  user is corrupt, never data.
 - `recover(progress) -> list[RecordInfo]`: rebuilds the index from the clean-shutdown
   index, or else from the record headers (torn and corrupt files removed, counted); then
   starts the workers. Call it once, before anything else.
@@ -45,6 +50,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvstore.claim import claim_private_directory
 from kvstore.codec import CODECS, Buffer
 from kvstore.config import DiskTierConfig
 from kvstore.events import EventKind, EventLog
@@ -57,6 +63,8 @@ from kvstore.tiers.disk_workers import DiskWorkers
 
 log = logging.getLogger(__name__)
 
+PATH_KEY = "tiers.disk.path"
+
 
 class DiskTier(DiskWorkers):
     name = "disk"
@@ -68,20 +76,20 @@ class DiskTier(DiskWorkers):
         self.capacity = config.bytes
         self.write_through = config.write == "through"
         self._codec = CODECS[config.codec]
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError as exc:
-            raise OSError(exc.errno, f"tiers.disk.path: cannot use {self.root}: {exc.strerror}") from exc
+        self._root_fd = claim_private_directory(self.root, PATH_KEY)
+        self.base = Path(f"/proc/self/fd/{self._root_fd}")  # the claimed directory, whatever its path
         try:
             fcntl.flock(self._root_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._root_fd)
             raise RuntimeError(
-                f"tiers.disk.path: {self.root} is in use by another kvstored; give each daemon its own "
-                f"directory"
+                f"{PATH_KEY}: {self.root} is in use by another kvstored; give each daemon its own directory"
             ) from None
-        (self.root / files.LOCK_NAME).touch()  # marks the directory as a disk tier's
+        try:
+            files.mark(self.base)  # marks the directory as a disk tier's
+        except OSError as exc:
+            os.close(self._root_fd)
+            raise OSError(exc.errno, f"{PATH_KEY}: cannot use {self.root}: {exc.strerror}") from exc
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._index = DiskIndex(config.bytes)
@@ -113,11 +121,11 @@ class DiskTier(DiskWorkers):
         self._started = True
         began = time.perf_counter()
         try:
-            records = files.load_index(self.root)
+            records = files.load_index(self.base)
             source = "clean-shutdown index"
             if records is None:
                 source = "record scan"
-                result = files.scan(self.root, progress)
+                result = files.scan(self.base, progress)
                 records = result.records
                 self.counters["torn_records"] += result.torn
                 self.counters["skipped_on_recovery"] += result.torn + result.corrupted
@@ -154,7 +162,7 @@ class DiskTier(DiskWorkers):
         return [info for info in records if (info.namespace, info.key) in self._index]
 
     def _warn_if_small_filesystem(self) -> None:
-        fs = os.statvfs(self.root)
+        fs = os.statvfs(self.base)
         room = fs.f_bavail * fs.f_frsize + self._index.bytes_used
         if room < self.capacity:
             log.warning(
@@ -238,7 +246,17 @@ class DiskTier(DiskWorkers):
                 return False
             raw_length = len(queued.page) if queued is not None else record.raw_length  # type: ignore[union-attr]
             if into is not None and len(into) != raw_length:
-                raise ValueError(f"into: expected a buffer of the page's {raw_length} bytes, got {len(into)}")
+                if record is None:
+                    raise ValueError(
+                        f"into: expected a buffer of the page's {raw_length} bytes, got {len(into)}"
+                    )
+                # A record's length comes from its header: one that does not fit the slot is not this page.
+                self.counters["corrupted_records"] += 1
+                self.counters["read_misses"] += 1
+                if self._forget(ident, "lost") is not None:
+                    self._calls.append(lambda: self._unlink(ident))
+                    self._wake.notify()
+                return False
             if record is not None:
                 record.readers += 1
             page = queued.page if queued is not None else None
@@ -396,7 +414,7 @@ class DiskTier(DiskWorkers):
             elif self.enabled and self._started:
                 with self._lock:
                     records = self._index.records()
-                files.save_index(self.root, records)
+                files.save_index(self.base, records)
         except OSError as exc:
             log.error("disk tier: cannot write the clean-shutdown index: %s; the next start scans", exc)
         finally:

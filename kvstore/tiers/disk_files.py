@@ -7,6 +7,11 @@ Layout under `tiers.disk.path` (one file per page: bench/NOTES-disk.md has the n
     <namespace hex>/<key byte 0 hex>/<key hex>.kvr     one record per page
     <namespace hex>/<key byte 0 hex>/.<key hex>.<n>.tmp  a record being written
 
+Nothing here follows a symlink: files are opened with O_NOFOLLOW, temporaries (records'
+and the index's) created with O_EXCL, directories walked without following links, and a file
+that is not a regular file of the daemon's user is corrupt (removed, counted), never data.
+The tier passes its claimed directory's descriptor path as `root` (`DiskTier.base`).
+
 A record is written to a temp file and renamed into place, so a record file under its
 final name is complete unless the machine lost power before it was synced (then its
 checksums catch it). A temp file is a write that never finished: recovery removes it.
@@ -15,6 +20,7 @@ checksums catch it). A temp file is a write that never finished: recovery remove
 - `scan(root, progress) -> ScanResult`: every complete record's header, oldest first;
   temp files and corrupt records are removed and counted.
 - `save_index(root, records)` / `load_index(root)`: the clean-shutdown index, checksummed.
+- `mark(root)`: the LOCK file that marks a disk tier's directory.
 - `fsync_dir(path)`, `sync_filesystem(fd)`: what the fsync policies call.
 """
 
@@ -32,6 +38,7 @@ from typing import NamedTuple
 import xxhash
 
 from kvstore.codec import Codec
+from kvstore.tiers.disk_io import open_own
 from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, unpack_header
 
 log = logging.getLogger(__name__)
@@ -72,8 +79,13 @@ def temp_path(final: Path, serial: int) -> Path:
     return final.with_name(f".{final.stem}.{serial}{TEMP_SUFFIX}")
 
 
+def mark(root: Path) -> None:
+    os.close(os.open(root / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+
+
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    # Following a link here is harmless (a sync writes nothing), and `root` itself is one (/proc).
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -96,20 +108,23 @@ def sync_filesystem(fd: int) -> None:
 
 def _record_files(root: Path) -> list[Path]:
     files: list[Path] = []
-    for ns_dir in root.iterdir():
-        if len(ns_dir.name) != _HEX_NAMESPACE or not ns_dir.is_dir():
+    for ns_dir in os.scandir(root):
+        if len(ns_dir.name) != _HEX_NAMESPACE or not ns_dir.is_dir(follow_symlinks=False):
             continue
-        for sub in ns_dir.iterdir():
-            if sub.is_dir():
-                files.extend(sub.iterdir())
+        for sub in os.scandir(ns_dir.path):
+            if sub.is_dir(follow_symlinks=False):
+                files.extend(Path(entry.path) for entry in os.scandir(sub.path))
     return files
 
 
 def _read_header(path: Path) -> tuple[RecordInfo, int]:
     """The record in `path` and its mtime; CorruptRecord if its header or size does not check out."""
-    with open(path, "rb", buffering=0) as file:
-        head = file.read(HEADER_BYTES)
-        stat = os.fstat(file.fileno())
+    fd = open_own(path)
+    try:
+        head = os.pread(fd, HEADER_BYTES, 0)
+        stat = os.fstat(fd)
+    finally:
+        os.close(fd)
     header = unpack_header(head)
     if record_path(Path("/"), header.namespace, header.key).parts[-3:] != path.parts[-3:]:
         raise CorruptRecord("the header names another namespace or key than the file name")
@@ -136,7 +151,7 @@ def scan(root: Path, progress: Progress | None = None) -> ScanResult:
             except FileNotFoundError:
                 continue
             except CorruptRecord as exc:
-                log.warning("disk tier: removing corrupt record %s: %s", path, exc)
+                log.warning("disk tier: removing corrupt record %s: %s", path.relative_to(root), exc)
                 path.unlink(missing_ok=True)
                 corrupted += 1
                 continue
@@ -153,7 +168,9 @@ def save_index(root: Path, records: Sequence[RecordInfo]) -> None:
     )
     body = b"".join(parts)
     temp = root / (INDEX_NAME + TEMP_SUFFIX)
-    with open(temp, "wb") as file:
+    temp.unlink(missing_ok=True)  # a crashed close's; never followed, never reused
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with open(fd, "wb") as file:
         file.write(body + _INDEX_CHECK.pack(xxhash.xxh3_64_intdigest(body)))
         file.flush()
         os.fsync(file.fileno())
@@ -168,9 +185,15 @@ def load_index(root: Path) -> list[RecordInfo] | None:
     """
     path = root / INDEX_NAME
     try:
-        data = path.read_bytes()
+        fd = open_own(path)
     except FileNotFoundError:
         return None
+    except CorruptRecord as exc:
+        log.warning("disk tier: %s: %s; scanning the records instead", INDEX_NAME, exc)
+        path.unlink()
+        return None
+    with open(fd, "rb") as file:
+        data = file.read()
     path.unlink()
     fsync_dir(root)
     body, check = data[: -_INDEX_CHECK.size], data[-_INDEX_CHECK.size :]
@@ -186,5 +209,5 @@ def load_index(root: Path) -> list[RecordInfo] | None:
             for ns, key, codec, raw, stored in _INDEX_ENTRY.iter_unpack(body[_INDEX_HEAD.size :]):
                 records.append(RecordInfo(ns, key, Codec(codec), raw, stored))
             return records
-    log.warning("disk tier: %s does not check out; scanning the records instead", path)
+    log.warning("disk tier: %s does not check out; scanning the records instead", INDEX_NAME)
     return None

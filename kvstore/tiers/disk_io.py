@@ -1,12 +1,15 @@
 """Reading and writing one record file; the disk tier's workers call these, nothing else does I/O.
 
-- `write_record(temp, header, payload, sync)`: the whole record into a new temp file,
-  fdatasync'ed when `sync`; the caller renames it into place. A failed write leaves no file.
-- `read_record(path, namespace, key, stored_bytes, into, direct, tally) -> page`: reads and
-  checks the record; with `into` (a byte buffer of the page's size) a raw record is read
-  straight into it, and any other is decoded into it; `tally` counts the bytes read each way
-  below (`read_bytes_cached`, `_direct`, `_buffered`). Raises `CorruptRecord` for a record that
-  does not check out, `OSError` (FileNotFoundError for a removed file) for the disk's errors.
+- `write_record(temp, header, payload, sync)`: the whole record into a new temp file
+  (O_EXCL|O_NOFOLLOW: nothing planted at its name is followed or reused), fdatasync'ed when
+  `sync`; the caller renames it into place. A failed write leaves no file.
+- `read_record(path, namespace, key, stored_bytes, into, direct, tally, raw_length=) -> page`:
+  reads and checks the record; with `into` (a byte buffer of the page's size) a raw record is
+  read straight into it, and any other is decoded into it; `tally` counts the bytes read each
+  way below (`read_bytes_cached`, `_direct`, `_buffered`). Raises `CorruptRecord` for a record
+  that does not check out (a symlink, a file of another user, a header that names another page
+  or another page size than `raw_length`, or `len(into)`, before anything is decompressed),
+  `OSError` (FileNotFoundError for a removed file) for the disk's errors.
 
 How a record is read (bench/NOTES-disk.md has the measurements):
 1. A record wholly in the page cache (written or read lately; cachestat(2) says, without
@@ -31,6 +34,7 @@ import fcntl
 import mmap
 import os
 import platform
+import stat
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -171,7 +175,7 @@ def _read_direct(fd: int, parts: list[memoryview], end: int) -> int:
 
 
 def write_record(temp: Path, header: bytes, payload: Buffer, sync: bool) -> None:
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         _write_all(fd, [header, payload])
         if sync:
@@ -184,6 +188,21 @@ def write_record(temp: Path, header: bytes, payload: Buffer, sync: bool) -> None
     os.close(fd)
 
 
+def open_own(path: Path) -> int:
+    """A read-only descriptor on `path`, a regular file of this user (CorruptRecord otherwise)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptRecord(f"{path.name} is a symlink") from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(fd)
+        raise CorruptRecord(f"{path.name} is not a regular file of this daemon's user (uid {info.st_uid})")
+    return fd
+
+
 def read_record(
     path: Path,
     namespace: bytes,
@@ -192,13 +211,16 @@ def read_record(
     into: memoryview | None = None,
     direct: bool = True,
     tally: Counter[str] | None = None,
+    raw_length: int | None = None,
 ) -> Buffer:
     head = bytearray(HEADER_BYTES)
     payload_bytes = stored_bytes - HEADER_BYTES
+    if raw_length is None and into is not None:
+        raw_length = len(into)
     # A record stored raw is exactly as long as its page: read it where it must end up.
     payload: Buffer = into if into is not None and len(into) == payload_bytes else bytearray(payload_bytes)
     parts = _views([head, payload])
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_own(path)
     try:
         cached = direct and _cached(fd, stored_bytes)
         got = uncached = _read_direct(fd, parts, stored_bytes) if direct and not cached else 0
@@ -214,6 +236,10 @@ def read_record(
     header = unpack_header(head)
     if header.namespace != namespace or header.key != key or header.record_bytes != stored_bytes:
         raise CorruptRecord("the header names another page or length")
+    if raw_length is not None and header.raw_length != raw_length:
+        raise CorruptRecord(
+            f"the header says a {header.raw_length}-byte page, this page is {raw_length} bytes"
+        )
     page = header.decode(payload)
     if into is None or page is into:
         return page

@@ -37,7 +37,8 @@ log = logging.getLogger("kvstore.tiers.disk")
 
 class DiskWorkers:
     config: DiskTierConfig
-    root: Path
+    root: Path  # as configured: for messages
+    base: Path  # the claimed directory's descriptor: for every file operation
     enabled: bool
     error: str | None
     counters: Counter[str]
@@ -118,7 +119,7 @@ class DiskWorkers:
                 return self._complete(write.dones, False)
         for victim in victims:
             self._unlink(victim)
-        final = record_path(self.root, write.namespace, write.key)
+        final = record_path(self.base, write.namespace, write.key)
         temp = files.temp_path(final, next(self._serial))
         always = self.config.fsync == "always"
         try:
@@ -138,7 +139,7 @@ class DiskWorkers:
             with self._lock:
                 self._index.unreserve(size)
                 self._abandon(write, rejected=False)
-            self._turn_off(exc, f"writing {final}")
+            self._turn_off(exc, f"writing {self._shown(ident)}")
             return self._complete(write.dones, False)
         batch = self.config.fsync == "batch"
         with self._lock:
@@ -192,16 +193,17 @@ class DiskWorkers:
                     read.into[:] = page
                     page = read.into
             elif read.record is not None:
-                path = record_path(self.root, read.namespace, read.key)
+                path = record_path(self.base, read.namespace, read.key)
+                stored, raw = read.record.stored_bytes, read.record.raw_length
                 page = read_record(
-                    path, read.namespace, read.key, read.record.stored_bytes, read.into, tally=tally
+                    path, read.namespace, read.key, stored, read.into, tally=tally, raw_length=raw
                 )
         except FileNotFoundError:
             self._lost(ident, read.record, "missing_records", "its file is gone")
         except CorruptRecord as exc:
             self._lost(ident, read.record, "corrupted_records", str(exc))
         except OSError as exc:
-            self._turn_off(exc, f"reading {record_path(self.root, read.namespace, read.key)}")
+            self._turn_off(exc, f"reading {self._shown(ident)}")
         finally:
             with self._lock:
                 if read.record is not None:
@@ -248,10 +250,14 @@ class DiskWorkers:
 
     def _unlink(self, ident: Ident) -> None:
         try:
-            record_path(self.root, *ident).unlink(missing_ok=True)
+            record_path(self.base, *ident).unlink(missing_ok=True)
         except OSError as exc:
-            self._turn_off(exc, f"removing {record_path(self.root, *ident)}")
+            self._turn_off(exc, f"removing {self._shown(ident)}")
         self._settle(ident)
+
+    def _shown(self, ident: Ident) -> Path:
+        """The record's path as the operator named the directory."""
+        return record_path(self.root, *ident)
 
     def _settle(self, ident: Ident) -> None:
         with self._lock:
