@@ -313,6 +313,9 @@ class RemoteTierConfig:
     lookup_timeout_s: float = setting(0.05, gt=0, le=5)  # the existence check a Lookup makes
     retry_s: float = setting(5.0, gt=0)  # after a failure the tier is skipped (misses) this long
     ttl_s: float = setting(0.0, ge=0)  # records expire after this (0: never; the server's maxmemory evicts)
+    # Secret bytes every daemon of the fleet shares (mode 0600): records carry a MAC under it, and a
+    # record without a valid one is a miss. None: records are trusted as the server holds them.
+    record_key_file: str | None = setting(None, non_empty=True)
 
     @property
     def seeds(self) -> tuple[str, ...]:
@@ -339,6 +342,36 @@ class RemoteTierConfig:
         if self.ttl_s and self.ttl_s < 1:
             expected = "expected 0 (no expiry) or at least 1 s"
             raise ConfigError(join(path, "ttl_s"), f"{expected}, got {self.ttl_s}")
+        if self.enabled:
+            self.record_key(path)  # readable, private and long enough now, or an error naming the key
+
+    def record_key(self, path: str = "tiers.remote") -> bytes | None:
+        """The bytes of record_key_file (a trailing newline ignored), read now; None when unset.
+        The file must not be readable by group or others, and must hold at least 16 bytes."""
+        if self.record_key_file is None:
+            return None
+        from kvstore.tiers.records import MIN_RECORD_KEY_BYTES
+
+        key = join(path, "record_key_file")
+        try:
+            with open(self.record_key_file, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                secret = f.read(1 << 16).rstrip(b"\r\n")
+        except OSError as err:
+            raise ConfigError(key, f"cannot read {self.record_key_file}: {err.strerror}") from None
+        if mode & 0o077:
+            raise ConfigError(
+                key, f"{self.record_key_file} is readable by others (mode {mode & 0o777:o}): chmod 600 it"
+            )
+        if not secret:
+            raise ConfigError(key, f"{self.record_key_file} is empty; write the fleet's secret into it")
+        if len(secret) < MIN_RECORD_KEY_BYTES:
+            raise ConfigError(
+                key,
+                f"{self.record_key_file} holds {len(secret)} bytes; expected at least {MIN_RECORD_KEY_BYTES} "
+                "(head -c 32 /dev/urandom > FILE)",
+            )
+        return secret
 
     def _validate_seeds(self, key: str) -> None:
         from urllib.parse import urlsplit

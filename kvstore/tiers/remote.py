@@ -3,10 +3,16 @@
 One daemon per host keeps its CPU (and disk) tier; the remote tier is what lets a host
 reuse a prefix that another host computed. The server is one Redis or Valkey (`url`), or a
 Redis/Valkey Cluster (`cluster: true`, seed nodes in `urls`; `remote_nodes` routes each record to
-the master serving its slot and follows MOVED and ASK). A page is stored as a record (`records`:
-header with namespace, key, codec, lengths and xxh3 checksums, then the payload) under
-the key `<key_prefix><namespace hex>:<chunk key hex>`. A record that does not check out
-(wrong namespace or key, a checksum that fails) is a miss, never data, and is deleted.
+the master serving its slot and follows MOVED and ASK, only to nodes a slot map announced; one
+server's redirects are errors). A page is stored as a record (`records`: header with namespace,
+key, codec, lengths and xxh3 checksums, then the payload) under the key
+`<key_prefix><namespace hex>:<chunk key hex>`. A record that does not check out (wrong namespace
+or key, a checksum that fails) is a miss, never data, and is deleted.
+
+With `record_key_file`, every record this tier writes carries a MAC under the fleet's key
+(`records.RecordKey`), and a record read without one that checks out is a miss, deleted and
+counted (`forged_records`): whoever can write to the servers cannot make a daemon serve
+bytes a daemon of the fleet did not store. Without it, the server is trusted as it is.
 
 - `present(namespace, keys) -> int` (`remote_lookups`): how many leading keys have a record (one pipelined
   round trip to each node the keys live on, sent to all of them at once, `lookup_timeout_s`
@@ -53,7 +59,7 @@ from typing import Any
 from kvstore.codec import CODECS, Buffer, compress
 from kvstore.config import ConfigError, RemoteTierConfig
 from kvstore.tiers import Tier
-from kvstore.tiers.records import CorruptRecord, pack_header
+from kvstore.tiers.records import FLAG_MAC, CorruptRecord, ForgedRecord, RecordKey, pack_header
 from kvstore.tiers.remote_lookups import Lookups
 from kvstore.tiers.remote_nodes import Node, Nodes
 from kvstore.tiers.remote_resp import Address, Endpoint, RecordConnection, Redirect, RespError
@@ -61,6 +67,7 @@ from kvstore.tiers.remote_resp import Address, Endpoint, RecordConnection, Redir
 log = logging.getLogger(__name__)
 
 MAX_REDIRECTS = 3  # MOVED/ASK hops one read or write follows (a reshard moves a slot once)
+REFUSED_WARNING_S = 10.0  # at most one warning this often for redirects not followed
 
 ReadDone = Callable[[Buffer | None], None]
 WriteDone = Callable[[bool], None]
@@ -96,7 +103,10 @@ class RemoteTier(Lookups):
         seeds = [Endpoint.parse(url) for url in config.seeds]
         self.nodes = Nodes(seeds, config.cluster, config.timeout_s, config.retry_s, clock)
         self._codec = CODECS[config.codec]
+        secret = config.record_key()
+        self._record_key = None if secret is None else RecordKey(secret)
         self._clock = clock
+        self._refused_warned_at = -float("inf")
         # Reads (a load waits on them) never queue behind writes (write-through may queue many).
         self._read_workers = ThreadPoolExecutor(config.threads, thread_name_prefix="kvstore-remote-read")
         self._write_workers = ThreadPoolExecutor(config.threads, thread_name_prefix="kvstore-remote-write")
@@ -201,7 +211,11 @@ class RemoteTier(Lookups):
         ok = False
         try:
             codec, payload = compress(self._codec, page)
-            header = pack_header(namespace, key, codec, len(page), payload)
+            if self._record_key is None:
+                header = pack_header(namespace, key, codec, len(page), payload)
+            else:
+                header = pack_header(namespace, key, codec, len(page), payload, FLAG_MAC)
+                header += self._record_key.mac(header, payload)
             try:
                 stored = self._put(self.record_key(namespace, key), header, payload)
             except NodeDown as exc:
@@ -246,13 +260,17 @@ class RemoteTier(Lookups):
         ttl_ms = int(self.config.ttl_s * 1000)
         try:
             page = self._routed(
-                name, lambda connection, _: connection.get(name, namespace, key, into, ttl_ms), "a read"
+                name,
+                lambda connection, _: connection.get(name, namespace, key, into, ttl_ms, self._record_key),
+                "a read",
             )
         except NodeDown:
             pass  # a miss: down (since it was queued, or now)
         except CorruptRecord as exc:
-            self._count("corrupted_records")
-            log.warning("remote tier: record %s is corrupt (%s); deleted, read as a miss", name.decode(), exc)
+            forged = isinstance(exc, ForgedRecord)
+            self._count("forged_records" if forged else "corrupted_records")
+            what = "fails authentication" if forged else "is corrupt"
+            log.warning("remote tier: record %s %s (%s); deleted, read as a miss", name.decode(), what, exc)
             with contextlib.suppress(NodeDown):
                 self._routed(name, lambda connection, _: connection.call(b"DEL", name), "a delete")
         finally:
@@ -273,9 +291,11 @@ class RemoteTier(Lookups):
                 result = self._on_node(node, work, asking)
             except Redirect as redirect:
                 self._count("redirects")
-                if not redirect.ask:
-                    self.nodes.moved(redirect)
-                node, asking = self.nodes.node_at(redirect.address), redirect.ask
+                target = self.nodes.follow(redirect)
+                if target is None:
+                    self._refused(node, redirect, what)
+                    raise NodeDown(redirect) from None
+                node, asking = target, redirect.ask
                 if not self.nodes.usable(node):
                     node = None
             except OSError as exc:
@@ -311,6 +331,26 @@ class RemoteTier(Lookups):
         except BaseException:
             self._drop_connection(node, connection)
             raise
+
+    def _refused(self, node: Node | None, redirect: Redirect, what: str) -> None:
+        """A redirect not followed: one server's (an error: that server is down for retry_s), or a
+        cluster's to an address no slot map announced (a miss). Counted, warned of now and then."""
+        self._count("refused_redirects")
+        if not self.nodes.cluster:
+            self._failed(node, what, RespError(f"it answered {redirect}, and tiers.remote.cluster is false"))
+            return
+        with self._lock:
+            now = self._clock()
+            if now < self._refused_warned_at + REFUSED_WARNING_S:
+                return
+            self._refused_warned_at = now
+        log.warning(
+            "remote tier: node %s redirected %s to %s, which no CLUSTER SLOTS of the cluster announces; "
+            "not followed (a miss)",
+            node,
+            what,
+            redirect.address,
+        )
 
     def _connection(self, node: Node, timeout_s: float, opened_only: bool = False) -> Any:
         """This thread's connection to `node` (opened now unless `opened_only`: then None if
@@ -377,10 +417,12 @@ class RemoteTier(Lookups):
             "read_misses",
             "promotions",
             "corrupted_records",
+            "forged_records",
             "lookups",
             "lookup_hits",
             "lookup_timeouts",
             "redirects",
+            "refused_redirects",
             "stats_failures",
             "errors",
             "outages",

@@ -112,11 +112,13 @@ class Lookups:
                     answers[i] = reply == 1
                 elif isinstance(reply, Redirect):
                     self._count("redirects")
+                    target = self.nodes.moved(reply)  # None: not announced (or one server): a miss
+                    if target is None:
+                        self._count("refused_redirects")
+                        continue
                     if reply.ask:
                         redirected_asking.add(i)
-                    else:
-                        self.nodes.moved(reply)
-                    redirected.setdefault(self.nodes.node_at(reply.address), []).append(i)
+                    redirected.setdefault(target, []).append(i)
         return redirected, redirected_asking
 
     def _fan_out(

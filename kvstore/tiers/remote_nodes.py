@@ -11,8 +11,16 @@ and `CLUSTER SLOTS`, asked of any node, says which master serves each slot.
   node is down, so that a failover to a replica is seen in about that time).
 - `node_for(name) -> Node | None`: the node that serves `name` (None: no map yet, or a slot no
   node serves); `route(prefix, suffixes)`: the same for many names that share a prefix.
-  `node_at(address)`: the node at an address a redirect named.
-- `moved(redirect)`: a `MOVED` reply moves that slot at once and asks for a fresh map.
+- Redirects, in cluster mode only (one server's `MOVED` is an error, never followed): a node is
+  reached only where a slot map announced it, a map that came from a configured seed or from a
+  node an earlier map announced, so a server cannot send the daemon (its AUTH password, its
+  records) to an address of its choosing. `announced(address) -> Node | None`;
+  `follow(redirect) -> Node | None` in a worker: an address the map does not name is looked
+  up in a fresh map (at most every `REFRESH_DOWN_S`), and None if it is still not there;
+  `moved(redirect) -> Node | None` on the event loop: an announced node takes the slot at once,
+  and any redirect asks the refresher for a fresh map.
+- At most `MAX_NODES` nodes: a map that names more is not used (logged), and nodes that left
+  the map are forgotten when the count would pass it.
 - Health, per node: `usable(node)`; `failed(node) -> bool` makes it a miss for `retry_s`
   (True for the first failure of an outage, which lasts until `recovered(node)`, its next
   answer: the caller warns once); `slow(node) -> bool`
@@ -51,6 +59,7 @@ def slot(name: bytes) -> int:
 REFRESH_S = 30.0
 REFRESH_DOWN_S = 0.5
 SLOW_LOOKUPS_DOWN = 3  # lookups in a row past lookup_timeout_s that make a node down for retry_s
+MAX_NODES = 1024  # Redis Cluster's own advice is at most ~1000 nodes; each is a Stats row and metrics label
 
 
 @dataclass(eq=False)
@@ -92,6 +101,8 @@ class Nodes:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._asked_at = -float("inf")  # the last refresh a redirect to an unknown node made
+        self._too_many_warned = False
         self.refreshes = 0
         self.refresh_failures = 0
 
@@ -111,14 +122,38 @@ class Nodes:
         base = crc_hqx(prefix, 0)
         return [slots[crc_hqx(suffix, base) & LAST_SLOT] for suffix in suffixes]
 
-    def node_at(self, address: Address) -> Node:
+    def announced(self, address: Address) -> Node | None:
+        """The node at `address` if the current slot map names it (a cluster only)."""
         with self._lock:
-            return self._node(address)
+            node = self._nodes.get(address) if self.cluster else None
+            return node if node is not None and node.role != "absent" else None
 
-    def moved(self, redirect: Redirect) -> None:
-        with self._lock:
-            self._slots[redirect.slot] = self._node(redirect.address)
+    def moved(self, redirect: Redirect) -> Node | None:
+        """A redirect seen on the event loop (never waits): the announced node it names (a MOVED
+        gives it the slot now), or None; either way the refresher asks for a fresh map."""
+        node = self.announced(redirect.address)
+        if node is not None and not redirect.ask:
+            with self._lock:
+                self._slots[redirect.slot] = node
         self._wake.set()
+        return node
+
+    def follow(self, redirect: Redirect) -> Node | None:
+        """The node a worker follows `redirect` to: one the map announces, asked for a fresh map
+        first where it names none (at most every REFRESH_DOWN_S, so a server that redirects every
+        request costs one CLUSTER SLOTS per interval). None: not to be followed."""
+        if not self.cluster:
+            return None
+        node = self.moved(redirect)
+        if node is None:
+            with self._lock:
+                now = self._clock()
+                may_ask = now >= self._asked_at + REFRESH_DOWN_S
+                if may_ask:
+                    self._asked_at = now
+            if may_ask and self.refresh():
+                node = self.moved(redirect)
+        return node
 
     def _node(self, address: Address) -> Node:
         """The node at `address`, made on first sight (under the lock, or before threads start)."""
@@ -202,7 +237,8 @@ class Nodes:
         until one answers; True if the map was replaced."""
         with self._lock:
             known = sorted(
-                self._nodes.values(), key=lambda node: (node.role != "master", not self.usable(node))
+                (node for node in self._nodes.values() if node.role != "absent"),
+                key=lambda node: (node.role != "master", not self.usable(node)),
             )
         candidates = [node.endpoint for node in known] + self._seeds
         tried: set[Address] = set()
@@ -233,20 +269,42 @@ class Nodes:
             host = entry[0].decode() if isinstance(entry[0], bytes) else ""
             return (host if host and host != "?" else asked_host), int(entry[1])
 
+        ranges: list[tuple[int, int, tuple[str, int]]] = []
+        roles: dict[Address, str] = {}
+        for first, last, master, *replicas in reply:
+            if not 0 <= int(first) <= int(last) <= LAST_SLOT:
+                raise ValueError(f"CLUSTER SLOTS named slots {first}..{last}")
+            ranges.append((int(first), int(last), address(master)))
+            roles[address(master)] = "master"
+            for replica in replicas:
+                roles.setdefault(address(replica), "replica")
+        if len(roles) > MAX_NODES:
+            self._too_many(asked, len(roles))
+            raise ValueError(f"{len(roles)} nodes, more than {MAX_NODES}")
+        self._too_many_warned = False
         slots: list[Node | None] = [None] * SLOTS
         with self._lock:
-            roles: dict[Address, str] = {}
-            for first, last, master, *replicas in reply:
-                node = self._node(address(master))
-                roles[node.address] = "master"
-                slots[int(first) : int(last) + 1] = [node] * (int(last) - int(first) + 1)
-                for replica in replicas:
-                    roles.setdefault(self._node(address(replica)).address, "replica")
-            if len(slots) != SLOTS:
-                raise ValueError("CLUSTER SLOTS named a slot past 16383")
+            if len(self._nodes.keys() | roles.keys()) > MAX_NODES:  # forget the nodes that left the map
+                self._nodes = {a: node for a, node in self._nodes.items() if a in roles}
+            for first, last, master_address in ranges:
+                slots[first : last + 1] = [self._node(master_address)] * (last - first + 1)
+            for node_address in roles:
+                self._node(node_address)
             for node in self._nodes.values():
                 node.role = roles.get(node.address, "absent")
             self._slots = slots
+
+    def _too_many(self, asked: Endpoint, count: int) -> None:
+        level = logging.DEBUG if self._too_many_warned else logging.ERROR
+        self._too_many_warned = True
+        log.log(
+            level,
+            "remote tier: CLUSTER SLOTS from %s names %d nodes, more than the %d this tier serves; "
+            "that map is not used (the slots keep the nodes they had)",
+            asked,
+            count,
+            MAX_NODES,
+        )
 
     # -- figures ------------------------------------------------------------
 

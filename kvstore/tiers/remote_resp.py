@@ -17,22 +17,27 @@ whole and decoded.
 - `RecordConnection.open(endpoint, timeout_s)`, then
   - `exists(name) -> bool`, `pexpire(name, ms)`, `put(name, header, payload, ttl_ms) -> bool`
     (SET NX [PX]: False when a record was already there);
-  - `get(name, namespace, key, into, ttl_ms=0) -> Buffer | None`: the page (`into` itself,
-    filled) or None where there is no record. Raises `CorruptRecord` for a record that does not
-    check out (or a value of another type under its name), `OSError` (or `RespError`) for a
-    connection that failed. On any exception but a `Redirect` the connection is closed: the
+  - `get(name, namespace, key, into, ttl_ms=0, record_key=None) -> Buffer | None`: the page
+    (`into` itself, filled) or None where there is no record. With a `RecordKey`, the record must
+    carry a MAC that checks out under it, computed on each part of the payload as it lands in
+    `into` (`ForgedRecord` otherwise); without one, a MAC is skipped. Raises `CorruptRecord` for a
+    record that does not check out (or a value of another type under its name, or a page of
+    another size than `into`, refused before its payload is read), `OSError` (or `RespError`) for
+    a connection that failed. On any exception but a `Redirect` the connection is closed: the
     reply may be half read;
   - `call(*parts)`: any command, its reply parsed (bulk strings as bytes, arrays as lists);
     `send(commands)` then `replies(n)` (or `line_replies(n)`, where each is one line): pipelined
     commands, the caller reading each server's replies after sending to all of them. An error
     reply is returned among these (a `RespError`), raised by the other calls.
 - `Redirect`: a cluster's `-MOVED` or `-ASK` (the slot, the node that serves it, and whether it
-  is only for this one request); the connection stays usable.
+  is only for this one request); the connection stays usable. Where to follow one, if anywhere,
+  is the tier's decision (`remote_nodes.Nodes.follow`): this module only parses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import socket
 import ssl
 from collections.abc import Sequence
@@ -40,7 +45,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.codec import Buffer, Codec
-from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, unpack_header
+from kvstore.tiers.records import (
+    HEADER_BYTES,
+    MAC_BYTES,
+    CorruptRecord,
+    ForgedRecord,
+    RecordKey,
+    unpack_header,
+)
 
 FIRST_READ_BYTES = 1 << 16
 DEFAULT_PORT = 6379  # as redis-py takes a URL without a port
@@ -118,14 +130,17 @@ class Redirect(RespError):
         host, _, port = where.rpartition(":")
         self.ask = kind == "ASK"
         self.slot = int(slot)
-        self.address: tuple[str, int] = (host, int(port))
+        self.address: tuple[str, int] = (host.removeprefix("[").removesuffix("]"), int(port))
+        if not (0 <= self.slot < 16384 and 0 < self.address[1] < 65536 and host):
+            raise ValueError(f"not a redirect: {line[:64]!r}")
 
 
 def error_of(line: bytes) -> RespError:
     """The exception for an error reply `line` (without its leading '-')."""
     text = line.decode(errors="replace")
     if text.startswith(("MOVED ", "ASK ")) and len(text.split()) == 3:
-        return Redirect(text)
+        with contextlib.suppress(ValueError):  # a malformed one is an error like any other
+            return Redirect(text)
     return RespError(text)
 
 
@@ -267,18 +282,32 @@ class RecordConnection:
         return reply
 
     def get(
-        self, name: bytes, namespace: bytes, key: bytes, into: memoryview, ttl_ms: int = 0
+        self,
+        name: bytes,
+        namespace: bytes,
+        key: bytes,
+        into: memoryview,
+        ttl_ms: int = 0,
+        record_key: RecordKey | None = None,
     ) -> Buffer | None:
         """With `ttl_ms`, the read also renews the record's expiry (GETEX)."""
         try:
-            return self._get(name, namespace, key, into, ttl_ms)
+            return self._get(name, namespace, key, into, ttl_ms, record_key)
         except Redirect:
             raise  # the reply was one line, read whole
         except BaseException:
             self.close()  # the reply may be half read: this connection is done
             raise
 
-    def _get(self, name: bytes, namespace: bytes, key: bytes, into: memoryview, ttl_ms: int) -> Buffer | None:
+    def _get(
+        self,
+        name: bytes,
+        namespace: bytes,
+        key: bytes,
+        into: memoryview,
+        ttl_ms: int,
+        record_key: RecordKey | None,
+    ) -> Buffer | None:
         request = command(b"GETEX", name, b"PX", b"%d" % ttl_ms) if ttl_ms else command(b"GET", name)
         self._sock.sendall(request)
         line = self._line()
@@ -293,21 +322,41 @@ class RecordConnection:
             return None
         if length < HEADER_BYTES:
             raise CorruptRecord(f"record is {length} bytes, shorter than a header")
-        header = unpack_header(self._exactly(HEADER_BYTES))
+        head = self._exactly(HEADER_BYTES)
+        header = unpack_header(head)
         if (header.namespace, header.key) != (namespace, key):
             raise CorruptRecord("the header names another page")
         payload_length = length - HEADER_BYTES
+        mac = b""
+        if header.authenticated:
+            if payload_length < MAC_BYTES:
+                raise CorruptRecord(f"record is {length} bytes, shorter than a header and its MAC")
+            mac = self._exactly(MAC_BYTES)
+            payload_length -= MAC_BYTES
+        elif record_key is not None:
+            raise ForgedRecord("it carries no MAC, and this daemon has a record key")
         if header.payload_length != payload_length:
             raise CorruptRecord(f"payload is {payload_length} bytes, the header says {header.payload_length}")
-        if header.codec is Codec.NONE and header.raw_length == payload_length == len(into):
-            # Stored raw: straight into the slot.
-            self._into(into)
+        if header.raw_length != len(into) or payload_length > len(into):
+            # Refused before a byte of the payload is read (a record of 1 MiB claiming 256 MiB).
+            raise CorruptRecord(
+                f"record holds a {header.raw_length}-byte page, the slot is {len(into)} bytes"
+            )
+        hasher = None if record_key is None else record_key.hasher(head)
+        if header.codec is Codec.NONE and payload_length == len(into):
+            # Stored raw: straight into the slot, the MAC taken on each part as it lands (in cache).
+            self._into(into, hasher)
             self._crlf()
-            header.check_payload(into)
+            if hasher is None:
+                header.check_payload(into)
+            else:  # the MAC covers the header's checksum and the payload: it is the stronger check
+                RecordKey.verify(hasher, mac)
             return into
         payload = bytearray(payload_length)
-        self._into(memoryview(payload))
+        self._into(memoryview(payload), hasher)
         self._crlf()
+        if hasher is not None:
+            RecordKey.verify(hasher, mac)
         page = header.decode(payload)
         if len(page) != len(into):
             raise CorruptRecord(f"record holds a {len(page)}-byte page, the slot is {len(into)} bytes")
@@ -363,17 +412,21 @@ class RecordConnection:
         del self._rest[:size]
         return data
 
-    def _into(self, view: memoryview) -> None:
+    def _into(self, view: memoryview, hasher: hmac.HMAC | None = None) -> None:
         """Fills `view` with the next len(view) bytes of the reply: those received, then the
-        rest straight from the socket."""
+        rest straight from the socket; `hasher` takes each part as it arrives."""
         taken = min(len(self._rest), len(view))
         view[:taken] = self._rest[:taken]
         del self._rest[:taken]
+        if hasher is not None:
+            hasher.update(view[:taken])
         filled = taken
         while filled < len(view):
             count = self._sock.recv_into(view[filled:])
             if not count:
                 raise ConnectionError("the server closed the connection")
+            if hasher is not None:
+                hasher.update(view[filled : filled + count])
             filled += count
 
     def _crlf(self) -> None:
