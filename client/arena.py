@@ -99,15 +99,19 @@ class MappedArena:
             advise_huge(self._mmap)  # as the daemon's mapping does
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.slab_bytes = arena.slab_bytes  # 0 (an older daemon): the arena is one slab
-        if self.pin is not False and torch.cuda.is_available():
-            try:
-                host: HostRegistrar = CudaRegistrar(torch.cuda.current_device())
-            except CudaUnavailable as exc:
-                log.warning(
-                    "the arena cannot be registered with CUDA (%s): transfers run at pageable speed", exc
-                )
-                return
+        host = self.host_registrar()
+        if host is not None:
             self.start_registrar(host)
+
+    def host_registrar(self) -> HostRegistrar | None:
+        """What pins a new mapping: CUDA's, where a GPU is present and `pin` allows (None: nothing)."""
+        if self.pin is False or not torch.cuda.is_available():
+            return None
+        try:
+            return CudaRegistrar(torch.cuda.current_device())
+        except CudaUnavailable as exc:
+            log.warning("the arena cannot be registered with CUDA (%s): transfers run at pageable speed", exc)
+            return None
 
     def start_registrar(self, host: HostRegistrar) -> None:
         """Registers the mapped arena's slabs with `host` in the background."""

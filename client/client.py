@@ -17,11 +17,15 @@ maps the new arena before it moves a byte: every call that names offsets carries
 the epoch of the arena it was made for (`kvstore.handlers`). Leases held longer
 than a third of their TTL are renewed by a background thread (`LeaseRenewer`).
 
+A worker that needs several namespaces (a hybrid model's KV-cache groups) makes one client with
+`connect` and the others with `client.sibling(spec)`: they share one connection, one mapped and
+registered arena, the streams and the lease renewal (`session.Link`).
+
 The parts: `connection` (gRPC, the local channel, outages), `arena` (the mapped arena),
 `transfers` (streams and the gather/scatter calls), `inline` (Put/Get bytes), `gpu_pools` (the
 GPU tier's pools, read in place), and the two paths over them, `stores` and `loads` (`session`
-names what they share). `KVStoreClient` is the façade: it connects, makes the parts, and
-answers lookups, stats and clears itself.
+holds the parts a worker's clients share, and names what the paths use). `KVStoreClient` is the
+façade: it connects, and answers lookups, stats and clears itself.
 """
 
 from __future__ import annotations
@@ -35,17 +39,14 @@ import kvstore_kernels
 from kvstore.channel import LocalChannel
 from kvstore.errors import Unavailable
 from kvstore.keys import pack_keys
-from kvstore.peers import process_start_time
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import KVSpec
 from kvstore.wire import page_spec_message, stats_to_dict
-from kvstore_client.arena import MappedArena
-from kvstore_client.connection import ClientTls, Connection, default_address
-from kvstore_client.gpu_pools import GpuPools, device_bus_id
+from kvstore_client.connection import ClientTls, default_address
+from kvstore_client.gpu_pools import device_bus_id
 from kvstore_client.loads import LoadPath
-from kvstore_client.renewal import LeaseRenewer
+from kvstore_client.session import Link
 from kvstore_client.stores import StorePath
-from kvstore_client.transfers import Streams
 
 log = logging.getLogger(__name__)
 
@@ -63,43 +64,19 @@ LAYERWISE_RUNS = 2
 
 
 class KVStoreClient(StorePath, LoadPath):
-    def __init__(
-        self,
-        address: str,
-        spec: KVSpec,
-        shared_memory: bool | None = None,
-        token: str | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        name: str = "",
-        pin_arena: bool | None = None,
-        local_channel: bool | None = None,
-        tls: ClientTls | None = None,
-    ) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
+    def __init__(self, link: Link, spec: KVSpec, name: str) -> None:
+        """A client of `spec`'s namespace on `link` (made by `connect`, or shared: `sibling`)."""
+        self._link = link
+        self.address = link.conn.address
+        self.timeout_s = link.timeout_s
         self.name = name or f"pid-{os.getpid()}"
-        self._want_local_channel = local_channel
         self._requested_spec = spec
-        self._mapped = MappedArena(shared_memory, pin_arena)
-        self._writer = (os.getpid(), process_start_time(os.getpid()) or 0)
-        self._streams = Streams()
+        self._closed = False
         # How a layer-wise load moves each run of layers (with the arena registered), and
         # into how many runs it cuts the layers (`layer_groups`).
         self.layerwise_options = LAYERWISE_TRANSFER
         self.layerwise_runs = LAYERWISE_RUNS
-        self._gpu_pools = GpuPools(None, {})
-        self._renewer = LeaseRenewer(self._renew)
-        if token is None:  # $KVSTORE_TOKEN or $KVSTORE_TOKEN_FILE: a token never on a command line
-            from kvstore.paths import default_token
-
-            token = default_token()
-        tls = tls if tls is not None else ClientTls.from_env()
-        self._conn = Connection(address, timeout_s, token, self._handshake, self._drop_arena, tls)
-        try:
-            self._handshake()
-        except BaseException:
-            self.close()
-            raise
+        link.join(self)
 
     @classmethod
     def connect(
@@ -123,20 +100,40 @@ class KVStoreClient(StorePath, LoadPath):
         `local_channel`: None sends control calls over the daemon's local channel when the arena is
         mapped (same host), False always uses gRPC. `token` (default: $KVSTORE_TOKEN or the file
         $KVSTORE_TOKEN_FILE names) and `tls` (default: `ClientTls.from_env()`) reach a daemon over TCP.
+        A worker that needs other namespaces too makes their clients with `sibling`.
         """
         if spec is None:
             raise ValueError("spec: a KVSpec describing this worker's KV cache is required")
-        return cls(
+        if token is None:  # $KVSTORE_TOKEN or $KVSTORE_TOKEN_FILE: a token never on a command line
+            from kvstore.paths import default_token
+
+            token = default_token()
+        link = Link(
             address or default_address(),
-            spec,
-            shared_memory,
-            token,
             timeout_s,
-            name,
-            pin_arena,
-            local_channel,
-            tls,
+            token,
+            tls if tls is not None else ClientTls.from_env(),
+            shared_memory=shared_memory,
+            pin_arena=pin_arena,
+            local_channel=local_channel,
         )
+        return cls(link, spec, name)
+
+    def sibling(self, spec: KVSpec, *, name: str = "") -> KVStoreClient:
+        """A client of `spec`'s namespace that shares this client's connection, local channel,
+        mapped and registered arena, side streams, GPU pools and lease renewal (and the options
+        they were made with): one worker's clients for several namespaces (a hybrid model's
+        KV-cache groups) map and pin the arena once.
+
+        It sends Connect for `spec` now and raises what `connect` would. Each client keeps its
+        own namespace, spec and page size, and rides out outages as one: after a restart the
+        first call of any of them connects all of them again (the arena mapped once) before
+        any moves a byte. Closing a client closes only it; the shared parts close with the last.
+        `name`: the client name the daemon sees (default: this client's).
+        """
+        if self._closed:
+            raise ValueError("sibling: this client is closed")
+        return KVStoreClient(self._link, spec, name or self.name)
 
     # -- the parts, as tests and benchmarks reach them ----------------------
 
@@ -156,37 +153,19 @@ class KVStoreClient(StorePath, LoadPath):
     def _rpc(self) -> Any:
         return self._conn.rpc
 
-    # -- connection ---------------------------------------------------------
+    # -- connection (a `Member` of the link) --------------------------------
 
-    def _handshake(self) -> None:
+    def connect_request(self) -> pb.ConnectRequest:
         spec = self._requested_spec
         page = spec.page_for(spec.chunk_tokens or spec.block_size)
-        request = pb.ConnectRequest(
+        return pb.ConnectRequest(
             client_name=self.name,
             spec=page_spec_message(page, chunk_tokens=spec.chunk_tokens or 0),  # 0: the daemon's
             device_pci_bus_id=device_bus_id(),
         )
-        if self._want_local_channel is not False and self._conn.local is None and not self._conn.has_token:
-            from kvstore.paths import local_socket_of  # not at import: `import kvstore_client` stays light
 
-            # Connect where the daemon knows this process by its uid (its tenant), when it can.
-            self._conn.open_local(local_socket_of(self._conn.address))
-        reply = self._conn.rpc("Connect", request)
-        connected_locally = self._conn.local is not None
-        handed = self._conn.local.take_fd() if self._conn.local is not None else None
-        try:
-            self._connected(request, reply, spec, connected_locally, handed)
-        finally:
-            if handed is not None:
-                os.close(handed)
-
-    def _connected(
-        self, request: Any, reply: Any, spec: KVSpec, connected_locally: bool, handed: int | None
-    ) -> None:
-        """Takes a Connect reply: checks it, maps the arena (from `handed` if it is sealed),
-        opens the local channel."""
-        # Checked before anything is kept: a daemon restarted with an incompatible config leaves
-        # this client as it was (and in an outage, when it connects again).
+    def take_reply(self, reply: Any) -> None:
+        spec = self._requested_spec
         if reply.chunk_tokens % spec.block_size:
             raise ValueError(
                 f"chunk_tokens: the daemon's {reply.chunk_tokens} is not a multiple of "
@@ -205,49 +184,12 @@ class KVStoreClient(StorePath, LoadPath):
         self.max_message_bytes: int = reply.max_message_bytes
         self.lease_ttl_s: float = reply.lease_ttl_ms / 1000  # a lease's life when the request names none
         self._renewer.ttl_s = self.lease_ttl_s
-        identity = (reply.arena.device, reply.arena.inode)
-        mapped = self._mapped
-        # A daemon without epochs (epoch 0) cannot prove its arena unchanged: map it again.
-        if (
-            not reply.epoch
-            or reply.epoch != mapped.epoch
-            or identity != mapped.identity
-            or mapped.tensor is None
-        ):
-            self._renewer.forget()  # leases of another daemon
-            self._gpu_pools.close()
-            mapped.map(reply.arena, identity, self._streams, handed)
-            mapped.identity = identity
-            mapped.epoch = reply.epoch if mapped.tensor is not None else 0
-            if mapped.tensor is not None:  # same host: the GPU tier's pools can be opened too
-                self._gpu_pools = GpuPools.open(reply.gpu_pools)
-        same_host = self._want_local_channel is not False and mapped.tensor is not None
-        self._conn.open_local(reply.local_socket if same_host else "")
-        if self._conn.local is not None and not connected_locally:
-            self._conn.check_local(request, reply.namespace)
-        self._conn.use_credential(reply.credential)
-        self._conn.serving(reply.epoch)
-
-    def _drop_arena(self) -> None:
-        """The daemon is gone: its leases and arena with it."""
-        self._renewer.forget()
-        self._gpu_pools.close()
-        self._gpu_pools = GpuPools(None, {})
-        self._mapped.unmap(self._streams)
-        self._mapped.identity = None
-
-    def _renew(self, lease_ids: Sequence[int]) -> Sequence[int]:
-        """Renews leases on the daemon (from the renewal thread); returns those still held."""
-        request = pb.RenewRequest(namespace=self.namespace, lease_ids=lease_ids, epoch=self.epoch)
-        renewed: Sequence[int] = self._conn.rpc("Renew", request).renewed
-        return renewed
 
     def close(self) -> None:
-        self._renewer.stop()
-        self._conn.close_local()
-        self._gpu_pools.close()
-        self._mapped.unmap(self._streams)
-        self._conn.close()
+        """Closes this client; the parts it shares with its siblings close with the last of them."""
+        if not self._closed:
+            self._closed = True
+            self._link.leave(self)
 
     def __enter__(self) -> KVStoreClient:
         return self

@@ -12,9 +12,10 @@ spec, and a stage restores what an earlier one stored:
     result = stages.prefill(input_ids)   # logits of the last token, a cache ready for decoding
     stages.save(input_ids, result.past_key_values, result.hidden_states)
 
-Three namespaces, one client each: the KV of layers [0, b) (keyed by the weights of [0, b):
-shared by every stage with those weights), the KV of layers [b, L) (keyed by all of them), and
-the hidden states entering b (keyed by the weights of [0, b), like the KV before them). A stage
+Three namespaces, one client each (siblings: one connection and one mapped arena): the KV of
+layers [0, b) (keyed by the weights of [0, b): shared by every stage with those weights), the KV
+of layers [b, L) (keyed by all of them), and the hidden states entering b (keyed by the weights
+of [0, b), like the KV before them). A stage
 that changed a layer before b has other keys for all three and finds nothing.
 
 `prefill` takes the cheapest of three paths, counted in token-layers to compute:
@@ -84,8 +85,9 @@ class StagedPrefixCache:
     def connect(
         cls, address: str | None, spec: KVSpec, model: Any, boundary: int, **options: Any
     ) -> StagedPrefixCache:
-        """Connects the three clients (`options` as for `KVStoreClient.connect`). `spec` is the
-        whole model's, with `weights` that end a range at `boundary`."""
+        """Connects the three clients, siblings over one connection (`options` as for
+        `KVStoreClient.connect`). `spec` is the whole model's, with `weights` that end a range at
+        `boundary`."""
         if spec.layout != "hf":
             raise ValueError(f"spec: layout={spec.layout!r}; a staged model's cache needs layout='hf'")
         if not 0 < boundary < spec.num_layers:
@@ -98,10 +100,10 @@ class StagedPrefixCache:
             spec.layer_range(boundary, spec.num_layers),
             spec.hidden_states(boundary, hidden_size),
         )
-        clients: list[KVStoreClient] = []
+        clients = [KVStoreClient.connect(address, specs[0], **options)]
         try:
-            for part in specs:
-                clients.append(KVStoreClient.connect(address, part, **options))
+            for part in specs[1:]:
+                clients.append(clients[0].sibling(part))
             return cls((clients[0], clients[1], clients[2]), model, boundary)
         except BaseException:
             for client in clients:

@@ -95,7 +95,7 @@ class LoadPath(Session):
         if reply is None or reply.hit_chunks == 0:
             return LoadHandle(None, lambda: 0, ignore, 0, moved)
         lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
-        self._renewer.hold(lease.lease_id)
+        self._renewer.hold(lease.lease_id, lease.namespace)
         try:
             ready, event, layer_events = self._scatter(reply, lease, kv_caches, targets, moved, layerwise)
         except KVStoreError as exc:

@@ -2,11 +2,13 @@
 
 A store lease that expires is fenced by the daemon: its pages are dropped, and a commit after it
 stores nothing. A worker that is slow but alive (a gather queued behind a long forward, an engine
-that commits later) keeps its leases by renewing them: `hold(lease_id)` when a lease is taken,
-`drop(lease_id)` when it ends. Every `ttl/6` the thread renews, in one call, each lease held
-for a third of its TTL since it was taken or last renewed; most leases end long before that, and
-then the thread sends nothing. A lease whose handle was dropped without `wait()`
-(`owned_by`) is renewed no more, and the daemon caps every lease at `leases.max_ttl_s`.
+that commits later) keeps its leases by renewing them: `hold(lease_id, namespace)` when a lease is
+taken, `drop(lease_id)` when it ends. One renewer serves every namespace of a worker's clients
+(`by_namespace` groups the leases due: a Renew names one namespace). Every `ttl/6` the thread
+renews, in one call per namespace, each lease held for a third of its TTL since it was taken or
+last renewed; most leases end long before that, and then the thread sends nothing. A lease whose
+handle was dropped without `wait()` (`owned_by`) is renewed no more, and the daemon caps every
+lease at `leases.max_ttl_s`.
 
 The thread never connects again and never raises: a lease it cannot renew expires as it would
 have. A process that is stopped (SIGSTOP, or every thread paused) renews nothing, which is the
@@ -34,14 +36,16 @@ class LeaseRenewer:
         )
         self._lock = threading.Lock()
         self._held: dict[int, float] = {}  # lease id -> when it was taken or last renewed
+        self._namespaces: dict[int, bytes] = {}  # lease id -> its namespace
         self._owners: dict[int, weakref.ref[Any]] = {}  # lease id -> the handle that ends it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.ttl_s = ttl_s
 
-    def hold(self, lease_id: int) -> None:
+    def hold(self, lease_id: int, namespace: bytes = b"") -> None:
         with self._lock:
             self._held[lease_id] = time.monotonic()
+            self._namespaces[lease_id] = namespace
             if self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(target=self._run, name="kvstore-lease-renewal", daemon=True)
                 self._thread.start()
@@ -54,14 +58,28 @@ class LeaseRenewer:
 
     def drop(self, lease_id: int) -> None:
         with self._lock:
-            self._held.pop(lease_id, None)
-            self._owners.pop(lease_id, None)
+            self._forget(lease_id)
 
     def forget(self) -> None:
         """Drops every lease (they belonged to a daemon that is gone)."""
         with self._lock:
             self._held.clear()
+            self._namespaces.clear()
             self._owners.clear()
+
+    def _forget(self, lease_id: int) -> None:
+        self._held.pop(lease_id, None)
+        self._namespaces.pop(lease_id, None)
+        self._owners.pop(lease_id, None)
+
+    def by_namespace(self, lease_ids: Sequence[int]) -> dict[bytes, list[int]]:
+        """`lease_ids` grouped by the namespace each was held with (leases no longer held left out)."""
+        groups: dict[bytes, list[int]] = {}
+        with self._lock:
+            for lease_id in lease_ids:
+                if lease_id in self._namespaces:
+                    groups.setdefault(self._namespaces[lease_id], []).append(lease_id)
+        return groups
 
     def held(self) -> list[int]:
         with self._lock:
@@ -79,8 +97,7 @@ class LeaseRenewer:
         with self._lock:
             for lease_id, owner in list(self._owners.items()):
                 if owner() is None:  # its handle was dropped without wait(): let the lease expire
-                    del self._owners[lease_id]
-                    self._held.pop(lease_id, None)
+                    self._forget(lease_id)
             due = [lease_id for lease_id, since in self._held.items() if now - since >= self.ttl_s / 3]
         renew = self._renew()
         if not due or renew is None:
@@ -97,8 +114,7 @@ class LeaseRenewer:
                 if lease_id in renewed:
                     self._held[lease_id] = now
                 else:  # expired, ended, or at its longest on the daemon
-                    del self._held[lease_id]
-                    self._owners.pop(lease_id, None)
+                    self._forget(lease_id)
         return [lease_id for lease_id in due if lease_id in renewed]
 
     def _run(self) -> None:

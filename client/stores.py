@@ -59,7 +59,7 @@ class StorePath(Session):
         if reply is None or not chunks:
             return StoreHandle(None, lambda: 0, ignore, 0)
         lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
-        self._renewer.hold(lease.lease_id)
+        self._renewer.hold(lease.lease_id, lease.namespace)
         try:
             event = self._gather(reply, chunks, kv_caches, block_ids, layers, stream)
         except (Unavailable, NotFound) as exc:  # an inline Put the daemon did not take

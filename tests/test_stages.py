@@ -96,6 +96,9 @@ def test_stage_two_runs_only_its_own_layers_and_gets_the_logits_of_a_full_forwar
     two = next_stage(one, BOUNDARY, seed=1)
     ids = prompt(70, seed=3)  # 4 whole chunks and a tail of 6
     first = staged(one, spec_of(one, "stage-1", "base-v1", "stage1-v1"))
+    arena = first.lower.arena  # the three clients are siblings: one connection, one mapping
+    assert arena is not None and first.upper.arena is arena and first.hidden.arena is arena
+    assert first.upper._local is first.lower._local is first.hidden._local
     answered = first.prefill(ids)
     reference_one = full(one, ids)
     assert answered.path == "none"
