@@ -293,6 +293,22 @@ class GpuTierConfig:
             raise ConfigError(join(path, "slab_bytes"), f"{expected}, got {format_size(self.slab_bytes)}")
 
 
+def _without_password(url: str) -> str:
+    """`url` with its password (in the user part or the query) shown as ***."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit
+
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query)
+    if parts.password is None and all(name != "password" for name, _ in query):
+        return url
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:***@{host}"
+    shown = urlencode([(name, "***" if name == "password" else value) for name, value in query], safe="*/")
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{shown}" if shown else "")
+
+
 @dataclass(frozen=True)
 class RemoteTierConfig:
     """Page records in Redis or Valkey, shared by the daemons of many hosts (`tiers/remote.py`)."""
@@ -323,8 +339,9 @@ class RemoteTierConfig:
 
     @property
     def where(self) -> str:
-        """The server, or the cluster's seeds, as a log line names them."""
-        return f"cluster {', '.join(self.seeds)}" if self.cluster else self.url
+        """The server, or the cluster's seeds, as a log line names them (passwords left out)."""
+        seeds = [_without_password(url) for url in self.seeds]
+        return f"cluster {', '.join(seeds)}" if self.cluster else seeds[0]
 
     def validate(self, path: str) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):

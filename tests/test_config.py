@@ -568,3 +568,31 @@ def test_a_tokens_file_must_be_private_and_hold_one_tenants_tokens(tmp_path: Pat
     short.chmod(0o600)
     with pytest.raises(ConfigError, match="at least 16 characters"):
         tenancy(parse_config({"tenants": [{**TENANT, "tokens_file": str(short)}]}))
+
+
+def test_a_record_key_file_must_exist_be_private_and_hold_a_secret(tmp_path: Path) -> None:
+    def remote(key_file: Path, enabled: bool = True) -> dict[str, Any]:
+        return {"tiers": {"remote": {"enabled": enabled, "record_key_file": str(key_file)}}}
+
+    key_file = tmp_path / "record.key"
+    with pytest.raises(ConfigError, match=r"^tiers\.remote\.record_key_file: cannot read .*record\.key"):
+        parse_config(remote(key_file))
+    key_file.write_bytes(b"\n")
+    key_file.chmod(0o600)
+    with pytest.raises(ConfigError, match=r"^tiers\.remote\.record_key_file: .* is empty"):
+        parse_config(remote(key_file))
+    key_file.write_bytes(b"short secret\n")
+    with pytest.raises(
+        ConfigError, match=r"^tiers\.remote\.record_key_file: .* holds 12 bytes; expected at least 16"
+    ):
+        parse_config(remote(key_file))
+    key_file.write_bytes(bytes(range(32, 64)) + b"\n")
+    key_file.chmod(0o640)
+    with pytest.raises(
+        ConfigError, match=r"^tiers\.remote\.record_key_file: .* readable by others \(mode 640\)"
+    ):
+        parse_config(remote(key_file))
+    key_file.chmod(0o600)
+    config = parse_config(remote(key_file))
+    assert config.tiers.remote.record_key() == key_file.read_bytes()[:-1]  # the newline is not the key's
+    assert parse_config(remote(tmp_path / "absent", enabled=False)).tiers.remote.enabled is False

@@ -138,7 +138,9 @@ class RemoteTier(Lookups):
         except NodeDown:
             pass  # warned: tried again after retry_s
         else:
-            log.info("remote tier %s: reachable (records under %r)", self.config.url, self.config.key_prefix)
+            log.info(
+                "remote tier %s: reachable (records under %r)", self.config.where, self.config.key_prefix
+            )
 
     # -- keys ---------------------------------------------------------------
 
@@ -379,7 +381,7 @@ class RemoteTier(Lookups):
             log.info("remote tier %s: answering again", self._where(node))
 
     def _where(self, node: Node) -> str:
-        return f"node {node} of cluster" if self.nodes.cluster else self.config.url
+        return f"node {node} of cluster" if self.nodes.cluster else self.config.where
 
     def _failed(self, node: Node | None, what: str, exc: BaseException) -> None:
         self._count("errors")
