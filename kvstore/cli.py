@@ -6,13 +6,14 @@
     kvctl clear [--namespace NS]
     kvctl pin NS (--tokens FILE | --keys HEX,...) --ttl SECONDS [--json]
     kvctl top [--interval S] [--once]                               (a live view)
-    kvctl events [--json] [--namespace NS] [--since N | --from-now] [--count N]
+    kvctl events [--json] [--namespace NS] [--since N --epoch E | --from-now] [--count N]
     kvctl replay TRACE --cpu-pages N [--policy NAME] [--json]     (in-process, no daemon)
     kvctl replay TRACE --cpu-pages N --hosts H --remote-pages R [--assign round-robin|random|affinity]
     kvctl --version
 
 Tables for people, `--json` for scripts. The default address is the default
-config's unix socket.
+config's unix socket. Names come from clients: tables and event lines show their control
+characters escaped (`printable`), and JSON is ASCII with `\\u` escapes.
 """
 
 from __future__ import annotations
@@ -52,8 +53,17 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal would act on (C0 and C1 controls, DEL, bidi
+    controls, line separators) written as its Python escape (`\\x1b`, `\\r`, `\\u202e`): names
+    come from clients, and what kvctl prints reaches an admin's terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    cells = [list(map(str, headers))] + [[printable(str(c)) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = [
         "  ".join(
@@ -113,7 +123,8 @@ def cmd_stats(admin: Admin, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0
-    print(f"kvstored {stats['version']}, up {stats['uptime_s']:.0f} s\n")
+    head = f"kvstored {stats['version']}, up {stats['uptime_s']:.0f} s, events epoch {stats['event_epoch']}"
+    print(printable(head) + "\n")
     print(
         table(
             ("tier", "used", "capacity", "use", "pages"),
@@ -300,6 +311,7 @@ def cmd_events(admin: Admin, args: argparse.Namespace) -> int:
     """Follows the daemon's KV events (every page entering or leaving a tier), one line each."""
     request = pb.EventsRequest(
         since=args.since,
+        epoch=args.epoch,
         namespace=_hex_bytes(args.namespace, "namespace") if args.namespace else b"",
         from_now=args.from_now,
     )
@@ -329,11 +341,12 @@ def _event_line(event: Any, as_json: bool) -> str:
         "key": event.key.hex(),
         "parent": event.parent.hex(),
         "reason": event.reason,
+        "epoch": event.epoch,
     }
     if as_json:
-        return json.dumps(fields)
+        return json.dumps(fields)  # ASCII only: control characters come out as \\u escapes
     owner = f"{fields['tenant']}/{fields['model']}" if fields["tenant"] else fields["model"]
-    return (
+    return printable(
         f"{fields['sequence']:>10} {fields['kind']:<7} {fields['tier']:<6} {fields['namespace'][:12]} "
         f"{owner} {fields['key']} {fields['reason']}"
     )
@@ -517,6 +530,14 @@ def _parser() -> argparse.ArgumentParser:
     events.add_argument("--json", action="store_true", help="one JSON object per event (keys in hex)")
     events.add_argument("--namespace", help="only this namespace's (hex, as `kvctl ls` shows)")
     events.add_argument("--since", type=int, default=0, metavar="N", help="the events after sequence N")
+    events.add_argument(
+        "--epoch",
+        type=int,
+        default=0,
+        metavar="E",
+        help="the epoch of event N (as --json prints it); a --since without it, or from an earlier "
+        "daemon start, begins with a resync",
+    )
     events.add_argument("--from-now", action="store_true", help="only events from now on")
     events.add_argument("--count", type=int, default=0, metavar="N", help="stop after N events")
     events.set_defaults(run=cmd_events)
@@ -564,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(admin, args))
     except KVStoreError as exc:
-        print(f"kvctl: {exc}", file=sys.stderr)
+        print(f"kvctl: {printable(str(exc))}", file=sys.stderr)
         return 1
     finally:
         admin.close()

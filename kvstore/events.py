@@ -8,24 +8,29 @@ follows these events to know what each host holds, as it follows vLLM's own KV e
 - `REMOVED`: the page left `tier`; `reason` says why: `evicted` (room was made), `cleared`,
   `lost` (its bytes could not be read or copied), `moved` (it went to another tier, whose
   STORED follows).
-- `RESYNC`: the consumer fell behind the buffer (or asked for events it no longer holds):
-  what it built from earlier events is incomplete; it starts again from a full view
-  (`kvctl ls`, Stats) and follows the events after this one.
+- `RESYNC`: what the consumer built from earlier events is incomplete (it fell behind the
+  buffer, asked for events it no longer holds, or resumes from another daemon start): it
+  starts again from a full view (`kvctl ls`, Stats) and follows the events after this one.
 
-Each event has a sequence number, one more than the event before it. A consumer that reconnects
-asks for the events after the last one it saw (`since`) and loses nothing while the buffer
-(`server.events_buffer` events) still holds them; memory is bounded by that buffer whatever
-consumers do. The remote tier is shared by many hosts and evicts on its own: its pages are
-not reported here.
+Sequence numbers count one stream: the daemon's (every event: what admins follow) or one
+tenant's (its pages' events only, numbered 1, 2, ... on their own: what its members follow, so
+that nothing in them counts another tenant's activity). Each number is one more than the one
+before it in its stream. The numbering restarts with each daemon start, whose `epoch` (random,
+never 0) every event carries: a consumer that reconnects asks for the events after the last one
+it saw (`since`, with that event's epoch) and loses nothing while the buffer
+(`server.events_buffer` events, per stream) still holds them; a `since` from another epoch gets
+a RESYNC. Memory is bounded by the buffers whatever consumers do. The remote tier is shared by
+many hosts and evicts on its own: its pages are not reported here.
 
 `add` may be called from any thread (the disk tier's workers call it); consumers wait on the
-event loop (`wait`).
+event loop (`wait`), woken only by events of their own stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 from collections.abc import Callable
 from enum import IntEnum
@@ -34,6 +39,7 @@ from typing import NamedTuple
 from kvstore.tiers import Tier
 
 MAX_SCAN = 8192  # events looked at per read
+MAX_EPOCH = (1 << 53) - 1  # exact as a double: JSON consumers (a router in JavaScript) read it whole
 
 
 class EventKind(IntEnum):
@@ -43,33 +49,92 @@ class EventKind(IntEnum):
 
 
 class Event(NamedTuple):
-    sequence: int
+    sequence: int  # in the stream it was read from
     kind: EventKind
     tier: Tier
     namespace: bytes
     key: bytes
     parent: bytes = b""  # the key of the chunk before it, where the daemon knows it
     reason: str = ""
+    tenant: str = ""  # whose page it is ("": no tenants, or a namespace not yet named)
+
+
+class _Stream:
+    """One numbering of events, in a ring of the last `capacity`; its consumers' waiting futures."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.ring: list[Event | None] = [None] * capacity  # event `s` at s % capacity
+        self.sequence = 0  # the last event's
+        self.waiting: set[asyncio.Future[None]] = set()
+
+    def append(self, event: Event) -> None:
+        self.sequence += 1
+        self.ring[self.sequence % self.capacity] = event._replace(sequence=self.sequence)
+
+    def read(
+        self, after: int, limit: int, keep: Callable[[Event], bool] | None, resync: str
+    ) -> tuple[list[Event], int]:
+        last = self.sequence
+        if after > last and not resync:
+            resync = "since is past this stream's last event"
+        if after >= last and not resync:
+            return [], last
+        oldest = last - min(last, self.capacity) + 1
+        out: list[Event] = []
+        if after < oldest - 1 and not resync:
+            resync = "fell behind"
+        if resync:  # what the consumer holds is incomplete: a RESYNC, then the oldest event held
+            out.append(Event(oldest - 1, EventKind.RESYNC, Tier.NONE, b"", b"", b"", resync))
+            after = oldest - 1
+        ring, capacity = self.ring, self.capacity
+        sequence, stop = after, min(last, after + MAX_SCAN)
+        while sequence < stop:
+            sequence += 1
+            event = ring[sequence % capacity]
+            if event is not None and (keep is None or keep(event)):
+                out.append(event)
+                if len(out) >= limit:
+                    break
+        return out, sequence
 
 
 class EventLog:
     def __init__(self, capacity: int = 65536) -> None:
         self.capacity = capacity
-        self._ring: list[Event | None] = [None] * capacity  # event `s` at s % capacity
+        self.epoch = 1 + secrets.randbelow(MAX_EPOCH)  # this daemon start's
+        self._all = _Stream(capacity)
+        self._tenants: dict[str, _Stream] = {}  # a stream per tenant that has events
         self._lock = threading.Lock()
-        self.sequence = 0  # the last event's
         self._names: dict[bytes, tuple[str, str]] = {}  # namespace -> (tenant, model)
-        self._waiting: set[asyncio.Future[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self.closed = False
+
+    @property
+    def sequence(self) -> int:
+        """The daemon's last event's sequence number."""
+        return self._all.sequence
+
+    def last(self, tenant: str | None) -> int:
+        """The last event's sequence number in `tenant`'s stream (None: the daemon's)."""
+        return self._stream(tenant).sequence
+
+    def _stream(self, tenant: str | None) -> _Stream:
+        if tenant is None:
+            return self._all
+        stream = self._tenants.get(tenant)
+        if stream is None:
+            with self._lock:
+                stream = self._tenants.setdefault(tenant, _Stream(self.capacity))
+        return stream
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """The event loop consumers wait on (the daemon's)."""
         self._loop, self._loop_thread = loop, threading.get_ident()
 
     def name(self, namespace: bytes, tenant: str, model: str) -> None:
-        """What a namespace's events say of it (registered at Connect)."""
+        """What a namespace's events say of it, and whose stream they join (registered at Connect)."""
         self._names[namespace] = (tenant, model)
 
     def names(self, namespace: bytes) -> tuple[str, str]:
@@ -78,65 +143,66 @@ class EventLog:
     def add(
         self, kind: EventKind, tier: Tier, namespace: bytes, key: bytes, parent: bytes = b"", reason: str = ""
     ) -> None:
+        tenant = self._names.get(namespace, ("", ""))[0]
+        event = Event(0, kind, tier, namespace, key, parent, reason, tenant)
         with self._lock:
-            self.sequence += 1
-            self._ring[self.sequence % self.capacity] = Event(
-                self.sequence, kind, tier, namespace, key, parent, reason
-            )
-        if self._waiting:
-            self._wake()
+            self._all.append(event)
+            own = None
+            if tenant:  # a daemon without tenants has the one stream
+                own = self._tenants.get(tenant)
+                if own is None:
+                    own = self._tenants[tenant] = _Stream(self.capacity)
+                own.append(event)
+        if self._all.waiting or (own is not None and own.waiting):
+            self._wake(own)
 
-    def _wake(self) -> None:
+    def _wake(self, own: _Stream | None) -> None:
         if threading.get_ident() == self._loop_thread:
-            self._release()
+            self._release(own)
         elif self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: the daemon stopped
-                self._loop.call_soon_threadsafe(self._release)
+                self._loop.call_soon_threadsafe(self._release, own)
 
-    def _release(self) -> None:
-        waiting, self._waiting = self._waiting, set()
-        for future in waiting:
-            if not future.done():
-                future.set_result(None)
+    def _release(self, own: _Stream | None = None) -> None:
+        streams = (self._all, own) if own is not None else (self._all,)
+        for stream in streams:
+            waiting, stream.waiting = stream.waiting, set()
+            for future in waiting:
+                if not future.done():
+                    future.set_result(None)
 
     def read(
-        self, after: int, limit: int, keep: Callable[[Event], bool] | None = None
+        self,
+        after: int,
+        limit: int,
+        keep: Callable[[Event], bool] | None = None,
+        tenant: str | None = None,
+        resync: str = "",
     ) -> tuple[list[Event], int]:
-        """Up to `limit` events after sequence `after` that `keep` accepts, and the sequence read
-        up to (at most MAX_SCAN events are looked at per call, so a consumer that filters most
-        out holds the lock briefly). A RESYNC event comes first where events after `after` are
-        gone from the buffer."""
+        """Up to `limit` events of `tenant`'s stream (None: the daemon's) after sequence `after`
+        that `keep` accepts, and the sequence read up to (at most MAX_SCAN events are looked at
+        per call, so a consumer that filters most out holds the lock briefly). A RESYNC event
+        comes first where events after `after` are gone from the buffer, where `after` is past
+        the stream's last event, or where `resync` gives a reason (the events then follow from
+        the oldest the buffer holds)."""
+        stream = self._stream(tenant)
         with self._lock:
-            last = self.sequence
-            if after >= last:
-                return [], last
-            oldest = last - min(last, self.capacity) + 1
-            out: list[Event] = []
-            if after < oldest - 1:  # some of what the consumer asked for is gone
-                out.append(Event(oldest - 1, EventKind.RESYNC, Tier.NONE, b"", b"", b"", "fell behind"))
-                after = oldest - 1
-            ring, capacity = self._ring, self.capacity
-            sequence, stop = after, min(last, after + MAX_SCAN)
-            while sequence < stop:
-                sequence += 1
-                event = ring[sequence % capacity]
-                if event is not None and (keep is None or keep(event)):
-                    out.append(event)
-                    if len(out) >= limit:
-                        break
-            return out, sequence
+            return stream.read(after, limit, keep, resync)
 
     def close(self) -> None:
         """The daemon stops: consumers' streams end."""
         self.closed = True
         self._release()
+        for stream in list(self._tenants.values()):
+            self._release(stream)
 
-    async def wait(self, after: int) -> None:
-        """Returns once an event after `after` exists, or the log is closed."""
-        while self.sequence <= after and not self.closed:
+    async def wait(self, after: int, tenant: str | None = None) -> None:
+        """Returns once an event after `after` exists in `tenant`'s stream, or the log is closed."""
+        stream = self._stream(tenant)
+        while stream.sequence <= after and not self.closed:
             future = asyncio.get_running_loop().create_future()
-            self._waiting.add(future)
-            if self.sequence > after:
-                self._waiting.discard(future)
+            stream.waiting.add(future)
+            if stream.sequence > after or self.closed:
+                stream.waiting.discard(future)
                 return
             await future

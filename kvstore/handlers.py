@@ -48,6 +48,17 @@ def _ttl(ms: int) -> float | None:
     return ms / 1000 if ms else None
 
 
+def _resync_reason(request: pb.EventsRequest, epoch: int) -> str:
+    """Why a `since` cannot be trusted (empty: it can). Sequence numbers restart with each daemon
+    start, so a `since` means something only with the epoch of the event it names; one without
+    an epoch (a consumer older than epochs) may be from a start before this one."""
+    if not request.since or request.epoch == epoch:
+        return ""
+    if not request.epoch:
+        return "since names no epoch: it may be from before the daemon restarted"
+    return "since is from another epoch: the daemon restarted"
+
+
 class Handlers:
     def __init__(
         self,
@@ -291,7 +302,8 @@ class Handlers:
         return pb.RenewResponse(renewed=store.renew(request.namespace, request.lease_ids))
 
     def Stats(self, request: pb.StatsRequest, caller: Caller | None = None) -> pb.StatsResponse:
-        """An admin (or anyone, without tenants) sees every tenant; a tenant's member its own."""
+        """An admin (or anyone, without tenants) sees every tenant; a tenant's member its own,
+        with its own stream's last event (`event_sequence`), never the daemon's."""
         caller = caller or self._anonymous
         if caller.admin or not self.tenancy.enabled:
             # One remote server serves every tenant's tier: asked once (`combined` counts it once).
@@ -301,44 +313,48 @@ class Handlers:
             stats.counters.update(self.counters)
         else:  # a member: its tenant's figures, not the shared remote server's totals
             stats = self._store(caller).stats(server_usage=False)
-        stats.counters["event_sequence"] = self.events.sequence
-        return stats_message(stats, __version__, time.monotonic() - self.started)
+        stats.counters["event_sequence"] = self.events.last(self._event_stream(caller))
+        return stats_message(stats, __version__, time.monotonic() - self.started, self.events.epoch)
+
+    def _event_stream(self, caller: Caller) -> str | None:
+        """Whose events the caller follows: its tenant's, or the daemon's (None) for an admin or
+        anyone on a daemon without tenants."""
+        return None if caller.admin or not self.tenancy.enabled else self.tenancy.tenant_of(caller)
 
     async def follow(
         self, request: pb.EventsRequest, caller: Caller | None = None
     ) -> AsyncIterator[pb.EventBatch]:
         """The KV events after `request.since` (`kvstore.events`) that the caller may see (its
-        tenant's pages; an admin's, or anyone's without tenants: all), in batches, until the
-        caller cancels or the daemon stops."""
-        caller = caller or self._anonymous
-        tenant = None if caller.admin or not self.tenancy.enabled else self.tenancy.tenant_of(caller)
+        tenant's stream; an admin's, or anyone's without tenants: the daemon's), in batches,
+        until the caller cancels or the daemon stops."""
+        tenant = self._event_stream(caller or self._anonymous)
         log, only = self.events, request.namespace
-
-        def keep(event: Event) -> bool:
-            if only and event.namespace != only:
-                return False
-            return tenant is None or log.names(event.namespace)[0] == tenant
-
-        cursor = log.sequence if request.from_now else request.since
+        keep = (lambda event: event.namespace == only) if only else None
+        if request.from_now:
+            cursor, resync = log.last(tenant), ""
+        else:
+            cursor, resync = request.since, _resync_reason(request, log.epoch)
         while not log.closed:
-            batch, cursor = log.read(cursor, EVENTS_PER_BATCH, keep)
+            batch, cursor = log.read(cursor, EVENTS_PER_BATCH, keep, tenant, resync)
+            resync = ""
             if batch:
                 yield pb.EventBatch(events=[self._event(event) for event in batch])
             else:
-                await log.wait(cursor)
+                await log.wait(cursor, tenant)
 
     def _event(self, event: Event) -> pb.KVEvent:
-        tenant, model = self.events.names(event.namespace)
+        _, model = self.events.names(event.namespace)
         return pb.KVEvent(
             sequence=event.sequence,
             kind=pb.KVEvent.Kind.Value(event.kind.name),
             tier=pb.Tier.Value(f"TIER_{event.tier.name}"),
             namespace=event.namespace,
             model=model,
-            tenant=tenant,
+            tenant=event.tenant,
             key=event.key,
             parent=event.parent,
             reason=event.reason,
+            epoch=self.events.epoch,
         )
 
     def Clear(self, request: pb.ClearRequest, caller: Caller | None = None) -> pb.ClearResponse:

@@ -32,6 +32,7 @@ for MLA, so any range of stored layers is one contiguous span.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -78,6 +79,7 @@ def _check_weights(weights: Any) -> tuple[tuple[int, str], ...]:
             raise ValueError(
                 f"weights: the id of the range ending at {stop} must be 1-{MAX_NAME_BYTES} bytes"
             )
+        check_name(f"weights: the id of the range ending at {stop}", ident)
         checked.append((stop, ident))
     return tuple(checked)
 
@@ -105,6 +107,25 @@ def _check_positive(name: str, value: int) -> None:
 
 
 MAX_NAME_BYTES = 256  # a model id or salt (UTF-8): it is listed in every Stats reply
+# What moves a terminal's cursor or reorders what it shows: C0 and C1 controls, DEL, line and
+# paragraph separators, and the bidi marks, embeddings, overrides and isolates.
+_CONTROL_CHARACTERS = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)
+
+
+def check_name(name: str, text: str) -> None:
+    """Refuses a name (model, salt, weights id) with a control character: names reach admins'
+    terminals (`kvctl ls`, `kvctl events`), where an escape sequence would be another user's
+    input on root's screen."""
+    found = _CONTROL_CHARACTERS.search(text)
+    if found is not None:
+        raise ValueError(
+            f"{name}: control character U+{ord(found.group()):04X} at index {found.start()}; names "
+            f"must be printable text (no C0 or C1 controls, DEL, line separators or bidi controls)"
+        )
+
+
 SPEC_LIMITS = {  # far above any model, low enough that no request makes the daemon build a huge table
     "num_layers": 4096,
     "num_kv_heads": 4096,
@@ -143,6 +164,7 @@ class PageSpec:
             size = len(getattr(self, name).encode())
             if size > MAX_NAME_BYTES:
                 raise ValueError(f"{name}: {size} bytes; at most {MAX_NAME_BYTES}")
+            check_name(name, getattr(self, name))
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
             _check_positive(name, getattr(self, name))
@@ -181,6 +203,7 @@ class PageSpec:
             raise ValueError(
                 f"scales: expected text of at most {MAX_SCALES_BYTES} bytes, got {self.scales!r:.80}"
             )
+        check_name("scales", self.scales)
         self._check_kind()
 
     def _check_kind(self) -> None:

@@ -48,7 +48,7 @@ def combined(parts: Sequence[StoreStats]) -> StoreStats:
     return StoreStats(list(tiers.values()), [n for part in parts for n in part.namespaces], dict(counters))
 
 
-def stats_message(stats: StoreStats, version: str, uptime_s: float) -> pb.StatsResponse:
+def stats_message(stats: StoreStats, version: str, uptime_s: float, event_epoch: int = 0) -> pb.StatsResponse:
     return pb.StatsResponse(
         tiers=[
             pb.TierStats(
@@ -76,6 +76,7 @@ def stats_message(stats: StoreStats, version: str, uptime_s: float) -> pb.StatsR
         counters=stats.counters,
         version=version,
         uptime_s=uptime_s,
+        event_epoch=event_epoch,
     )
 
 

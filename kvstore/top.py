@@ -3,7 +3,8 @@
 Each frame compares two Stats a refresh apart: lookups and hit ratio over the interval
 (the ratio since start when nothing was looked up in it), pages stored, evicted and promoted
 per second, how full each tier is, leases and pins held, and the namespaces holding the most
-pages. `--once` prints one frame and exits (for scripts and tests).
+pages. `--once` prints one frame and exits (for scripts and tests). Names are shown as text,
+control characters escaped (`kvstore.cli.printable`), never as markup.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from kvstore.cli import human_bytes
+from kvstore.cli import human_bytes, printable
 
 Stats = dict[str, Any]
 
@@ -46,7 +48,7 @@ def frame(before: Stats, after: Stats, seconds: float) -> Group:
     rates = activity(before, after, seconds)
     counters = after["counters"]
     head = Text.from_markup(
-        f"[bold]kvstored {after['version']}[/]  up {after['uptime_s']:.0f} s\n"
+        f"[bold]kvstored {escape(printable(after['version']))}[/]  up {after['uptime_s']:.0f} s\n"
         f"lookups {rates['lookups_per_s']:.1f}/s  hit ratio {rates['hit_ratio']:.1%}  "
         f"stored {rates['stored_per_s']:.1f}/s  evicted {rates['evicted_per_s']:.1f}/s  "
         f"promoted {rates['promoted_per_s']:.1f}/s"
@@ -56,7 +58,7 @@ def frame(before: Stats, after: Stats, seconds: float) -> Group:
         capacity = tier["bytes_capacity"]
         fill = f"{tier['bytes_used'] / capacity:.1%}" if capacity else "-"
         tiers.add_row(
-            name,
+            _name(name),
             human_bytes(tier["bytes_used"]),
             human_bytes(capacity) if capacity else "-",
             fill,
@@ -91,12 +93,17 @@ def frame(before: Stats, after: Stats, seconds: float) -> Group:
     for ns in busiest:
         namespaces.add_row(
             ns["namespace"][:16],
-            ns.get("tenant", ""),
-            ns["model"],
+            _name(ns.get("tenant", "")),
+            _name(ns["model"]),
             str(ns["pages"]),
             human_bytes(ns["bytes"]),
         )
     return Group(head, tiers, leases, namespaces)
+
+
+def _name(text: str) -> Text:
+    """A client's name as a cell: control characters escaped, and no markup (`[bold]` is text)."""
+    return Text(printable(text))
 
 
 def run(stats: Callable[[], Stats], interval_s: float, once: bool, console: Console | None = None) -> int:

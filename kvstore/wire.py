@@ -11,7 +11,7 @@
 - `page_spec_message(page)` / `page_spec_of(message, default_chunk_tokens)`: a `PageSpec` and
   its `kvstore.v1.PageSpec`, field by field from the dataclass (one field list, `kvstore.spec`).
 - `stats_to_dict(reply)`: a Stats reply as the plain dict `KVStoreClient.stats()` returns and
-  `kvctl stats --json` prints: `{"version", "uptime_s", "tiers": {name: {...}},
+  `kvctl stats --json` prints: `{"version", "uptime_s", "event_epoch", "tiers": {name: {...}},
   "namespaces": [{...}], "counters": {...}}`.
 """
 
@@ -118,6 +118,7 @@ def stats_to_dict(msg: pb.StatsResponse) -> dict[str, Any]:
     return {
         "version": msg.version,
         "uptime_s": round(msg.uptime_s, 3),
+        "event_epoch": msg.event_epoch,
         "tiers": {
             t.name: {
                 "bytes_used": t.bytes_used,

@@ -1,6 +1,6 @@
 """The KV-event stream of a real daemon: a consumer rebuilds, from the events alone, exactly the
-pages each tier holds; one that reconnects loses nothing; one that falls behind is told to
-resync."""
+pages each tier holds; one that reconnects (with its last event's sequence and epoch) loses
+nothing; one that falls behind is told to resync. A restart's epoch: tests/test_hardening_events.py."""
 
 from __future__ import annotations
 
@@ -161,16 +161,18 @@ def test_a_consumer_that_reconnects_loses_nothing(daemon: Daemon) -> None:
     conn = connect(stub)
     first = Follower(daemon, since=0)
     store(conn, chain(conn, 4), random_pages(4, conn.page_bytes, seed=3))
-    seen = first.until(4)[-1].sequence
+    last = first.until(4)[-1]
+    seen, epoch = last.sequence, last.epoch  # a consumer keeps both: numbers restart with the daemon
     first.close()
     store(conn, chain(conn, 4, first_token=1000), random_pages(4, conn.page_bytes, seed=4))  # while away
-    again = Follower(daemon, since=seen)
+    again = Follower(daemon, since=seen, epoch=epoch)
     more = chain(conn, 2, first_token=2000)
     store(conn, more, random_pages(2, conn.page_bytes, seed=5))
     events = again.until(sequence_now(daemon))
     again.close()
     assert [e.sequence for e in events] == list(range(seen + 1, seen + 7))
     assert [e.key for e in events[-2:]] == more and {e.kind for e in events} == {STORED}
+    assert {e.epoch for e in events} == {epoch} == {daemon.stub().Stats(pb.StatsRequest()).event_epoch}
 
 
 def test_a_consumer_that_fell_behind_is_told_to_resync(daemon_factory: Callable[..., Daemon]) -> None:

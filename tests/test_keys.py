@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -35,8 +37,13 @@ def test_a_tenant_keys_its_namespaces_and_no_tenant_keys_as_before() -> None:
     alpha, beta = LLAMA_8B.namespace("alpha"), LLAMA_8B.namespace("beta")
     assert len({plain, alpha, beta}) == 3
     assert alpha.hex() == xxhash.xxh3_128_hexdigest(LLAMA_8B.canonical_bytes() + b"tenant=5:alpha\n")
-    # The tenant is length-prefixed: no model id or salt can stand in for it.
-    forged = replace(LLAMA_8B, salt=LLAMA_8B.salt + "\ntenant=5:alpha")
+    # A salt that would forge the tenant's line is refused (no control character in names) ...
+    forging = LLAMA_8B.salt + "\ntenant=5:alpha"
+    with pytest.raises(ValueError, match=re.escape("salt: control character U+000A at index 0")):
+        replace(LLAMA_8B, salt=forging)
+    # ... and the tenant is length-prefixed anyway: no model id or salt can stand in for it.
+    forged = copy.copy(LLAMA_8B)
+    object.__setattr__(forged, "salt", forging)  # past the check
     assert forged.namespace() != alpha
     tokens = list(range(512))
     assert set(chunk_keys(alpha, tokens, 256)).isdisjoint(chunk_keys(beta, tokens, 256))

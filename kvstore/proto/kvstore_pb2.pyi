@@ -335,7 +335,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., model: _Optional[str] = ..., pages: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., tenant: _Optional[str] = ..., contents: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "counters", "version", "uptime_s")
+    __slots__ = ("tiers", "namespaces", "counters", "version", "uptime_s", "event_epoch")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -348,12 +348,14 @@ class StatsResponse(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    EVENT_EPOCH_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     counters: _containers.ScalarMap[str, float]
     version: str
     uptime_s: float
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    event_epoch: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, float]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., event_epoch: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace",)
@@ -390,17 +392,19 @@ class PinResponse(_message.Message):
     def __init__(self, pinned_chunks: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., pinned_bytes: _Optional[int] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
-    __slots__ = ("since", "namespace", "from_now")
+    __slots__ = ("since", "namespace", "from_now", "epoch")
     SINCE_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     FROM_NOW_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     since: int
     namespace: bytes
     from_now: bool
-    def __init__(self, since: _Optional[int] = ..., namespace: _Optional[bytes] = ..., from_now: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, since: _Optional[int] = ..., namespace: _Optional[bytes] = ..., from_now: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("sequence", "kind", "tier", "namespace", "model", "tenant", "key", "parent", "reason")
+    __slots__ = ("sequence", "kind", "tier", "namespace", "model", "tenant", "key", "parent", "reason", "epoch")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_NONE: _ClassVar[KVEvent.Kind]
@@ -420,6 +424,7 @@ class KVEvent(_message.Message):
     KEY_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     kind: KVEvent.Kind
     tier: Tier
@@ -429,7 +434,8 @@ class KVEvent(_message.Message):
     key: bytes
     parent: bytes
     reason: str
-    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., namespace: _Optional[bytes] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., namespace: _Optional[bytes] = ..., model: _Optional[str] = ..., tenant: _Optional[str] = ..., key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., reason: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("events",)
