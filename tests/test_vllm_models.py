@@ -131,7 +131,10 @@ def test_a_sliding_window_hybrid_loads_its_full_layers_and_the_window_only(
     second = make_engine(kvstored, model)
     loaded = _record_loads(second)
     assert serve(second, "B", a) == len(a) - 12 * CHUNK
-    kinds = {side.group.index: side.group.kind for side in second.workers[0]._worker.groups.values()}
+    sides = second.workers[0]._worker.groups.values()
+    kinds = {side.group.index: side.group.kind for side in sides}
+    arenas = {side.conn.get().arena.data_ptr() for side in sides}  # type: ignore[union-attr]
+    assert len(arenas) == 1  # the groups' clients are siblings: one mapping of the arena
     window_chunks = -(-(model.window - 1) // CHUNK) + 1  # the chunks of the window's tokens, at most
     for group, chunks in loaded.items():
         if kinds[group] == "full":

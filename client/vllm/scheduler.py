@@ -219,7 +219,7 @@ class SchedulerSide:
         self.steps = 0
 
     def _make_clients(self, scales: str) -> None:
-        for group_clients in self._groups:
+        for group_clients in reversed(self._groups):  # siblings before the clients they share
             for rank in group_clients.ranks:
                 rank.close()
         self._groups = []
@@ -229,16 +229,19 @@ class SchedulerSide:
         ]
         for index, (group, _) in enumerate(per_rank[0]):
             specs = [per_rank[0][index][1]] if group.replicated else [per_rank[r][index][1] for r in ranks]
+            # the first group's clients connect; the others' are their siblings (one connection)
+            parents = self._groups[0].ranks if self._groups else []
             clients = [
                 LazyClient(
                     self.config.address,
                     spec,
+                    parent=parents[min(rank, len(parents) - 1)] if parents else None,
                     timeout_s=self.config.lookup_timeout_s,
                     token=self.config.token,
                     pin_arena=False,  # the scheduler moves no bytes
                     name=f"vllm-scheduler-g{group.index}-tp{spec.tp_rank}",
                 )
-                for spec in specs
+                for rank, spec in enumerate(specs)
             ]
             self._groups.append(_GroupClients(group, clients))
 
@@ -549,7 +552,7 @@ class SchedulerSide:
         return events
 
     def close(self) -> None:
-        for group_clients in self._groups:
+        for group_clients in reversed(self._groups):
             for rank in group_clients.ranks:
                 rank.close()
 

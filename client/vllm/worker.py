@@ -84,11 +84,13 @@ class _GroupSide:
         self.registered: Any = None  # kvstore_kernels.register's view of cache.tensors
         self.scratch: list[torch.Tensor] | None = None
 
-    def register(self, vllm_config: Any, kv_caches: dict[str, torch.Tensor], scales: str) -> None:
+    def register(
+        self, vllm_config: Any, kv_caches: dict[str, torch.Tensor], scales: str, parent: LazyClient | None
+    ) -> None:
         self.spec = replace(self.spec, scales=scales)
         self.cache = group_cache(vllm_config, self.group, self.spec, kv_caches)
         # the client moves pages with the layout and (kernel) block size the tensors hold
-        self.conn = self.conn.with_spec(self.cache.spec)
+        self.conn = self.conn.with_spec(self.cache.spec, parent)
         kernel = self.cache.spec
         self.registered = kvstore_kernels.register(
             kernel.with_chunk_tokens(kernel.block_size), list(self.cache.tensors)
@@ -142,11 +144,13 @@ class WorkerSide:
             names = [name for side in self.groups.values() for name in side.group.layer_names]
             scales = scales_text(layer_scales(self.vllm_config, names))
         self.handshake = Handshake(scales=scales)
-        for side in self.groups.values():
-            side.register(self.vllm_config, kv_caches, scales)
-        first = next(iter(self.groups.values())).cache
-        if first is not None and first.tensors[0].is_cuda:
-            self._stream = torch.cuda.Stream(first.tensors[0].device)
+        first: LazyClient | None = None
+        for side in self.groups.values():  # the first group's client, and its siblings
+            side.register(self.vllm_config, kv_caches, scales, first)
+            first = first or side.conn
+        cache = next(iter(self.groups.values())).cache
+        if cache is not None and cache.tensors[0].is_cuda:
+            self._stream = torch.cuda.Stream(cache.tensors[0].device)
         for side in self.groups.values():
             side.conn.get()  # connect now where the daemon is up, not in the first step
 
@@ -381,7 +385,7 @@ class WorkerSide:
         for load in [*(load for loads in self._loading.values() for load in loads), *self._step_loads]:
             self._finish(load)
         self._loading, self._step_loads = {}, []
-        for side in self.groups.values():
+        for side in reversed(list(self.groups.values())):  # siblings before the first
             side.conn.close()
 
 
