@@ -150,7 +150,7 @@ class SocketClaim:
 
 
 def _refuse_open(path: Path, exc: OSError, key: str) -> ClaimRefused:
-    if exc.errno == errno.ELOOP:
+    if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and os.path.islink(path)):
         return ClaimRefused(f"{path} is a symlink; name the real directory (it is never followed)", key)
     if exc.errno == errno.ENOTDIR:
         return ClaimRefused(f"{path} is not a directory", key)

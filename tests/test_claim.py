@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.daemon import arena_name
 from tests.harness import launch_daemon, python_env, start_daemon, write_config
 
 NOBODY = 65534
@@ -133,5 +134,82 @@ def test_under_umask_000_every_file_gets_its_own_mode(tmp_path: Path) -> None:
         }
         assert modes == {"kvstored.sock": 0o660, "kvstored.sock.local": 0o660, "kvstored.sock.lock": 0o600}
         assert stat.S_IMODE(daemon.arena_path.stat().st_mode) == 0o600
+    finally:
+        assert daemon.stop() == 0
+
+
+# -- tiers.cpu.shm_dir: the arena's directory may be shared (/dev/shm), its file is the daemon's own --
+
+
+def shm_dir_config(tmp_path: Path, mode: int) -> tuple[Path, Path, Path]:
+    """A config whose arena lives in tmp_path/shm (given `mode`); the config, shm dir, arena path."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    shm.chmod(mode)
+    (tmp_path / "run").mkdir(mode=0o755)
+    socket_path = tmp_path / "run" / "kvstored.sock"
+    config = write_config(tmp_path / "kvstored.yaml", socket_path, tiers__cpu__shm_dir=str(shm))
+    return config, shm, shm / arena_name(socket_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
+def test_an_shm_dir_of_another_user_is_refused(tmp_path: Path) -> None:
+    config, shm, _ = shm_dir_config(tmp_path, 0o755)
+    os.chown(shm, NOBODY, NOBODY)
+    stderr = refused(config)
+    assert "tiers.cpu.shm_dir" in stderr and f"belongs to uid {NOBODY}" in stderr
+    assert list(shm.iterdir()) == []
+
+
+def test_an_shm_dir_others_can_write_without_the_sticky_bit_is_refused(tmp_path: Path) -> None:
+    config, shm, _ = shm_dir_config(tmp_path, 0o777)
+    stderr = refused(config)
+    assert "tiers.cpu.shm_dir" in stderr and "without the sticky bit" in stderr
+    assert list(shm.iterdir()) == []
+
+
+def test_a_shared_sticky_shm_dir_like_dev_shm_serves_with_an_arena_of_the_daemons_own(tmp_path: Path) -> None:
+    config, shm, arena = shm_dir_config(tmp_path, 0o1777)
+    daemon = launch_daemon(
+        ["--config", str(config)], config, tmp_path / "run" / "kvstored.sock", tmp_path / "log"
+    )
+    try:
+        info = arena.lstat()
+        assert (
+            stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o600
+        )
+    finally:
+        assert daemon.stop() == 0
+    assert not arena.exists()
+
+
+def test_a_symlink_planted_at_the_arena_path_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    config, shm, arena = shm_dir_config(tmp_path, 0o1777)
+    target = tmp_path / "root-owned"
+    target.write_bytes(b"root's file\n")
+    arena.symlink_to(target)
+    stderr = refused(config)
+    assert "tiers.cpu.shm_dir" in stderr and "is a symlink" in stderr
+    assert arena.is_symlink() and target.read_bytes() == b"root's file\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_a_file_of_another_user_at_the_arena_path_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    config, shm, arena = shm_dir_config(tmp_path, 0o1777)
+    arena.write_bytes(b"someone's data")
+    os.chown(arena, NOBODY, NOBODY)
+    stderr = refused(config)
+    assert "tiers.cpu.shm_dir" in stderr and f"a file of uid {NOBODY}" in stderr
+    assert arena.read_bytes() == b"someone's data" and arena.stat().st_uid == NOBODY
+
+
+def test_a_stale_arena_of_the_daemons_own_is_replaced(tmp_path: Path) -> None:
+    config, shm, arena = shm_dir_config(tmp_path, 0o1777)
+    arena.write_bytes(b"a dead daemon's arena")
+    daemon = launch_daemon(
+        ["--config", str(config)], config, tmp_path / "run" / "kvstored.sock", tmp_path / "log"
+    )
+    try:
+        assert arena.stat().st_size == 64 << 20  # the new arena, of tiers.cpu.bytes
     finally:
         assert daemon.stop() == 0
