@@ -23,17 +23,28 @@ figures are the host's (no GPU needed). Needs redis-server (or valkey-server) on
 
 `--parts cluster` (`bench/remote_cluster.py`) compares one server with a three-master Redis
 Cluster instead: Lookup latency for 512 keys and the read of 64 pages.
+
+`--parts mac` times the remote read path itself with authenticated records off and on
+(`tiers.remote.record_key_file`): the tier's workers GET the same number of pages into slots of
+one buffer, from records written without and with a MAC, in alternating order each round
+against the same server; the ratio is the median of per-round read rates, on over off. It also
+times HMAC-SHA256 and keyed BLAKE2b alone on one core (`bench/results/remote-mac.json`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import hmac
+import mmap
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,17 +111,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=4, help="tiers.remote.threads of both daemons")
-    parser.add_argument("--parts", default="transfer", help="transfer, cluster, or both (comma-separated)")
+    parser.add_argument(
+        "--parts", default="transfer", help="transfer, cluster, mac, or several (comma-separated)"
+    )
     parser.add_argument("--lookups", type=int, default=2000, help="cluster: Lookups timed per setup")
     parser.add_argument(
         "--page-mib", type=float, default=8.0, help="cluster: the size of each of the 64 pages"
     )
     args = parser.parse_args()
     parts = args.parts.split(",")
-    if unknown := set(parts) - {"transfer", "cluster"}:
-        parser.error(f"--parts: unknown {sorted(unknown)}; expected transfer and/or cluster")
+    if unknown := set(parts) - {"transfer", "cluster", "mac"}:
+        parser.error(f"--parts: unknown {sorted(unknown)}; expected transfer, cluster and/or mac")
     if "transfer" in parts:
         transfer(args)
+    if "mac" in parts:
+        record_macs(args)
     if "cluster" in parts:
         from bench import remote_cluster
 
@@ -221,6 +236,123 @@ def transfer(args: argparse.Namespace) -> None:
         },
     )
     print(f"wrote {path}")
+
+
+def record_macs(args: argparse.Namespace) -> None:
+    """The remote tier's read rate with record MACs off and on, same server, same run."""
+    from kvstore.config import RemoteTierConfig
+    from kvstore.tiers.remote import RemoteTier
+
+    spec = KVSpec("bench/remote", args.layers, HEADS, HEAD_DIM, torch.bfloat16, block_size=BLOCK)
+    page_bytes = spec.with_chunk_tokens(CHUNK).page.page_bytes
+    count = args.tokens // CHUNK
+    total = count * page_bytes
+    namespace = bytes(16)
+    keys = [i.to_bytes(16, "big") for i in range(count)]
+    pages = [os.urandom(page_bytes) for _ in range(count)]
+    slots = mmap.mmap(-1, total)  # an arena's stand-in: reads land in its slots, as in the daemon
+    views = [memoryview(slots)[i * page_bytes : (i + 1) * page_bytes] for i in range(count)]
+    samples: dict[str, list[float]] = {"off": [], "on": []}
+    load_before = os.getloadavg()  # a shared machine's other work shows in both rows, not in the ratio alone
+    with running_redis() as (url, _), tempfile.TemporaryDirectory() as directory:
+        key_file = Path(directory) / "record.key"
+        key_file.write_bytes(os.urandom(32))
+        key_file.chmod(0o600)
+        base = {"enabled": True, "url": url, "threads": args.threads, "queue_bytes": 2 * total}
+        tiers = {
+            "off": RemoteTier(RemoteTierConfig(**base, key_prefix="off:")),
+            "on": RemoteTier(RemoteTierConfig(**base, key_prefix="on:", record_key_file=str(key_file))),
+        }
+        try:
+            for tier in tiers.values():
+                for key, page in zip(keys, pages, strict=True):
+                    assert tier.submit_write(namespace, key, page)
+                assert tier.wait_idle(120)
+            for round_ in range(args.rounds + 1):  # round 0 warms up and is not counted
+                for setting in ("off", "on") if round_ % 2 else ("on", "off"):
+                    seconds = _read_all(tiers[setting], namespace, keys, views)
+                    if any(view != page for view, page in zip(views, pages, strict=True)):
+                        raise AssertionError(f"MAC {setting}: read bytes differ from the written ones")
+                    if round_:
+                        samples[setting].append(seconds)
+            figures = {setting: tier.stats() for setting, tier in tiers.items()}
+        finally:
+            for tier in tiers.values():
+                tier.close()
+    ratio = statistics.median(off / on for off, on in zip(samples["off"], samples["on"], strict=True))
+    rows: list[list[Any]] = []
+    results: dict[str, Any] = {}
+    for setting, values in samples.items():
+        median = statistics.median(values)
+        rows.append([f"remote reads, MAC {setting}", median * 1e3, total / median / 1e9])
+        results[f"mac_{setting}"] = {
+            "ms": median * 1e3,
+            "gb_s": total / median / 1e9,
+            "rounds_ms": [v * 1e3 for v in values],
+        }
+    results["read_rate_on_over_off"] = ratio
+    results["one_core_gb_s"] = _mac_rates(page_bytes)
+    print(f"{count} pages of {page_bytes >> 20} MiB per read, {args.threads} read workers")
+    print_table(("what", "ms", "GB/s"), rows)
+    print(f"read rate, MAC on / off: {ratio:.3f} (median of {len(samples['on'])} rounds)")
+    print(
+        "one core, GB/s: "
+        + ", ".join(f"{name} {rate:.2f}" for name, rate in results["one_core_gb_s"].items())
+    )
+    path = write_results(
+        "remote-mac",
+        {
+            "parameters": vars(args) | {"page_bytes": page_bytes, "bytes_per_read": total},
+            "results": results,
+            "load_average_before_after": [load_before, os.getloadavg()],
+            "remote_tier": figures,
+        },
+    )
+    print(f"wrote {path}")
+
+
+def _read_all(tier: Any, namespace: bytes, keys: list[bytes], views: list[memoryview]) -> float:
+    """Seconds for the tier's workers to read every page into its slot (all submitted at once)."""
+    left = [len(keys)]
+    finished = threading.Event()
+    failed: list[bytes] = []
+    lock = threading.Lock()
+
+    def done(page: object, key: bytes) -> None:
+        with lock:
+            if page is None:
+                failed.append(key)
+            left[0] -= 1
+            if not left[0]:
+                finished.set()
+
+    started = time.perf_counter()
+    for key, view in zip(keys, views, strict=True):
+        if not tier.submit_read(namespace, key, lambda page, key=key: done(page, key), into=view):
+            raise RuntimeError("the remote tier refused a read")
+    if not finished.wait(120):
+        raise RuntimeError("reads did not finish in 120 s")
+    seconds = time.perf_counter() - started
+    if failed:
+        raise RuntimeError(f"{len(failed)} reads were misses: {tier.stats()}")
+    return seconds
+
+
+def _mac_rates(size: int) -> dict[str, float]:
+    """GB/s of HMAC-SHA256, keyed BLAKE2b and (for scale) nothing else, one page at a time."""
+    data, secret = os.urandom(size), os.urandom(32)
+    candidates = {
+        "hmac_sha256": lambda: hmac.digest(secret, data, "sha256"),
+        "blake2b_keyed": lambda: hashlib.blake2b(data, key=secret).digest(),
+    }
+    rates = {}
+    for name, run in candidates.items():
+        run()
+        started = time.perf_counter()
+        for _ in range(5):
+            run()
+        rates[name] = 5 * size / (time.perf_counter() - started) / 1e9
+    return rates
 
 
 if __name__ == "__main__":
