@@ -129,8 +129,8 @@ def unpack_header(buf: Buffer) -> RecordHeader:
 
 
 class RecordKey:
-    """The fleet's secret for authenticated records. HMAC-SHA256: with SHA extensions it runs at
-    1.3-1.5 GB/s per core, against 0.8 for keyed BLAKE2b (bench/NOTES-remote.md)."""
+    """The fleet's secret for authenticated records. HMAC-SHA256, faster than keyed BLAKE2b on
+    CPUs with SHA extensions (1.3-1.6 against 0.9 GB/s on one core: bench/NOTES-remote.md)."""
 
     def __init__(self, secret: bytes) -> None:
         if len(secret) < MIN_RECORD_KEY_BYTES:
