@@ -105,6 +105,15 @@ class Eviction:
         """Evicts CPU-tier pages so that `count` slots of `page_bytes` are free; all or nothing."""
         victims = self.cpu.slots.plan_free(page_bytes, count, self._evictable({id(e) for e in protected}))
         if victims is None:
+            slots = self.cpu.slots
+            if slots.num_reserved < slots.num_slabs:  # the arena is still being reserved behind
+                reserved = slots.num_reserved * slots.slab_bytes
+                raise ResourceExhausted(
+                    f"cannot reserve {count} page(s) of {page_bytes} bytes in the CPU tier yet: the "
+                    f"arena is still being reserved ({reserved} of {self.cpu.capacity} bytes so far, "
+                    f"{self.cpu.bytes_used} in use) and nothing that could make room may be evicted; "
+                    f"try again once more of it is reserved (arena_reserved_bytes in Stats)"
+                )
             raise ResourceExhausted(
                 f"cannot reserve {count} page(s) of {page_bytes} bytes in the CPU tier "
                 f"({self.cpu.capacity} bytes, {self.cpu.bytes_used} in use): every page that could make "

@@ -255,3 +255,21 @@ def test_a_query_is_not_a_use(tmp_path: Path, clock: Clock) -> None:
     assert store.lookup(ns, a, touch=False).hit_chunks == 2
     store_chain(store, list(range(900, 932)))  # evicts a: the query did not refresh it
     assert store.lookup(ns, a).hit_chunks == 0 and store.lookup(ns, b).hit_chunks == 2
+
+
+def test_a_reserve_past_the_slabs_reserved_so_far_says_the_arena_is_warming_up(
+    tmp_path: Path, clock: Clock
+) -> None:
+    arena = Arena(tmp_path / "arena", 16 * PAGE, prefault=False)
+    cpu = CpuTier(arena, 4 * PAGE, reserved_slabs=1)  # 4 slabs of 4 pages, one reserved so far
+    store = Store(cpu, make_policy("lru"), lease_ttl_s=10.0, max_lease_ttl_s=60.0, clock=clock)
+    ns = store.connect(SPEC).id
+    keys = chunk_keys(ns, list(range(16 * 8)), 16)  # 8 pages: more than the reserved slab holds
+    with pytest.raises(ResourceExhausted, match=r"still being reserved \(16384 of 65536 bytes so far"):
+        store.reserve(ns, keys)
+    cpu.slots.add_reserved(1)  # once another slab is reserved, the same store fits
+    reserved = store.reserve(ns, keys)
+    for key, offset in zip(keys, reserved.offsets, strict=True):
+        store.cpu.write(offset, page_bytes(key))
+    assert store.commit(ns, reserved.lease_id) == 8
+    assert load_chain(store, keys) == [page_bytes(key) for key in keys]
