@@ -8,6 +8,9 @@ over whole: the next process computes only the token it must.
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,19 +24,52 @@ from kvstore.tiers.disk_files import record_path
 from kvstore.wire import page_spec_message, page_spec_of
 from kvstore_client import KVStoreClient
 from kvstore_client.hf import HFPrefixCache, cache_tensors
-from tests.harness import Daemon, wait_flushed
+from tests.harness import REPO_ROOT, Daemon, python_env, wait_flushed
 from tests.test_hf import tiny_llama
 
 transformers = pytest.importorskip("transformers")
-from kvstore_client.hf_stages import StagedPrefixCache  # noqa: E402  (needs transformers)
+from kvstore_client.hf_stages import StagedPrefixCache, weights_ids  # noqa: E402  (needs transformers)
 
 CHUNK = 16
 LAYERS, BOUNDARY = 4, 2
 TOLERANCE = 1e-4
+SMALL = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 1024,
+}
+# One small config per class the stage runner serves; Granite's multipliers all away from 1, so
+# its embedding, its layers and its head each differ from Llama's.
+SUPPORTED = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16),
+    "granite": lambda: transformers.GraniteConfig(
+        **SMALL,
+        logits_scaling=8.0,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.5,
+    ),
+}
 
 
 def stage_one() -> Any:
     return tiny_llama(seed=0, layers=LAYERS)
+
+
+def random_model(config: Any, seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def digested_spec(model: Any, name: str) -> KVSpec:
+    return KVSpec.from_hf_config(model.config, model=name, weights=weights_ids(model, [BOUNDARY, LAYERS]))
 
 
 def next_stage(model: Any, first_changed: int, seed: int) -> Any:
@@ -180,6 +216,141 @@ def test_a_stage_that_changed_an_earlier_layer_gets_no_hit(staged: Callable[...,
     result = other.prefill(ids)
     assert result.path == "none"
     assert (result.logits[0, -1] - full(changed, ids).logits[0, -1]).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("family", sorted(SUPPORTED))
+def test_each_supported_model_class_gets_the_logits_of_its_own_full_forward(
+    family: str, staged: Callable[..., StagedPrefixCache]
+) -> None:
+    one = random_model(SUPPORTED[family]())
+    two = next_stage(one, BOUNDARY, seed=1)
+    ids = prompt(64, seed=3)
+    first = staged(one, digested_spec(one, f"{family}-1"))
+    out = full(one, ids)
+    assert first.save(ids, out.past_key_values, out.hidden_states) == 3 * 4
+    second = staged(two, digested_spec(two, f"{family}-2"))
+    longer = torch.cat([ids, prompt(21, seed=5)], dim=1)
+    for asked in (ids, longer):  # only the head after layers [b, L); then the embedding too
+        calls = layer_calls(two)
+        result = second.prefill(asked)
+        assert result.path == "partial" and result.restored == 64
+        assert set(calls) == (set(range(LAYERS)) if asked is longer else {2, 3})
+        reference = full(two, asked).logits[0, -1]
+        assert (result.logits[0, -1] - reference).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        (lambda: transformers.CohereConfig(**SMALL, logit_scale=0.5), "CohereForCausalLM is not one"),
+        (lambda: transformers.Gemma2Config(**SMALL, head_dim=16), "Gemma2ForCausalLM is not one"),
+        (
+            lambda: transformers.MistralConfig(**SMALL, sliding_window=32),
+            "MistralForCausalLM .* sliding_window=32",
+        ),
+        (
+            lambda: transformers.Qwen2Config(
+                **SMALL, use_sliding_window=True, sliding_window=32, max_window_layers=2
+            ),
+            r"Qwen2ForCausalLM with layer types \['sliding_attention'\]",
+        ),
+    ],
+)
+def test_a_model_whose_outer_steps_the_runner_cannot_reproduce_is_refused_at_connect(
+    daemon: Daemon, config: Callable[[], Any], named: str
+) -> None:
+    model = random_model(config())
+    spec = KVSpec.from_hf_config(model.config, model="refused", weights=[(BOUNDARY, "a"), (LAYERS, "b")])
+    with pytest.raises(ValueError, match=named):
+        StagedPrefixCache.connect(daemon.address, spec, model, BOUNDARY)
+    with KVStoreClient.connect(daemon.address, spec) as plain:  # nothing was registered before the refusal
+        assert [n["namespace"] for n in plain.stats()["namespaces"]] == [plain.namespace.hex()]
+
+
+def test_two_models_labelled_alike_share_pages_but_their_weights_ids_do_not(
+    staged: Callable[..., StagedPrefixCache],
+) -> None:
+    one = stage_one()
+    other = copy.deepcopy(one)
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight[0, 0] += 1e-3  # one weight of layer 0
+    ids = prompt(48, seed=6)
+    tokens = ids[0].tolist()
+    out = full(one, ids)
+    labelled = staged(one, spec_of(one, "same", "base-v1", "top-v1"))
+    labelled.save(ids, out.past_key_values, out.hidden_states)
+    alike = staged(other, spec_of(other, "same", "base-v1", "top-v1"))
+    assert alike.lower.lookup(tokens) == 48  # the labels say equal: the other model would read one's KV
+
+    mine, theirs = weights_ids(one, [BOUNDARY, LAYERS]), weights_ids(other, [BOUNDARY, LAYERS])
+    assert mine[0] != theirs[0] and mine[1] == theirs[1]  # layers [2, 4) alike, keyed after [0, 2) anyway
+    first = staged(one, digested_spec(one, "same"))
+    assert first.save(ids, out.past_key_values, out.hidden_states) == 3 * 3
+    second = staged(other, digested_spec(other, "same"))
+    assert (second.lower.lookup(tokens), second.upper.lookup(tokens), second.hidden.lookup(tokens)) == (
+        0,
+        0,
+        0,
+    )
+    result = second.prefill(ids)
+    assert result.path == "none"
+    assert (result.logits[0, -1] - full(other, ids).logits[0, -1]).abs().max().item() <= TOLERANCE
+
+
+def test_models_equal_up_to_the_boundary_share_that_range_by_weights_ids_and_nothing_after(
+    staged: Callable[..., StagedPrefixCache],
+) -> None:
+    one = stage_one()
+    two = next_stage(one, BOUNDARY, seed=13)
+    mine, theirs = weights_ids(one, [BOUNDARY, LAYERS]), weights_ids(two, [BOUNDARY, LAYERS])
+    assert mine[0] == theirs[0] and mine[1] != theirs[1]
+    ids = prompt(48, seed=14)
+    tokens = ids[0].tolist()
+    first = staged(one, digested_spec(one, "stage-1"))
+    out = full(one, ids)
+    assert first.save(ids, out.past_key_values, out.hidden_states) == 3 * 3
+    second = staged(two, digested_spec(two, "stage-2"))
+    assert (second.lower.lookup(tokens), second.hidden.lookup(tokens), second.upper.lookup(tokens)) == (
+        48,
+        48,
+        0,
+    )
+    assert second.lower.namespace == first.lower.namespace and second.upper.namespace != first.upper.namespace
+    result = second.prefill(ids)
+    assert result.path == "partial" and result.restored == 48
+    assert (result.logits[0, -1] - full(two, ids).logits[0, -1]).abs().max().item() <= TOLERANCE
+
+
+def test_weights_ids_cover_the_layers_and_configuration_and_are_the_same_in_another_process() -> None:
+    one = stage_one()
+    script = (
+        "import json\nfrom tests.test_stages import stage_one\n"
+        "from kvstore_client.hf_stages import weights_ids\n"
+        f"print(json.dumps(weights_ids(stage_one(), [{BOUNDARY}, {LAYERS}])))"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", script],
+        env=python_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert [tuple(entry) for entry in json.loads(child.stdout)] == weights_ids(one, [BOUNDARY, LAYERS])
+
+    head_changed = copy.deepcopy(one)  # no KV depends on the final norm or the head
+    with torch.no_grad():
+        head_changed.lm_head.weight.mul_(2)
+        head_changed.model.norm.weight.add_(1)
+    assert weights_ids(head_changed, [BOUNDARY, LAYERS]) == weights_ids(one, [BOUNDARY, LAYERS])
+    halved = copy.deepcopy(one).to(torch.bfloat16)  # the same model in another dtype: other bytes
+    assert weights_ids(halved, [BOUNDARY])[0] != weights_ids(one, [BOUNDARY])[0]
+    granite = SUPPORTED["granite"]()
+    other = copy.deepcopy(granite)
+    other.embedding_multiplier = 6.0  # equal weights, another embedding: other KV in every layer
+    assert weights_ids(random_model(granite), [BOUNDARY]) != weights_ids(random_model(other), [BOUNDARY])
+    with pytest.raises(ValueError, match=r"stops: expected increasing layers in 1..4, got \[2, 2\]"):
+        weights_ids(one, [2, 2])
 
 
 def test_a_corrupted_hidden_state_record_falls_back_to_a_full_forward(
