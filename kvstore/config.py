@@ -132,6 +132,12 @@ class ServerConfig:
     events_buffer: int = setting(65536, ge=16, le=1 << 22)
     # Prometheus metrics (/metrics) and probes (/healthz, /readyz) over HTTP on "host:port"; null: off.
     metrics_address: str | None = None
+    # Its HTTP server's bounds: connections open at once (past it the oldest still sending its
+    # request is closed, so idle clients cannot keep a probe out); seconds a client has to send its
+    # request and to take the reply; seconds a snapshot answers further scrapes.
+    metrics_max_connections: int = setting(64, ge=4, le=4096)
+    metrics_read_timeout_s: float = setting(5.0, gt=0, le=300)
+    metrics_snapshot_reuse_s: float = setting(1.0, ge=0, le=60)
 
     @property
     def socket_path(self) -> Path:

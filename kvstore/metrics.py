@@ -12,7 +12,14 @@ Prometheus's rules: `kvstore_` prefix, `_total` counters, `_bytes`, `_seconds`.
 daemon serves (arenas mapped, the event loop answering within `PROBE_TIMEOUT_S`) and 503 while
 it starts or stops. A disk tier that turned itself off or a remote server that is down is
 reported in the body (JSON), not counted as not ready: the daemon still serves from the tiers
-it has.
+it has. A probe costs the event loop one attribute read, never a snapshot; concurrent scrapes
+share one snapshot, and one younger than `HttpLimits.snapshot_reuse_s` answers later ones too.
+
+Whoever reaches the port is not trusted: the helper's HTTP server (one asyncio loop, `_Http`)
+bounds the connections open at once (the oldest still sending its request makes room), the
+request line and headers (`MAX_REQUEST_LINE_BYTES`, `MAX_HEADER_BYTES`: 414, 431) and the time a
+client has to send its request and take the reply (`HttpLimits`), and answers /healthz on its
+loop at once, whatever scrapes wait for.
 
 RPC latency: `stats.RpcTimings`, which both transports feed for every call, copied into the
 snapshot.
@@ -20,12 +27,15 @@ snapshot.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
 import errno
+import gzip
 import json
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -35,25 +45,19 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import TYPE_CHECKING, Any, NamedTuple
+from urllib.parse import parse_qs
 
-from prometheus_client import (
-    CollectorRegistry,
-    PlatformCollector,
-    ProcessCollector,
-    make_wsgi_app,
-)
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 
 from kvstore import __version__
 from kvstore.index import NodeUsage, StoreStats, server_totals
 from kvstore.stats import RPC_BUCKETS, combined
 
 if TYPE_CHECKING:
-    import asyncio
-
+    from kvstore.config import ServerConfig
     from kvstore.handlers import Handlers
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,7 @@ class Snapshot:
     serving: bool
     uptime_s: float
     remote_nodes: list[NodeUsage] | None = None  # the remote tier's servers (a cluster's nodes)
+    number: int = 0  # snapshots taken for the metrics helper, this one included
 
     @classmethod
     def take(cls, handlers: Handlers) -> Snapshot:
@@ -190,6 +195,16 @@ def families(snap: Snapshot) -> Iterator[Metric]:
             remote_extra.get("errors", 0),
         )
         outages["remote"], up["remote"] = remote_extra.get("outages", 0), remote_extra.get("up", 0)
+        yield counter(
+            "remote_forged_records",
+            "Remote records whose MAC did not verify (tiers.remote.record_key_file): misses, deleted.",
+            remote_extra.get("forged_records", 0),
+        )
+        yield counter(
+            "remote_refused_redirects",
+            "Redirects from a remote server to an address no seed announced, not followed.",
+            remote_extra.get("refused_redirects", 0),
+        )
     yield by_tier(CounterMetricFamily, "stored_pages", "Pages stored into each tier.", stored)
     yield by_tier(CounterMetricFamily, "evicted_pages", "Pages each tier evicted to make room.", evicted)
     yield by_tier(CounterMetricFamily, "promoted_pages", "Pages moved up into each tier.", promoted)
@@ -231,6 +246,11 @@ def families(snap: Snapshot) -> Iterator[Metric]:
         counters.get("quarantined_bytes", 0),
     )
     yield _rpc_family(snap.rpc)
+    yield counter(
+        "metrics_snapshots",
+        "Snapshots of these figures taken on the event loop (concurrent scrapes share one).",
+        snap.number,
+    )
 
 
 def _remote_node_families(nodes: list[NodeUsage]) -> Iterator[Metric]:
@@ -298,109 +318,159 @@ def _rpc_family(rpc: Mapping[tuple[str, str], tuple[list[int], float]]) -> Histo
     return family
 
 
-# -- the HTTP server -----------------------------------------------------------------------
+# -- the daemon's side: answers to the helper -------------------------------------------
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+@dataclass(frozen=True)
+class HttpLimits:
+    """What the helper grants its clients (`server.metrics_*` keys)."""
+
+    max_connections: int = 64  # open at once; past it the oldest still reading its request is closed
+    read_timeout_s: float = 5.0  # to send a whole request, and to take the whole reply
+    snapshot_reuse_s: float = 1.0  # a snapshot younger than this answers further scrapes
+
+    @classmethod
+    def of(cls, server: ServerConfig) -> HttpLimits:
+        return cls(
+            server.metrics_max_connections, server.metrics_read_timeout_s, server.metrics_snapshot_reuse_s
+        )
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # a scrape a second would fill the log
+class Probe(NamedTuple):
+    """What /readyz reports: whether the daemon serves, and each tier's state."""
+
+    serving: bool
+    tiers: dict[str, dict[str, Any]]
 
 
 class MetricsServer:
     """`/metrics`, `/healthz` and `/readyz` on `address` ("host:port"), served by a helper process.
 
     The helper (`serve`, started with `spawn`) runs the HTTP server and builds the exposition
-    text; for each scrape or probe it asks this process, over a pipe, for a snapshot, which a
-    thread here takes on the event loop (`Snapshot.take`) and sends back. Text building, the
-    costly part of a scrape, so never holds the daemon's GIL. The helper reports the daemon's
-    process metrics (its /proc), and dies with the daemon.
+    text. It asks this process over two pipes: for a snapshot (a scrape; a thread here takes it on
+    the event loop, `Snapshot.take`) and for a probe (readiness: one O(1) call on the event loop,
+    the tiers' state read off it). Text building, the costly part of a scrape, so never holds the
+    daemon's GIL. The helper reports the daemon's process metrics (its /proc), and dies with it.
     """
 
-    def __init__(self, address: str, handlers: Handlers, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        address: str,
+        handlers: Handlers,
+        loop: asyncio.AbstractEventLoop,
+        limits: HttpLimits | None = None,
+    ) -> None:
         self.address = address
+        self.limits = limits or HttpLimits()
         self._handlers = handlers
         self._loop = loop
-        self._conn: Connection | None = None
+        self._conns: list[Connection] = []
         self._process: multiprocessing.process.BaseProcess | None = None
+        self.snapshots_taken = 0
         self.port = 0
 
     def snapshot(self) -> Snapshot:
         snap: Snapshot = on_loop(self._loop, lambda: Snapshot.take(self._handlers), PROBE_TIMEOUT_S)
+        self.snapshots_taken += 1
+        snap.number = self.snapshots_taken
         for store in self._handlers.stores.values():  # one server, shared: asked once, off the loop
             if store.lower is not None and store.lower.remote is not None:
                 snap.remote_nodes = store.lower.remote.node_usage()
                 break
         return snap
 
+    def probe(self) -> Probe:
+        """Readiness: the event loop answers one attribute read; the tiers (their own locks) are
+        read from this thread."""
+        serving = bool(on_loop(self._loop, lambda: self._handlers.serving, PROBE_TIMEOUT_S))
+        tiers: dict[str, dict[str, Any]] = {}
+        lower: dict[str, list[float]] = {}  # tier -> [serving, outages], summed over the tenants
+        for store in self._handlers.stores.values():
+            if store.gpu_placement is not None:
+                tiers["gpu"] = {"serving": True}
+            if store.lower is None:
+                continue
+            for name, tier in (("disk", store.lower.disk), ("remote", store.lower.remote)):
+                if tier is not None:
+                    figures = tier.stats()
+                    summed = lower.setdefault(name, [0.0, 0.0])
+                    summed[0] += figures.get("enabled" if name == "disk" else "up", 0)
+                    summed[1] += figures.get("outages", 0)
+        tiers["cpu"] = {"serving": True}
+        for name, (serving_, outages) in lower.items():
+            tiers[name] = {"serving": bool(serving_), "outages": int(outages)}
+        return Probe(serving, tiers)
+
     def start(self) -> None:
         context = multiprocessing.get_context("spawn")
-        mine, theirs = context.Pipe()
+        probes, their_probes = context.Pipe()
+        snapshots, their_snapshots = context.Pipe()
         self._process = context.Process(
-            target=serve, args=(self.address, theirs, os.getpid()), name="kvstore-metrics", daemon=True
+            target=serve,
+            args=(self.address, their_probes, their_snapshots, os.getpid(), self.limits),
+            name="kvstore-metrics",
+            daemon=True,
         )
         self._process.start()
-        theirs.close()
-        self._conn = mine
-        if not mine.poll(HELPER_START_S):
+        their_probes.close()
+        their_snapshots.close()
+        self._conns = [probes, snapshots]
+        if not snapshots.poll(HELPER_START_S):
             self.stop()
             raise OSError(errno.ETIMEDOUT, f"the metrics process did not start within {HELPER_START_S:g} s")
-        kind, detail = mine.recv()
+        kind, detail = snapshots.recv()
         if kind != "listening":
             self.stop()
             raise OSError(*detail)
         self.port = int(detail)
-        threading.Thread(target=self._answer, name="kvstore-metrics", daemon=True).start()
-
-    def _answer(self) -> None:
-        conn = self._conn
-        assert conn is not None
-        while True:
-            try:
-                conn.recv()
-                try:
-                    reply: tuple[str, Any] = ("ok", self.snapshot())
-                except TimeoutError as exc:
-                    reply = ("timeout", str(exc))
-                conn.send(reply)
-            except (EOFError, OSError):  # the helper or the pipe is gone: the daemon stops
-                return
+        for conn, work in ((probes, self.probe), (snapshots, self.snapshot)):
+            threading.Thread(target=_answer, args=(conn, work), name="kvstore-metrics", daemon=True).start()
 
     def stop(self) -> None:
         if self._process is not None:
             self._process.terminate()
             self._process.join(5)
             self._process = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
 
 
-def serve(address: str, conn: Connection, daemon_pid: int) -> None:
-    """The helper process: the HTTP server, fed snapshots by the daemon over `conn`."""
+def _answer(conn: Connection, work: Callable[[], Any]) -> None:
+    """Answers the helper's questions on `conn`, one at a time, until the pipe closes."""
+    while True:
+        try:
+            conn.recv()
+            try:
+                reply: tuple[str, Any] = ("ok", work())
+            except TimeoutError as exc:
+                reply = ("timeout", str(exc))
+            conn.send(reply)
+        except (EOFError, OSError):  # the helper or the pipe is gone: the daemon stops
+            return
+
+
+# -- the helper process: the HTTP server --------------------------------------------------
+
+MAX_REQUEST_LINE_BYTES = 4 * 1024  # "GET /metrics?name[]=... HTTP/1.1"; longer: 414
+MAX_HEADER_BYTES = 16 * 1024  # the request line and headers together; more: 431
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    414: "URI Too Long",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
+
+
+def serve(
+    address: str, probes: Connection, snapshots: Connection, daemon_pid: int, limits: HttpLimits
+) -> None:
+    """The helper process: the HTTP server, fed snapshots and probes by the daemon."""
     _die_with(daemon_pid)
-    lock = threading.Lock()
-
-    def snapshot() -> Snapshot:
-        with lock:
-            conn.send(None)
-            kind, value = conn.recv()
-        if kind != "ok":
-            raise TimeoutError(value)
-        return value  # type: ignore[no-any-return]
-
-    http = _Http(snapshot, daemon_pid)
-    host, port = address.rsplit(":", 1)
-    try:
-        httpd = make_server(host.strip("[]"), int(port), http.app, _Server, _QuietHandler)
-    except OSError as exc:
-        conn.send(("error", (exc.errno, exc.strerror)))
-        return
-    conn.send(("listening", httpd.server_address[1]))
-    httpd.serve_forever()
+    asyncio.run(_Http(address, probes, snapshots, daemon_pid, limits).run())
 
 
 def _die_with(daemon_pid: int) -> None:
@@ -411,52 +481,265 @@ def _die_with(daemon_pid: int) -> None:
         os._exit(0)
 
 
-class _Http:
-    """The helper's WSGI app: the registry (the daemon's families and process metrics) and probes."""
+class _Asker:
+    """One question at a time to the daemon over a pipe (from a thread of its own), shared by
+    every request that asks meanwhile; an answer younger than `reuse_s` answers them too."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot], daemon_pid: int) -> None:
-        self._snapshot = snapshot
-        self.registry = CollectorRegistry()
+    def __init__(self, conn: Connection, reuse_s: float) -> None:
+        self._conn = conn
+        self._reuse_s = reuse_s
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, "kvstore-metrics-pipe")
+        self._pending: asyncio.Future[Any] | None = None
+        self._answer: Any = None
+        self._answered_at = -math.inf
+
+    async def ask(self) -> Any:
+        if self._answer is not None and time.monotonic() - self._answered_at < self._reuse_s:
+            return self._answer
+        if self._pending is None:
+            asked_at = time.monotonic()
+            pending = asyncio.get_running_loop().run_in_executor(self._thread, self._round_trip)
+            self._pending = pending
+
+            def done(future: asyncio.Future[Any]) -> None:
+                self._pending = None
+                if not future.cancelled() and future.exception() is None:
+                    self._answer, self._answered_at = future.result(), asked_at
+
+            pending.add_done_callback(done)
+        return await asyncio.shield(self._pending)  # a request closed meanwhile leaves it to the others
+
+    def _round_trip(self) -> Any:
+        self._conn.send(None)
+        kind, value = self._conn.recv()
+        if kind != "ok":
+            raise TimeoutError(value)
+        return value
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+@dataclass(eq=False)
+class _Client:
+    task: asyncio.Task[None] | None
+    answering: bool = False  # its request is read: no longer the first to go at the cap
+
+
+class _Http:
+    """The helper's HTTP server on one event loop: bounded connections, request size and time.
+
+    /healthz is answered on the loop at once; /readyz waits for the daemon's probe (shared by
+    concurrent probes); /metrics renders in a thread from a snapshot (shared by concurrent
+    scrapes, reused for `snapshot_reuse_s`). At `max_connections`, a new connection closes the
+    oldest one still sending its request, so that idle or slow clients cannot keep a probe out.
+    """
+
+    def __init__(
+        self, address: str, probes: Connection, snapshots: Connection, daemon_pid: int, limits: HttpLimits
+    ) -> None:
+        self.address = address
+        self.limits = limits
+        self._listening = snapshots
+        self._probes = _Asker(probes, 0.0)
+        self._snapshots = _Asker(snapshots, limits.snapshot_reuse_s)
+        self._renderers = concurrent.futures.ThreadPoolExecutor(2, "kvstore-metrics-render")
+        self._clients: dict[_Client, None] = {}  # oldest first
+        self.closed: Counter[str] = Counter({reason: 0 for reason in _CLOSE_REASONS})
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.registry = CollectorRegistry(support_collectors_without_names=True)  # ?name[]= filters them too
         ProcessCollector(registry=self.registry, pid=lambda: daemon_pid)
         PlatformCollector(registry=self.registry)
-        self.registry.register(DaemonCollector(snapshot))  # type: ignore[arg-type]
-        self._metrics_app = make_wsgi_app(self.registry)
+        self.registry.register(DaemonCollector(self._snapshot))  # type: ignore[arg-type]
+        self.registry.register(_HttpCollector(self))  # type: ignore[arg-type]
 
-    def app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        if path == "/metrics":
-            try:
-                return self._metrics_app(environ, start_response)  # type: ignore[no-any-return]
-            except TimeoutError as exc:
-                return _reply(start_response, "503 Service Unavailable", {"ready": False, "reason": str(exc)})
-        if path == "/healthz":
-            return _reply(start_response, "200 OK", {"alive": True})
-        if path == "/readyz":
-            status, body = self.readiness()
-            return _reply(start_response, status, body)
-        return _reply(start_response, "404 Not Found", {"paths": ["/metrics", "/healthz", "/readyz"]})
+    @property
+    def open_connections(self) -> int:
+        return len(self._clients)
 
-    def readiness(self) -> tuple[str, dict[str, Any]]:
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        host, port = self.address.rsplit(":", 1)
         try:
-            snap = self._snapshot()
-        except TimeoutError as exc:
-            return "503 Service Unavailable", {"ready": False, "reason": str(exc)}
-        tiers: dict[str, Any] = {}
-        for tier in snap.stats.tiers:
-            extra = tier.extra or {}
-            if tier.name == "disk":
-                tiers["disk"] = {"serving": bool(extra.get("enabled", 0)), "outages": extra.get("outages", 0)}
-            elif tier.name == "remote":
-                tiers["remote"] = {"serving": bool(extra.get("up", 0)), "outages": extra.get("outages", 0)}
-            else:
-                tiers[tier.name] = {"serving": True}
-        body = {"ready": snap.serving, "tiers": tiers, "version": __version__}
-        if not snap.serving:
-            body["reason"] = "starting or stopping"
-        return ("200 OK" if snap.serving else "503 Service Unavailable"), body
+            server = await asyncio.start_server(
+                self._serve, host.strip("[]"), int(port), limit=MAX_HEADER_BYTES, backlog=128
+            )
+        except OSError as exc:
+            self._listening.send(("error", (exc.errno, exc.strerror)))
+            return
+        self._listening.send(("listening", server.sockets[0].getsockname()[1]))
+        async with server:
+            await server.serve_forever()
+
+    def _snapshot(self) -> Snapshot:
+        """For the collector, in a render thread."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(self._snapshots.ask(), self._loop).result()  # type: ignore[no-any-return]
+
+    def _admit(self, client: _Client) -> bool:
+        if len(self._clients) >= self.limits.max_connections:
+            oldest = next((c for c in self._clients if not c.answering), None)
+            if oldest is None:  # every one is being answered: they end within the timeouts
+                self.closed["cap"] += 1
+                return False
+            del self._clients[oldest]
+            self.closed["cap"] += 1
+            if oldest.task is not None:
+                oldest.task.cancel()
+        self._clients[client] = None
+        return True
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        client = _Client(asyncio.current_task())  # type: ignore[arg-type]
+        timeout_s = self.limits.read_timeout_s
+        try:
+            if not self._admit(client):
+                return
+            try:
+                request = await asyncio.wait_for(_read_request(reader), timeout_s)
+                client.answering = True
+                reply = await self._route(request)
+            except _Refused as refused:
+                self.closed["too_large" if refused.status in (414, 431) else "bad_request"] += 1
+                request, reply = None, _json(refused.status, {"error": refused.reason})
+            writer.write(reply.head() + (reply.body if request is None or request.method != "HEAD" else b""))
+            writer.close()  # after what was written is sent
+            await asyncio.wait_for(writer.wait_closed(), timeout_s)
+        except TimeoutError:
+            self.closed["timeout"] += 1
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the client went away, or was closed at the cap
+        finally:
+            self._clients.pop(client, None)
+            writer.transport.abort()  # never waits on a client for what is left
+
+    async def _route(self, request: _Request) -> _Reply:
+        if request.path == "/healthz":
+            return _json(200, {"alive": True})
+        if request.path == "/readyz":
+            try:
+                probe: Probe = await self._probes.ask()
+            except TimeoutError as exc:
+                return _json(503, {"ready": False, "reason": str(exc)})
+            return _json(*readiness(probe))
+        if request.path == "/metrics":
+            try:
+                return await asyncio.get_running_loop().run_in_executor(
+                    self._renderers, self._render, request
+                )
+            except TimeoutError as exc:
+                return _json(503, {"ready": False, "reason": str(exc)})
+        return _json(404, {"paths": ["/metrics", "/healthz", "/readyz"]})
+
+    def _render(self, request: _Request) -> _Reply:
+        """The exposition text as prometheus_client's own WSGI app would write it, in a thread."""
+        registry: Any = self.registry
+        names = parse_qs(request.query).get("name[]")
+        if names:
+            registry = registry.restricted_registry(names)
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        body = encoder(registry)
+        extra: list[tuple[str, str]] = []
+        if "gzip" in request.headers.get("accept-encoding", ""):
+            body = gzip.compress(body)
+            extra.append(("Content-Encoding", "gzip"))
+        return _Reply(200, content_type, body, extra)
 
 
-def _reply(start_response: Callable[..., Any], status: str, body: Mapping[str, Any]) -> list[bytes]:
-    data = (json.dumps(body) + "\n").encode()
-    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
-    return [data]
+_CLOSE_REASONS = ("cap", "timeout", "too_large", "bad_request")
+
+
+class _HttpCollector:
+    """The helper's own figures: connections open, and those it closed, by why."""
+
+    def __init__(self, http: _Http) -> None:
+        self._http = http
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "kvstore_metrics_connections",
+            "Connections open to this HTTP server.",
+            value=self._http.open_connections,
+        )
+        closed = CounterMetricFamily(
+            "kvstore_metrics_closed_connections",
+            "Connections this HTTP server closed before answering: at its cap, past its time, "
+            "a request too large, or malformed.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self._http.closed.items()):
+            closed.add_metric([reason], count)
+        yield closed
+
+
+class _Request(NamedTuple):
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+
+
+class _Reply(NamedTuple):
+    status: int
+    content_type: str
+    body: bytes
+    extra: list[tuple[str, str]] = []
+
+    def head(self) -> bytes:
+        lines = [
+            f"HTTP/1.1 {self.status} {_REASONS.get(self.status, '')}",
+            f"Content-Type: {self.content_type}",
+            f"Content-Length: {len(self.body)}",
+            "Connection: close",
+            *(f"{name}: {value}" for name, value in self.extra),
+        ]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+async def _read_request(reader: asyncio.StreamReader) -> _Request:
+    """The request line and headers, at most MAX_REQUEST_LINE_BYTES and MAX_HEADER_BYTES (the
+    reader's limit stops a line that would be longer before it is buffered whole)."""
+    try:
+        line = await reader.readuntil(b"\n")
+    except asyncio.LimitOverrunError:
+        raise _Refused(414, f"request line over {MAX_REQUEST_LINE_BYTES} bytes") from None
+    if len(line) > MAX_REQUEST_LINE_BYTES:
+        raise _Refused(414, f"request line over {MAX_REQUEST_LINE_BYTES} bytes")
+    parts = line.decode("latin-1").split()
+    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+        raise _Refused(400, "expected 'METHOD /path HTTP/1.x'")
+    method, target, _ = parts
+    size, headers = len(line), {}
+    while True:
+        try:
+            field_line = await reader.readuntil(b"\n")
+        except asyncio.LimitOverrunError:
+            raise _Refused(431, f"headers over {MAX_HEADER_BYTES} bytes") from None
+        size += len(field_line)
+        if size > MAX_HEADER_BYTES:
+            raise _Refused(431, f"headers over {MAX_HEADER_BYTES} bytes")
+        if field_line in (b"\r\n", b"\n"):
+            break
+        name, _, value = field_line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if method not in ("GET", "HEAD"):
+        raise _Refused(405, "GET or HEAD only")
+    path, _, query = target.partition("?")
+    return _Request(method, path, query, headers)
+
+
+def readiness(probe: Probe) -> tuple[int, dict[str, Any]]:
+    body: dict[str, Any] = {"ready": probe.serving, "tiers": probe.tiers, "version": __version__}
+    if not probe.serving:
+        body["reason"] = "starting or stopping"
+    return (200 if probe.serving else 503), body
+
+
+def _json(status: int, body: Mapping[str, Any]) -> _Reply:
+    return _Reply(status, "application/json", (json.dumps(body) + "\n").encode())

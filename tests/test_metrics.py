@@ -3,6 +3,8 @@ prometheus_client's own parser."""
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
 import socket
 import time
@@ -44,6 +46,9 @@ FAMILIES = {  # every family the issue names, present at the first scrape: name 
     "kvstore_pinned_pages": "gauge",
     "kvstore_refused_local_connections": "counter",
     "kvstore_rpc_duration_seconds": "histogram",
+    "kvstore_metrics_snapshots": "counter",
+    "kvstore_metrics_connections": "gauge",
+    "kvstore_metrics_closed_connections": "counter",
     "process_cpu_seconds": "counter",
     "process_resident_memory_bytes": "gauge",
     "process_open_fds": "gauge",
@@ -187,3 +192,121 @@ def test_a_metrics_address_that_cannot_be_bound_names_the_key(
         port = taken.getsockname()[1]
         with pytest.raises(RuntimeError, match=r"server\.metrics_address: cannot listen on 127\.0\.0\.1"):
             daemon_factory(server__metrics_address=f"127.0.0.1:{port}")
+
+
+def test_a_scrape_in_the_reuse_window_shares_the_snapshot_and_readiness_takes_none(
+    metered: tuple[Daemon, int],
+) -> None:
+    daemon, port = metered
+    first = value(scrape(port), "kvstore_metrics_snapshots_total")
+    assert first >= 1
+    for _ in range(20):
+        assert get(port, "/readyz")[0] == 200
+    assert value(scrape(port), "kvstore_metrics_snapshots_total") - first <= 1  # this one, at most
+
+
+def test_requests_past_the_size_limits_are_refused_with_their_status(metered: tuple[Daemon, int]) -> None:
+    daemon, port = metered
+
+    def status_of(request: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(request)
+            with contextlib.suppress(ConnectionResetError):
+                return conn.recv(4096).split(b"\r\n", 1)[0]
+        return b"reset"
+
+    long_target = b"GET /metrics?" + b"a" * 5000 + b" HTTP/1.1\r\n\r\n"
+    many_headers = b"GET /healthz HTTP/1.1\r\n" + b"X-A: " + b"b" * 8000 + b"\r\n" + b"X-B: " + b"c" * 9000
+    assert status_of(long_target) in (b"HTTP/1.1 414 URI Too Long", b"reset")
+    assert status_of(many_headers + b"\r\n\r\n") in (
+        b"HTTP/1.1 431 Request Header Fields Too Large",
+        b"reset",
+    )
+    assert status_of(b"POST /metrics HTTP/1.1\r\n\r\n") == b"HTTP/1.1 405 Method Not Allowed"
+    assert status_of(b"nonsense\r\n\r\n") == b"HTTP/1.1 400 Bad Request"
+    assert get(port, "/healthz")[0] == 200
+    samples = scrape(port)
+    assert value(samples, "kvstore_metrics_closed_connections_total", reason="too_large") == 2
+    assert value(samples, "kvstore_metrics_closed_connections_total", reason="bad_request") == 2
+
+
+def test_a_gzip_scrape_and_a_name_filter_work_as_prometheus_client_s_own(metered: tuple[Daemon, int]) -> None:
+    daemon, port = metered
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/metrics?name[]=kvstore_lookups_total", headers={"Accept-Encoding": "gzip"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        assert reply.headers["Content-Encoding"] == "gzip"
+        text = gzip.decompress(reply.read()).decode()
+    assert [family.name for family in text_string_to_metric_families(text)] == ["kvstore_lookups"]
+
+
+def test_the_remote_tiers_forged_records_and_refused_redirects_are_exported(
+    redis_server: Any, daemon_factory: Callable[..., Daemon], tmp_path: Any
+) -> None:
+    pytest.importorskip("redis", reason="the remote tier needs the redis package")
+    import torch
+
+    from kvstore_client import KVStoreClient
+    from tests.test_hardening_remote import secret_file, settled
+    from tests.test_remote_tier import (
+        SPEC,
+        cache_for,
+        load_and_compare,
+        prompt,
+        remote_overrides,
+        wait_written,
+    )
+
+    writer = daemon_factory(
+        "fleet-a", **remote_overrides(redis_server, record_key_file=secret_file(tmp_path / "a", 1))
+    )
+    port = free_port()
+    reader = daemon_factory(
+        "fleet-b",
+        server__metrics_address=f"127.0.0.1:{port}",
+        **remote_overrides(redis_server, record_key_file=secret_file(tmp_path / "b", 2)),
+    )
+    samples = scrape(port)
+    assert value(samples, "kvstore_remote_forged_records_total") == 0
+    assert ("kvstore_remote_refused_redirects_total", ()) in samples
+    with KVStoreClient.connect(writer.address, SPEC) as client:
+        assert client.store(prompt(0, 4), cache_for(0, 4), torch.arange(4)) == 4
+        wait_written(client, 4)
+    with KVStoreClient.connect(reader.address, SPEC) as client:
+        assert load_and_compare(client, 0, 4) == 0  # another fleet's records: misses
+        stats = settled(client)
+    samples = scrape(port)  # a snapshot younger than the reuse window may answer: wait for the figure
+    deadline = time.monotonic() + 10
+    while value(samples, "kvstore_remote_forged_records_total") < 4 and time.monotonic() < deadline:
+        samples = scrape(port)
+    assert stats["forged_records"] == value(samples, "kvstore_remote_forged_records_total") == 4
+    assert value(samples, "kvstore_remote_refused_redirects_total") == stats["refused_redirects"] == 0
+
+
+def test_a_refused_redirect_is_exported(daemon_factory: Callable[..., Daemon], tmp_path: Any) -> None:
+    pytest.importorskip("redis", reason="the remote tier needs the redis package")
+    from tests.test_hardening_remote import FakeRedis
+
+    def answer(parts: list[bytes]) -> bytes:  # one server, not a cluster, sending every read elsewhere
+        return {b"PING": b"+PONG\r\n"}.get(parts[0], b"-MOVED 866 127.0.0.1:1\r\n")
+
+    fake = FakeRedis(answer, str(tmp_path / "fake.sock"))
+    port = free_port()
+    try:
+        daemon = daemon_factory(
+            server__metrics_address=f"127.0.0.1:{port}",
+            tiers__remote__enabled=True,
+            tiers__remote__url=f"unix://{tmp_path}/fake.sock",
+            tiers__remote__lookup_timeout_s=1.0,
+        )
+        conn = connect(daemon.stub())
+        keys = chain(conn, 2)
+        assert conn.stub.Lookup(pb.LookupRequest(namespace=conn.ns, keys=b"".join(keys))).hit_chunks == 0
+        deadline = time.monotonic() + 10
+        while value(samples := scrape(port), "kvstore_remote_refused_redirects_total") < 1:
+            assert time.monotonic() < deadline, "no refused redirect counted"
+        (remote,) = [tier for tier in daemon.stub().Stats(pb.StatsRequest()).tiers if tier.name == "remote"]
+        assert value(samples, "kvstore_remote_refused_redirects_total") <= remote.extra["refused_redirects"]
+    finally:
+        fake.close()
