@@ -1,7 +1,9 @@
 """A worker's line to kvstored: gRPC, the local channel on the daemon's host, and outages.
 
 - `rpc(method, request, meanwhile=None)`: one call, over the local channel where it is open
-  (`meanwhile()` runs while the daemon answers), else gRPC.
+  (`meanwhile()` runs while the daemon answers), else gRPC. A local channel the daemon refused
+  at its caps is closed, and the calls go over gRPC with the credential the refusal carried
+  (`credential_of_refusal`): with tenants, this process is still its tenant's member there.
 - `call(method, make_request, meanwhile=None)`: `rpc` with outages handled. In an outage it
   first connects again; a call that finds the daemon restarted (a stale epoch, a forgotten
   namespace, a closed channel) connects again and is made once more, with a request made anew.
@@ -15,14 +17,18 @@
 
 from __future__ import annotations
 
+import array
+import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvstore.channel import LocalChannel, Refused
 from kvstore.errors import (
@@ -30,12 +36,15 @@ from kvstore.errors import (
     DeadlineExceeded,
     KVStoreError,
     NotFound,
+    ResourceExhausted,
     StaleEpoch,
     Unauthenticated,
     Unavailable,
     from_rpc_error,
 )
+from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire import HEADER
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +53,9 @@ _NOT_REGISTERED = "is not registered with this daemon"
 RECONNECT_INTERVAL_S = 0.25  # in an outage, the least time between two attempts to connect again
 # gRPC's own reconnection backoff (default: up to 120 s) would keep a restarted daemon unused.
 _RECONNECT_BACKOFF_MS = 250
+# What the daemon's refusal of a local connection at its caps says (kvstore.local.LOCAL_CHANNEL_FULL).
+LOCAL_CHANNEL_FULL = "local channel is full"
+_PROBE_METHOD = 255  # a method no daemon serves: an admitted connection answers it at once, with an error
 
 
 def is_outage(exc: KVStoreError) -> bool:
@@ -90,6 +102,61 @@ def _read(path: str) -> bytes:
         raise ValueError(f"tls: cannot read {path}: {err.strerror}") from None
 
 
+def is_refusal(exc: KVStoreError, first_reply: bool) -> bool:
+    """Whether a local call's error says the daemon refused the connection at its caps."""
+    if isinstance(exc, Refused):
+        return True
+    return first_reply and isinstance(exc, ResourceExhausted) and LOCAL_CHANNEL_FULL in str(exc)
+
+
+def credential_of_refusal(path: str, timeout_s: float) -> str:
+    """The gRPC credential a daemon hands a local connection it refuses at its caps ("" if none
+    comes: no tenants, an older daemon, or a connection admitted this time). It reads that
+    connection's frames (why, then a ConnectResponse with the credential) up to the end; a probe
+    request of a method no daemon serves makes an admitted one answer at once instead."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        buffer = bytearray()
+        try:
+            sock.connect(path)
+            with contextlib.suppress(OSError):  # refused and closed already: its frames are still there
+                sock.sendall(HEADER.pack(0, _PROBE_METHOD), socket.MSG_NOSIGNAL)
+            while True:
+                while len(buffer) >= HEADER.size:
+                    length, status = HEADER.unpack_from(buffer)
+                    end = HEADER.size + length
+                    if len(buffer) < end:
+                        break
+                    body = bytes(buffer[HEADER.size : end])
+                    del buffer[:end]
+                    if status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+                        continue  # the refusal's reason: the credential follows, if there is one
+                    if status != 0:
+                        return ""  # admitted this time: its answer to the probe
+                    try:
+                        return str(pb.ConnectResponse.FromString(body).credential)
+                    except DecodeError:
+                        return ""
+                part = _receive(sock)
+                if not part:
+                    return ""
+                buffer += part
+        except OSError:
+            return ""
+
+
+def _receive(sock: socket.socket) -> bytes:
+    """Bytes from `sock`; any descriptor that comes with them is closed (none is expected)."""
+    part, ancillary, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(16))
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds = array.array("i")
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+            for fd in fds:
+                os.close(fd)
+    return part
+
+
 def default_address() -> str:
     from kvstore.paths import default_socket_path
 
@@ -133,12 +200,14 @@ class Connection:
         """The reply to `request`; `meanwhile()` runs while the daemon answers (over the local
         channel; before the call over gRPC)."""
         if self.local is not None:
+            first_reply = not self.local.answered
             try:
                 return self.local.call(method, request, meanwhile)
-            except Refused as exc:
-                log.info("%s: control calls use gRPC", exc)
-                self.close_local()
-                if exc.ran_meanwhile:
+            except (Refused, ResourceExhausted) as exc:
+                if not is_refusal(exc, first_reply):
+                    raise
+                self._refused(exc)
+                if not isinstance(exc, Refused) or exc.ran_meanwhile:
                     meanwhile = None
         if meanwhile is not None:
             meanwhile()
@@ -146,6 +215,16 @@ class Connection:
             return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, method) from None
+
+    def _refused(self, exc: KVStoreError) -> None:
+        """The daemon refused the local channel at its caps: it is closed, and gRPC calls carry
+        the credential the refusal handed this process (unless it has a token of its own)."""
+        assert self.local is not None
+        path = self.local.path
+        log.info("%s: control calls use gRPC", exc)
+        self.close_local()
+        if not self._token:
+            self.use_credential(credential_of_refusal(path, self.timeout_s))
 
     def call(self, method: str, make_request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
         if self.outage:
@@ -217,10 +296,12 @@ class Connection:
 
     def use_credential(self, credential: str) -> None:
         """gRPC calls carry the credential the daemon issued at Connect (who this client is, for
-        a daemon with tenants), unless the caller gave a token of its own."""
-        if not self._token:
-            self._credential = bool(credential)
-            self.metadata = (("authorization", f"Bearer {credential}"),) if credential else ()
+        a daemon with tenants), unless the caller gave a token of its own. A reply without one (a
+        Connect over gRPC) leaves the one held: a daemon that restarted refuses it, and the
+        client connects again."""
+        if not self._token and credential:
+            self._credential = True
+            self.metadata = (("authorization", f"Bearer {credential}"),)
 
     def serving(self, epoch: int) -> None:
         """A handshake went through: the outage, if any, is over."""

@@ -33,9 +33,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore import __version__
 from kvstore.channel import LocalChannel, Refused
 from kvstore.config import EvictionConfig
-from kvstore.errors import KVStoreError, from_rpc_error
+from kvstore.errors import KVStoreError, ResourceExhausted, from_rpc_error
 from kvstore.fleet import ASSIGNMENTS, fleet_replay
 from kvstore.keys import KEY_BYTES, pack_keys
+from kvstore.local import LOCAL_CHANNEL_FULL
 from kvstore.paths import default_socket_path, default_token, local_socket_of, read_token
 from kvstore.policy import policy_names
 from kvstore.proto import kvstore_pb2 as pb
@@ -104,15 +105,28 @@ class Admin:
         self.channel.close()
 
     def call(self, method: str, request: Any) -> Any:
+        refusal: KVStoreError | None = None
         if self.local is not None:
+            first_reply = not self.local.answered
             try:
                 return self.local.call(method, request)
-            except Refused:
-                self.local = None
+            except (Refused, ResourceExhausted) as exc:
+                # Refused at the daemon's caps (closed at once, or told so): gRPC, where a daemon
+                # without tenants serves anyone who can reach its socket.
+                if not (isinstance(exc, Refused) or (first_reply and LOCAL_CHANNEL_FULL in str(exc))):
+                    raise
+                self.local.close()
+                self.local, refusal = None, exc
         try:
             return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, method) from None
+            error = from_rpc_error(exc, method)
+            if refusal is not None:
+                raise KVStoreError(
+                    f"{refusal}; over gRPC instead: {error}. Try again once fewer clients are connected, "
+                    f"or run kvctl as root or an admin (admins.uids), who get connections past the caps"
+                ) from None
+            raise error from None
 
     def stats(self) -> dict[str, Any]:
         return stats_to_dict(self.call("Stats", pb.StatsRequest()))
@@ -567,7 +581,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `kvctl stats | head` ends quietly, as other tools do
+    # SIGPIPE stays ignored: a local channel the daemon closed at its caps is an error kvctl
+    # reports, not a signal that kills it; `kvctl stats | head` still ends quietly (_quiet_exit).
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # stdout's reader went away
+        return _quiet_exit()
+
+
+def _quiet_exit() -> int:
+    """The exit of a command whose output nobody reads any more, as a shell reports SIGPIPE's,
+    without a traceback (stdout is pointed at /dev/null, so its final flush cannot fail)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if getattr(args, "local", False):  # needs no daemon
         try:

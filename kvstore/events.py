@@ -23,7 +23,12 @@ a RESYNC. Memory is bounded by the buffers whatever consumers do. The remote tie
 many hosts and evicts on its own: its pages are not reported here.
 
 `add` may be called from any thread (the disk tier's workers call it); consumers wait on the
-event loop (`wait`), woken only by events of their own stream.
+event loop (`wait`), woken only by events they may see: those of their own stream and, where
+they follow one namespace, of that namespace. `Consumers` caps the streams followed at once, in
+all and per tenant, so that idle consumers cost a bounded amount.
+
+A namespace's name (its tenant and model) is kept while its store holds the namespace (`name`
+at Connect, `prune` once the store forgot it), so the names never outgrow the namespaces.
 """
 
 from __future__ import annotations
@@ -32,14 +37,18 @@ import asyncio
 import contextlib
 import secrets
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection
 from enum import IntEnum
 from typing import NamedTuple
 
+from kvstore.errors import ResourceExhausted
 from kvstore.tiers import Tier
 
 MAX_SCAN = 8192  # events looked at per read
 MAX_EPOCH = (1 << 53) - 1  # exact as a double: JSON consumers (a router in JavaScript) read it whole
+MAX_STREAMS = 256  # Events streams followed at once, in all
+MAX_STREAMS_PER_TENANT = 64  # and per tenant (the admins' count as one more)
 
 
 class EventKind(IntEnum):
@@ -66,7 +75,25 @@ class _Stream:
         self.capacity = capacity
         self.ring: list[Event | None] = [None] * capacity  # event `s` at s % capacity
         self.sequence = 0  # the last event's
-        self.waiting: set[asyncio.Future[None]] = set()
+        self.waiting: set[asyncio.Future[None]] = set()  # consumers of every event
+        self.watching: dict[bytes, set[asyncio.Future[None]]] = {}  # consumers of one namespace's
+
+    def can_wake(self, namespace: bytes) -> bool:
+        return bool(self.waiting) or namespace in self.watching
+
+    def release(self, namespace: bytes | None) -> None:
+        """Wakes the consumers of every event, and those of `namespace` (None: of any)."""
+        woken = [self.waiting]
+        self.waiting = set()
+        if namespace is None:
+            woken += self.watching.values()
+            self.watching = {}
+        elif namespace in self.watching:
+            woken.append(self.watching.pop(namespace))
+        for futures in woken:
+            for future in futures:
+                if not future.done():
+                    future.set_result(None)
 
     def append(self, event: Event) -> None:
         self.sequence += 1
@@ -107,6 +134,7 @@ class EventLog:
         self._tenants: dict[str, _Stream] = {}  # a stream per tenant that has events
         self._lock = threading.Lock()
         self._names: dict[bytes, tuple[str, str]] = {}  # namespace -> (tenant, model)
+        self._named: Counter[str] = Counter()  # names held per tenant
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self.closed = False
@@ -135,10 +163,27 @@ class EventLog:
 
     def name(self, namespace: bytes, tenant: str, model: str) -> None:
         """What a namespace's events say of it, and whose stream they join (registered at Connect)."""
+        if namespace not in self._names:
+            self._named[tenant] += 1
         self._names[namespace] = (tenant, model)
 
     def names(self, namespace: bytes) -> tuple[str, str]:
         return self._names.get(namespace, ("", ""))
+
+    @property
+    def num_names(self) -> int:
+        return len(self._names)
+
+    def prune(self, tenant: str, live: Collection[bytes]) -> None:
+        """Forgets the names of `tenant`'s namespaces that are not `live` (its store forgot them),
+        when it holds more names than that store has namespaces. A later event of such a
+        namespace (a disk record dropped) goes to the daemon's stream alone, as before any
+        Connect named it."""
+        if self._named[tenant] <= len(live):
+            return
+        for namespace in [ns for ns, (owner, _) in self._names.items() if owner == tenant and ns not in live]:
+            del self._names[namespace]
+            self._named[tenant] -= 1
 
     def add(
         self, kind: EventKind, tier: Tier, namespace: bytes, key: bytes, parent: bytes = b"", reason: str = ""
@@ -153,23 +198,20 @@ class EventLog:
                 if own is None:
                     own = self._tenants[tenant] = _Stream(self.capacity)
                 own.append(event)
-        if self._all.waiting or (own is not None and own.waiting):
-            self._wake(own)
+        if self._all.can_wake(namespace) or (own is not None and own.can_wake(namespace)):
+            self._wake(own, namespace)
 
-    def _wake(self, own: _Stream | None) -> None:
+    def _wake(self, own: _Stream | None, namespace: bytes) -> None:
         if threading.get_ident() == self._loop_thread:
-            self._release(own)
+            self._release(own, namespace)
         elif self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: the daemon stopped
-                self._loop.call_soon_threadsafe(self._release, own)
+                self._loop.call_soon_threadsafe(self._release, own, namespace)
 
-    def _release(self, own: _Stream | None = None) -> None:
-        streams = (self._all, own) if own is not None else (self._all,)
-        for stream in streams:
-            waiting, stream.waiting = stream.waiting, set()
-            for future in waiting:
-                if not future.done():
-                    future.set_result(None)
+    def _release(self, own: _Stream | None, namespace: bytes | None) -> None:
+        self._all.release(namespace)
+        if own is not None:
+            own.release(namespace)
 
     def read(
         self,
@@ -192,17 +234,60 @@ class EventLog:
     def close(self) -> None:
         """The daemon stops: consumers' streams end."""
         self.closed = True
-        self._release()
-        for stream in list(self._tenants.values()):
-            self._release(stream)
+        for stream in [self._all, *self._tenants.values()]:
+            stream.release(None)
 
-    async def wait(self, after: int, tenant: str | None = None) -> None:
-        """Returns once an event after `after` exists in `tenant`'s stream, or the log is closed."""
+    async def wait(self, after: int, tenant: str | None = None, namespace: bytes = b"") -> None:
+        """Returns once an event after `after` exists in `tenant`'s stream (of `namespace`, if
+        given: events of other namespaces do not wake the caller), or the log is closed."""
         stream = self._stream(tenant)
         while stream.sequence <= after and not self.closed:
             future = asyncio.get_running_loop().create_future()
-            stream.waiting.add(future)
-            if stream.sequence > after or self.closed:
-                stream.waiting.discard(future)
-                return
-            await future
+            waiters = stream.watching.setdefault(namespace, set()) if namespace else stream.waiting
+            waiters.add(future)
+            try:
+                if stream.sequence > after or self.closed:
+                    return
+                await future
+            finally:  # a consumer that went away leaves nothing behind (nor an empty set)
+                waiters.discard(future)
+                if namespace and not waiters and stream.watching.get(namespace) is waiters:
+                    del stream.watching[namespace]
+
+
+class Consumers:
+    """The Events streams followed at once, by owner (a tenant; None: the admins): at most
+    `max_streams` in all and `max_per_tenant` per owner. An idle stream costs the daemon
+    little, but not nothing, and a tenant's must not keep another's out."""
+
+    def __init__(self, max_streams: int = MAX_STREAMS, max_per_tenant: int = MAX_STREAMS_PER_TENANT) -> None:
+        self.max_streams = max_streams
+        self.max_per_tenant = max_per_tenant
+        self._open: Counter[str | None] = Counter()
+        self.refused = 0
+
+    def __len__(self) -> int:
+        return self._open.total()
+
+    def open(self, owner: str | None) -> None:
+        """Counts a new stream of `owner`'s; ResourceExhausted past a cap."""
+        whose = "the admins" if owner is None else f"tenant {owner!r}" if owner else "this daemon's clients"
+        if self._open[owner] >= self.max_per_tenant:
+            self.refused += 1
+            raise ResourceExhausted(
+                f"Events: {whose} already follow {self._open[owner]} event streams, at most "
+                f"{self.max_per_tenant} per tenant: close one (a consumer needs one stream; "
+                f"filter by namespace on it)"
+            )
+        if len(self) >= self.max_streams:
+            self.refused += 1
+            raise ResourceExhausted(
+                f"Events: the daemon already serves {len(self)} event streams, at most "
+                f"{self.max_streams}: try again once one closes"
+            )
+        self._open[owner] += 1
+
+    def close(self, owner: str | None) -> None:
+        self._open[owner] -= 1
+        if not self._open[owner]:
+            del self._open[owner]

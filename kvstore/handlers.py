@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 
 from kvstore import __version__
 from kvstore.errors import DAEMON_STOPPING, InvalidArgument, StaleEpoch, Unavailable
-from kvstore.events import Event
+from kvstore.events import MAX_STREAMS, MAX_STREAMS_PER_TENANT, Consumers, Event
 from kvstore.index import AcquireResult
 from kvstore.keys import unpack_keys
 from kvstore.leases import Lease
@@ -67,6 +67,8 @@ class Handlers:
         max_message_bytes: int,
         local_socket: str = "",
         tenancy: Tenancy | None = None,
+        max_event_streams: int = MAX_STREAMS,
+        max_event_streams_per_tenant: int = MAX_STREAMS_PER_TENANT,
     ) -> None:
         self.stores = dict(stores)
         self.tenancy = tenancy or Tenancy()
@@ -79,6 +81,7 @@ class Handlers:
         self.serving = False  # the daemon started and is not stopping (readiness)
         self.timings = RpcTimings()  # the calls' latency, fed by both transports
         self.events = next(iter(self.stores.values())).events  # one log, shared by the tenants' stores
+        self.consumers = Consumers(max_event_streams, max_event_streams_per_tenant)  # Events streams
         self.counters: Counter[str] = Counter()  # the channels' own figures (Stats adds them)
         self._writers: dict[tuple[int, int], Peer] = {}  # gRPC writers, checked once each
         self._anonymous = self.tenancy.of_token(None)
@@ -121,6 +124,7 @@ class Handlers:
         store = self._store(caller)
         ns = store.connect(page_spec_of(request.spec, self.chunk_tokens), request.device_pci_bus_id)
         self.events.name(ns.id, store.tenant, ns.spec.model)
+        self.events.prune(store.tenant, store.namespaces)  # those the store forgot to make room
         arena = store.cpu.arena
         return pb.ConnectResponse(
             gpu_pools=self._gpu_pools(store),
@@ -311,6 +315,9 @@ class Handlers:
                 [store.stats(server_usage=i == 0) for i, store in enumerate(self.stores.values())]
             )
             stats.counters.update(self.counters)
+            stats.counters["event_streams"] = len(self.consumers)
+            stats.counters["refused_event_streams"] = self.consumers.refused
+            stats.counters["event_names"] = self.events.num_names
         else:  # a member: its tenant's figures, not the shared remote server's totals
             stats = self._store(caller).stats(server_usage=False)
         stats.counters["event_sequence"] = self.events.last(self._event_stream(caller))
@@ -323,24 +330,32 @@ class Handlers:
 
     async def follow(
         self, request: pb.EventsRequest, caller: Caller | None = None
-    ) -> AsyncIterator[pb.EventBatch]:
+    ) -> AsyncGenerator[pb.EventBatch, None]:
         """The KV events after `request.since` (`kvstore.events`) that the caller may see (its
         tenant's stream; an admin's, or anyone's without tenants: the daemon's), in batches,
-        until the caller cancels or the daemon stops."""
-        tenant = self._event_stream(caller or self._anonymous)
-        log, only = self.events, request.namespace
-        keep = (lambda event: event.namespace == only) if only else None
-        if request.from_now:
-            cursor, resync = log.last(tenant), ""
-        else:
-            cursor, resync = request.since, _resync_reason(request, log.epoch)
-        while not log.closed:
-            batch, cursor = log.read(cursor, EVENTS_PER_BATCH, keep, tenant, resync)
-            resync = ""
-            if batch:
-                yield pb.EventBatch(events=[self._event(event) for event in batch])
+        until the caller cancels or the daemon stops. Streams are capped (`Consumers`: past a
+        cap, ResourceExhausted); one that follows a namespace wakes for that namespace's events
+        only."""
+        caller = caller or self._anonymous
+        tenant = self._event_stream(caller)
+        owner = None if caller.admin and self.tenancy.enabled else self.tenancy.tenant_of(caller)
+        self.consumers.open(owner)
+        try:
+            log, only = self.events, request.namespace
+            keep = (lambda event: event.namespace == only) if only else None
+            if request.from_now:
+                cursor, resync = log.last(tenant), ""
             else:
-                await log.wait(cursor, tenant)
+                cursor, resync = request.since, _resync_reason(request, log.epoch)
+            while not log.closed:
+                batch, cursor = log.read(cursor, EVENTS_PER_BATCH, keep, tenant, resync)
+                resync = ""
+                if batch:
+                    yield pb.EventBatch(events=[self._event(event) for event in batch])
+                else:
+                    await log.wait(cursor, tenant, only)
+        finally:
+            self.consumers.close(owner)
 
     def _event(self, event: Event) -> pb.KVEvent:
         _, model = self.events.names(event.namespace)

@@ -21,9 +21,15 @@ carries its descriptor (SCM_RIGHTS) to the tenant's member that asked.
 Each connection knows its peer (pid, uid, gid and groups from the socket's credentials): that is
 who the caller is (`kvstore.tenants`: its tenant, whether an admin), and a store lease taken on
 it is fenced, if it expires, until that connection is closed and that process gone.
-Connections are capped in all (`server.max_local_connections`) and per uid
-(`server.max_local_connections_per_uid`): past a cap a new one is closed at once, counted
-(`refused_local_connections`), with one warning at most every 10 s.
+Connections are capped in all (`server.max_local_connections`), per uid
+(`server.max_local_connections_per_uid`) and, with tenants, per tenant (its share: the total
+over the number of tenants, so that no tenant's uids, however many, keep another's out). Past a
+cap a new connection is answered with two frames and closed at once: a RESOURCE_EXHAUSTED that
+says which cap (what a client reads as its first call's reply), then the caller's gRPC
+credential (`tenants.Tenancy.credential`, in a ConnectResponse), so that a member still calls as
+itself over gRPC. Refusals are counted (`refused_local_connections`), with one warning at most
+every 10 s. Admins get ADMIN_RESERVE connections past the caps (`kvctl` while members fill
+them); processes in no tenant get MAX_OUTSIDERS of their own, outside the members' caps.
 
 `stop()` closes the listener and then the connections once the replies being awaited have
 been sent (the daemon drains its leases before that: see `kvstore.daemon`).
@@ -53,6 +59,7 @@ from kvstore.claim import remove_stale_socket
 from kvstore.errors import status_of
 from kvstore.handlers import Handlers
 from kvstore.peers import Peer
+from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tenants import Caller
 from kvstore.wire import (
     HEADER,
@@ -68,10 +75,15 @@ log = logging.getLogger(__name__)
 
 REFUSAL_WARNING_S = 10.0  # at most one warning this often about connections refused at the caps
 MAX_OUTSIDERS = 16  # with tenants: connections of processes in no tenant open at once, at most
+ADMIN_RESERVE = 16  # connections of admins past the caps, at most
+# In a refusal's message: clients tell it from a call's own RESOURCE_EXHAUSTED by it
+# (kvstore_client.connection, kvctl).
+LOCAL_CHANNEL_FULL = "local channel is full"
 
 _OK = 0
 _INTERNAL = 13
 _INVALID_ARGUMENT = 3
+_RESOURCE_EXHAUSTED = 8
 
 
 class LocalChannelServer:
@@ -89,39 +101,86 @@ class LocalChannelServer:
         self.max_connections = max_connections
         self.max_connections_per_uid = max_connections_per_uid
         self._server: asyncio.Server | None = None
-        self._sessions: set[_Session] = set()
+        self._sessions: set[_Session] = set()  # within the caps
         self._outsiders: set[_Session] = set()  # connections of processes in no tenant
+        self._admins: set[_Session] = set()  # admins' connections past the caps
         self._per_uid: Counter[int] = Counter()
+        self._per_tenant: Counter[str] = Counter()
+        tenancy = handlers.tenancy
+        self.max_connections_per_tenant = max(1, max_connections // len(tenancy.names))
         self._refused = 0  # connections closed at the caps since the last warning
         self._warned_at = -REFUSAL_WARNING_S
         self._poll_until = 0.0
         self._polling = False
         self.polls = 0  # turns of the loop spent polling (stats, tests)
 
+    def _tenant_of(self, session: _Session) -> str | None:
+        """The tenant a connection counts against (None: none, without tenants or for an admin
+        in no tenant)."""
+        if not self.handlers.tenancy.enabled or session.caller is None:
+            return None
+        return session.caller.tenant
+
+    def _cap_reached(self, session: _Session) -> str:
+        """The cap a new connection of `session`'s peer would pass, in words ("": none)."""
+        uid, tenant = session.peer.uid, self._tenant_of(session)
+        if len(self._sessions) >= self.max_connections:
+            return f"{len(self._sessions)} connections are open (server.max_local_connections)"
+        if self._per_uid[uid] >= self.max_connections_per_uid:
+            return f"uid {uid} has {self._per_uid[uid]} open (server.max_local_connections_per_uid)"
+        if tenant is not None and self._per_tenant[tenant] >= self.max_connections_per_tenant:
+            return (
+                f"tenant {tenant!r} has {self._per_tenant[tenant]} open, its share of "
+                f"server.max_local_connections ({self.max_connections} over "
+                f"{len(self.handlers.tenancy.names)} tenants)"
+            )
+        return ""
+
     def admit(self, session: _Session) -> bool:
-        """Whether a new connection is within the caps; one that is not is counted, and a warning
-        says so at most every REFUSAL_WARNING_S."""
-        uid = session.peer.uid
-        if len(self._sessions) < self.max_connections and self._per_uid[uid] < self.max_connections_per_uid:
+        """Whether a new connection is within the caps (or an admin's, within ADMIN_RESERVE); one
+        that is not is counted, `session.refused` says why, and a warning says so at most every
+        REFUSAL_WARNING_S."""
+        reached = self._cap_reached(session)
+        if not reached:
             self._sessions.add(session)
-            self._per_uid[uid] += 1
+            self._per_uid[session.peer.uid] += 1
+            tenant = self._tenant_of(session)
+            if tenant is not None:
+                self._per_tenant[tenant] += 1
             return True
+        if session.caller is not None and session.caller.admin and len(self._admins) < ADMIN_RESERVE:
+            self._admins.add(session)
+            return True
+        session.refused = reached
         self._refused += 1
         self.handlers.counters["refused_local_connections"] += 1
         now = time.monotonic()
         if now - self._warned_at >= REFUSAL_WARNING_S:
             log.warning(
-                "local channel: %d connection(s) refused in %.0f s at server.max_local_connections (%d) or "
-                "server.max_local_connections_per_uid (%d; uid %d has %d)",
+                "local channel: %d connection(s) refused in %.0f s at the caps (the last: %s); their "
+                "calls go over gRPC",
                 self._refused,
                 min(now - self._warned_at, REFUSAL_WARNING_S),
-                self.max_connections,
-                self.max_connections_per_uid,
-                uid,
-                self._per_uid[uid],
+                reached,
             )
             self._warned_at, self._refused = now, 0
         return False
+
+    def refusal(self, session: _Session) -> bytes:
+        """What a connection refused at the caps reads before it is closed: why, then the gRPC
+        credential of the caller's tenant (it calls as itself there; none for an admin in no
+        tenant, or without tenants, where gRPC needs none)."""
+        message = (
+            f"kvstored's {LOCAL_CHANNEL_FULL}: {session.refused}; this connection is refused: calls "
+            f"go over gRPC"
+        )
+        frames = frame(_RESOURCE_EXHAUSTED, message.encode())
+        caller = session.caller
+        credential = self.handlers.tenancy.credential(caller) if caller is not None else ""
+        if credential and caller is not None:
+            reply = pb.ConnectResponse(tenant=caller.tenant, credential=credential)
+            frames += frame(_OK, reply.SerializeToString())
+        return frames
 
     def admit_outsider(self, session: _Session) -> bool:
         """A connection from a process in no tenant: kept (its calls are refused with the reason)
@@ -134,11 +193,13 @@ class LocalChannelServer:
 
     def forget(self, session: _Session) -> None:
         self._outsiders.discard(session)
+        self._admins.discard(session)
         if session in self._sessions:
             self._sessions.discard(session)
-            self._per_uid[session.peer.uid] -= 1
-            if not self._per_uid[session.peer.uid]:
-                del self._per_uid[session.peer.uid]
+            _uncount(self._per_uid, session.peer.uid)
+            tenant = self._tenant_of(session)
+            if tenant is not None:
+                _uncount(self._per_tenant, tenant)
 
     def keep_polling(self) -> None:
         """The loop polls, not sleeps, until `poll_s` after now (a frame just came)."""
@@ -172,10 +233,10 @@ class LocalChannelServer:
         if self._server is not None:
             self._server.close()
             self._server = None  # ends a polling window
-        waiting = [s._waiting for s in self._sessions if s._waiting is not None]
+        waiting = [s._waiting for s in (*self._sessions, *self._admins) if s._waiting is not None]
         if waiting:
             await asyncio.wait(waiting, timeout=grace_s)
-        for session in [*self._sessions, *self._outsiders]:
+        for session in [*self._sessions, *self._outsiders, *self._admins]:
             session.close()
         self.path.unlink(missing_ok=True)
 
@@ -211,6 +272,12 @@ class LocalChannelServer:
         return answer
 
 
+def _uncount(counts: Counter[Any], key: Any) -> None:
+    counts[key] -= 1
+    if not counts[key]:
+        del counts[key]
+
+
 class WithFd(bytes):
     """A reply frame sent with a descriptor (SCM_RIGHTS): a Connect's, with the sealed arena."""
 
@@ -242,6 +309,7 @@ class _Session(asyncio.Protocol):
         self._paused_writing = False
         self.peer = Peer()
         self.caller: Caller | None = None
+        self.refused = ""  # the cap it was refused at
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -250,12 +318,16 @@ class _Session(asyncio.Protocol):
             self.peer = Peer.of_socket(sock)
         tenancy = self._server.handlers.tenancy
         self.caller = tenancy.of_peer(self.peer)
-        # With tenants, a process in none (and no admin) holds no connection: it could only
-        # take room under the caps from the members.
         # With tenants, a process in none (and no admin) takes no room under the caps from the
         # members: a few such connections at most, each answered with why it may do nothing.
         outsider = tenancy.enabled and self.caller.tenant is None and not self.caller.admin
-        if not (self._server.admit_outsider(self) if outsider else self._server.admit(self)):
+        if outsider:
+            admitted = self._server.admit_outsider(self)
+        else:
+            admitted = self._server.admit(self)
+            if not admitted:  # told why, and how to call as itself over gRPC, before it is closed
+                transport.write(self._server.refusal(self))  # type: ignore[attr-defined]
+        if not admitted:
             transport.close()
             self._transport = None
 

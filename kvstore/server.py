@@ -14,6 +14,7 @@ one that does not decode is INVALID_ARGUMENT with the parser's reason, never UNK
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -133,8 +134,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             caller = self._caller(context)
             request = parse_request("Events", pb.EventsRequest, payload)
-            async for batch in self.handlers.follow(request, caller):
-                await context.write(batch)
+            # Closed here, not when collected: the stream stops counting against the caps at once.
+            async with contextlib.aclosing(self.handlers.follow(request, caller)) as batches:
+                async for batch in batches:
+                    await context.write(batch)
         except Exception as exc:
             await _abort(context, exc)
 

@@ -17,7 +17,7 @@ import torch
 from kvstore.channel import LocalChannel
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import pack_keys
-from kvstore.local import METHOD_NAMES
+from kvstore.local import ADMIN_RESERVE, METHOD_NAMES
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tiers import Tier
 from kvstore_client import KVSpec, KVStoreClient
@@ -276,13 +276,14 @@ def test_the_daemon_polls_after_a_call_only_when_asked(daemon_factory: Callable[
 def test_connections_past_the_caps_are_closed_and_clients_still_work(
     daemon_factory: Callable[..., Daemon],
 ) -> None:
-    """Idle connections held by one uid up to its cap: the next one is closed at once, counted,
-    warned about once (not once per connection); a client then works over gRPC, every byte right,
-    and gets the local channel again once the idle ones close."""
+    """Idle connections held by one uid up to its cap (this process is root, an admin: its
+    reserve too): the next one is told why and closed at once, counted, warned about once (not
+    once per connection); a client then works over gRPC, every byte right, and gets the local
+    channel again once the idle ones close."""
     daemon = daemon_factory(server__max_local_connections_per_uid=4, server__max_local_connections=8)
     path = local_path(daemon)
     held = []
-    for _ in range(4):
+    for _ in range(4 + ADMIN_RESERVE):
         sock = socket.socket(socket.AF_UNIX)
         sock.connect(path)
         held.append(sock)
@@ -290,7 +291,11 @@ def test_connections_past_the_caps_are_closed_and_clients_still_work(
         with socket.socket(socket.AF_UNIX) as sock:
             sock.connect(path)
             sock.settimeout(10)
-            assert sock.recv(1) == b""  # closed by the daemon
+            length, status = struct.unpack("<IB", sock.recv(5, socket.MSG_WAITALL))
+            reason = sock.recv(length, socket.MSG_WAITALL).decode()
+            assert status == 8 and "local channel is full: uid" in reason, reason  # RESOURCE_EXHAUSTED
+            assert "server.max_local_connections_per_uid" in reason
+            assert sock.recv(1) == b""  # then closed by the daemon (no credential without tenants)
     tokens = list(range(512))
     cache = [torch.randn(2, 32, 16, 2, 16).half() for _ in range(2)]
     with KVStoreClient.connect(daemon.address, SPEC) as client:
