@@ -42,7 +42,7 @@ from kvstore.events import EventLog
 from kvstore.handlers import Handlers
 from kvstore.local import LocalChannelServer
 from kvstore.logs import configure as configure_logs
-from kvstore.metrics import MetricsServer
+from kvstore.metrics import HttpLimits, MetricsServer
 from kvstore.policy import make_policy
 from kvstore.progress import progress_reporter
 from kvstore.server import SERVICE_NAME, KVStoreServicer, create_server
@@ -223,7 +223,9 @@ async def serve(config: Config) -> None:
             tenancy(config),
         )
         if config.server.metrics_address is not None:  # /readyz says 503 until the daemon serves
-            metrics = MetricsServer(config.server.metrics_address, handlers, loop)
+            metrics = MetricsServer(
+                config.server.metrics_address, handlers, loop, HttpLimits.of(config.server)
+            )
             try:
                 await asyncio.to_thread(metrics.start)  # the helper process starts and binds
             except OSError as exc:
