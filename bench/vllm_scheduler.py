@@ -3,26 +3,39 @@
 Each trace block (one hash id, 512 tokens) becomes 512 token ids derived from its id, so two
 requests that share an id share that block's tokens, as the trace says. Requests run one after
 another, each to its end (one output token), through `tests.vllm_engine.Engine`: vLLM 0.33's
-Scheduler, the KVStoreConnector loaded by vLLM's factory, a worker on real CPU KV tensors that
-stores and loads real pages through a real kvstored (chunk_tokens 512: one page per trace
-block), and a stand-in model that computes nothing. Four runs:
+Scheduler with its hybrid allocator on, the KVStoreConnector loaded by vLLM's factory, a worker
+on real CPU KV tensors that stores and loads real pages through a real kvstored (chunk_tokens
+512: one page per trace block and KV-cache group), and a stand-in model that computes nothing.
+
+The model's layers follow a pattern (`--patterns`, each run in turn on the same requests):
+`full`, every layer full attention (one group, one namespace), or `gpt-oss`, sliding-window
+layers (window 128) alternating with full attention (two groups: the window's group loads only
+the chunks of the window before the resume point). Every pattern stores every layer of every
+chunk, so its bytes per token are the same and kvstore's CPU tier is the same size in bytes:
+`--cpu-pages` chunks of every layer (for gpt-oss, twice as many pages of half the size).
+
+Four runs per pattern:
 
 - vLLM's prefix caching off, with kvstore: the share of prompt tokens kvstore serves, against
-  what `kvctl replay` (`kvstore.replay`, the same policy) predicts for the same capacity in pages.
+  what `kvctl replay` (`kvstore.replay`, the same policy) predicts for the same capacity in
+  chunks; and the bytes its loads move per served request, from the LoadSpecs of each step's
+  metadata (a chunk moves one whole page of its group), against loading every layer of every
+  chunk the request loads.
 - vLLM's prefix caching off, without kvstore: every prompt token is computed.
 - vLLM's prefix caching on (its GPU cache of `--gpu-blocks` blocks), without and with kvstore:
   the prompt tokens vLLM computes.
 
 The connector's scheduler-side cost: the time inside its scheduler methods per step, and per
-request looked up (get_num_new_matched_tokens: keys, one Lookup per TP rank), median and p99,
-in the engine's run and again for every prompt back to back once the run is over (the same
-lookups without the worker's stores and loads between them, on a daemon that holds the pages).
-It runs where vLLM's scheduler runs, on the host CPU, and reports of each lookup the part spent
-waiting for the daemon's answers. The times are the machine's it ran on (`meta` in the JSON):
-`bench/carry-vllm` builds what a device call carries to run it on the GPU machine's host
+request looked up (get_num_new_matched_tokens: keys, one Lookup per TP rank and group), median
+and p99, in the engine's run and again for every prompt back to back once the run is over (the
+same lookups without the worker's stores and loads between them, on a daemon that holds the
+pages). It runs where vLLM's scheduler runs, on the host CPU, and reports of each lookup the part
+spent waiting for the daemon's answers. The times are the machine's it ran on (`meta` in the
+JSON): `bench/carry-vllm` builds what a device call carries to run it on the GPU machine's host
 (`bench/NOTES-vllm.md` has the command).
 
-    python -m bench.vllm_scheduler [--requests 2000] [--cpu-pages 8192] [--gpu-blocks 16384]
+    python -m bench.vllm_scheduler [--requests 2000] [--patterns full gpt-oss] [--layers 2]
+        [--cpu-pages 8192] [--gpu-blocks 16384] [--results NAME]
 """
 
 from __future__ import annotations
@@ -32,9 +45,9 @@ import functools
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +56,9 @@ from kvstore.config import EvictionConfig
 from kvstore.replay import replay
 from kvstore.trace import Trace, load_trace
 from kvstore_client.client import KVStoreClient
+
+if TYPE_CHECKING:
+    from tests.vllm_engine import Model
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 BLOCK_TOKENS = 512  # the trace's block
@@ -53,7 +69,21 @@ SCHEDULER_METHODS = (
     "build_connector_meta",
     "update_connector_output",
     "request_finished",
+    "request_finished_all_groups",  # what vLLM calls on a connector that supports its hybrid allocator
     "take_events",
+)
+# the layer kinds each pattern repeats over the model's layers (the CLI's choices)
+PATTERNS: dict[str, tuple[str, ...]] = {
+    "full": ("full",),
+    "gpt-oss": ("sliding", "full"),
+}
+WINDOW = 128  # gpt-oss's sliding window, in tokens
+KV_HEADS, HEAD_DIM, VALUE_BYTES = 1, 8, 2  # the stand-in model's KV: one head of dim 8, fp16
+RUNS = (  # name, with kvstore, vLLM's prefix caching
+    ("kvstore", True, False),
+    ("none", False, False),
+    ("vllm_prefix_cache", False, True),
+    ("vllm_prefix_cache+kvstore", True, True),
 )
 
 
@@ -61,6 +91,29 @@ def block_tokens(block_id: int) -> list[int]:
     """The 512 token ids of trace block `block_id` (any fixed function of the id will do)."""
     base = block_id * 2_654_435_761
     return ((base + np.arange(BLOCK_TOKENS, dtype=np.int64) * 40_503) % 30_000 + 10).tolist()
+
+
+def model_of(pattern: str, layers: int) -> Model:
+    """The stand-in model of `layers` layers in `pattern`, or a ValueError where they do not fit."""
+    from tests.vllm_engine import Model
+
+    kinds = PATTERNS[pattern]
+    if layers <= 0 or layers % len(kinds):
+        raise ValueError(
+            f"--layers {layers}: the {pattern} pattern needs a positive multiple of {len(kinds)}"
+        )
+    return Model(
+        num_layers=layers,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        kinds=kinds * (layers // len(kinds)),
+        window=WINDOW,
+    )
+
+
+def chunk_bytes(layers: int) -> int:
+    """One chunk's K and V of every layer: the same for every pattern (every layer is stored)."""
+    return layers * 2 * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * VALUE_BYTES
 
 
 def prompts_of(trace: Trace) -> list[list[int]]:
@@ -119,17 +172,76 @@ class Timer:
         self.step_s = 0.0
 
 
+class LoadCounter:
+    """The loads each step's metadata gives the workers (its `LoadSpec`s): chunks per KV-cache
+    group and the bytes they move. Every chunk of a load moves one whole page of its group (a
+    chunk vLLM holds in part goes through a scratch chunk); loading every layer instead would
+    move, for each loaded request, a page of every group for each chunk any group loads."""
+
+    def __init__(self, connector: Any, kv_cache_config: Any) -> None:
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        groups = list(kv_cache_config.kv_cache_groups)
+        self.kinds = ["sliding" if isinstance(g.kv_cache_spec, SlidingWindowSpec) else "full" for g in groups]
+        self.layers = [len(g.layer_names) for g in groups]
+        self.page_bytes = [
+            len(g.layer_names)
+            * g.kv_cache_spec.page_size_bytes
+            * (BLOCK_TOKENS // g.kv_cache_spec.block_size)
+            for g in groups
+        ]
+        self.chunks = [0] * len(groups)
+        self.every_layer_chunks = 0
+        self.requests: set[str] = set()
+        build = connector.build_connector_meta
+
+        def counted(scheduler_output: Any) -> Any:
+            meta = build(scheduler_output)
+            self.add(meta.loads)
+            return meta
+
+        connector.build_connector_meta = counted
+
+    def add(self, loads: Sequence[Any]) -> None:
+        spans: dict[str, tuple[int, int]] = {}  # per request: the chunks any of its groups loads
+        for spec in loads:
+            self.chunks[spec.group] += spec.stop - spec.first
+            first, stop = spans.get(spec.req_id, (spec.first, spec.stop))
+            spans[spec.req_id] = (min(first, spec.first), max(stop, spec.stop))
+        self.every_layer_chunks += sum(stop - first for first, stop in spans.values())
+        self.requests.update(spans)
+
+    def summary(self) -> dict[str, Any]:
+        moved = sum(chunks * size for chunks, size in zip(self.chunks, self.page_bytes, strict=True))
+        every = self.every_layer_chunks * sum(self.page_bytes)
+        served = max(len(self.requests), 1)
+        return {
+            "groups": [
+                {"kind": kind, "layers": layers, "chunks": chunks, "page_bytes": size}
+                for kind, layers, chunks, size in zip(
+                    self.kinds, self.layers, self.chunks, self.page_bytes, strict=True
+                )
+            ],
+            "served_requests": len(self.requests),
+            "bytes": moved,
+            "bytes_per_served_request": moved / served,
+            "every_layer_bytes": every,
+            "every_layer_bytes_per_served_request": every / served,
+            "share_of_every_layer": moved / every if every else 0.0,
+        }
+
+
 def run(
     prompts: list[list[int]],
     *,
     address: str | None,
+    model: Model,
     prefix_caching: bool,
     gpu_blocks: int,
     model_dir: Path,
 ) -> dict[str, Any]:
-    from tests.vllm_engine import Engine, Model, vllm_config
+    from tests.vllm_engine import Engine, vllm_config
 
-    model = Model(num_layers=1, num_kv_heads=1, head_dim=8)
     longest = max(map(len, prompts))
     extra = {"address": address, "model": "trace", "lookup_timeout_s": 5.0} if address else None
     config = vllm_config(
@@ -142,6 +254,7 @@ def run(
     num_blocks = max(gpu_blocks, longest // VLLM_BLOCK + 256)  # the longest prompt always fits
     engine = Engine(config, model, num_blocks=num_blocks, check=False)
     timer = Timer(engine.connector) if engine.connector is not None else None
+    loads = LoadCounter(engine.connector, engine.kv_cache_config) if engine.connector is not None else None
     external: list[int] = []
     if engine.connector is not None:
         allocate = engine.connector.update_state_after_alloc
@@ -186,9 +299,12 @@ def run(
         "served_share": sum(external) / prompt_tokens,
         "steps": engine.steps,
         "vllm_blocks": num_blocks,
+        "vllm_pool_blocks": engine.kv_cache_config.num_blocks,  # a hybrid pool: blocks of every group
         "step_p50_us": statistics.median(step_s) * 1e6,
         "elapsed_s": round(elapsed, 2),
     }
+    if loads is not None:
+        result["loads"] = loads.summary()
     if timer is not None:
         result["lookup"] = Latency.of(timer.lookups[:looked_up])._asdict()
         result["lookup_round_trips"] = Latency.of(timer.round_trips[:looked_up])._asdict()
@@ -199,8 +315,8 @@ def run(
     return result
 
 
-def daemon_config(cpu_pages: int, page_bytes: int, policy: str) -> dict[str, Any]:
-    size = cpu_pages * page_bytes
+def daemon_config(cpu_chunks: int, bytes_per_chunk: int, policy: str) -> dict[str, Any]:
+    size = cpu_chunks * bytes_per_chunk
     return {
         "chunk_tokens": BLOCK_TOKENS,
         "log_level": "warning",
@@ -209,45 +325,47 @@ def daemon_config(cpu_pages: int, page_bytes: int, policy: str) -> dict[str, Any
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--requests", type=int, default=2000, help="the first N requests of the trace")
-    parser.add_argument("--cpu-pages", type=int, default=8192, help="kvstore's CPU tier (512-token pages)")
-    parser.add_argument("--gpu-blocks", type=int, default=16384, help="vLLM's own cache (16-token blocks)")
-    parser.add_argument("--policy", default=EvictionConfig().policy)
-    args = parser.parse_args()
-
-    full = load_trace(args.trace)
-    trace = Trace(full.path, full.requests[: args.requests])
-    prompts = prompts_of(trace)
-    predicted = replay(trace, args.cpu_pages, args.policy)
-    page_bytes = 1 * 2 * BLOCK_TOKENS * 1 * 8 * 2  # the stand-in model: 1 layer, 1 KV head, dim 8, fp16
+def measure(
+    prompts: list[list[int]], pattern: str, model: Model, args: argparse.Namespace, model_dir: Path
+) -> dict[str, dict[str, Any]]:
+    """The four runs of one pattern, each kvstore run on a fresh daemon."""
     runs: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="kvstore-vllm-bench-") as scratch:
-        model_dir = Path(scratch) / "model"
-        for name, with_kvstore, prefix_caching in (
-            ("kvstore", True, False),
-            ("none", False, False),
-            ("vllm_prefix_cache", False, True),
-            ("vllm_prefix_cache+kvstore", True, True),
-        ):
-            common = {"prefix_caching": prefix_caching, "gpu_blocks": args.gpu_blocks, "model_dir": model_dir}
-            if with_kvstore:
-                with running_daemon(daemon_config(args.cpu_pages, page_bytes, args.policy)) as daemon:
-                    runs[name] = run(prompts, address=daemon.address, **common)
-            else:
-                runs[name] = run(prompts, address=None, **common)
-            print(f"{name}: {runs[name]['elapsed_s']} s", flush=True)
+    for name, with_kvstore, prefix_caching in RUNS:
+        common = {"model": model, "prefix_caching": prefix_caching, "gpu_blocks": args.gpu_blocks}
+        if with_kvstore:
+            config = daemon_config(args.cpu_pages, chunk_bytes(model.num_layers), args.policy)
+            with running_daemon(config) as daemon:
+                runs[name] = run(prompts, address=daemon.address, model_dir=model_dir, **common)
+        else:
+            runs[name] = run(prompts, address=None, model_dir=model_dir, **common)
+        print(f"{pattern}, {name}: {runs[name]['elapsed_s']} s", flush=True)
+    return runs
 
-    share, expected = runs["kvstore"]["served_share"], predicted.hit_ratio
+
+def targets_of(runs: dict[str, dict[str, Any]], expected: float) -> dict[str, Any]:
+    share = runs["kvstore"]["served_share"]
     own = runs["vllm_prefix_cache"]["computed_tokens"]
     both = runs["vllm_prefix_cache+kvstore"]["computed_tokens"]
-    lookup = runs["kvstore"]["lookup"]
+    kvstore = runs["kvstore"]
+    return {
+        "served_share_vs_replay_pp": round((share - expected) * 100, 3),
+        "served_share_within_1pp": abs(share - expected) <= 0.01,
+        "prefix_cache_tokens_saved": own - both,
+        "prefix_cache_fewer_with_kvstore": both < own,
+        "lookup_p50_us": round(kvstore["lookup"]["p50_us"], 1),
+        "lookup_p50_within_300us": kvstore["lookup"]["p50_us"] <= 300,
+        "lookup_back_to_back_p50_us": round(kvstore["lookup_back_to_back"]["p50_us"], 1),
+        "lookup_round_trips_p50_us": round(kvstore["lookup_round_trips"]["p50_us"], 1),
+        "lookup_own_work_p50_us": round(kvstore["lookup_own_work"]["p50_us"], 1),
+        "load_bytes_share_of_every_layer": round(kvstore["loads"]["share_of_every_layer"], 4),
+    }
+
+
+def report(patterns: dict[str, dict[str, dict[str, Any]]], targets: dict[str, dict[str, Any]]) -> None:
+    rows = [(pattern, name, r) for pattern, runs in patterns.items() for name, r in runs.items()]
     print_table(
         [
+            "pattern",
             "run",
             "prompt tokens computed",
             "served by kvstore",
@@ -258,6 +376,7 @@ def main() -> None:
         ],
         [
             [
+                pattern,
                 name,
                 f"{r['computed_tokens']:,}",
                 *(
@@ -272,35 +391,97 @@ def main() -> None:
                     else ["-"] * 5
                 ),
             ]
-            for name, r in runs.items()
+            for pattern, name, r in rows
         ],
     )
-    targets = {
-        "served_share_vs_replay_pp": round((share - expected) * 100, 3),
-        "served_share_within_1pp": abs(share - expected) <= 0.01,
-        "prefix_cache_tokens_saved": own - both,
-        "prefix_cache_fewer_with_kvstore": both < own,
-        "lookup_p50_us": round(lookup["p50_us"], 1),
-        "lookup_p50_within_300us": lookup["p50_us"] <= 300,
-        "lookup_back_to_back_p50_us": round(runs["kvstore"]["lookup_back_to_back"]["p50_us"], 1),
-        "lookup_round_trips_p50_us": round(runs["kvstore"]["lookup_round_trips"]["p50_us"], 1),
-        "lookup_own_work_p50_us": round(runs["kvstore"]["lookup_own_work"]["p50_us"], 1),
-    }
-    print(
-        f"\nkvctl replay predicts {expected:.2%} for {args.cpu_pages} pages; kvstore served {share:.2%} "
-        f"({targets['served_share_vs_replay_pp']:+.2f} pp). With vLLM's prefix cache on, kvstore saves "
-        f"{own - both:,} of {own:,} computed prompt tokens ({(own - both) / max(own, 1):.1%})."
+    print()
+    print_table(
+        [
+            "pattern",
+            "run",
+            "served requests",
+            "chunks loaded per group",
+            "MB per served request",
+            "every layer MB",
+            "share",
+        ],
+        [
+            [
+                pattern,
+                name,
+                r["loads"]["served_requests"],
+                " + ".join(f"{g['chunks']:,} {g['kind']}" for g in r["loads"]["groups"]),
+                f"{r['loads']['bytes_per_served_request'] / 1e6:.2f}",
+                f"{r['loads']['every_layer_bytes_per_served_request'] / 1e6:.2f}",
+                f"{r['loads']['share_of_every_layer']:.1%}",
+            ]
+            for pattern, name, r in rows
+            if r["kvstore"]
+        ],
     )
+    for pattern, runs in patterns.items():
+        own = runs["vllm_prefix_cache"]["computed_tokens"]
+        saved = targets[pattern]["prefix_cache_tokens_saved"]
+        print(
+            f"\n{pattern}: kvstore served {runs['kvstore']['served_share']:.2%} "
+            f"({targets[pattern]['served_share_vs_replay_pp']:+.2f} pp against kvctl replay). With vLLM's "
+            f"prefix cache on, kvstore saves {saved:,} of {own:,} computed prompt tokens "
+            f"({saved / max(own, 1):.1%})."
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--requests", type=int, default=2000, help="the first N requests of the trace")
+    parser.add_argument("--patterns", nargs="+", choices=list(PATTERNS), default=["full"])
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=2,
+        help="the stand-in model's layers: a multiple of the pattern's (the shares do not depend on it)",
+    )
+    parser.add_argument(
+        "--cpu-pages", type=int, default=8192, help="kvstore's CPU tier, in 512-token chunks of every layer"
+    )
+    parser.add_argument("--gpu-blocks", type=int, default=16384, help="vLLM's own cache (16-token blocks)")
+    parser.add_argument("--policy", default=EvictionConfig().policy)
+    parser.add_argument(
+        "--results", help="bench/results/<name>.json (default: vllm_scheduler, or vllm_scheduler-patterns)"
+    )
+    args = parser.parse_args()
+    try:
+        models = {pattern: model_of(pattern, args.layers) for pattern in args.patterns}
+    except ValueError as error:
+        parser.error(str(error))
+
+    full = load_trace(args.trace)
+    trace = Trace(full.path, full.requests[: args.requests])
+    prompts = prompts_of(trace)
+    expected = replay(trace, args.cpu_pages, args.policy).hit_ratio
+    patterns: dict[str, dict[str, dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvstore-vllm-bench-") as scratch:
+        for pattern, model in models.items():
+            patterns[pattern] = measure(prompts, pattern, model, args, Path(scratch) / pattern)
+    targets = {pattern: targets_of(runs, expected) for pattern, runs in patterns.items()}
+    report(patterns, targets)
+    print(f"\nkvctl replay predicts {expected:.2%} for {args.cpu_pages} chunks.")
     write_results(
-        "vllm_scheduler",
+        args.results or ("vllm_scheduler" if args.patterns == ["full"] else "vllm_scheduler-patterns"),
         {
             "trace": str(args.trace),
             "requests": len(prompts),
+            "layers": args.layers,
+            "window": WINDOW,
             "cpu_pages": args.cpu_pages,
+            "cpu_tier_bytes": args.cpu_pages * chunk_bytes(args.layers),
             "gpu_blocks": args.gpu_blocks,
             "policy": args.policy,
             "replay_hit_ratio": expected,
-            "runs": runs,
+            "patterns": {pattern: list(models[pattern].kinds) for pattern in patterns},
+            "runs": patterns,
             "targets": targets,
         },
     )
