@@ -4,10 +4,10 @@ then run only layers [b, L) over the prompt.
 A model served in stages keeps the weights of layers [0, b) from one stage to the next and
 replaces the layers after them. The KV of layers [0, b) for a prompt is then the same in both
 stages, and so is the residual stream entering layer b. Name the weights per layer range in the
-spec, and a stage restores what an earlier one stored:
+spec (`weights_ids` digests them), and a stage restores what an earlier one stored:
 
     spec = KVSpec.from_hf_config(model.config, model="llama-stage2",
-                                 weights=[(16, "base-v1"), (32, "stage2-v3")])
+                                 weights=weights_ids(model, [16, 32]))
     stages = StagedPrefixCache.connect(address, spec, model, boundary=16)
     result = stages.prefill(input_ids)   # logits of the last token, a cache ready for decoding
     stages.save(input_ids, result.past_key_values, result.hidden_states)

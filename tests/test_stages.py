@@ -503,3 +503,19 @@ def test_a_daemon_refuses_a_spec_with_bad_ranges_with_a_message(daemon: Daemon) 
             stub.Connect(pb.ConnectRequest(spec=message, client_name="t"))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "stops must increase" in (caught.value.details() or "")
+
+
+def test_weights_ids_do_not_depend_on_where_the_weights_are_or_how_they_are_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvstore_client.hf_stages as hf_stages
+
+    one = stage_one()
+    whole = weights_ids(one, [BOUNDARY, LAYERS])
+    monkeypatch.setattr(hf_stages, "_PIECE_BYTES", 1000)  # every tensor in many pieces, a short last one
+    assert weights_ids(one, [BOUNDARY, LAYERS]) == whole
+    if torch.cuda.is_available():  # through the pinned buffers, in pieces, then at once
+        on_gpu = copy.deepcopy(one).cuda()
+        assert weights_ids(on_gpu, [BOUNDARY, LAYERS]) == whole
+        monkeypatch.undo()
+        assert weights_ids(on_gpu, [BOUNDARY, LAYERS]) == whole
