@@ -175,7 +175,6 @@ class Engine:
         self.config.cache_config.kv_cache_layout = self.layout.name
         model_config = self.config.model_config
         model_config.max_model_len = min(model_config.max_model_len, self.num_blocks * block_size)
-        self.config.scheduler_config.max_model_len = model_config.max_model_len
         # vLLM's own planner groups the layers (one group per kind, the HMA's way) and lays out
         # the tensors; the stand-in layers tell the connector which backend reads them
         groups = get_kv_cache_groups(self.config, specs)
