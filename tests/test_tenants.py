@@ -93,8 +93,8 @@ def tenant_daemon(run_dir: Path) -> Iterator[Callable[..., Daemon]]:
         assert not list(Path("/dev/shm").glob(daemon.arena_path.name + "*"))
 
 
-def as_user(uid: int, work: Callable[[], Any]) -> Any:
-    """`work()` in a forked child running as `uid` (gid the same, no supplementary groups); its
+def as_user(uid: int, work: Callable[[], Any], gid: int | None = None) -> Any:
+    """`work()` in a forked child running as `uid` (gid `gid`, or the same, no supplementary groups); its
     result, or the KVStoreError it raised, comes back through a pipe. The child can import
     nothing new (this interpreter's files are root's): `work` uses what is loaded."""
     read_end, write_end = os.pipe()
@@ -104,7 +104,7 @@ def as_user(uid: int, work: Callable[[], Any]) -> Any:
         try:
             os.close(read_end)
             os.setgroups([])
-            os.setgid(uid)
+            os.setgid(uid if gid is None else gid)
             os.setuid(uid)
             try:
                 outcome: tuple[str, Any] = ("ok", work())
