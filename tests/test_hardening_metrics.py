@@ -5,12 +5,14 @@
 - slowloris connections (a byte every so often, never a whole request) are closed after the
   read timeout, and /healthz answers meanwhile;
 - more idle connections than the cap: the oldest are closed, /healthz answers;
+- the cap and the read timeout are the daemon's `server.metrics_*` keys, not only the defaults;
 - a storm of /readyz probes takes no snapshot of the daemon's figures (counted, not timed), and
   concurrent scrapes share snapshots.
 """
 
 from __future__ import annotations
 
+import math
 import select
 import socket
 import threading
@@ -27,6 +29,7 @@ from tests.harness import Daemon
 from tests.test_metrics import free_port, get, scrape, value
 
 LIMITS = HttpLimits()  # the daemon's defaults: the attacks below run against them
+TIGHT = HttpLimits(max_connections=4, read_timeout_s=1.0)  # the least the config allows, and a short wait
 HEALTHZ_BOUND_S = 5.0  # generous: a loaded 2-core machine answers in milliseconds
 MiB = 1 << 20
 
@@ -176,6 +179,48 @@ def test_idle_connections_past_the_cap_close_the_oldest_and_healthz_answers(
     while sum(map(closed_by_server, sockets)) < past_cap and time.monotonic() < deadline:
         socket_wait(sockets, 0.1)
     assert sum(map(closed_by_server, sockets)) >= past_cap
+
+
+def close_times(conns: list[socket.socket], since: float, timeout_s: float) -> dict[int, float]:
+    """Seconds after `since` at which the server closed each of `conns`, waiting `timeout_s` at most."""
+    closed_at: dict[int, float] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(closed_at) < len(conns) and time.monotonic() < deadline:
+        for i, conn in enumerate(conns):
+            if i not in closed_at and closed_by_server(conn):
+                closed_at[i] = time.monotonic() - since
+        socket_wait([conn for i, conn in enumerate(conns) if i not in closed_at], 0.1)
+    return closed_at
+
+
+def test_the_configured_cap_and_read_timeout_reach_the_daemon(
+    daemon_factory: Callable[..., Daemon], sockets: list[socket.socket]
+) -> None:
+    port = free_port()
+    daemon_factory(
+        server__metrics_address=f"127.0.0.1:{port}",
+        server__metrics_max_connections=TIGHT.max_connections,
+        server__metrics_read_timeout_s=TIGHT.read_timeout_s,
+    )
+    opened_at = time.monotonic()
+    sockets += open_connections(port, TIGHT.max_connections)
+    oldest, younger = sockets[0], sockets[1:]
+    sockets += open_connections(port, 1)  # one past the cap
+    closed_at = close_times([oldest], opened_at, 10.0)
+    assert closed_at.get(0, math.inf) < TIGHT.read_timeout_s, f"the cap did not close the oldest: {closed_at}"
+    assert not any(map(closed_by_server, sockets[1:])), "the cap closed more than the oldest"
+
+    assert timed_healthz(port) < HEALTHZ_BOUND_S  # a probe at the cap makes room too
+    assert close_times([younger[0]], opened_at, 10.0)
+
+    waiting = sockets[2:]  # idle since they opened: closed at the read timeout, not the default's
+    closed_at = close_times(waiting, opened_at, LIMITS.read_timeout_s + 10)
+    assert len(closed_at) == len(waiting), f"{len(waiting) - len(closed_at)} idle connections still open"
+    assert TIGHT.read_timeout_s * 0.9 <= min(closed_at.values()), closed_at
+    assert max(closed_at.values()) < LIMITS.read_timeout_s, closed_at
+    samples = scrape(port)
+    assert value(samples, "kvstore_metrics_closed_connections_total", reason="cap") == 2
+    assert value(samples, "kvstore_metrics_closed_connections_total", reason="timeout") == len(waiting)
 
 
 def snapshots_taken(port: int) -> float:
