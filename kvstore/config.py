@@ -130,6 +130,10 @@ class ServerConfig:
     # KV events kept for consumers that reconnect (`kvctl events`); one that falls further behind
     # is told to resync. Bounds the events' memory (about 200 bytes each).
     events_buffer: int = setting(65536, ge=16, le=1 << 22)
+    # Events streams followed at once, in all and per tenant (the admins count as one tenant):
+    # past either, a new stream is refused (RESOURCE_EXHAUSTED), so idle streams cost bounded work.
+    max_event_streams: int = setting(256, ge=1, le=65536)
+    max_event_streams_per_tenant: int = setting(64, ge=1, le=65536)
     # Prometheus metrics (/metrics) and probes (/healthz, /readyz) over HTTP on "host:port"; null: off.
     metrics_address: str | None = None
     # Its HTTP server's bounds: connections open at once (past it the oldest still sending its

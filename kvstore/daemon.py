@@ -221,6 +221,8 @@ async def serve(config: Config) -> None:
             config.server.max_message_bytes,
             str(local_path or ""),
             tenancy(config),
+            max_event_streams=config.server.max_event_streams,
+            max_event_streams_per_tenant=config.server.max_event_streams_per_tenant,
         )
         if config.server.metrics_address is not None:  # /readyz says 503 until the daemon serves
             metrics = MetricsServer(

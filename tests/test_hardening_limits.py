@@ -266,7 +266,8 @@ def member_of_beta(daemon: Daemon) -> Iterator[tuple[str, Callable[[], int]]]:
 
 @needs_root
 def test_event_streams_past_a_tenants_cap_are_refused(tenant_daemon: Callable[..., Daemon]) -> None:
-    daemon = tenant_daemon()
+    cap = 12  # server.max_event_streams_per_tenant, below the default
+    daemon = tenant_daemon(server__max_event_streams_per_tenant=cap)
     alpha, tokens, source = store_alpha(daemon)
 
     with member_of_beta(daemon) as (credential, beta_stores):  # forked before gRPC streams are open
@@ -275,7 +276,7 @@ def test_event_streams_past_a_tenants_cap_are_refused(tenant_daemon: Callable[..
         stub = pb_grpc.KVStoreStub(channel)
         streams = [
             stub.Events(pb.EventsRequest(from_now=True), metadata=as_beta, timeout=30)
-            for _ in range(MAX_STREAMS_PER_TENANT + 8)
+            for _ in range(cap + 8)
         ]
         wait_counter(daemon, "refused_event_streams", 8)
         assert beta_stores() == 1
@@ -288,10 +289,10 @@ def test_event_streams_past_a_tenants_cap_are_refused(tenant_daemon: Callable[..
         else:
             assert [e.tenant for e in batch.events] == ["beta"]
             accepted += 1
-    assert accepted == MAX_STREAMS_PER_TENANT and len(refused) == 8
+    assert accepted == cap and len(refused) == 8
     code, details = refused[0]
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert f"tenant 'beta' already follow {MAX_STREAMS_PER_TENANT} event streams" in details
+    assert f"tenant 'beta' already follow {cap} event streams" in details
     as_alpha = alpha._conn.metadata  # alpha's own credential: its streams are not beta's
     mine = stub.Events(pb.EventsRequest(from_now=True), metadata=as_alpha, timeout=30)
     more, more_source = tokens_of(256, seed=41), random_cache(alpha.spec, 16, seed=42)
