@@ -11,8 +11,10 @@
   wait); other errors are the request's own.
 - `lost(exc)`: a call found the daemon not serving: one warning for the outage, the local
   channel closed. `reconnect()` runs the owner's handshake again, at most every
-  RECONNECT_INTERVAL_S; where nothing answers at the socket the daemon is gone, and `on_gone()`
-  lets its arena go at once, so that its memory is free for the next daemon's.
+  RECONNECT_INTERVAL_S; where nothing answers it runs it once more on a new gRPC channel (the old
+  one fails every call with its last attempt's error until its own backoff ends, however long the
+  daemon has been serving again), and where nothing answers there either the daemon is gone:
+  `on_gone()` lets its arena go at once, so that its memory is free for the next daemon's.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ log = logging.getLogger(__name__)
 _CHANNEL_LIMIT = 64 << 20
 _NOT_REGISTERED = "is not registered with this daemon"
 RECONNECT_INTERVAL_S = 0.25  # in an outage, the least time between two attempts to connect again
-# gRPC's own reconnection backoff (default: up to 120 s) would keep a restarted daemon unused.
+# gRPC's own reconnection backoff (default: up to 120 s) would keep a restarted daemon unused. A
+# reconnect does not wait for it (it opens a new channel), but a call between two does.
 _RECONNECT_BACKOFF_MS = 250
 # What the daemon's refusal of a local connection at its caps says (kvstore.local.LOCAL_CHANNEL_FULL).
 LOCAL_CHANNEL_FULL = "local channel is full"
@@ -157,6 +160,24 @@ def _receive(sock: socket.socket) -> bytes:
     return part
 
 
+def open_channel(address: str, tls: ClientTls | None) -> grpc.Channel:
+    """A gRPC channel to `address` with a connection of its own: with gRPC's process-wide
+    subchannel pool, every client of one address in a process shares one connection and its
+    state, so one client's calls while the daemon was down would fail another's calls, and a new
+    channel would take over the old one's failure."""
+    options = [
+        ("grpc.max_receive_message_length", _CHANNEL_LIMIT),
+        ("grpc.max_send_message_length", _CHANNEL_LIMIT),
+        ("grpc.initial_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
+        ("grpc.min_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
+        ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
+    if tls is not None and not address.startswith("unix:"):
+        return grpc.secure_channel(address, tls.credentials(), options=options)
+    return grpc.insecure_channel(address, options=options)
+
+
 def default_address() -> str:
     from kvstore.paths import default_socket_path
 
@@ -178,17 +199,8 @@ class Connection:
         self._token = token
         self._credential = False  # gRPC calls carry a credential the daemon issued (void at its restart)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        options = [
-            ("grpc.max_receive_message_length", _CHANNEL_LIMIT),
-            ("grpc.max_send_message_length", _CHANNEL_LIMIT),
-            ("grpc.initial_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
-            ("grpc.min_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
-            ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MS),
-        ]
-        if tls is not None and not address.startswith("unix:"):
-            self.channel = grpc.secure_channel(address, tls.credentials(), options=options)
-        else:
-            self.channel = grpc.insecure_channel(address, options=options)
+        self._tls = tls
+        self.channel = open_channel(address, tls)
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self.local: LocalChannel | None = None
         self.outage = False  # a call found the daemon not serving since the last connect
@@ -263,13 +275,34 @@ class Connection:
         if time.monotonic() < self._reconnect_at:
             raise Unavailable(f"kvstored at {self.address} is not serving; trying again shortly")
         try:
-            self._handshake()
+            self._handshake_on_a_fresh_connection()
         except Exception as exc:
             self._reconnect_at = time.monotonic() + RECONNECT_INTERVAL_S
             if isinstance(exc, Unavailable) and DAEMON_STOPPING not in str(exc):
                 self._on_gone()
             self.lost(exc)
             raise Unavailable(f"kvstored at {self.address}: {exc}") from None
+
+    def _handshake_on_a_fresh_connection(self) -> None:
+        """The owner's handshake; where nothing answered it, once more on a new gRPC channel. A
+        channel whose attempt to connect failed while the daemon was down fails every call at
+        once with that attempt's error until its backoff ends: a daemon that serves again in
+        between would be taken for gone, and the call that found it serving would be a miss."""
+        try:
+            self._handshake()
+        except Unavailable as exc:
+            if DAEMON_STOPPING in str(exc):
+                raise  # it answered: the channel is connected, and may carry calls still in flight
+            self._renew_channel()
+            self._handshake()
+
+    def _renew_channel(self) -> None:
+        """A new gRPC channel in place of one on which nothing answered (a call still on it would
+        fail anyway); the new one connects at its first call."""
+        old = self.channel
+        self.channel = open_channel(self.address, self._tls)
+        self.stub = pb_grpc.KVStoreStub(self.channel)
+        old.close()
 
     def check_local(self, request: Any, namespace: bytes) -> None:
         """Keeps the local channel only if the daemon knows this process there as it knew it on

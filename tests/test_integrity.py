@@ -8,6 +8,9 @@ cache whose bytes are compared with what was stored:
   within 3 s of each restart without a new `connect`;
 - a worker that made a call while the daemon was down, and another that connected to the new
   daemon first: the first maps the new arena before it moves a byte (arena epochs);
+- gRPC channels that failed to connect while the daemon was down and will not try again for a
+  minute: both workers are served as soon as the new daemon is, the one that made no call while
+  it was down on its first call;
 - a writer stopped (SIGSTOP) past its lease's TTL: its slot stays fenced, so its late write
   lands nowhere that another page lives, and its Commit stores nothing;
 - a slow but live writer keeps its lease by renewing it;
@@ -32,7 +35,9 @@ import torch
 
 from kvstore.keys import chunk_keys, pack_keys
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_client import KVStoreClient
+from kvstore_client.connection import RECONNECT_INTERVAL_S, open_channel
 from tests.harness import Daemon, python_env, start_daemon, write_config
 from tests.integrity_worker import BLOCKS, POISON, SPEC, cache_for, prompt, wrong_blocks
 
@@ -181,6 +186,49 @@ def test_a_worker_left_on_the_old_arena_maps_the_new_one_before_moving_a_byte(
         assert len(warnings) == 2 and all("not serving" in r.getMessage() for r in warnings)
         assert len(infos) == 2
     finally:
+        a.close()
+        b.close()
+
+
+# gRPC's own next attempt to connect, for channels made while it is in force: later than the test.
+ADVERSARIAL_BACKOFF_MS = 60_000
+
+
+@pytest.mark.parametrize("local_channel", [True, False], ids=["local-channel", "grpc-only"])
+def test_workers_whose_channels_failed_while_the_daemon_was_down_are_served_as_soon_as_it_serves(
+    restartable: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch, local_channel: bool
+) -> None:
+    # The race, forced: a channel's attempt to connect fails while the daemon is down, and the
+    # daemon serves again before the channel's own next attempt (here a minute away, on a fast
+    # machine up to the 250 ms backoff), which fails every call on it meanwhile.
+    monkeypatch.setattr("kvstore_client.connection._RECONNECT_BACKOFF_MS", ADVERSARIAL_BACKOFF_MS)
+    config = {"server__local_channel": local_channel}
+    daemon = restartable(**config)
+    a = KVStoreClient.connect(daemon.address, SPEC)
+    b = KVStoreClient.connect(daemon.address, SPEC)
+    witness = open_channel(daemon.address, None)
+    try:
+        assert a.store(prompt(0), cache_for(0), torch.arange(BLOCKS)) == BLOCKS
+        daemon.stop(signal.SIGKILL)
+        assert a.lookup(prompt(0)) == 0  # A's channel fails to connect; B makes no call
+        with pytest.raises(grpc.RpcError):
+            pb_grpc.KVStoreStub(witness).Stats(pb.StatsRequest(), timeout=10)
+        daemon = restartable(**config)
+        with pytest.raises(grpc.RpcError) as failed:  # serving, but not to a channel that backs off
+            pb_grpc.KVStoreStub(witness).Stats(pb.StatsRequest(), timeout=10)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        # B never met the outage: its first call is served.
+        assert b.store(prompt(1), cache_for(1), torch.arange(BLOCKS)) == BLOCKS
+        # A connects again by itself at most every RECONNECT_INTERVAL_S, on a channel of its own.
+        deadline = time.monotonic() + RECONNECT_INTERVAL_S + SERVE_AGAIN_S
+        while a.store(prompt(2), cache_for(2), torch.arange(BLOCKS)) == 0:
+            assert time.monotonic() < deadline, "A did not serve again in time"
+        assert a.epoch == b.epoch != 0
+        assert load_checked(a, 1) == BLOCKS * 16
+        assert load_checked(b, 2) == BLOCKS * 16
+        assert load_checked(a, 0) == 0
+    finally:
+        witness.close()
         a.close()
         b.close()
 
