@@ -213,8 +213,9 @@ def check_shared_directory(directory: Path, key: str) -> None:
         )
 
 
-def remove_stale_file(path: Path, key: str) -> None:
-    """Removes a regular file this user left at `path`; refuses anything else there."""
+def remove_stale_file(path: Path, key: str, what: str = "file") -> None:
+    """Removes a regular file this user left at `path` (`what`: its name in the log, "arena");
+    refuses anything else there."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -231,7 +232,7 @@ def remove_stale_file(path: Path, key: str) -> None:
             f"yourself or name a directory of the daemon's own",
             key,
         )
-    log.warning("replacing %s, left by a daemon that did not shut down", path)
+    log.warning("replacing stale %s %s, left by a daemon that did not shut down", what, path)
     path.unlink()
 
 

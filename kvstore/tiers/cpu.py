@@ -112,7 +112,7 @@ class Arena:
     @staticmethod
     def _create(path: Path, size: int, mode: int, prefault: bool) -> int:
         check_shared_directory(path.parent, SHM_KEY)
-        remove_stale_file(path, SHM_KEY)  # before the free space is measured: it may hold some
+        remove_stale_file(path, SHM_KEY, "arena")  # before the free space is measured: it may hold some
         if prefault:
             fs = os.statvfs(path.parent)
             free = fs.f_bavail * fs.f_frsize
