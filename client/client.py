@@ -234,6 +234,22 @@ class KVStoreClient(StorePath, LoadPath):
         hit: int = reply.hit_chunks
         return hit
 
+    def lookup_each(self, keys: Sequence[bytes]) -> bytes:
+        """The tier of each of `keys` on its own (a byte per key, 0 where it is not stored):
+        for pages that need not form a prefix, such as the chunk boundaries whose recurrent
+        state is stored. All zeros when the daemon cannot be reached (logged)."""
+        if not keys:
+            return b""
+        try:
+            reply = self._conn.call(
+                "Lookup",
+                lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys), each=True),
+            )
+        except Unavailable:
+            return bytes(len(keys))
+        tiers: bytes = reply.tiers
+        return tiers if len(tiers) == len(keys) else bytes(len(keys))
+
     def stats(self) -> dict[str, Any]:
         """The daemon's stats, and under "client" this worker's: the arena's registration with
         CUDA (slabs registered, pending, failed) and the transfers that waited for it (how many,

@@ -39,13 +39,13 @@ class Geometry:
         views = [view for layer_views in plan.view_facts for view in layer_views]
         itemsize = page.itemsize
         self.num_layer_kv = len(views)
-        self.blocks_per_chunk = page.chunk_tokens // spec.block_size
+        self.blocks_per_chunk = page.page_tokens // spec.block_size
         self.contiguous = all(view.packed for view in views)
         self.layer_addrs = [view.address for view in views]
         self.block_strides = [view.strides[0] * itemsize for view in views]
         self.inner_strides = [list(view.strides[1:]) for view in views]
         self.segment_bytes = spec.block_size * page.token_bytes
-        kv_bytes, layer_bytes = page.chunk_tokens * page.token_bytes, page.layer_bytes
+        kv_bytes, layer_bytes = page.page_tokens * page.token_bytes, page.layer_bytes
         self.page_offsets = [
             position * layer_bytes + kv * kv_bytes
             for position, layer_views in zip(plan.positions, plan.view_facts, strict=True)

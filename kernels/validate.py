@@ -99,7 +99,7 @@ def check_blocks(
         moved, facts = _moved_facts(spec, kv_caches, layers, batch_index)
         table = _table_array(block_ids)
         assert isinstance(table, np.ndarray)  # a CPU table
-        per_chunk = page.chunk_tokens // spec.block_size
+        per_chunk = page.page_tokens // spec.block_size
         count = min(chunks, table.size // per_chunk)
         blocks = _block_table(
             spec, page, table, np.arange(count), facts.num_blocks, facts.smallest_layer, facts.device
@@ -320,7 +320,7 @@ def _block_table(
     layer: int,
     device: torch.device,
 ) -> np.ndarray | torch.Tensor:
-    per_chunk = page.chunk_tokens // spec.block_size
+    per_chunk = page.page_tokens // spec.block_size
     # numpy, not torch: these arrays are small and torch's per-op cost dominates a call.
     slots = chunks.reshape(-1, 1) * per_chunk + np.arange(per_chunk)
     if spec.layout == "hf":

@@ -167,6 +167,12 @@ class Handlers:
         self._check_serving()
         store = self._store(caller)
         self._check_epoch(store, request.epoch)
+        if request.each:
+            if request.lease or request.acquire:
+                raise InvalidArgument("Lookup: each answers every key on its own and leases nothing")
+            tiers = store.lookup_each(request.namespace, unpack_keys(request.keys))
+            leading = next((i for i, tier in enumerate(tiers) if not tier), len(tiers))
+            return pb.LookupResponse(hit_chunks=leading, tiers=tiers)
         result = store.lookup(
             request.namespace,
             unpack_keys(request.keys),

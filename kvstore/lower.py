@@ -85,6 +85,13 @@ class LowerTiers:
                 unknown = unknown[found:]
         return runs
 
+    def tier_of(self, ns: Namespace, key: bytes) -> int:
+        """The lower tier holding `key` (`Tier.NONE`: neither)."""
+        for tier in (self.disk, self.remote):
+            if tier is not None and tier.present(ns.id, [key]):
+                return int(tier.medium)
+        return 0
+
     # -- up ------------------------------------------------------------------
 
     def promote(self, ns: Namespace, runs: list[Run], hits: list[Entry]) -> None:

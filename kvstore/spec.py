@@ -23,6 +23,10 @@ Two kinds of pages beyond a whole model's KV:
 - Hidden states (`hidden_layer=b`): the residual stream entering layer `b`, `[token][hidden]`
   in the model's dtype, one "layer" of a latent-format page (`num_kv_heads=1`, `head_dim` the
   hidden size), keyed by the weights up to `b`.
+- Recurrent state (`state`, the text naming its format): per stored layer, the fixed-size state
+  a linear-attention or Mamba layer holds after the chunk's last token, as raw bytes (`uint8`,
+  a latent-format page of one "token" `head_dim` bytes wide, whatever `chunk_tokens` is). Its
+  key is the chunk's, in the state's own namespace: the state after exactly that prefix.
 
 A page is one chunk of one namespace, laid out layer-major:
 `[stored_layer][k|v][token][kv_head][head_dim]`, or `[stored_layer][token][latent]`
@@ -47,6 +51,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "bfloat16": 2,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "uint8": 1,  # raw bytes: a recurrent state's (PageSpec.state) and nothing else
 }
 
 LAYOUTS = ("flash_attn", "flashinfer", "cross_layer", "mla", "hf", "vllm", "vllm_rows")
@@ -156,6 +161,7 @@ class PageSpec:
     hidden_layer: int = -1  # >= 0: the page holds the hidden states entering this layer
     layer_ids: tuple[int, ...] = ()  # the engine layers of a group of them (num_layers of them)
     scales: str = ""  # what gives quantized bytes their meaning ("k=0.0125,v=0.02")
+    state: str = ""  # a recurrent state page: its format (dtypes and shapes of its tensors)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -204,7 +210,25 @@ class PageSpec:
                 f"scales: expected text of at most {MAX_SCALES_BYTES} bytes, got {self.scales!r:.80}"
             )
         check_name("scales", self.scales)
+        self._check_state()
         self._check_kind()
+
+    def _check_state(self) -> None:
+        """A state page is latent-format raw bytes, one state per layer; raw bytes are only that."""
+        if not isinstance(self.state, str) or len(self.state.encode()) > MAX_SCALES_BYTES:
+            raise ValueError(
+                f"state: expected text of at most {MAX_SCALES_BYTES} bytes, got {self.state!r:.80}"
+            )
+        check_name("state", self.state)
+        if self.state and not (
+            self.latent and self.num_kv_heads == 1 and self.dtype == "uint8" and self.hidden_layer < 0
+        ):
+            raise ValueError(
+                "state: a recurrent state page is raw bytes, one state per layer (latent=True, "
+                "num_kv_heads=1, dtype uint8, head_dim=the state's bytes per layer)"
+            )
+        if self.dtype == "uint8" and not self.state:
+            raise ValueError("dtype: uint8 holds a recurrent state's raw bytes; KV pages name their dtype")
 
     def _check_kind(self) -> None:
         """A hidden-state page is one latent-format layer; weights end where the page's layers do."""
@@ -238,6 +262,9 @@ class PageSpec:
         """What a page holds, for people (`kvctl ls`); empty for a whole model's KV."""
         if self.hidden_layer >= 0:
             held = f"hidden states entering layer {self.hidden_layer}"
+        elif self.state:
+            layers = ",".join(map(str, self.layer_ids)) or f"0-{self.num_layers - 1}"
+            held = f"state of layers {layers} after each chunk"
         elif self.layer_ids:
             held = f"KV of layers {','.join(map(str, self.layer_ids))}"
         elif self.layered:
@@ -275,9 +302,14 @@ class PageSpec:
         return self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
+    def page_tokens(self) -> int:
+        """The "tokens" a page holds per layer: the chunk's, or one state for a state page."""
+        return 1 if self.state else self.chunk_tokens
+
+    @property
     def layer_bytes(self) -> int:
         """Bytes of one stored layer of one page: its contiguous span."""
-        return self.kv_factor * self.chunk_tokens * self.token_bytes
+        return self.kv_factor * self.page_tokens * self.token_bytes
 
     @property
     def page_bytes(self) -> int:
@@ -320,6 +352,9 @@ class PageSpec:
             fields["layer_ids"] = ",".join(map(str, self.layer_ids))
         if self.scales:  # quantized pages: the scales that give the bytes their meaning
             fields["scales"] = self.scales
+        if self.state:  # recurrent state pages: the state's format
+            fields["page_format"] = "state"
+            fields["state"] = self.state
         if tenant:  # absent without tenants: those namespaces are what they always were
             fields["tenant"] = tenant
         # Length-prefixed values: no model id or salt can forge another field.
@@ -358,6 +393,7 @@ class KVSpec:
     hidden_layer: int = -1
     layer_ids: Sequence[int] = ()  # see PageSpec: a group of the engine's layers, kept as a tuple
     scales: str = ""
+    state: str = ""  # see PageSpec: a recurrent state page (layout "mla", block_size 1, uint8)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -374,6 +410,8 @@ class KVSpec:
                 raise ValueError(
                     f"chunk_tokens: {self.chunk_tokens} is not a multiple of block_size {self.block_size}"
                 )
+        if self.state and (self.layout != "mla" or self.block_size != 1):
+            raise ValueError("state: a state cache is one state per block (layout='mla', block_size=1)")
         self.page_for(self.chunk_tokens or self.block_size)  # validates the page fields
 
     def page_for(self, chunk_tokens: int) -> PageSpec:
@@ -481,7 +519,7 @@ class KVSpec:
 
     @property
     def blocks_per_chunk(self) -> int:
-        return self.page.chunk_tokens // self.block_size
+        return self.page.page_tokens // self.block_size
 
     def with_chunk_tokens(self, chunk_tokens: int) -> KVSpec:
         return replace(self, chunk_tokens=chunk_tokens)

@@ -80,6 +80,26 @@ class Loads(StoreState):
                 placement.hit(hits)
         return LookupResult(found, tiers, lease_id)
 
+    def lookup_each(self, ns_id: bytes, keys: Sequence[bytes]) -> bytes:
+        """The tier of each of `keys` on its own (`Tier.NONE` where it is not stored): a query, not
+        a use (the load that follows counts). For chunk boundaries that need not be a prefix
+        (those whose recurrent state is stored)."""
+        ns = self.namespaces.registered(ns_id)
+        self._check_keys(keys)
+        tiers = bytearray(len(keys))
+        lower = self.lower
+        for index, key in enumerate(keys):
+            entry = ns.entries.get(key)
+            if entry is not None and (entry.committed or entry.loaded is not None):
+                tiers[index] = entry.hit_tier
+            elif lower is not None and entry is None:
+                tiers[index] = lower.tier_of(ns, key)
+        self.counters["lookups"] += 1
+        found = len(keys) - tiers.count(0)
+        self.counters["hit_chunks"] += found
+        self.counters["missed_chunks"] += len(keys) - found
+        return bytes(tiers)
+
     async def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult:
         """Offsets of the lease's leading pages that are in the CPU tier (or a GPU pool its reader
         reads), once the pages still being promoted from disk are in (waited for up to

@@ -21,7 +21,7 @@ TIER_DISK: Tier
 TIER_REMOTE: Tier
 
 class PageSpec(_message.Message):
-    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "latent", "kv_sharing", "tp_rank", "tp_size", "salt", "first_layer", "stop_layer", "weights", "hidden_layer", "layer_ids", "scales")
+    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "latent", "kv_sharing", "tp_rank", "tp_size", "salt", "first_layer", "stop_layer", "weights", "hidden_layer", "layer_ids", "scales", "state")
     class KvSharingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class PageSpec(_message.Message):
     HIDDEN_LAYER_FIELD_NUMBER: _ClassVar[int]
     LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_kv_heads: int
@@ -63,7 +64,8 @@ class PageSpec(_message.Message):
     hidden_layer: int
     layer_ids: _containers.RepeatedScalarFieldContainer[int]
     scales: str
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., latent: _Optional[bool] = ..., kv_sharing: _Optional[_Mapping[int, int]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., salt: _Optional[str] = ..., first_layer: _Optional[int] = ..., stop_layer: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[LayerWeights, _Mapping]]] = ..., hidden_layer: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., scales: _Optional[str] = ...) -> None: ...
+    state: str
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., chunk_tokens: _Optional[int] = ..., latent: _Optional[bool] = ..., kv_sharing: _Optional[_Mapping[int, int]] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., salt: _Optional[str] = ..., first_layer: _Optional[int] = ..., stop_layer: _Optional[int] = ..., weights: _Optional[_Iterable[_Union[LayerWeights, _Mapping]]] = ..., hidden_layer: _Optional[int] = ..., layer_ids: _Optional[_Iterable[int]] = ..., scales: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
 
 class LayerWeights(_message.Message):
     __slots__ = ("stop", "id")
@@ -138,7 +140,7 @@ class GpuPool(_message.Message):
     def __init__(self, device: _Optional[int] = ..., pci_bus_id: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms", "gpu_pools", "acquire", "epoch")
+    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms", "gpu_pools", "acquire", "epoch", "each")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class LookupRequest(_message.Message):
     GPU_POOLS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EACH_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: bytes
     lease: bool
@@ -153,7 +156,8 @@ class LookupRequest(_message.Message):
     gpu_pools: _containers.RepeatedScalarFieldContainer[int]
     acquire: bool
     epoch: int
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., gpu_pools: _Optional[_Iterable[int]] = ..., acquire: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    each: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., gpu_pools: _Optional[_Iterable[int]] = ..., acquire: _Optional[bool] = ..., epoch: _Optional[int] = ..., each: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_chunks", "tiers", "lease_id", "acquired")
