@@ -1,5 +1,5 @@
-"""The vLLM connector on the model kinds people deploy: MLA, sliding-window hybrids, fp8 caches,
-and the layouts of different attention backends, driven by vLLM's real Scheduler (its hybrid
+"""The vLLM connector on the model kinds people deploy: MLA, sliding-window hybrids, Mamba /
+linear-attention hybrids, fp8 caches, and the layouts of different attention backends, driven by vLLM's real Scheduler (its hybrid
 allocator on) over a real kvstored.
 
 Every forward of the stand-in model (`tests.vllm_engine`) checks that each token a request
@@ -34,6 +34,9 @@ DEEPSEEK_V2_LITE = Model(
 GPT_OSS = Model(num_layers=4, kinds=("sliding", "full") * 2, window=128)
 # Gemma 3's: five sliding-window layers to one full
 GEMMA3 = Model(num_layers=6, kinds=("sliding",) * 5 + ("full",), window=64)
+# Qwen3-Next's: three linear-attention (Mamba-state) layers to one full
+QWEN3_NEXT = Model(num_layers=8, kinds=("mamba", "mamba", "mamba", "full") * 2)
+STATE_BLOCK = 16  # the Mamba block size (vLLM's block size here): a stateful model's chunk
 
 
 @pytest.fixture
@@ -53,6 +56,8 @@ def make_engine(tmp_path: Path) -> Iterator[Callable[..., Engine]]:
         )
         num_blocks = options.pop("num_blocks", 160)
         kernel_block = options.pop("kernel_block", None)
+        if "mamba" in model.kinds:  # vLLM keeps states at block boundaries with prefix caching on
+            options = {"prefix_caching": True, "mamba_cache_mode": "align", **options}
         model_dir = _write_config(tmp_path / f"model-{len(engines)}", model, tp_size)
         settings = {"address": daemon.address, "model": name, **options.pop("extra", {})}
         config = vllm_config(
@@ -178,6 +183,112 @@ def test_a_chunk_evicted_under_a_window_is_recomputed_never_a_wrong_byte(
     assert serve(make_engine(kvstored, GPT_OSS), "B", a) == len(a)  # a miss: all computed
 
 
+# -- Mamba / linear-attention state ------------------------------------------------
+
+
+def _drop_state_saves(engine: Engine, boundaries: set[int]) -> list[int]:
+    """Rank 0 saves no state at `boundaries` (tokens) from here on; returns every state boundary
+    the scheduler asked it to save."""
+    worker, asked = engine.workers[0]._worker, []
+    original = worker.start_saves
+
+    def dropping(meta: Any) -> None:
+        kept = []
+        for spec in meta.saves:
+            if worker.groups[spec.group].group.kind == "mamba":
+                asked.append(spec.stop * STATE_BLOCK)
+                if spec.stop * STATE_BLOCK in boundaries:
+                    continue
+            kept.append(spec)
+        meta.saves = kept
+        original(meta)
+
+    worker.start_saves = dropping
+    return asked
+
+
+def test_a_mamba_hybrid_stores_states_and_another_engine_resumes_from_one(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    a = prompt(12, 12 * STATE_BLOCK + 5)
+    first = make_engine(kvstored, QWEN3_NEXT)
+    kinds = sorted(side.group.kind for side in first.workers[0]._worker.groups.values())
+    assert kinds == ["full", "mamba", "mamba", "mamba"]  # vLLM's groups: two layers each
+    assert serve(first, "A", a) == len(a)
+    second = make_engine(kvstored, QWEN3_NEXT)
+    loaded = _record_loads(second)
+    # the KV of 12 chunks and the state after them: the stand-in checked every byte and state
+    assert serve(second, "B", a) == 5
+    states = [group for group, side in second.workers[0]._worker.groups.items() if side.group.kind == "mamba"]
+    assert states and all(loaded[group] == 1 for group in states)  # one state page, not 12
+
+
+def test_a_mamba_hit_stops_at_the_last_stored_state_never_beyond(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    """Steps of 64 tokens whose states vLLM keeps (prefix_cache_retention_interval 64): states
+    at 64, 128, 192. A prompt sharing 100 tokens resumes at 64 (its attention KV reaches 96, but no state is kept
+    there), and without the state at 192 a prompt sharing all of them resumes at 128."""
+    a = prompt(13, 12 * STATE_BLOCK + 5)
+    first = make_engine(kvstored, QWEN3_NEXT, retention_interval=64, max_num_batched_tokens=64)
+    asked = _drop_state_saves(first, {192})
+    assert serve(first, "A", a) == len(a)
+    assert sorted(set(asked)) == [64, 128, 192]
+    b = a[:100] + prompt(14, 30)
+    assert serve(make_engine(kvstored, QWEN3_NEXT), "B", b) == len(b) - 64
+    assert serve(make_engine(kvstored, QWEN3_NEXT), "C", a) == len(a) - 128
+
+
+def test_a_mamba_hit_extends_what_the_engine_s_own_prefix_cache_holds(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    """The engine's own cache holds a prompt's first 64 tokens and the state there; kvstore holds
+    the state at 192: the request resumes at 192, loading from 64 on."""
+    a = prompt(17, 12 * STATE_BLOCK + 5)
+    assert serve(make_engine(kvstored, QWEN3_NEXT), "A", a) == len(a)
+    engine = make_engine(kvstored, QWEN3_NEXT)
+    assert serve(engine, "short", a[:69]) == 69  # nothing stored at 64 by A: all computed
+    loaded = _record_loads(engine)
+    engine.computed_prompt_tokens = 0
+    engine.add("B", a, 1)  # no poison: vLLM's own cache keeps the first 64 tokens
+    engine.run()
+    assert engine.computed_prompt_tokens == 5
+    full = next(g for g, side in engine.workers[0]._worker.groups.items() if side.group.kind == "full")
+    assert loaded[full] == 12 - 64 // STATE_BLOCK  # the chunks after vLLM's own 64 tokens
+
+
+def test_mamba_states_cleared_cost_a_recompute_never_a_wrong_state(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    a = prompt(15, 8 * STATE_BLOCK + 3)
+    first = make_engine(kvstored, QWEN3_NEXT)
+    assert serve(first, "A", a) == len(a)
+    for side in first.workers[0]._worker.groups.values():
+        if side.group.kind == "mamba":
+            client = side.conn.get()
+            assert client is not None and client.clear() == 1
+    assert serve(make_engine(kvstored, QWEN3_NEXT), "B", a) == len(a)  # the KV alone is no hit
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["sharded", "replicated"])
+def test_mamba_states_with_tp_2_each_rank_loads_its_own(
+    kvstored: Daemon, make_engine: Callable[..., Engine], shared: bool
+) -> None:
+    model = Model(num_layers=2, kinds=("mamba", "full"), state_shared=shared)
+    a = prompt(16, 6 * STATE_BLOCK + 2)
+    assert serve(make_engine(kvstored, model, tp_size=2), "A", a) == len(a)
+    # the KV per rank; the states per rank, or once where every rank holds the whole state
+    assert namespace_pages(kvstored) == ([1, 6, 6] if shared else [1, 1, 6, 6])
+    assert serve(make_engine(kvstored, model, tp_size=2), "B", a) == 2
+
+
+def test_mamba_state_outside_align_mode_is_refused_at_start_up(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    with pytest.raises(ValueError, match="mamba_cache_mode 'none'.*--mamba-cache-mode align"):
+        make_engine(kvstored, QWEN3_NEXT, prefix_caching=False, mamba_cache_mode="none")
+
+
 # -- fp8 and scales -------------------------------------------------------------
 
 
@@ -266,7 +377,7 @@ def test_a_load_that_fails_is_not_offered_again_and_its_chunks_are_saved_again(
     assert serve(make_engine(kvstored, Model()), "C", a) == len(a) - 5 * CHUNK
 
 
-@pytest.mark.parametrize("model", [GPT_OSS, DEEPSEEK_V2_LITE], ids=["gpt-oss", "mla"])
+@pytest.mark.parametrize("model", [GPT_OSS, DEEPSEEK_V2_LITE, QWEN3_NEXT], ids=["gpt-oss", "mla", "mamba"])
 def test_a_daemon_killed_between_lookup_and_load_costs_a_recompute_never_a_wrong_byte(
     daemon_factory: Callable[..., Daemon], make_engine: Callable[..., Engine], model: Model
 ) -> None:

@@ -3,7 +3,8 @@ connector loaded by vLLM's KVConnectorFactory, one worker connector per TP rank 
 KV-cache tensors laid out by vLLM's own `allocate_kv_cache`, and a stand-in for the model.
 
 The stand-in model writes, for each scheduled token, K and V that are a function of the token's
-whole prefix (a rolling hash of the token ids) and of the layer and TP rank: two requests that
+whole prefix (and for a Mamba layer, the state after the step's last token, where vLLM's align
+mode keeps it: the block of the request's table holding that token) (a rolling hash of the token ids) and of the layer and TP rank: two requests that
 share a prefix compute the same bytes for it, as a real model does. Before it writes, each
 forward checks that every token the request attends to (its computed prefix, loaded or not) holds
 exactly the KV of that prefix: a load that left a wrong byte, or a block vLLM was told is loaded
@@ -37,6 +38,7 @@ from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -50,6 +52,10 @@ CONNECTOR = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kv
 EOS = 2
 SAMPLED = 7  # the token every decode step samples
 POISON = 0x7E  # the byte every KV tensor starts as
+# a Mamba layer's states per TP rank: a conv state and an SSM state, packed in its block
+STATE_SHAPES = ((3, 8), (2, 3, 5))
+STATE_DTYPES = (torch.float16, torch.float32)
+STATE_BYTES = 3 * 8 * 2 + 2 * 3 * 5 * 4
 
 
 class WrongKV(AssertionError):
@@ -58,8 +64,9 @@ class WrongKV(AssertionError):
 
 @dataclass(frozen=True)
 class Model:
-    """The stand-in model: its depth and each layer's kind (`full`, `sliding` with `window`, or
-    `mla`, whose latent is `head_dim` wide and the same on every TP rank), its KV-cache dtype
+    """The stand-in model: its depth and each layer's kind (`full`, `sliding` with `window`,
+    `mla`, whose latent is `head_dim` wide and the same on every TP rank, or `mamba`, whose
+    state is `STATE_BYTES` per TP rank, `state_shared` across them), its KV-cache dtype
     (`auto` or vLLM's fp8 names, with one per-tensor `kv_scale` for K and V) and the attention
     backend whose layout its KV is written in (`FLASH_ATTN`: K|V side by side, `CPU_ATTN`: K rows
     then V rows per block and head, `TRITON_MLA`: one latent per token)."""
@@ -73,6 +80,7 @@ class Model:
     cache_dtype: str = "auto"
     kv_scale: float = 1.0
     backend: str = "FLASH_ATTN"
+    state_shared: bool = False
 
     def kind(self, layer: int) -> str:
         return self.kinds[layer] if self.kinds else "full"
@@ -109,6 +117,8 @@ def vllm_config(
     max_num_batched_tokens: int = 256,
     max_model_len: int = 65536,
     failure_policy: str = "recompute",
+    mamba_cache_mode: str = "none",
+    retention_interval: int | None = 0,
 ) -> VllmConfig:
     """A CPU VllmConfig for `model_dir`; `extra`: the connector's extra config (None: no connector)."""
     model = ModelConfig(
@@ -133,7 +143,11 @@ def vllm_config(
             is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(
-            block_size=block_size, enable_prefix_caching=prefix_caching, cache_dtype=cast(Any, cache_dtype)
+            block_size=block_size,
+            enable_prefix_caching=prefix_caching,
+            cache_dtype=cast(Any, cache_dtype),
+            mamba_cache_mode=cast(Any, mamba_cache_mode),
+            prefix_cache_retention_interval=retention_interval,
         ),
         kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
@@ -169,7 +183,8 @@ class Engine:
         block_size = self.config.cache_config.block_size
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(self.model.num_layers)]
         specs = {
-            name: _layer_spec(self.model, layer, block_size) for layer, name in enumerate(self.layer_names)
+            name: _layer_spec(self.model, layer, block_size, self.config.cache_config.mamba_cache_mode)
+            for layer, name in enumerate(self.layer_names)
         }
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         self.config.cache_config.kv_cache_layout = self.layout.name
@@ -245,10 +260,13 @@ class Engine:
         return request
 
     def poison(self) -> None:
-        """Every KV byte of every rank back to the poison (what a fresh engine would hold)."""
+        """Every KV byte of every rank back to the poison, and vLLM's own prefix cache (where it
+        is on) emptied: what a fresh engine would hold."""
         for caches in self.caches:
             for cache in caches:
                 cache.view(torch.uint8).fill_(POISON)
+        if self.config.cache_config.enable_prefix_caching:
+            assert self.scheduler.reset_prefix_cache(), "a request still holds blocks"
 
     def step(self) -> Any:
         output = self.scheduler.schedule()
@@ -318,6 +336,9 @@ class Engine:
                 continue
             cache = self.caches[rank][layer]
             kind = self.model.kind(layer)
+            if kind == "mamba":
+                self._forward_state(rank, layer, cache, scheduled)
+                continue
             for req_id, done, count in scheduled:
                 request = self.scheduler.requests[req_id]
                 tokens = request.all_token_ids
@@ -340,6 +361,24 @@ class Engine:
                         )
                 values = expected_kv(tokens[: done + count], layer, rank, self.model)[done:]
                 write_kv(self.model, cache, blocks, done, values, block_size)
+
+    def _forward_state(
+        self, rank: int, layer: int, cache: torch.Tensor, scheduled: list[tuple[str, int, int]]
+    ) -> None:
+        """A Mamba layer in vLLM's align mode: the state after token t lives in block (t - 1) //
+        block_size of the request's table; a step reads the state its computed prefix ended with
+        (loaded or not) and writes the state after its last token."""
+        block_size = self.config.cache_config.block_size
+        states = cache.view(torch.uint8)[:, 0, 0, :STATE_BYTES]
+        for req_id, done, count in scheduled:
+            tokens = self.scheduler.requests[req_id].all_token_ids
+            table = self._block_ids(req_id, self.group_of[self.layer_names[layer]])
+            if done:
+                held = states[table[(done - 1) // block_size]]
+                if not torch.equal(held, expected_state(tokens[:done], layer, rank, self.model)):
+                    raise WrongKV(f"{req_id}: rank {rank} layer {layer}: the state after {done} tokens is wrong")
+            end = done + count
+            states[table[(end - 1) // block_size]] = expected_state(tokens[:end], layer, rank, self.model)
 
     def _block_ids(self, req_id: str, group: int = 0) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[group])
@@ -435,9 +474,19 @@ def cache_dtype(model: Model) -> torch.dtype:
     }[model.cache_dtype]
 
 
-def _layer_spec(model: Model, layer: int, block_size: int) -> KVCacheSpec:
+def _layer_spec(model: Model, layer: int, block_size: int, mamba_cache_mode: str = "none") -> KVCacheSpec:
     dtype = model.dtype if model.cache_dtype == "auto" else torch.uint8
     kind = model.kind(layer)
+    if kind == "mamba":  # padded to an attention layer's page, as vLLM pads a hybrid's states
+        attention = block_size * model.num_kv_heads * 2 * model.head_dim * cache_dtype(model).itemsize
+        return MambaSpec(
+            block_size=block_size,
+            shapes=STATE_SHAPES,
+            dtypes=STATE_DTYPES,
+            page_size_padded=max(attention, STATE_BYTES),
+            mamba_cache_mode=mamba_cache_mode,
+            tp_replicated=model.state_shared,
+        )
     if kind == "mla":
         return MLAAttentionSpec(
             block_size=block_size,
@@ -482,6 +531,17 @@ def expected_kv(tokens: Sequence[int], layer: int, rank: int, model: Model) -> t
     mixed = ((prefix[:, None] + salt) * 2_654_435_761 + lanes * 40_503) % 65_521
     values = (mixed.to(torch.float32) / 65_521 - 0.5).to(cache_dtype(model))
     return values.view(len(tokens), heads, width)
+
+
+def expected_state(tokens: Sequence[int], layer: int, rank: int, model: Model) -> torch.Tensor:
+    """[STATE_BYTES] uint8: the stand-in Mamba layer's state after `tokens` (the same on every TP
+    rank where `model.state_shared`)."""
+    value = 17
+    for token in tokens:
+        value = (value * 1_000_003 + int(token) + 1) % 2_147_483_629
+    salt = (layer + 1) * 7919 + (0 if model.state_shared else rank * 104_729)
+    lanes = torch.arange(STATE_BYTES, dtype=torch.int64)
+    return (((value + salt) * 2_654_435_761 + lanes * 40_503) % 251).to(torch.uint8)
 
 
 def _positions(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.spec import KVSpec
-from kvstore_client.vllm.groups import Group, read_groups
+from kvstore_client.vllm.groups import Group, chunk_tokens_of, read_groups
 
 LOAD_MODES = ("async", "layerwise")
 _KEYS = ("address", "model", "salt", "load_mode", "lookup_timeout_s", "timeout_s", "token")
@@ -72,11 +72,14 @@ def engine_specs(
 ) -> list[tuple[Group, KVSpec]]:
     """Each served KV-cache group of the engine and its KVSpec on TP rank `tp_rank`, or a
     ValueError saying what the connector does not serve (`groups.read_groups`). A model whose
-    layers are all one full-attention group keeps a whole model's namespace."""
+    layers are all one full-attention group keeps a whole model's namespace; one with Mamba state
+    has chunks of its Mamba block size (`groups.chunk_tokens_of`)."""
     groups = read_groups(vllm_config, kv_cache_config)
     whole = len(groups) == 1 and groups[0].layer_ids == tuple(range(len(groups[0].layer_ids)))
     model = config.model or str(vllm_config.model_config.model)
     tp_size = vllm_config.parallel_config.tensor_parallel_size
+    chunk = chunk_tokens_of(groups, model)
     return [
-        (group, group.spec(config, model, tp_rank, tp_size, whole=whole, scales=scales)) for group in groups
+        (group, group.spec(config, model, tp_rank, tp_size, whole=whole, scales=scales, chunk_tokens=chunk))
+        for group in groups
     ]

@@ -15,7 +15,17 @@ can restore each group from its own pages:
   chunk's page holds the tokens of the window at its own end; the rest of its positions are
   zeros (vLLM may have freed those blocks before the chunk was complete) and are never loaded.
 
-Anything else (Mamba and linear-attention state, chunked-local attention, quantizations whose
+- `mamba` (Mamba, linear attention: vLLM's `MambaSpec` with `mamba_cache_mode="align"`): no KV
+  per token but one fixed-size state per layer, which vLLM keeps at block boundaries. A state
+  page holds the group's layers' states after a chunk's last token (the raw bytes of each
+  layer's block, its states packed as vLLM packs them), keyed by that chunk's key in the
+  group's namespace, whose `state` text names the format. vLLM says which boundary states a
+  step committed and in which block (`boundary_state_offloads`): those are stored. A hit must
+  end on a boundary whose state is stored, so a model with such a group has chunks of its Mamba
+  block size (`chunk_tokens`), and a lookup ends at the last stored state within what every other
+  group can restore. States sharded across TP ranks are stored per rank; replicated ones once.
+
+Anything else (Mamba state outside align mode, chunked-local attention, quantizations whose
 bytes carry their own scales, an attention kind a later vLLM adds) is refused at start-up by
 `read_groups`, naming the layer kind and the model: never a wrong hit, never a crash mid-serving.
 The page dtype is the cache's (`cache_dtype`: auto is the model's dtype; fp8, fp8_e4m3 and
@@ -25,6 +35,7 @@ namespace (`scales_text`), so pages written under other scales are never a hit.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +45,7 @@ import xxhash
 
 from kvstore.spec import KVSpec
 
-FULL, MLA, SLIDING = "full", "mla", "sliding"
+FULL, MLA, SLIDING, MAMBA = "full", "mla", "sliding", "mamba"
 # vLLM's cache dtypes a page can hold ("auto": the model's dtype)
 CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
@@ -44,27 +55,54 @@ class Group:
     """One KV-cache group the connector serves."""
 
     index: int  # vLLM's group id: the position of its block ids in a request's block table
-    kind: str  # FULL, MLA or SLIDING
+    kind: str  # FULL, MLA, SLIDING or MAMBA
     layer_names: tuple[str, ...]
     layer_ids: tuple[int, ...]  # the model's layer index of each
     block_size: int  # vLLM's (the scheduler's) block size for this group
     num_kv_heads: int
-    head_dim: int  # MLA: the latent width
+    head_dim: int  # MLA: the latent width; MAMBA: a layer's state bytes
     dtype: str
     retained: int = 0  # SLIDING: tokens before a resume point its layers attend to (w - 1)
+    state: str = ""  # MAMBA: the state's format (its tensors' dtypes and shapes)
+    shared: bool = False  # MAMBA: every TP rank holds the whole state
 
     @property
     def replicated(self) -> bool:
         """Whether every TP rank holds the same bytes (one copy is stored for all)."""
-        return self.kind == MLA
+        return self.kind == MLA or self.shared
 
     def spec(
-        self, config: Any, model: str, tp_rank: int, tp_size: int, *, whole: bool, scales: str = ""
+        self,
+        config: Any,
+        model: str,
+        tp_rank: int,
+        tp_size: int,
+        *,
+        whole: bool,
+        scales: str = "",
+        chunk_tokens: int | None = None,
     ) -> KVSpec:
         """The KVSpec of this group on TP rank `tp_rank` (`whole`: the model's only group, whose
-        namespace is a whole model's; layout: the `vllm` default, the worker sets the one read)."""
+        namespace is a whole model's; layout: the `vllm` default, the worker sets the one read;
+        `chunk_tokens`: None for the daemon's)."""
         if self.replicated:
             tp_rank, tp_size = 0, 1
+        if self.kind == MAMBA:
+            return KVSpec(
+                model=model,
+                num_layers=len(self.layer_ids),
+                num_kv_heads=1,
+                head_dim=self.head_dim,
+                dtype="uint8",
+                block_size=1,
+                layout="mla",
+                chunk_tokens=chunk_tokens,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                salt=config.salt,
+                layer_ids=self.layer_ids,
+                state=self.state,
+            )
         return KVSpec(
             model=model,
             num_layers=len(self.layer_ids),
@@ -73,6 +111,7 @@ class Group:
             dtype=self.dtype,
             block_size=self.block_size,
             layout="mla" if self.kind == MLA else "vllm",
+            chunk_tokens=chunk_tokens,
             tp_rank=tp_rank,
             tp_size=tp_size,
             salt=config.salt,
@@ -102,6 +141,9 @@ def read_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group]:
         spec = group.kv_cache_spec
         kind = _kind(spec, group, model)
         names = tuple(group.layer_names)
+        if kind == MAMBA:
+            served.append(_mamba_group(index, spec, names, model))
+            continue
         heads = 1 if kind == MLA else int(spec.num_kv_heads)
         served.append(
             Group(
@@ -121,6 +163,45 @@ def read_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group]:
     if not served:
         raise ValueError(f"KVStoreConnector: {model} has no KV-cache group that can be transferred")
     return served
+
+
+def _mamba_group(index: int, spec: Any, names: tuple[str, ...], model: str) -> Group:
+    import torch
+
+    dtypes = [str(dtype).removeprefix("torch.") for dtype in spec.dtypes]
+    sizes = [math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in zip(spec.shapes, dtypes)]
+    parts = ";".join(f"{dtype}{list(shape)}" for shape, dtype in zip(spec.shapes, dtypes, strict=True))
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    return Group(
+        index=index,
+        kind=MAMBA,
+        layer_names=names,
+        layer_ids=tuple(_layer_index(name, model) for name in names),
+        block_size=int(spec.block_size),
+        num_kv_heads=1,
+        head_dim=sum(sizes),
+        dtype="uint8",
+        state=f"vllm-{kind.lower()}:{parts}",
+        shared=bool(getattr(spec, "tp_replicated", False)),
+    )
+
+
+def chunk_tokens_of(groups: Sequence[Group], model: str) -> int | None:
+    """The chunk size a model's namespaces take: a model with Mamba state has chunks of its Mamba
+    block size (a hit must end where a state is kept); None for others (the daemon's)."""
+    sizes = {group.block_size for group in groups if group.kind == MAMBA}
+    if not sizes:
+        return None
+    if len(sizes) > 1:
+        raise ValueError(f"KVStoreConnector: {model}: Mamba groups of several block sizes ({sorted(sizes)})")
+    chunk = sizes.pop()
+    for group in groups:
+        if chunk % group.block_size:
+            raise ValueError(
+                f"KVStoreConnector: {model}: the Mamba block size {chunk} is not a multiple of "
+                f"layer(s) {group.layer_names[0]}'s block size {group.block_size}"
+            )
+    return chunk
 
 
 def page_dtype(vllm_config: Any) -> str:
@@ -154,6 +235,7 @@ def scales_text(layers: Sequence[tuple[str, float, float]]) -> str:
 def _kind(spec: Any, group: Any, model: str) -> str:
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowMLASpec,
         SlidingWindowSpec,
@@ -170,6 +252,19 @@ def _kind(spec: Any, group: Any, model: str) -> str:
         return MLA
     if type(spec) is SlidingWindowSpec:
         return SLIDING
+    if type(spec) is MambaSpec:
+        if spec.mamba_cache_mode != "align":
+            raise ValueError(
+                f"KVStoreConnector: {model}: {where} keep Mamba state in mamba_cache_mode "
+                f"{spec.mamba_cache_mode!r}, where no state is kept at block boundaries; run with "
+                "--enable-prefix-caching --mamba-cache-mode align"
+            )
+        if spec.num_speculative_blocks:
+            raise ValueError(
+                f"KVStoreConnector: {model}: {where} keep speculative Mamba states (speculative "
+                "decoding), which kvstore does not serve"
+            )
+        return MAMBA
     if type(spec) is FullAttentionSpec and spec.attention_chunk_size is None:
         # a sliding window vLLM counts as full attention (its hybrid allocator off) is stored as
         # full attention: every block of it is allocated and loaded

@@ -9,6 +9,10 @@ layout), while the CPU backend keeps each (block, head)'s K rows, then its V row
 dropped). Pages are the same canonical bytes whichever wrote them. A backend not listed here is
 refused at start-up by name: a layout guessed wrong would be a hit with wrong bytes.
 
+A Mamba group's layers have no attention backend: vLLM hands each a raw `[blocks, 1, 1, page]`
+byte view whose blocks hold the layer's states packed from the block's first byte (and padding
+after them); a state page takes the states' bytes of each block (`mla` layout, one "token").
+
 An attention backend may split vLLM's blocks into kernel blocks (a backend capped at 64 tokens
 under `--block-size 128`): the tensors then hold `ratio` kernel blocks per vLLM block, which
 `GroupCache.kernel_blocks` turns vLLM's block ids into.
@@ -23,7 +27,7 @@ from typing import Any
 import torch
 
 from kvstore.spec import KVSpec
-from kvstore_client.vllm.groups import MLA, Group
+from kvstore_client.vllm.groups import MAMBA, MLA, Group
 
 KV_SIDE_BY_SIDE = frozenset({"FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION"})
 KV_ROWS = frozenset({"CPU_ATTN"})
@@ -79,6 +83,8 @@ def group_cache(
     if missing:
         raise ValueError(f"kv_caches: no tensor for layer(s) {', '.join(missing[:4])}")
     tensors = [kv_caches[name] for name in group.layer_names]
+    if group.kind == MAMBA:
+        return _state_cache(model, group, spec, tensors)
     backend = backend_name(vllm_config, group)
     if group.kind == MLA:
         if backend not in MLA_LATENT:
@@ -120,6 +126,24 @@ def group_cache(
         tuple(tensors),
         group.block_size // kernel_block,
     )
+
+
+def _state_cache(model: Any, group: Group, spec: KVSpec, tensors: list[torch.Tensor]) -> GroupCache:
+    """A Mamba group's raw block views as `[blocks, 1, state bytes]` byte views."""
+    views = []
+    for name, tensor in zip(group.layer_names, tensors, strict=True):
+        if (
+            tensor.dim() != 4
+            or tensor.shape[1:3] != (1, 1)
+            or tensor.shape[3] < spec.head_dim
+            or tensor.element_size() != 1
+        ):
+            raise ValueError(
+                f"KVStoreConnector: {model}: Mamba layer {name}'s cache is {list(tensor.shape)} of "
+                f"{tensor.dtype}; kvstore reads raw [blocks, 1, 1, >= {spec.head_dim}] byte views"
+            )
+        views.append(tensor.view(torch.uint8)[:, 0, :, : spec.head_dim])
+    return GroupCache(group, spec, tuple(views), 1)
 
 
 def layer_scales(vllm_config: Any, names: Sequence[str]) -> list[tuple[str, float, float]]:

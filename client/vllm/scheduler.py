@@ -29,7 +29,7 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 from kvstore.keys import chain_keys
 from kvstore_client.vllm.config import ConnectorConfig, engine_specs
 from kvstore_client.vllm.connection import LazyClient
-from kvstore_client.vllm.groups import Group, is_quantized
+from kvstore_client.vllm.groups import MAMBA, Group, is_quantized
 from kvstore_client.vllm.metadata import LoadSpec, SaveSpec, StepMetadata, StoredChunks
 
 log = logging.getLogger(__name__)
@@ -315,24 +315,53 @@ class SchedulerSide:
         self, state: _Request, request: Any, local: int, groups: list[tuple[Group, list[Any]]]
     ) -> int:
         chunk = self.chunk_tokens
-        first, whole = local // chunk, min(state.num_prompt, state.limit) // chunk
+        limit = min(state.num_prompt, state.limit)
+        stateful = any(group.kind == MAMBA for group, _ in groups)
+        if stateful:  # the hit ends on a boundary whose state is loaded, before the last token
+            limit = min(limit, request.num_tokens - 1)
+        first, whole = local // chunk, limit // chunk
         if whole <= first:
             return 0
         hit = whole
-        # Groups of every token first (full attention, MLA), then the windows within their hit.
-        for group, clients in sorted(groups, key=lambda entry: entry[0].retained > 0):
+        # Groups of every token first (full attention, MLA), then the last stored state within
+        # their hit, then the windows before it: a window cut short under a state misses.
+        for group, clients in sorted(groups, key=lambda entry: _lookup_order(entry[0])):
+            if hit <= first:
+                return 0
+            if group.kind == MAMBA:
+                hit = self._state_hit(state, clients, first, hit)
+                continue
             for client in clients:
                 if hit <= first:
                     return 0
                 if group.retained:
-                    hit = self._window_hit(state, client, group, first, hit, request.num_tokens)
+                    reached = self._window_hit(state, client, group, first, hit, request.num_tokens)
+                    if stateful and reached < hit:
+                        return 0
+                    hit = reached
                 else:
                     hit = self._prefix_hit(state, client, first, hit)
-        hit = self._before_failures(state, groups, first, hit)
-        end = min(hit * chunk, request.num_tokens - 1)
+        cut = self._before_failures(state, groups, first, hit)
+        if stateful and cut < hit:
+            return 0
+        end = min(cut * chunk, request.num_tokens - 1)
         if self.block_size == 1 and end % chunk:  # the last chunk's last block would be missing
             end -= end % chunk
         return max(end - local, 0)
+
+    def _state_hit(self, state: _Request, clients: list[Any], first: int, stop: int) -> int:
+        """`first` plus the chunks up to the last boundary in `(first, stop]` whose state every
+        rank's namespace holds (`first` where there is none): states are kept only where a step
+        of some engine ended, so they need not form a prefix."""
+        held: list[bool] | None = None
+        for client in clients:
+            keys = state.chunk_keys(client, stop, self._memo(client))[first:stop]
+            tiers = client.lookup_each(keys)
+            held = [bool(t) for t in tiers] if held is None else [a and bool(t) for a, t in zip(held, tiers)]
+        for index in range(len(held or ()) - 1, -1, -1):
+            if held and held[index]:
+                return first + index + 1
+        return first
 
     def _prefix_hit(self, state: _Request, client: Any, first: int, stop: int) -> int:
         """`first` plus the stored chunks from `first` on under `client`'s namespace, up to `stop`.
@@ -388,6 +417,9 @@ class SchedulerSide:
             group = group_clients.group
             namespaces = self.namespaces.get(group.index, ())
             table = list(block_ids[group.index]) if group.index < len(block_ids) else []
+            if group.kind == MAMBA:
+                self._load_state(request.request_id, state, group, namespaces, table, stop)
+                continue
             # blocks the load must not write: vLLM's own (its prefix cache), a window's skipped ones
             writable = max(local // self.block_size, _null_head(table, self.null_block))
             group_first = max(first, writable // per_chunk)
@@ -410,6 +442,28 @@ class SchedulerSide:
                 )
             )
         state.loading = (first, stop)
+
+    def _load_state(
+        self, req_id: str, state: _Request, group: Group, namespaces: Sequence[bytes], table: list[int], stop: int
+    ) -> None:
+        """The load of the state after chunk `stop - 1` into the block vLLM gave that boundary (the
+        last of the hit: a Mamba group's block table holds a state per block, at its end)."""
+        index = stop * self.chunk_tokens // group.block_size - 1
+        if index >= len(table) or table[index] == self.null_block:
+            return  # no block to load into: the other groups' loads fail the request whole
+        keys = tuple((state.keys.get(namespace, [])[stop - 1 : stop]) for namespace in namespaces)
+        self._pending_loads.append(
+            LoadSpec(
+                req_id=req_id,
+                keys=keys,
+                parent=None,
+                chunk_tokens=self.chunk_tokens,
+                first=stop - 1,
+                stop=stop,
+                block_ids=(table[index],),
+                group=group.index,
+            )
+        )
 
     def build_metadata(self, scheduler_output: Any) -> StepMetadata:
         self.steps += 1
@@ -445,7 +499,45 @@ class SchedulerSide:
                     table.extend(ids)
             computed = cached.num_computed_tokens[index] + scheduled.get(req_id, 0)
             self._plan_save(meta, groups, req_id, state, computed)
+        self._plan_state_saves(meta, groups, getattr(scheduler_output, "kv_connector_block_state", None))
         return meta
+
+    def _plan_state_saves(
+        self, meta: StepMetadata, groups: list[tuple[Group, list[Any]]], block_state: Any
+    ) -> None:
+        """Saves of the boundary states this step commits, in the blocks vLLM names (a Mamba
+        group's block table is not a list of positions to read from: vLLM frees and moves its
+        blocks), each under the key of the chunk the boundary ends."""
+        offers = getattr(block_state, "boundary_state_offloads", None)
+        if not offers:
+            return
+        chunk = self.chunk_tokens
+        stateful = {group.index: (group, clients) for group, clients in groups if group.kind == MAMBA}
+        for req_id, entries in offers.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            for group_id, block_id, boundary in entries:
+                entry = stateful.get(group_id)
+                if entry is None or boundary <= 0 or boundary % chunk or boundary > state.num_prompt:
+                    continue  # not a chunk of the prompt's: no key names it
+                group, clients = entry
+                stop = boundary // chunk
+                keys = [state.chunk_keys(client, stop, self._memo(client)) for client in clients]
+                meta.saves.append(
+                    SaveSpec(
+                        req_id=req_id,
+                        keys=tuple((rank_keys[stop - 1],) for rank_keys in keys),
+                        parent=None,
+                        chunk_tokens=chunk,
+                        first=stop - 1,
+                        stop=stop,
+                        block_ids=(int(block_id),),
+                        group=group.index,
+                    )
+                )
+                self._prompts[req_id] = state.prompt
+                state.saving = True
 
     def _plan_save(
         self,
@@ -464,6 +556,8 @@ class SchedulerSide:
             return
         planned = []
         for group, clients in groups:
+            if group.kind == MAMBA:  # its states: as vLLM offers them (`_plan_state_saves`)
+                continue
             table = state.block_ids[group.index] if group.index < len(state.block_ids) else []
             if len(table) < stop * per_chunk:
                 return
@@ -555,6 +649,13 @@ class SchedulerSide:
         for group_clients in reversed(self._groups):
             for rank in group_clients.ranks:
                 rank.close()
+
+
+def _lookup_order(group: Group) -> int:
+    """Groups of every token first, then states, then windows (see `_matched`)."""
+    if group.kind == MAMBA:
+        return 1
+    return 2 if group.retained else 0
 
 
 def _null_head(table: Sequence[int], null_block: int) -> int:

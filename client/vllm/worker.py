@@ -35,7 +35,7 @@ from kvstore_client.client import KVStoreClient
 from kvstore_client.handles import LoadHandle, StoreHandle
 from kvstore_client.vllm.config import ConnectorConfig
 from kvstore_client.vllm.connection import LazyClient
-from kvstore_client.vllm.groups import Group, is_quantized, scales_text
+from kvstore_client.vllm.groups import MAMBA, Group, is_quantized, scales_text
 from kvstore_client.vllm.layouts import GroupCache, group_cache, layer_scales
 from kvstore_client.vllm.metadata import Handshake, LoadSpec, SaveSpec, StepMetadata, StoredChunks
 
@@ -141,7 +141,12 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         scales = ""
         if is_quantized(self.vllm_config):
-            names = [name for side in self.groups.values() for name in side.group.layer_names]
+            names = [
+                name
+                for side in self.groups.values()
+                if side.group.kind != MAMBA  # states carry no scales
+                for name in side.group.layer_names
+            ]
             scales = scales_text(layer_scales(self.vllm_config, names))
         self.handshake = Handshake(scales=scales)
         first: LazyClient | None = None
@@ -317,13 +322,14 @@ class WorkerSide:
             if keys is None:
                 continue
             try:
+                stream = self._ordered_stream()
                 handle = client.store_async(
-                    None,
-                    side.registered,
-                    side.cache.kernel_blocks(spec.block_ids),
-                    keys=keys,
-                    stream=self._ordered_stream(),
+                    None, side.registered, side.cache.kernel_blocks(spec.block_ids), keys=keys, stream=stream
                 )
+                if stream is not None and side.group.kind == MAMBA:
+                    # vLLM may hand a state's block to another request from the next step on:
+                    # no later forward writes it before the gather has read it
+                    torch.cuda.current_stream(stream.device).wait_stream(stream)
             except Exception:
                 log.exception("saving %s failed; its chunks are not stored", spec.req_id)
                 continue
@@ -348,8 +354,8 @@ class WorkerSide:
                     self._report.stored.append((req_id, spec.first + position, keys[position], parent))
 
     def _reporting_group(self) -> int:
-        """The group whose keys KV events name: the first one."""
-        return next(iter(self.groups))
+        """The group whose keys KV events name: the first one of KV (not of states)."""
+        return next((index for index, side in self.groups.items() if side.group.kind != MAMBA), -1)
 
     def settle(self, req_ids: set[str]) -> None:
         """Commits (waiting for their gathers) every save of `req_ids`: their blocks may be reused next."""
