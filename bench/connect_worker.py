@@ -4,6 +4,13 @@ once every slab is registered; prints one JSON line.
 
     python bench/connect_worker.py ADDRESS --tokens 8192 --seed 0 [--load-first S] [--steady]
         [--second-connect]
+    python bench/connect_worker.py ADDRESS --fill PROMPTS [--pause S] [--tokens 8192]
+
+`--fill N`: from connect on (or after `--pause` seconds, an engine loading its weights), stores N
+prompts back to back (enough to fill the arena), each timed with its wait for slabs; then, once
+every slab is registered, loads each of them into a poisoned cache and compares every byte, and
+times stores of further prompts (the steady rate); then connects a second client in the process
+(`second_*`: whether it shares the mapping and registration).
 
 CUDA is initialised before the clock starts, as an engine's worker is, and the transfer kernels
 are compiled (Triton, on a pinned buffer of the worker's own, timed as `kernels_s`), as an
@@ -157,6 +164,67 @@ def registered_all(client: KVStoreClient, since: float) -> tuple[float | None, d
         time.sleep(0.01)
 
 
+class PromptSet:
+    """`count` prompts of distinct tokens whose KV cycles through `sources` caches (GPU memory for
+    a whole arena's prompts would not fit): prompt i holds cache i % sources."""
+
+    def __init__(self, num_tokens: int, sources: int, seed: int, on: torch.device) -> None:
+        self.prompts = [Prompt(num_tokens, seed + i, on) for i in range(sources)]
+        self.num_tokens, self.seed, self.on = num_tokens, seed, on
+
+    def tokens(self, i: int) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        return torch.randint(0, 128_000, (self.num_tokens,), generator=gen).tolist()
+
+    def store(self, client: KVStoreClient, i: int) -> dict[str, Any]:
+        prompt = self.prompts[i % len(self.prompts)]
+        tokens = self.tokens(i)
+        return timed(client, self.on, lambda: client.store(tokens, prompt.source, prompt.blocks))
+
+    def load(self, client: KVStoreClient, i: int) -> dict[str, Any]:
+        prompt = self.prompts[i % len(self.prompts)]
+        view = Prompt.__new__(Prompt)
+        view.tokens, view.source, view.blocks, view.on = self.tokens(i), prompt.source, prompt.blocks, self.on
+        return load(client, view)
+
+
+def fill(client: KVStoreClient, on: torch.device, args: argparse.Namespace, started: float) -> dict[str, Any]:
+    """The fill, the byte check, the steady rate and a second client in the process."""
+    prompts = PromptSet(args.tokens, 4, 7000 + args.seed, on)
+    if args.pause:
+        time.sleep(args.pause)
+    result: dict[str, Any] = {"pause_s": args.pause, "at_start": client._mapped.stats()}
+    fill_started = time.perf_counter()
+    stores = [prompts.store(client, i) for i in range(args.fill)]
+    result["fill_s"] = time.perf_counter() - fill_started
+    result["stores"] = stores
+    all_s, stats = registered_all(client, started)
+    result.update(register_all_s=all_s, at_end=stats)
+    loads = [prompts.load(client, i) for i in range(args.fill)]
+    result["loads"] = [{k: v for k, v in one.items() if k != "waited_s"} for one in loads]
+    result["bytes_exact"] = all(one["bytes_exact"] for one in loads)
+    result["loaded_chunks"] = sum(one["chunks"] for one in loads)
+    steady = [prompts.store(client, args.fill + i) for i in range(5)]
+    result["steady_stores"] = steady
+    check = prompts.load(client, args.fill + 4)
+    result["bytes_exact"] = result["bytes_exact"] and check["bytes_exact"] and check["chunks"] > 0
+    second = KVStoreClient.connect(args.address, SPEC)
+    try:
+        shares = second.arena is not None and client.arena is not None
+        result["second_shares_mapping"] = shares and second.arena.data_ptr() == client.arena.data_ptr()
+        result["second_registrar_shared"] = second._mapped.registrar is client._mapped.registrar
+        again = second.load(
+            prompts.tokens(args.fill + 4),
+            cache(len(prompts.prompts[0].blocks), on, None),
+            prompts.prompts[(args.fill + 4) % 4].blocks,
+        )
+        result["second_loaded_tokens"] = again
+        result["second_stats"] = second._mapped.stats()
+    finally:
+        second.close()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("address")
@@ -167,6 +235,8 @@ def main() -> None:
         "--steady", action="store_true", help="then a store and load with every slab registered"
     )
     parser.add_argument("--second-connect", action="store_true", help="then connect a second client here")
+    parser.add_argument("--fill", type=int, default=0, help="store this many prompts back to back")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds between connect and the fill")
     args = parser.parse_args()
     on = device()
     kernels_s = warm_kernels(on, args.tokens)
@@ -181,6 +251,11 @@ def main() -> None:
         "slabs": at_connect.get("slabs", 0),
         "slabs_registered_at_connect": at_connect.get("slabs_registered", 0),
     }
+    if args.fill:
+        result.update(fill(client, on, args, started))
+        client.close()
+        print(json.dumps(result))
+        return
     if args.load_first is not None:  # a prompt another worker stored: the first transfer is a load
         result["first_load"] = load(client, Prompt(args.tokens, args.load_first, on))
     own = Prompt(args.tokens, args.seed, on)

@@ -10,6 +10,13 @@ mapping as uint8 (None when nothing is mapped); `epoch` is the mapped arena's (0
 `transfer_options(offsets)`: what a transfer of the pages at `offsets` must pass the kernels:
 None (their auto rule) once the slabs holding them are registered, waiting up to `wait_s` for
 them; else the torch reference, which needs no registration (counted in `stats()`).
+
+One mapping per process: every client of this process that maps the same arena (path, file,
+size and epoch) shares one mapping and one registration (`SharedMapping`, counted by its users).
+The driver counts each registration's pages in full, even where two mappings pin the same
+pages: on the GPU hosts the registrations of one process stopped at ~124 GiB in all (64 GiB
+then 15 of 256 slabs failing a second mapping; 100 GiB then 303 of 400), so a second pinned
+mapping of a large arena could not pin, and it would have paid its registration again.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import errno
 import logging
 import mmap
 import os
-from typing import Any
+import threading
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,24 +48,61 @@ REGISTER_WAIT_S = 10.0
 UNPINNED = TransferOptions(engine="torch")  # moves pages from and to pageable memory
 
 
+class MappingKey(NamedTuple):
+    path: str
+    identity: tuple[int, int]  # (st_dev, st_ino) of the file mapped
+    size: int
+    epoch: int
+
+
+class SharedMapping:
+    """One mapping of an arena in this process and its registration; `users`: the clients on it."""
+
+    def __init__(self, key: MappingKey, mapping: mmap.mmap) -> None:
+        self.key = key
+        self.mmap = mapping
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+        self.registrar: SlabRegistrar | None = None
+        self.users = 1
+
+
+_mappings: dict[MappingKey, SharedMapping] = {}
+_mappings_lock = threading.Lock()
+
+
+def mappings_in_process() -> int:
+    """Arena mappings this process holds (each client of an arena shares its one)."""
+    with _mappings_lock:
+        return len(_mappings)
+
+
 class MappedArena:
     def __init__(self, want_shared_memory: bool | None, pin: bool | None) -> None:
         self.want_shared_memory = want_shared_memory
         self.pin = pin
-        self._mmap: mmap.mmap | None = None
+        self._shared: SharedMapping | None = None
         self.tensor: torch.Tensor | None = None
-        self.registrar: SlabRegistrar | None = None
         self.wait_s = REGISTER_WAIT_S
         self.slab_bytes = 0
         self.epoch = 0
         self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the daemon's arena file
 
+    @property
+    def registrar(self) -> SlabRegistrar | None:
+        return self._shared.registrar if self._shared is not None else None
+
     def map(
-        self, arena: Any, identity: tuple[int, int], streams: Streams | None = None, handed: int | None = None
+        self,
+        arena: Any,
+        identity: tuple[int, int],
+        streams: Streams | None = None,
+        handed: int | None = None,
+        epoch: int = 0,
     ) -> None:
-        """Maps the arena `pb.Arena` names (dropping any mapping first). A sealed arena (a
-        tenant's: no path) is mapped from `handed`, the descriptor its Connect reply carried
-        (the caller keeps and closes it)."""
+        """Maps the arena `pb.Arena` names (dropping any mapping first), or shares the mapping
+        another client of this process made of it (the same file, size and `epoch`). A sealed
+        arena (a tenant's: no path) is mapped from `handed`, the descriptor its Connect reply
+        carried (the caller keeps and closes it)."""
         self.unmap(streams)
         if self.want_shared_memory is False:
             return
@@ -92,16 +137,31 @@ class MappedArena:
                     raise ConnectionError(message)
                 log.warning("%s: page bytes go inline until the client connects again", message)
                 return
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._shared = self._share(MappingKey(path, (st.st_dev, st.st_ino), size, epoch), fd)
         finally:
             os.close(fd)
-        if thp_advised(None if path.startswith(MEMFD_PREFIX) else os.path.dirname(path)):
-            advise_huge(self._mmap)  # as the daemon's mapping does
-        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.tensor = self._shared.tensor
         self.slab_bytes = arena.slab_bytes  # 0 (an older daemon): the arena is one slab
-        host = self.host_registrar()
-        if host is not None:
-            self.start_registrar(host)
+        if self._shared.registrar is None:  # a client of this process that pins none may have mapped it
+            host = self.host_registrar()
+            if host is not None:
+                self.start_registrar(host)
+
+    def _share(self, key: MappingKey, fd: int) -> SharedMapping:
+        """This process's mapping of the arena `key` names: the one made already (one more user),
+        or a new one."""
+        with _mappings_lock:
+            shared = _mappings.get(key)
+            if shared is not None and key.epoch:  # without an epoch nothing proves it the same arena
+                shared.users += 1
+                return shared
+            mapping = mmap.mmap(fd, key.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if thp_advised(None if key.path.startswith(MEMFD_PREFIX) else os.path.dirname(key.path)):
+                advise_huge(mapping)  # as the daemon's mapping does
+            shared = SharedMapping(key, mapping)
+            if key.epoch:
+                _mappings[key] = shared
+            return shared
 
     def host_registrar(self) -> HostRegistrar | None:
         """What pins a new mapping: CUDA's, where a GPU is present and `pin` allows (None: nothing)."""
@@ -113,10 +173,17 @@ class MappedArena:
             log.warning("the arena cannot be registered with CUDA (%s): transfers run at pageable speed", exc)
             return None
 
-    def start_registrar(self, host: HostRegistrar) -> None:
-        """Registers the mapped arena's slabs with `host` in the background."""
-        if self.tensor is not None:
-            self.registrar = SlabRegistrar(host, self.tensor.data_ptr(), self.tensor.numel(), self.slab_bytes)
+    def start_registrar(self, host: HostRegistrar, **options: Any) -> None:
+        """Registers the mapped arena's slabs with `host` in the background (`options`: the
+        `SlabRegistrar`'s), for every client sharing the mapping (unless it is registered)."""
+        shared = self._shared
+        if shared is None or self.tensor is None:
+            return
+        with _mappings_lock:
+            if shared.registrar is None:
+                shared.registrar = SlabRegistrar(
+                    host, self.tensor.data_ptr(), self.tensor.numel(), self.slab_bytes, **options
+                )
 
     @property
     def registered(self) -> bool:
@@ -126,27 +193,37 @@ class MappedArena:
     def transfer_options(self, offsets: list[int]) -> TransferOptions | None:
         """None where the pages at `offsets` may move by the kernels' auto rule (their slabs are
         registered, or nothing is registered here); else `UNPINNED`."""
-        if self.registrar is None or not offsets:
+        registrar = self.registrar
+        if registrar is None or not offsets:
             return None
         # Slab 0 too: the kernels tell pinned from pageable memory at the buffer's first byte.
-        slabs = self.registrar.slabs_of(offsets) | {0}
-        return None if self.registrar.ready(slabs, self.wait_s) else UNPINNED
+        slabs = registrar.slabs_of(offsets) | {0}
+        return None if registrar.ready(slabs, self.wait_s) else UNPINNED
 
     def stats(self) -> dict[str, Any]:
         """The registration's progress and the transfers that waited for it or went unpinned."""
-        return {"mapped": self.tensor is not None, **(self.registrar.stats() if self.registrar else {})}
+        registrar = self.registrar
+        return {"mapped": self.tensor is not None, **(registrar.stats() if registrar else {})}
 
     def unmap(self, streams: Streams | None = None) -> None:
-        """Drops the mapping once no transfer can touch it (those on `streams` and on every
-        device's streams). The mapping itself goes when the last tensor viewing it does (closing
-        it under a live view would fault)."""
-        if self.registrar is not None and self.tensor is not None:
+        """Drops this client's use of the mapping; the last user's drop ends its registration once
+        no transfer can touch it (those on `streams` and on every device's streams). The mapping
+        itself goes when the last tensor viewing it does (closing it under a live view would
+        fault)."""
+        shared, self._shared = self._shared, None
+        self.tensor = None
+        self.epoch = 0
+        if shared is None:
+            return
+        with _mappings_lock:
+            shared.users -= 1
+            last = shared.users == 0
+            if last and _mappings.get(shared.key) is shared:
+                del _mappings[shared.key]
+        if last and shared.registrar is not None:
             if streams is not None:
                 streams.synchronize()
             for device in range(torch.cuda.device_count()):  # transfers on the caller's streams too
                 torch.cuda.synchronize(device)
-            self.registrar.stop()
-        self.registrar = None
-        self.tensor = None
-        self._mmap = None
-        self.epoch = 0
+            shared.registrar.stop()
+            shared.registrar = None

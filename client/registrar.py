@@ -3,22 +3,27 @@
 Registering a whole host-scale arena at connect costs the worker seconds per 10 GiB (the pages
 are faulted in as they are pinned), so a connect only starts a `SlabRegistrar` and returns:
 
-- `SlabRegistrar(host, base, size, slab_bytes)`: a thread that registers the arena's slabs in the
-  order the daemon hands them out (ascending offsets), the slabs a transfer asks for first. The
-  CUDA driver serialises a registration with the worker's own CUDA calls, so the slabs no
-  transfer asked for wait until no transfer has asked for `quiet_s` (a transfer then waits for
-  one registration in progress at most), and `CudaRegistrar` faults a slab's pages in before it
-  calls `cudaHostRegister`, outside the driver's lock, which then only pins them.
+- `SlabRegistrar(host, base, size, slab_bytes)`: a slab is made ready in two steps, each in the
+  order the daemon hands slabs out (ascending offsets), the slabs a transfer asks for first:
+  - faulting its pages in (`fault`, `MADV_POPULATE_WRITE`): CPU work that does not take the CUDA
+    driver's lock, done ahead of need by `faulters` threads in parallel, whatever the transfers
+    do;
+  - registering it (`host.register`, `cudaHostRegister` of pages already present: ~13 ms a
+    256 MiB slab on the H100 host, against ~110 ms where it faults them in itself), on one
+    thread. The driver serialises a registration with the worker's own CUDA calls, so the
+    slabs no transfer asked for wait until no transfer has asked for `quiet_s` (a transfer then
+    waits for one registration in progress at most).
 - `ready(slabs, wait_s)`: whether every slab in `slabs` is registered, waiting at most `wait_s`
-  for those still pending (moved to the front of the queue). False: one failed, or the wait ran
-  out; the caller then moves its pages on a path that needs no registration.
-- `stop()`: ends the registrations (after the one in progress); the thread unregisters every
-  slab before it exits, so every CUDA call is made on it, with the worker's device current.
-- `stats()`: slabs registered, pending and failed; transfers waiting now, those that waited and
-  how long in all; transfers that took the unpinned path.
+  for those still pending (moved to the front of both queues). False: one failed, or the wait
+  ran out; the caller then moves its pages on a path that needs no registration.
+- `stop()`: ends the faulting and the registrations (after those in progress); the registration
+  thread unregisters every slab before it exits, so every CUDA call is made on it, with the
+  worker's device current.
+- `stats()`: slabs faulted in, registered, pending and failed; transfers waiting now, those that
+  waited and how long in all; transfers that took the unpinned path.
 - `HostRegistrar`: what pins host memory; `CudaRegistrar` is the CUDA runtime's
   (`cudaHostRegister`, portable, on the worker's device). Tests pass their own, slowed and
-  recording the order.
+  recording the order, and their own `fault`.
 
 A slot never crosses a slab (`kvstore.tiers.slab`), so a page is pinned once its slab is.
 """
@@ -26,11 +31,13 @@ A slot never crosses a slab (`kvstore.tiers.slab`), so a page is pinned once its
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 log = logging.getLogger(__name__)
@@ -38,6 +45,7 @@ log = logging.getLogger(__name__)
 PENDING, REGISTERED, FAILED = 0, 1, 2
 QUIET_S = 0.25  # slabs no transfer asked for are registered once transfers have paused this long
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
+TOUCH_STRIDE = 4096  # where the kernel cannot populate: one read per small page faults them in
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -47,6 +55,39 @@ def populate(address: int, size: int) -> bool:
     """Faults in `size` bytes at `address` for writing, their contents unchanged (the GIL released:
     a ctypes call); False where the kernel cannot (the registration faults them in itself)."""
     return _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_WRITE) == 0
+
+
+def touch(address: int, size: int) -> None:
+    """Faults in `size` bytes at `address` by reading one byte of each small page (torch releases
+    the GIL): where `populate` is refused (a kernel before 5.14, or a sandbox's)."""
+    import torch
+
+    buffer = (ctypes.c_uint8 * size).from_address(address)
+    torch.frombuffer(buffer, dtype=torch.uint8)[::TOUCH_STRIDE].sum()
+
+
+class Faulter:
+    """Faults slabs in with `populate`, or with `touch` once the kernel refused the advice itself
+    (EINVAL); any other failure leaves the slab to its registration, which faults it in."""
+
+    def __init__(self) -> None:
+        self.populates = True
+
+    def __call__(self, address: int, size: int) -> None:
+        if self.populates:
+            if populate(address, size):
+                return
+            if ctypes.get_errno() != errno.EINVAL:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            self.populates = False
+            log.info("MADV_POPULATE_WRITE is not supported here: slabs are faulted in by reading")
+        touch(address, size)
+
+
+def default_faulters() -> int:
+    """Faulting threads: a quarter of this process's CPUs, 1-4 (the host's tmpfs allocates a
+    file's pages under locks that many faulting threads contend for; bench/NOTES-connect.md)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 
 
 class HostRegistrar(Protocol):
@@ -74,7 +115,6 @@ class CudaRegistrar:
             self._on_device.add(threading.get_ident())
 
     def register(self, address: int, size: int) -> None:
-        populate(address, size)  # outside the driver's lock, which the worker's transfers need
         self._use_device()
         self._runtime.host_register(address, size, portable=True)
 
@@ -85,7 +125,14 @@ class CudaRegistrar:
 
 class SlabRegistrar:
     def __init__(
-        self, host: HostRegistrar, base: int, size: int, slab_bytes: int, quiet_s: float = QUIET_S
+        self,
+        host: HostRegistrar,
+        base: int,
+        size: int,
+        slab_bytes: int,
+        quiet_s: float = QUIET_S,
+        faulters: int | None = None,
+        fault: Callable[[int, int], object] | None = None,
     ) -> None:
         self.host = host
         self.base = base
@@ -93,19 +140,30 @@ class SlabRegistrar:
         self.slab_bytes = slab_bytes if 0 < slab_bytes <= size else size
         self.num_slabs = -(-size // self.slab_bytes)
         self._state = [PENDING] * self.num_slabs
-        self._next = 0  # the lowest slab not yet taken in order
+        self._faulted = [False] * self.num_slabs  # pages present
+        self._faulting = [False] * self.num_slabs
+        self._next = 0  # the lowest slab not yet taken in order, for registering
+        self._fault_next = 0  # the same, for faulting in
         self._urgent: deque[int] = deque()  # slabs a transfer waits for
         self._stopping = False
         self._quiet_s = quiet_s
         self._quiet_until = 0.0  # slabs no transfer asked for wait until then
+        self._fault = fault or Faulter()
         self._cond = threading.Condition()
-        self.num_registered = self.num_failed = 0
+        self.num_registered = self.num_failed = self.num_faulted = self.num_fault_failures = 0
         self.transfers_waited = self.transfers_unpinned = 0
         self.transfers_waiting = 0  # now
         self.wait_s = 0.0
         self.started = time.perf_counter()
+        self.faulted_s: float | None = None  # from start until every slab was faulted in
+        self.num_faulters = default_faulters() if faulters is None else faulters
+        self._faulters = [
+            threading.Thread(target=self._fault_slabs, name=f"kvstore-fault-{i}", daemon=True)
+            for i in range(self.num_faulters)
+        ]
         self._thread = threading.Thread(target=self._run, name="kvstore-register", daemon=True)
-        self._thread.start()
+        for thread in [self._thread, *self._faulters]:
+            thread.start()
 
     def slabs_of(self, offsets: Iterable[int]) -> set[int]:
         """The slabs holding pages at `offsets` (a page lies within one slab)."""
@@ -115,33 +173,90 @@ class SlabRegistrar:
         start = slab * self.slab_bytes
         return self.base + start, min(self.slab_bytes, self.size - start)
 
-    def _take(self) -> int | None:
-        """The next slab to register: one a transfer waits for, else (once transfers have paused
-        for quiet_s) the lowest pending one; None when none is left or the registrar stops."""
-        while not self._stopping:
-            while self._urgent:
-                slab = self._urgent.popleft()
-                if self._state[slab] == PENDING:
-                    return slab
-            pause = self._quiet_until - time.perf_counter()
-            if pause <= 0:
-                return self._take_next()
-            self._cond.wait(pause)
+    # -- faulting in, ahead of need ------------------------------------------------
+
+    def _can_fault(self, slab: int) -> bool:
+        return self._state[slab] == PENDING and not self._faulted[slab] and not self._faulting[slab]
+
+    def _take_fault(self) -> int | None:
+        """The next slab to fault in: one a transfer waits for, else the lowest not yet taken."""
+        if self._stopping:
+            return None
+        for slab in self._urgent:
+            if self._can_fault(slab):
+                return slab
+        while self._fault_next < self.num_slabs:
+            slab, self._fault_next = self._fault_next, self._fault_next + 1
+            if self._can_fault(slab):
+                return slab
         return None
 
-    def _take_next(self) -> int | None:
-        while self._next < self.num_slabs:
-            slab, self._next = self._next, self._next + 1
-            if self._state[slab] == PENDING:
-                return slab
+    def _fault_in(self, slab: int) -> None:
+        """Faults `slab` in (its `_faulting` mark set by the caller), then marks it faulted."""
+        try:
+            self._fault(*self._extent(slab))
+        except Exception as exc:  # the registration faults its pages in itself
+            if not self.num_fault_failures:
+                log.warning("faulting in slab %d of the arena failed (%s): its registration does", slab, exc)
+            self.num_fault_failures += 1
+        with self._cond:
+            self._faulting[slab] = False
+            self._faulted[slab] = True
+            self.num_faulted += 1
+            if self.num_faulted == self.num_slabs:
+                self.faulted_s = time.perf_counter() - self.started
+            self._cond.notify_all()
+
+    def _fault_slabs(self) -> None:
+        while True:
+            with self._cond:
+                slab = self._take_fault()
+                if slab is None:
+                    return
+                self._faulting[slab] = True
+            self._fault_in(slab)
+
+    # -- registering -----------------------------------------------------------------
+
+    def _take(self) -> tuple[int, bool] | None:
+        """The next slab to register and whether this thread must fault it in first: one a
+        transfer waits for (faulted in here unless a faulter has it: then it is waited for), else
+        (once transfers have paused for quiet_s) the lowest pending one, once faulted in. None
+        when none is left or the registrar stops."""
+        while not self._stopping:
+            while self._urgent and self._state[self._urgent[0]] != PENDING:
+                self._urgent.popleft()
+            waiting_for_faulter = False
+            for slab in self._urgent:
+                if self._state[slab] != PENDING:
+                    continue
+                if self._faulted[slab] or not self._faulting[slab]:
+                    return slab, not self._faulted[slab]
+                waiting_for_faulter = True
+            pause = self._quiet_until - time.perf_counter()
+            if pause <= 0 and not waiting_for_faulter:
+                while self._next < self.num_slabs and self._state[self._next] != PENDING:
+                    self._next += 1
+                if self._next == self.num_slabs:
+                    return None
+                slab = self._next
+                if self._faulted[slab] or (not self.num_faulters and not self._faulting[slab]):
+                    return slab, not self._faulted[slab]  # else the faulters' order reaches it
+            self._cond.wait(pause if pause > 0 and not waiting_for_faulter else None)
         return None
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                slab = self._take()
-                if slab is None:
+                taken = self._take()
+                if taken is None:
                     break
+                slab, must_fault = taken
+                if must_fault:
+                    self._faulting[slab] = True
+            if must_fault:
+                self._fault_in(slab)
+            with self._cond:
                 self._state[slab] = -1  # in progress
             address, length = self._extent(slab)
             try:
@@ -165,10 +280,12 @@ class SlabRegistrar:
                 self._cond.notify_all()
         if not self._stopping:
             log.info(
-                "registered %d of %d arena slabs with CUDA in %.2f s",
+                "registered %d of %d arena slabs with CUDA in %.2f s (all faulted in after %s s, %d threads)",
                 self.num_registered,
                 self.num_slabs,
                 time.perf_counter() - self.started,
+                f"{self.faulted_s:.2f}" if self.faulted_s is not None else "-",
+                self.num_faulters,
             )
         with self._cond:  # unregistering waits for stop(), here: no CUDA call on the caller's thread
             while not self._stopping:
@@ -214,7 +331,8 @@ class SlabRegistrar:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join()
+        for thread in [self._thread, *self._faulters]:
+            thread.join()
         with self._cond:
             self._state = [PENDING] * self.num_slabs
             self.num_registered = 0
@@ -223,6 +341,7 @@ class SlabRegistrar:
         with self._cond:
             return {
                 "slabs": self.num_slabs,
+                "slabs_faulted": self.num_faulted,
                 "slabs_registered": self.num_registered,
                 "slabs_failed": self.num_failed,
                 "slabs_pending": self.num_slabs - self.num_registered - self.num_failed,

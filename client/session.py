@@ -160,7 +160,7 @@ class Link:
         ):
             self.renewer.forget()  # leases of another daemon
             self.gpu_pools.close()
-            mapped.map(reply.arena, identity, self.streams, handed)
+            mapped.map(reply.arena, identity, self.streams, handed, epoch=reply.epoch)
             mapped.identity = identity
             mapped.epoch = reply.epoch if mapped.tensor is not None else 0
             if mapped.tensor is not None:  # same host: the GPU tier's pools can be opened too

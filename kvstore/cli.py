@@ -35,6 +35,7 @@ from kvstore.channel import LocalChannel, Refused
 from kvstore.config import EvictionConfig
 from kvstore.errors import KVStoreError, ResourceExhausted, from_rpc_error
 from kvstore.fleet import ASSIGNMENTS, fleet_replay
+from kvstore.hugepages import KINDS, ArenaPages
 from kvstore.keys import KEY_BYTES, pack_keys
 from kvstore.local import LOCAL_CHANNEL_FULL
 from kvstore.paths import default_socket_path, default_token, local_socket_of, read_token
@@ -132,6 +133,12 @@ class Admin:
         return stats_to_dict(self.call("Stats", pb.StatsRequest()))
 
 
+def arena_pages_line(counters: dict[str, Any]) -> str:
+    """Which pages the CPU tier's arena got (`kvstore.hugepages.ArenaPages`)."""
+    kind = KINDS[int(counters.get("arena_huge_pages", 0))]
+    return f"arena pages: {ArenaPages(kind, int(counters['arena_page_bytes'])).describe()}"
+
+
 def cmd_stats(admin: Admin, args: argparse.Namespace) -> int:
     stats = admin.stats()
     if args.json:
@@ -167,6 +174,8 @@ def cmd_stats(admin: Admin, args: argparse.Namespace) -> int:
             print()
             print(_nodes_table(name, tier["nodes"]))
     counters = stats["counters"]
+    if "arena_page_bytes" in counters:
+        print("\n" + arena_pages_line(counters))
     looked_up = counters.get("hit_chunks", 0) + counters.get("missed_chunks", 0)
     rows = [(name, value) for name, value in counters.items()]
     rows.append(("chunk_hit_ratio", f"{counters.get('hit_chunks', 0) / looked_up:.3f}" if looked_up else "-"))

@@ -143,6 +143,7 @@ class Tiers:
             max_namespaces=tenant.max_namespaces if tenant is not None else None,
             events=self.events,
         )
+        self.store.counters.update(self.arena.pages.figures())  # kvctl stats says which pages it got
         if cpu.slots.num_reserved < cpu.slots.num_slabs:
             loop = asyncio.get_running_loop()
             self.reserver = ArenaReserver(

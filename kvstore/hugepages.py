@@ -4,10 +4,14 @@
   `MOUNTS_FILE`, or None.
 - `hugetlbfs_page_bytes(directory)`: the huge page size where `directory` is on hugetlbfs
   (every arena there is made of such pages; its size and slabs must be multiples), else None.
-- `thp_advised(directory)`: whether a tmpfs arena there gets transparent huge pages only where
-  its mapping asks (`madvise(MADV_HUGEPAGE)`): the mount's `huge=advise`, or, for memfd arenas
-  (`directory` None), the kernel's shmem setting `advise`.
+- `thp_mode(directory)`: the transparent-huge-page setting a tmpfs arena there gets: the mount's
+  `huge=` option, or, for memfd arenas (`directory` None), the kernel's shmem setting
+  (`SHMEM_THP_FILE`); "never" where there is none.
+- `thp_advised(directory)`: whether that arena gets them only where its mapping asks
+  (`madvise(MADV_HUGEPAGE)`): the mode `advise`.
 - `advise_huge(mapping)`: asks for transparent huge pages on a mapping.
+- `arena_pages(directory, advised)`: which pages an arena there gets (`ArenaPages`: kind and
+  page size), as the daemon logs it and reports it in Stats (`figures()`).
 
 What each buys is measured with `bench/connect.py` (see the README's "Huge pages").
 """
@@ -24,6 +28,26 @@ log = logging.getLogger(__name__)
 MOUNTS_FILE = "/proc/self/mounts"
 SHMEM_THP_FILE = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+THP_GIVEN = ("always", "within_size", "force")  # tmpfs gives huge pages without being asked
+KINDS = ("none", "thp", "hugetlbfs")  # ArenaPages.kind, as Stats numbers them (arena_huge_pages)
+SMALL_PAGE = mmap.PAGESIZE
+THP_BYTES = 2 << 20  # a PMD on x86-64 and on 4 KiB-page arm64
+
+
+class ArenaPages(NamedTuple):
+    kind: str  # one of KINDS
+    page_bytes: int
+
+    def figures(self) -> dict[str, int]:
+        """Stats counters: `arena_huge_pages` (the index in KINDS) and `arena_page_bytes`."""
+        return {"arena_huge_pages": KINDS.index(self.kind), "arena_page_bytes": self.page_bytes}
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return f"{self.page_bytes >> 10} KiB pages (no huge pages: see the README's Huge pages)"
+        return f"{self.page_bytes >> 20} MiB huge pages ({self.kind})"
 
 
 class Mount(NamedTuple):
@@ -67,15 +91,36 @@ def hugetlbfs_page_bytes(directory: str) -> int | None:
     return os.statvfs(directory).f_bsize  # hugetlbfs reports its page size as the block size
 
 
-def thp_advised(directory: str | None) -> bool:
+def thp_mode(directory: str | None) -> str:
     if directory is not None:
         mount = mount_of(directory)
-        return mount is not None and mount.fstype == "tmpfs" and mount.options.get("huge") == "advise"
+        if mount is None or mount.fstype != "tmpfs":
+            return "never"
+        return mount.options.get("huge", "never")
     try:
         with open(SHMEM_THP_FILE) as file:
-            return "[advise]" in file.read()
+            text = file.read()
     except OSError:
-        return False
+        return "never"
+    chosen = text[text.find("[") + 1 : text.find("]")] if "[" in text else ""
+    return chosen or "never"
+
+
+def thp_advised(directory: str | None) -> bool:
+    return thp_mode(directory) == "advise"
+
+
+def arena_pages(directory: str | None, advised: bool) -> ArenaPages:
+    """The pages of an arena in `directory` (None: a memfd), whose mapping asked for huge pages
+    (`advised`, where the mode is advise)."""
+    if directory is not None:
+        huge = hugetlbfs_page_bytes(directory)
+        if huge:
+            return ArenaPages("hugetlbfs", huge)
+    mode = thp_mode(directory)
+    if mode in THP_GIVEN or (mode == "advise" and advised):
+        return ArenaPages("thp", THP_BYTES)
+    return ArenaPages("none", SMALL_PAGE)
 
 
 def advise_huge(mapping: mmap.mmap) -> bool:

@@ -16,6 +16,7 @@ from kvstore.wire import METHOD_NAMES
 RPC_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 0.01, 0.05, 0.25, 1.0, 10.0)
 CHANNELS = ("local", "grpc")
 STREAMING = ("Put", "Get")  # gRPC only
+ARENA_PAGE_KEYS = ("arena_huge_pages", "arena_page_bytes")  # kvstore.hugepages.ArenaPages.figures
 
 
 def combined(parts: Sequence[StoreStats]) -> StoreStats:
@@ -45,6 +46,9 @@ def combined(parts: Sequence[StoreStats]) -> StoreStats:
     counters: Counter[str] = Counter()
     for part in parts:
         counters.update(part.counters)
+    for key in ARENA_PAGE_KEYS:  # one host's pages: every tenant's arena gets the same kind
+        if key in counters:
+            counters[key] = int(max(part.counters.get(key, 0) for part in parts))
     return StoreStats(list(tiers.values()), [n for part in parts for n in part.namespaces], dict(counters))
 
 

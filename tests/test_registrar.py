@@ -1,6 +1,8 @@
 """Registering the arena slab by slab in the background: the order, a transfer's wait for exactly
 its slabs, the unpinned path when they are not ready, and the client's counters; through a
-registrar that records what it pins and registers only when the test lets it."""
+registrar that records what it pins and registers only when the test lets it. Faulting slabs in
+ahead of need: the order, the threads working at once, and that they work while transfers keep
+coming; one mapping per process for every client of an arena."""
 
 from __future__ import annotations
 
@@ -29,15 +31,21 @@ class GatedRegistrar:
         self.order: list[int] = []
         self.unregistered: list[int] = []
         self.sizes: list[int] = []
+        self.faulted: list[int] = []
+        self.taken: list[int] = []  # registrations begun, permitted or not
         self._permits = threading.Semaphore(0)
+
+    def fault(self, address: int, size: int) -> None:
+        self.faulted.append((address - self.base) // self.slab_bytes)
 
     def allow(self, count: int) -> None:
         for _ in range(count):
             self._permits.release()
 
     def register(self, address: int, size: int) -> None:
-        self._permits.acquire(timeout=30)  # a failed test must not hang the client's close
         slab = (address - self.base) // self.slab_bytes
+        self.taken.append(slab)
+        self._permits.acquire(timeout=30)  # a failed test must not hang the client's close
         if slab in self.failing:
             raise RuntimeError("cudaHostRegister failed: out of memory")
         self.order.append(slab)
@@ -54,6 +62,13 @@ def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return thread, result
 
 
+def until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
 def until_waiting(registrar: SlabRegistrar | None) -> None:
     """Returns once a transfer waits for slabs."""
     deadline = time.monotonic() + 30
@@ -64,15 +79,17 @@ def until_waiting(registrar: SlabRegistrar | None) -> None:
 
 def test_slabs_are_registered_in_order_and_a_waiter_goes_first() -> None:
     host = GatedRegistrar(base=1 << 30, slab_bytes=SLAB)
-    registrar = SlabRegistrar(host, 1 << 30, 8 * SLAB - 4096, SLAB)  # the last slab is short
+    registrar = SlabRegistrar(host, 1 << 30, 8 * SLAB - 4096, SLAB, fault=host.fault)  # the last is short
+    until(lambda: host.taken == [0], "slab 0 was not taken first")
     thread, ready = in_thread(lambda: registrar.ready({0, 5}, wait_s=30.0))
     until_waiting(registrar)
     host.allow(2)  # slab 0 (already taken in order), then the one the transfer waits for
     thread.join(10)
     assert ready == [True]
     assert host.order == [0, 5]
-    assert registrar.stats() | {"wait_s": 0} == {
+    assert registrar.stats() | {"wait_s": 0, "slabs_faulted": 0} == {  # faulting: tests below
         "slabs": 8,
+        "slabs_faulted": 0,
         "slabs_registered": 2,
         "slabs_failed": 0,
         "slabs_pending": 6,
@@ -94,7 +111,8 @@ def test_slabs_are_registered_in_order_and_a_waiter_goes_first() -> None:
 
 def test_a_slab_not_ready_in_time_or_failed_sends_the_transfer_unpinned() -> None:
     host = GatedRegistrar(base=0, slab_bytes=SLAB, failing=frozenset({1}))
-    registrar = SlabRegistrar(host, 0, 4 * SLAB, SLAB)
+    registrar = SlabRegistrar(host, 0, 4 * SLAB, SLAB, fault=host.fault)
+    until(lambda: host.taken == [0], "slab 0 was not taken first")
     assert not registrar.ready({2}, wait_s=0.05)  # slab 0 is still being registered
     host.allow(2)  # slab 0, then slab 2 (asked for), both pinned
     assert registrar.ready({0, 2}, wait_s=30.0)
@@ -114,7 +132,8 @@ def test_slabs_no_transfer_asked_for_wait_while_transfers_keep_coming() -> None:
     """The driver serialises registrations with the worker's transfers: while transfers come less
     than quiet_s apart, only the slabs they need are registered; the rest follow once they pause."""
     host = GatedRegistrar(base=0, slab_bytes=SLAB)
-    registrar = SlabRegistrar(host, 0, 6 * SLAB, SLAB, quiet_s=0.3)
+    registrar = SlabRegistrar(host, 0, 6 * SLAB, SLAB, quiet_s=0.3, fault=host.fault)
+    until(lambda: host.taken == [0], "slab 0 was not taken first")
     thread, ready = in_thread(lambda: registrar.ready({0}, wait_s=30.0))  # slab 0 is in progress
     until_waiting(registrar)
     host.allow(1)
@@ -154,7 +173,7 @@ def test_populating_a_shared_mapping_keeps_its_bytes(tmp_path: Any) -> None:
 
 def test_an_arena_of_one_slab_when_the_daemon_names_none() -> None:
     host = GatedRegistrar(base=0, slab_bytes=3 * SLAB)
-    registrar = SlabRegistrar(host, 0, 3 * SLAB, 0)
+    registrar = SlabRegistrar(host, 0, 3 * SLAB, 0, fault=host.fault)
     host.allow(1)
     assert registrar.ready(registrar.slabs_of([0, 2 * SLAB + 4096]), wait_s=30.0)
     assert host.sizes == [3 * SLAB] and registrar.stats()["slabs"] == 1
@@ -228,3 +247,151 @@ def test_pages_in_slabs_not_registered_move_unpinned_and_every_byte_is_right(sma
         assert_blocks_equal(first_half, target_blocks[:64], source, blocks[:64])
         assert client.stats()["client"]["arena"]["transfers_unpinned"] == 2
         host.allow(14)
+
+
+class GatedFaults:
+    """A `fault` that records the slabs it is asked for, in order, and how many are in progress at
+    once; each waits until the test allows that slab."""
+
+    def __init__(self, base: int, slab_bytes: int) -> None:
+        self.base, self.slab_bytes = base, slab_bytes
+        self.started: list[int] = []
+        self.most_at_once = 0
+        self._at_once = 0
+        self._lock = threading.Lock()
+        self._allowed: dict[int, threading.Event] = {}
+
+    def _gate(self, slab: int) -> threading.Event:
+        with self._lock:
+            return self._allowed.setdefault(slab, threading.Event())
+
+    def allow(self, *slabs: int) -> None:
+        for slab in slabs:
+            self._gate(slab).set()
+
+    def __call__(self, address: int, size: int) -> None:
+        slab = (address - self.base) // self.slab_bytes
+        with self._lock:
+            self.started.append(slab)
+            self._at_once += 1
+            self.most_at_once = max(self.most_at_once, self._at_once)
+        self._gate(slab).wait(30)
+        with self._lock:
+            self._at_once -= 1
+
+    def until_started(self, count: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(self.started) < count:
+            assert time.monotonic() < deadline, f"only {self.started} started"
+            time.sleep(0.002)
+
+
+def test_slabs_are_faulted_in_ahead_in_order_on_parallel_threads_while_transfers_keep_coming() -> None:
+    host = GatedRegistrar(base=0, slab_bytes=SLAB)
+    faults = GatedFaults(base=0, slab_bytes=SLAB)
+    registrar = SlabRegistrar(host, 0, 8 * SLAB, SLAB, quiet_s=0.3, faulters=3, fault=faults)
+    faults.until_started(3)  # three threads at once, on the first three slabs handed out
+    assert sorted(faults.started) == [0, 1, 2] and faults.most_at_once == 3
+    # A transfer needs slabs 0 and 6: 0 is a faulter's already, 6 is faulted in by the registration
+    # thread itself rather than after the faulters' queue.
+    thread, ready = in_thread(lambda: registrar.ready({0, 6}, wait_s=30.0))
+    faults.until_started(4)
+    assert faults.started[3] == 6 and faults.most_at_once == 4
+    faults.allow(6, 0)
+    host.allow(2)
+    thread.join(10)
+    assert ready == [True] and host.order == [6, 0]
+    # Transfers keep coming every 50 ms, less than quiet_s apart: the faulting goes on, in order,
+    # the registration of slabs no transfer asked for does not.
+    host.allow(6)
+    faults.until_started(5)
+    assert faults.started[4] == 3  # the thread that had slab 0 goes on with the next one
+    for slab, then in [(1, 4), (2, 5), (3, 7)]:
+        faults.allow(slab)
+        faults.until_started(len(faults.started) + 1)
+        assert faults.started[-1] == then
+        assert registrar.ready({0, 6}, wait_s=0.0)
+    faults.allow(4, 5, 7)
+    until(lambda: registrar.stats()["slabs_faulted"] == 8, "not every slab was faulted in")
+    for _ in range(8):
+        assert registrar.ready({0, 6}, wait_s=0.0)
+        assert host.order == [6, 0]
+        time.sleep(0.05)
+    assert faults.started[4:] == [3, 4, 5, 7] and len(faults.started) == 8  # each slab faulted once
+    assert registrar.ready(range(8), wait_s=30.0)  # the transfers paused: the rest in order
+    assert host.order == [6, 0, 1, 2, 3, 4, 5, 7]
+    registrar.stop()
+    assert sorted(host.unregistered) == list(range(8))
+
+
+def test_a_slab_a_transfer_needs_waits_for_the_faulter_that_has_it_not_for_the_queue() -> None:
+    host = GatedRegistrar(base=0, slab_bytes=SLAB)
+    faults = GatedFaults(base=0, slab_bytes=SLAB)
+    registrar = SlabRegistrar(host, 0, 4 * SLAB, SLAB, faulters=1, fault=faults)
+    faults.until_started(1)  # the faulter is on slab 0
+    thread, ready = in_thread(lambda: registrar.ready({0}, wait_s=30.0))
+    until_waiting(registrar)
+    host.allow(4)
+    assert faults.started == [0]  # the registration thread waits for the faulter: no second fault
+    faults.allow(0, 1, 2, 3)
+    thread.join(10)
+    assert ready == [True]
+    assert registrar.ready(range(4), wait_s=30.0)
+    assert sorted(faults.started) == [0, 1, 2, 3] and host.order == [0, 1, 2, 3]
+    registrar.stop()
+
+
+def test_a_client_faults_its_arena_in_ahead_of_its_transfers_and_every_byte_is_right(
+    small_slabs: Daemon,
+) -> None:
+    """The real faulting (MADV_POPULATE_WRITE, or reading where the kernel refuses it) on the
+    daemon's arena: every slab faulted in while the transfers come, pages stored before and
+    after it loaded byte-exact."""
+    spec = make_spec()
+    source = random_cache(spec, 256, seed=41)
+    prompts = [tokens_of(8 * 256, seed=42 + i) for i in range(3)]
+    blocks = [torch.arange(i * 128, (i + 1) * 128) % 256 for i in range(3)]
+    client, host = gated_client(small_slabs)
+    with client:
+        assert client.store(prompts[0], source, blocks[0]) == 8  # before any faulting
+        client._mapped.start_registrar(host, faulters=2)
+        registrar = client._mapped.registrar
+        assert registrar is not None
+        host.allow(16)
+        assert client.store(prompts[1], source, blocks[1]) == 8
+        until(lambda: registrar.stats()["slabs_faulted"] == 16, "the arena was not faulted in")
+        assert client.store(prompts[2], source, blocks[2]) == 8
+        for prompt, prompt_blocks in zip(prompts, blocks, strict=True):
+            target = empty_cache(spec, 128)
+            target_blocks = torch.randperm(128, generator=torch.Generator().manual_seed(43))
+            assert client.load(prompt, target, target_blocks) == 8 * 256
+            assert_blocks_equal(target, target_blocks, source, prompt_blocks)
+        assert client.stats()["client"]["arena"]["transfers_unpinned"] == 0
+
+
+def test_clients_of_one_process_share_one_mapping_and_its_registration(small_slabs: Daemon) -> None:
+    """A second pinned mapping of a large arena cannot pin on the GPU hosts (the driver counts each
+    registration in full): clients of one process share the first."""
+    spec = make_spec()
+    source = random_cache(spec, 128, seed=51)
+    tokens = tokens_of(8 * 256, seed=52)
+    blocks = torch.randperm(128, generator=torch.Generator().manual_seed(53))
+    first, host = gated_client(small_slabs)
+    second = KVStoreClient.connect(small_slabs.address, spec, shared_memory=True, pin_arena=False)
+    try:
+        assert first.arena is not None and second.arena is not None
+        assert first.arena.data_ptr() == second.arena.data_ptr()  # one mapping
+        first._mapped.start_registrar(host)
+        assert second._mapped.registrar is first._mapped.registrar  # one registration
+        host.allow(16)
+        assert first.store(tokens, source, blocks) == 8
+        first.close()
+        assert host.unregistered == []  # the second client still uses it
+        target = empty_cache(spec, 128)
+        assert second.load(tokens, target, blocks) == 8 * 256
+        assert_blocks_equal(target, blocks, source, blocks)
+        assert second.stats()["client"]["arena"]["slabs_failed"] == 0
+    finally:
+        first.close()
+        second.close()
+    assert sorted(host.unregistered) == sorted(set(host.order))  # the last user ends it

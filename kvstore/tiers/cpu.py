@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from kvstore.claim import check_shared_directory, create_private_file, remove_stale_file
-from kvstore.hugepages import advise_huge, thp_advised
+from kvstore.hugepages import advise_huge, arena_pages, thp_advised
 from kvstore.tiers.slab import SlabAllocator
 from kvstore.wire import MEMFD_PREFIX
 
@@ -75,7 +75,9 @@ class Arena:
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             # Where tmpfs gives huge pages only to mappings that ask, this one asks, and reserves
             # by faulting through it (a fallocate would get small pages).
-            self.huge_advised = thp_advised(None if sealed else str(path.parent)) and advise_huge(self._mmap)
+            directory = None if sealed else str(path.parent)
+            self.huge_advised = thp_advised(directory) and advise_huge(self._mmap)
+            self.pages = arena_pages(directory, self.huge_advised)
             st = os.fstat(fd)
             self.identity = (st.st_dev, st.st_ino)  # while mapped here, no other file has it
         except OSError as exc:
@@ -92,7 +94,13 @@ class Arena:
             os.close(fd)
         self._reserve_fd = fd if prefault else -1
         self.view = memoryview(self._mmap)
-        log.info("arena %s: %d MiB in %.2f s", self.path, size >> 20, time.perf_counter() - started)
+        log.info(
+            "arena %s: %d MiB of %s in %.2f s",
+            self.path,
+            size >> 20,
+            self.pages.describe(),
+            time.perf_counter() - started,
+        )
 
     def reserve(self, start: int, length: int) -> None:
         """Backs `length` bytes at `start` with memory now (`prefault`): where the shm directory
