@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
 from typing import ClassVar, Protocol, TypeVar
 
 from kvstore.history import FrequencyHistory
@@ -155,15 +156,20 @@ class PlainLRU(LRU):
             order.move_to_end(page)
 
 
-class _Bucket(OrderedDict[Page, int]):
-    """The pages of one priority, least recent first, with their counts."""
+class _Run:
+    """Pages placed by one call at one priority and count, in placement order.
 
-    __slots__ = ("priority", "peak")
+    A page belongs to the last run it was placed in (`LFUDA._run_of`); the copies it left behind
+    in older runs are skipped, and a run is compacted once fewer than half its pages belong to it.
+    """
 
-    def __init__(self, priority: int, pages: Iterable[tuple[Page, int]] = ()) -> None:
-        super().__init__(pages)
-        self.priority = priority  # the one int object every page of the bucket refers to
-        self.peak = len(self)  # a dict never shrinks its table: the bucket is copied at a quarter of this
+    __slots__ = ("priority", "count", "pages", "live")
+
+    def __init__(self, priority: int, count: int) -> None:
+        self.priority = priority
+        self.count = count
+        self.pages: list[Page] = []
+        self.live = 0  # pages that belong to it
 
 
 @register("lfuda")
@@ -177,77 +183,144 @@ class LFUDA(EvictionPolicy):
     it in a chain (every use of a tail uses its head), so heads outlast tails. The counts of
     evicted pages live on in a `FrequencyHistory` with two slots per page held, so a page stored
     again soon after its eviction resumes its count.
+
+    Pages are kept in runs (`_Run`): the pages one call placed at one priority and count, in
+    order. Each priority's bucket holds its runs in placement order, so the eviction order is
+    (priority, run, place in run). A hit on a chain moves whole runs: the pages that shared a run
+    share their new count and priority, so it costs a few C-level passes over the chain and
+    Python work per run, not per page.
     """
 
     def __init__(self) -> None:
-        self._priority: dict[Page, int] = {}
-        self._buckets: dict[int, _Bucket] = {}
+        self._run_of: dict[Page, _Run] = {}
+        self._buckets: dict[int, dict[_Run, None]] = {}  # priority -> its runs, oldest first
         self._floor = 0  # no page has a lower priority
         self._age = 0  # L
         self._history = FrequencyHistory()
 
-    def _take(self, page: Page) -> tuple[int, int]:
-        priority = self._priority.pop(page)
-        bucket = self._buckets[priority]
-        count = bucket.pop(page)
-        if not bucket:
-            del self._buckets[priority]
-        elif len(bucket) < bucket.peak >> 2:
-            self._buckets[priority] = _Bucket(priority, bucket.items())
-        return priority, count
-
-    def _place(self, page: Page, priority: int, count: int) -> None:
+    def _new_run(self, priority: int, count: int) -> _Run:
+        run = _Run(priority, count)
         bucket = self._buckets.get(priority)
         if bucket is None:
-            bucket = self._buckets[priority] = _Bucket(priority)
-            self._floor = min(self._floor, priority)
-        bucket[page] = count
-        bucket.peak = max(bucket.peak, len(bucket))
-        self._priority[page] = bucket.priority
+            bucket = self._buckets[priority] = {}
+            if priority < self._floor:
+                self._floor = priority
+        bucket[run] = None
+        return run
+
+    def _left(self, run: _Run, pages: int) -> None:
+        """`pages` of `run`'s pages now belong elsewhere (or nowhere)."""
+        run.live -= pages
+        if run.live * 2 >= len(run.pages):
+            return
+        if run.live:
+            run_of = self._run_of
+            run.pages = [page for page in run.pages if run_of.get(page) is run]
+            return
+        bucket = self._buckets[run.priority]
+        del bucket[run]
+        if not bucket:
+            del self._buckets[run.priority]
 
     def hit(self, chain: Sequence[Page]) -> None:
+        pages = chain[::-1]  # tail first
+        olds = list(map(self._run_of.__getitem__, pages))
+        if len(set(pages)) < len(pages):  # a page read twice: its second use sees its first
+            self._hit_each(pages)
+            return
+        age = self._age
+        run_of = self._run_of
         next_priority = next_count = 0  # of the page after this one: a prefix is worth its extensions
-        for page in reversed(chain):
-            _, count = self._take(page)
-            count = max(count + 1, next_count)
+        run: _Run | None = None
+        start = 0
+        while start < len(pages):
+            old = olds[start]
+            end = start + 1
+            if olds[-1] is old and olds.count(old) == len(olds) - start:
+                end = len(olds)  # the rest of the chain came from one run (the usual case)
+            else:
+                while end < len(olds) and olds[end] is old:
+                    end += 1
+            # Every page of `old` had its count: each gets the same new count and priority.
+            count = max(old.count + 1, next_count)
+            next_priority = max(age + count, next_priority)
+            if run is None or run.count != count or run.priority != next_priority:
+                run = self._new_run(next_priority, count)
+            group = pages[start:end]
+            run.pages += group
+            run.live += len(group)
+            run_of.update(zip(group, repeat(run)))
+            self._left(old, len(group))
+            next_count = count
+            start = end
+
+    def _hit_each(self, pages: Sequence[Page]) -> None:
+        """`hit` one page at a time (tail first), for a chain that names a page twice."""
+        run_of = self._run_of
+        next_priority = next_count = 0
+        run: _Run | None = None
+        for page in pages:
+            old = run_of[page]
+            count = max(old.count + 1, next_count)
             next_priority = max(self._age + count, next_priority)
-            self._place(page, next_priority, count)
+            if run is None or run is old or run.count != count or run.priority != next_priority:
+                run = self._new_run(next_priority, count)
+            self._place(page, run)
+            self._left(old, 1)
             next_count = count
 
+    def _place(self, page: Page, run: _Run) -> None:
+        run.pages.append(page)
+        run.live += 1
+        self._run_of[page] = run
+
     def stored(self, chain: Sequence[Page]) -> None:
+        run_of = self._run_of
         next_priority = next_count = 0
+        run: _Run | None = None
         for page in reversed(chain):
-            if page in self._priority:
-                priority, count = self._take(page)
+            old = run_of.get(page)
+            if old is not None:
+                priority, count = old.priority, old.count
             else:
                 priority, count = 0, self._history.pop(page.key) + 1
             count = max(count, next_count)
             next_priority = max(priority, self._age + count, next_priority)
-            self._place(page, next_priority, count)
+            if run is None or run is old or run.count != count or run.priority != next_priority:
+                run = self._new_run(next_priority, count)
+            self._place(page, run)
+            if old is not None:
+                self._left(old, 1)
             next_count = count
-        self._history.fit(len(self._priority))
+        self._history.fit(len(run_of))
 
     def evicted(self, page: Page) -> None:
-        priority, count = self._take(page)
-        self._age = max(self._age, priority)
-        self._history.put(page.key, count)
+        run = self._run_of.pop(page)
+        self._age = max(self._age, run.priority)
+        self._history.put(page.key, run.count)
+        self._left(run, 1)
 
     def remove(self, page: Page) -> None:
-        if page in self._priority:
-            self._take(page)
+        run = self._run_of.pop(page, None)
+        if run is not None:
+            self._left(run, 1)
 
     def candidates(self) -> Iterator[Page]:
         buckets = self._buckets
-        left = len(self._priority)
+        run_of = self._run_of
+        left = len(run_of)
         while left and self._floor not in buckets:
             self._floor += 1
         priority = self._floor
         while left:
             bucket = buckets.get(priority)
             if bucket:
-                yield from bucket
-                left -= len(bucket)
+                for run in bucket:
+                    for page in run.pages:
+                        if run_of.get(page) is run:
+                            yield page
+                    left -= run.live
             priority += 1
 
     def __len__(self) -> int:
-        return len(self._priority)
+        return len(self._run_of)
