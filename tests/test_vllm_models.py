@@ -34,6 +34,8 @@ DEEPSEEK_V2_LITE = Model(
 GPT_OSS = Model(num_layers=4, kinds=("sliding", "full") * 2, window=128)
 # Gemma 3's: five sliding-window layers to one full
 GEMMA3 = Model(num_layers=6, kinds=("sliding",) * 5 + ("full",), window=64)
+# Llama 4's: chunked-local attention layers beside full ones (every fourth)
+LLAMA4 = Model(num_layers=4, kinds=("chunked", "chunked", "chunked", "full"), window=96)
 # Qwen3-Next's: three linear-attention (Mamba-state) layers to one full
 QWEN3_NEXT = Model(num_layers=8, kinds=("mamba", "mamba", "mamba", "full") * 2)
 STATE_BLOCK = 16  # the Mamba block size (vLLM's block size here): a stateful model's chunk
@@ -159,6 +161,27 @@ def _record_loads(engine: Engine) -> dict[int, int]:
 
     worker._start_load = recording
     return chunks
+
+
+def test_chunked_local_attention_loads_the_resume_point_s_attention_chunk_only(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    """Llama 4's pattern: chunked-local layers (attention chunks of 96 tokens here) beside full
+    ones. A request resumed at 384 (= 4 x 96) needs none of the chunked layers' KV; one resumed at
+    320 needs its attention chunk's, [288, 320): one page of 32."""
+    model = LLAMA4
+    a = prompt(18, 12 * CHUNK + 3)  # resumes at 384
+    assert serve(make_engine(kvstored, model), "A", a) == len(a)
+    second = make_engine(kvstored, model)
+    loaded = _record_loads(second)
+    assert serve(second, "B", a) == 3
+    kinds = {g: side.group.kind for g, side in second.workers[0]._worker.groups.items()}
+    assert {kinds[g]: n for g, n in loaded.items()} == {"full": 12}  # the chunked layers: nothing
+    b = a[: 10 * CHUNK] + prompt(19, 40)  # resumes at 320
+    third = make_engine(kvstored, model)
+    loaded = _record_loads(third)
+    assert serve(third, "C", b) == len(b) - 10 * CHUNK
+    assert {kinds[g]: n for g, n in loaded.items()} == {"full": 10, "chunked": 1}
 
 
 def test_a_prefix_ending_inside_a_window_loads_what_that_window_needs(
@@ -331,8 +354,13 @@ def test_a_backend_with_smaller_kernel_blocks_is_served(
 def test_an_attention_kind_the_connector_does_not_serve_is_refused_at_start_up(
     kvstored: Daemon, make_engine: Callable[..., Engine]
 ) -> None:
-    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.attn are ChunkedLocalAttentionSpec"):
-        make_engine(kvstored, Model(num_layers=2, kinds=("full", "chunked")))
+    with pytest.raises(
+        ValueError, match=r"model.layers.1.self_attn.attn are sliding-window MLA \(SlidingWindowMLASpec\)"
+    ):
+        make_engine(
+            kvstored,
+            Model(num_layers=2, num_kv_heads=1, head_dim=576, kinds=("mla", "sliding_mla"), backend="TRITON_MLA"),
+        )
 
 
 def test_a_backend_whose_layout_is_unknown_is_refused_at_start_up(

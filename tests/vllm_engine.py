@@ -40,6 +40,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -65,6 +66,7 @@ class WrongKV(AssertionError):
 @dataclass(frozen=True)
 class Model:
     """The stand-in model: its depth and each layer's kind (`full`, `sliding` with `window`,
+    `chunked` (chunked-local attention in chunks of `window` tokens),
     `mla`, whose latent is `head_dim` wide and the same on every TP rank, or `mamba`, whose
     state is `STATE_BYTES` per TP rank, `state_shared` across them), its KV-cache dtype
     (`auto` or vLLM's fp8 names, with one per-tensor `kv_scale` for K and V) and the attention
@@ -347,8 +349,13 @@ class Engine:
                     for b in self._block_ids(req_id, self.group_of[name])
                     for part in range(ratio)
                 ]
-                # a sliding window's layers attend to (and vLLM keeps) the window's tokens only
-                start = max(0, done - (self.model.window - 1)) if kind == "sliding" else 0
+                # a sliding window's layers attend to (and vLLM keeps) the window's tokens only, a
+                # chunked-local layer's to its attention chunk's (of `window` tokens)
+                start = 0
+                if kind == "sliding":
+                    start = max(0, done - (self.model.window - 1))
+                elif kind == "chunked":
+                    start = done // self.model.window * self.model.window
                 if done > start:
                     held = read_kv(self.model, cache, blocks, start, done, block_size)
                     want = expected_kv(tokens[:done], layer, rank, self.model)[start:]
@@ -501,7 +508,16 @@ def _layer_spec(model: Model, layer: int, block_size: int, mamba_cache_mode: str
             num_kv_heads=model.num_kv_heads,
             head_size=model.head_dim,
             dtype=dtype,
-            attention_chunk_size=4 * block_size,
+            attention_chunk_size=model.window,
+        )
+    if kind == "sliding_mla":
+        return SlidingWindowMLASpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=model.head_dim,
+            dtype=dtype,
+            sliding_window=model.window,
+            cache_dtype_str=model.cache_dtype,
         )
     if kind == "sliding":
         return SlidingWindowSpec(

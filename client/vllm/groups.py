@@ -15,6 +15,8 @@ can restore each group from its own pages:
   chunk's page holds the tokens of the window at its own end; the rest of its positions are
   zeros (vLLM may have freed those blocks before the chunk was complete) and are never loaded.
 
+- `chunked` (chunked-local attention, Llama 4's, chunks of c tokens): as `sliding`, with the
+  window of a resume point t the tokens of its attention chunk, [c * (t // c), t).
 - `mamba` (Mamba, linear attention: vLLM's `MambaSpec` with `mamba_cache_mode="align"`): no KV
   per token but one fixed-size state per layer, which vLLM keeps at block boundaries. A state
   page holds the group's layers' states after a chunk's last token (the raw bytes of each
@@ -25,7 +27,7 @@ can restore each group from its own pages:
   block size (`chunk_tokens`), and a lookup ends at the last stored state within what every other
   group can restore. States sharded across TP ranks are stored per rank; replicated ones once.
 
-Anything else (Mamba state outside align mode, chunked-local attention, quantizations whose
+Anything else (Mamba state outside align mode, sliding-window MLA, quantizations whose
 bytes carry their own scales, an attention kind a later vLLM adds) is refused at start-up by
 `read_groups`, naming the layer kind and the model: never a wrong hit, never a crash mid-serving.
 The page dtype is the cache's (`cache_dtype`: auto is the model's dtype; fp8, fp8_e4m3 and
@@ -45,7 +47,7 @@ import xxhash
 
 from kvstore.spec import KVSpec
 
-FULL, MLA, SLIDING, MAMBA = "full", "mla", "sliding", "mamba"
+FULL, MLA, SLIDING, CHUNKED, MAMBA = "full", "mla", "sliding", "chunked", "mamba"
 # vLLM's cache dtypes a page can hold ("auto": the model's dtype)
 CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
@@ -55,7 +57,7 @@ class Group:
     """One KV-cache group the connector serves."""
 
     index: int  # vLLM's group id: the position of its block ids in a request's block table
-    kind: str  # FULL, MLA, SLIDING or MAMBA
+    kind: str  # FULL, MLA, SLIDING, CHUNKED or MAMBA
     layer_names: tuple[str, ...]
     layer_ids: tuple[int, ...]  # the model's layer index of each
     block_size: int  # vLLM's (the scheduler's) block size for this group
@@ -63,8 +65,29 @@ class Group:
     head_dim: int  # MLA: the latent width; MAMBA: a layer's state bytes
     dtype: str
     retained: int = 0  # SLIDING: tokens before a resume point its layers attend to (w - 1)
+    attention_chunk: int = 0  # CHUNKED: the tokens of an attention chunk
     state: str = ""  # MAMBA: the state's format (its tensors' dtypes and shapes)
     shared: bool = False  # MAMBA: every TP rank holds the whole state
+
+    @property
+    def windowed(self) -> bool:
+        """Whether a resumed request's layers of this group attend to a window of tokens only."""
+        return self.kind in (SLIDING, CHUNKED)
+
+    @property
+    def frees_blocks(self) -> bool:
+        """Whether vLLM may free or move blocks of this group while the request runs (a window's
+        blocks behind it, a state's after the next step): a save must be read before the next
+        forward."""
+        return self.windowed or self.kind == MAMBA
+
+    def window_start(self, end: int) -> int:
+        """The first token a request resumed at token `end` attends to in these layers."""
+        if self.kind == SLIDING:
+            return max(0, end - self.retained)
+        if self.kind == CHUNKED:
+            return end // self.attention_chunk * self.attention_chunk
+        return 0
 
     @property
     def replicated(self) -> bool:
@@ -158,6 +181,7 @@ def read_groups(vllm_config: Any, kv_cache_config: Any) -> list[Group]:
                 retained=int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0))
                 if kind == SLIDING
                 else 0,
+                attention_chunk=int(spec.attention_chunk_size) if kind == CHUNKED else 0,
             )
         )
     if not served:
@@ -234,6 +258,7 @@ def scales_text(layers: Sequence[tuple[str, float, float]]) -> str:
 
 def _kind(spec: Any, group: Any, model: str) -> str:
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         MambaSpec,
         MLAAttentionSpec,
@@ -252,6 +277,8 @@ def _kind(spec: Any, group: Any, model: str) -> str:
         return MLA
     if type(spec) is SlidingWindowSpec:
         return SLIDING
+    if type(spec) is ChunkedLocalAttentionSpec:
+        return CHUNKED
     if type(spec) is MambaSpec:
         if spec.mamba_cache_mode != "align":
             raise ValueError(

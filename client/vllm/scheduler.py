@@ -334,7 +334,7 @@ class SchedulerSide:
             for client in clients:
                 if hit <= first:
                     return 0
-                if group.retained:
+                if group.windowed:
                     reached = self._window_hit(state, client, group, first, hit, request.num_tokens)
                     if stateful and reached < hit:
                         return 0
@@ -379,10 +379,10 @@ class SchedulerSide:
     def _window_hit(
         self, state: _Request, client: Any, group: Group, first: int, stop: int, tokens: int
     ) -> int:
-        """How far the window's chunks of a sliding-window group are stored: `stop` where the
-        chunks of the `retained` tokens before the resume point are, else the stored prefix."""
+        """How far the window's chunks of a windowed group are stored: `stop` where the chunks of
+        the window before the resume point are, else the stored prefix."""
         end = min(stop * self.chunk_tokens, tokens - 1)
-        start = max(first, (end - group.retained) // self.chunk_tokens)
+        start = max(first, group.window_start(end) // self.chunk_tokens)
         memo = self._memo(client)
         keys = state.chunk_keys(client, stop, memo)
         if client.lookup_chunks(keys[start:stop]) == stop - start:
@@ -562,11 +562,11 @@ class SchedulerSide:
             if len(table) < stop * per_chunk:
                 return
             blocks = list(table[first * per_chunk : stop * per_chunk])
-            if group.retained:  # positions outside each chunk's own window: the null block's zeros
+            if group.windowed:  # positions outside each chunk's own window: the null block's zeros
                 for offset in range(len(blocks)):
                     block_end = (first * per_chunk + offset + 1) * self.block_size
                     chunk_end = (first + offset // per_chunk + 1) * chunk
-                    if block_end <= chunk_end - group.retained:
+                    if block_end <= group.window_start(chunk_end):
                         blocks[offset] = self.null_block
             keys = [state.chunk_keys(client, stop, self._memo(client)) for client in clients]
             planned.append(
@@ -655,7 +655,7 @@ def _lookup_order(group: Group) -> int:
     """Groups of every token first, then states, then windows (see `_matched`)."""
     if group.kind == MAMBA:
         return 1
-    return 2 if group.retained else 0
+    return 2 if group.windowed else 0
 
 
 def _null_head(table: Sequence[int], null_block: int) -> int:

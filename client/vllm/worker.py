@@ -326,9 +326,9 @@ class WorkerSide:
                 handle = client.store_async(
                     None, side.registered, side.cache.kernel_blocks(spec.block_ids), keys=keys, stream=stream
                 )
-                if stream is not None and side.group.kind == MAMBA:
-                    # vLLM may hand a state's block to another request from the next step on:
-                    # no later forward writes it before the gather has read it
+                if stream is not None and side.group.frees_blocks:
+                    # vLLM may hand a window's or a state's block to another request from the
+                    # next step on: no later forward writes it before the gather has read it
                     torch.cuda.current_stream(stream.device).wait_stream(stream)
             except Exception:
                 log.exception("saving %s failed; its chunks are not stored", spec.req_id)
