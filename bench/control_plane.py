@@ -32,6 +32,13 @@ Prints tables and writes `bench/results/control_plane.json` (and a timestamped c
    side by side and timed in turns: the local channel (1, 64, 512 keys, the caller known by its
    uid), gRPC (1 and 64 keys, the caller known by its tenant's token), the client's
    `lookup_chunks`; the ratio of their p50s (target: at most 1.05).
+8. Host (`--parts host`, issue #31 part 3): the daemon's own work per Lookup (the policy's hit
+   accounting for 512 pages, a leased and a plain 512-key Lookup, the local channel's answer to
+   a 64-key one) and, with `--index-pages N`, the index's bytes per page at N pages, this tree
+   and `--baseline TREE` each in processes of their own, in turns (`bench/control_plane_host.py`).
+9. Storm (`--parts storm`): `--storm-processes` processes calling 64-key Lookups back to back
+   over the local channel for `--storm-seconds`: calls per second and p50/p99, this tree's daemon
+   and `--baseline TREE`'s in turns (`bench/lookup_storm.py`).
 4. With `--against TREE` (another checkout, e.g. `git worktree add ../before REV`): Lookup, load
    and store latency of this tree's daemon and client against TREE's, both running side by side
    and timed in alternating batches (`bench/latency_probe.py`), in `--rounds` rounds of fresh
@@ -76,7 +83,9 @@ from bench.common import (  # noqa: E402
     running_daemon,
     write_results,
 )
+from bench.control_plane_host import compare as compare_host  # noqa: E402
 from bench.latency_probe import MAX_RATIO, SERIES, compare_trees  # noqa: E402
+from bench.lookup_storm import compare as compare_storm  # noqa: E402
 from kvstore.config import EvictionConfig, format_size, parse_size  # noqa: E402
 from kvstore.handlers import Handlers  # noqa: E402
 from kvstore.keys import chunk_keys, pack_keys, unpack_keys  # noqa: E402
@@ -117,11 +126,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--parts",
         nargs="+",
-        choices=("lookup", "throughput", "event_loop", "tenants", "metrics", "scrape_turns", "against"),
+        choices=(
+            "lookup",
+            "throughput",
+            "event_loop",
+            "tenants",
+            "metrics",
+            "scrape_turns",
+            "against",
+            "host",
+            "storm",
+        ),
         default=["lookup", "throughput", "event_loop", "tenants", "metrics"],
     )
     parser.add_argument("--against", type=Path, help="another kvstore source tree to compare latency with")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of fresh processes for --against")
+    parser.add_argument("--baseline", type=Path, help="host and storm parts: another tree, timed in turns")
+    parser.add_argument(
+        "--index-pages", type=int, default=0, help="host part: pages for the index size (0: none)"
+    )
+    parser.add_argument("--storm-processes", type=int, default=16, help="storm part: Lookup processes")
+    parser.add_argument("--storm-seconds", type=float, default=5.0, help="storm part: seconds per round")
     parser.add_argument(
         "--scrape-interval",
         type=float,
@@ -1075,6 +1100,57 @@ def report_event_loops(results: dict[str, Any]) -> None:
     )
 
 
+TARGET_POLICY_HIT_512_US = 50.0
+TARGET_STORM_PER_S = 40_000
+TARGET_STORM_P99_US = 1000.0
+TARGET_INDEX_BYTES = 256
+
+
+def report_host(host: dict[str, Any]) -> None:
+    keys = [
+        ("policy_hit_512", f"policy hit accounting, 512 pages (<= {TARGET_POLICY_HIT_512_US:.0f})"),
+        ("leased_lookup_512", "leased Lookup + Release, 512 keys"),
+        ("plain_lookup_512", "plain Lookup, 512 keys"),
+        ("respond_lookup_64", "local channel answer, 64-key Lookup"),
+        ("index_bytes_per_page", f"index bytes per page (<= {TARGET_INDEX_BYTES})"),
+    ]
+    medians = host["medians"]
+    names = list(medians)
+    rows = [[label] + [_figure(medians[name].get(key)) for name in names] for key, label in keys]
+    print("\nthe daemon's own work (p50 µs, median of the rounds) and index size")
+    print_table(["figure"] + names, rows)
+
+
+def report_storm(storm: dict[str, Any]) -> None:
+    rows = []
+    for name, runs in storm["runs"].items():
+        for index, run in enumerate(runs):
+            rows.append(
+                [
+                    f"{name} {index}",
+                    round(run["calls_per_s"]),
+                    round(run["p50_us"]),
+                    round(run["p99_us"]),
+                    round(run["daemon_cpu_us_per_call"], 1),
+                ]
+            )
+    print(f"\n64-key Lookups from {storm['runs'][next(iter(storm['runs']))][0]['processes']} processes")
+    print_table(
+        [
+            "tree, round",
+            f"calls/s (>= {TARGET_STORM_PER_S})",
+            "p50 µs",
+            f"p99 µs (<= {TARGET_STORM_P99_US:.0f})",
+            "daemon CPU µs/call",
+        ],
+        rows,
+    )
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import kvstore_kernels  # both parts store pages through the client, which copies with it
@@ -1106,6 +1182,16 @@ def main(argv: list[str] | None = None) -> int:
     scrape_turns = bench_scrape_turns(args) if "scrape_turns" in args.parts else None
     if scrape_turns is not None:
         report_scrape_turns(scrape_turns)
+    host = storm = None
+    this_tree = Path(__file__).resolve().parents[1]
+    if "host" in args.parts:
+        host = compare_host(this_tree, args.baseline, args.rounds, args.lookup_calls, args.index_pages)
+        report_host(host)
+    if "storm" in args.parts:
+        storm = compare_storm(
+            this_tree, args.baseline, args.storm_processes, args.storm_seconds, 64, args.rounds, False
+        )
+        report_storm(storm)
     against = None
     if "against" in args.parts:
         calls = 200 if args.quick else 3000
@@ -1146,6 +1232,8 @@ def main(argv: list[str] | None = None) -> int:
             "scrape_turns": scrape_turns,
             "targets": goals,
             "against": against,
+            "host": host,
+            "storm": storm,
             "elapsed_s": time.perf_counter() - started,
             "note": "KV caches on the CPU: pages move with kvstore_kernels' torch reference, not Triton",
         },
