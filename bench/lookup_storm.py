@@ -88,7 +88,8 @@ class Tree:
             ("kvstore_kernels", "kernels"),
         ):
             (self.names / name).symlink_to(tree.resolve() / folder, target_is_directory=True)
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(self.names)]))}
+        path = os.pathsep.join(filter(None, [str(self.names), os.environ.get("PYTHONPATH")]))
+        self.env = {**os.environ, "PYTHONPATH": path}  # the tree's packages ahead of any other
 
     def run(self, args: list[str], cwd: Path, script: Path | None = None) -> subprocess.Popen[str]:
         """`script` (this module by default) run with the tree's packages."""
