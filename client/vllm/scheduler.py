@@ -353,15 +353,12 @@ class SchedulerSide:
         """`first` plus the chunks up to the last boundary in `(first, stop]` whose state every
         rank's namespace holds (`first` where there is none): states are kept only where a step
         of some engine ended, so they need not form a prefix."""
-        held: list[bool] | None = None
+        held = [True] * (stop - first)
         for client in clients:
             keys = state.chunk_keys(client, stop, self._memo(client))[first:stop]
-            tiers = client.lookup_each(keys)
-            held = [bool(t) for t in tiers] if held is None else [a and bool(t) for a, t in zip(held, tiers)]
-        for index in range(len(held or ()) - 1, -1, -1):
-            if held and held[index]:
-                return first + index + 1
-        return first
+            held = [has and tier != 0 for has, tier in zip(held, client.lookup_each(keys), strict=True)]
+        last = next((index for index in range(len(held) - 1, -1, -1) if held[index]), -1)
+        return first + last + 1
 
     def _prefix_hit(self, state: _Request, client: Any, first: int, stop: int) -> int:
         """`first` plus the stored chunks from `first` on under `client`'s namespace, up to `stop`.
