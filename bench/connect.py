@@ -137,6 +137,7 @@ def fill_summary(run: dict[str, Any]) -> dict[str, Any]:
         "lost_fraction": (run["fill_s"] - ideal_s) / run["fill_s"],
         "waited_s": sum(store["waited_s"] for store in stores),
         "first_store_s": stores[0]["s"],
+        "gap_s": run.get("gap_s"),  # connect to the first store
         "min_rate_ratio": min(ratios),
         "stores_below_0.8": sum(r < 0.8 for r in ratios),
         "unpinned": sum(store["unpinned"] for store in stores),

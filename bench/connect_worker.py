@@ -188,13 +188,16 @@ class PromptSet:
         return load(client, view)
 
 
-def fill(client: KVStoreClient, on: torch.device, args: argparse.Namespace, started: float) -> dict[str, Any]:
-    """The fill, the byte check, the steady rate and a second client in the process."""
-    prompts = PromptSet(args.tokens, 4, 7000 + args.seed, on)
+def fill(
+    client: KVStoreClient, on: torch.device, args: argparse.Namespace, started: float, prompts: PromptSet
+) -> dict[str, Any]:
+    """The fill (its prompts made before connect), the byte check, the steady rate and a second
+    client in the process. `gap_s`: from connect to the first store."""
     if args.pause:
-        time.sleep(args.pause)
+        time.sleep(max(0.0, args.pause - (time.perf_counter() - started)))
     result: dict[str, Any] = {"pause_s": args.pause, "at_start": client._mapped.stats()}
     fill_started = time.perf_counter()
+    result["gap_s"] = fill_started - started
     stores = [prompts.store(client, i) for i in range(args.fill)]
     result["fill_s"] = time.perf_counter() - fill_started
     result["stores"] = stores
@@ -240,6 +243,8 @@ def main() -> None:
     args = parser.parse_args()
     on = device()
     kernels_s = warm_kernels(on, args.tokens)
+    prompts = PromptSet(args.tokens, 4, 7000 + args.seed, on) if args.fill else None
+    synchronize(on)
     started = time.perf_counter()
     client = KVStoreClient.connect(args.address, SPEC)
     connect_s = time.perf_counter() - started
@@ -251,8 +256,8 @@ def main() -> None:
         "slabs": at_connect.get("slabs", 0),
         "slabs_registered_at_connect": at_connect.get("slabs_registered", 0),
     }
-    if args.fill:
-        result.update(fill(client, on, args, started))
+    if prompts is not None:
+        result.update(fill(client, on, args, started, prompts))
         client.close()
         print(json.dumps(result))
         return

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 PENDING, REGISTERED, FAILED = 0, 1, 2
 QUIET_S = 0.25  # slabs no transfer asked for are registered once transfers have paused this long
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
+FAULT_PIECE = 16 << 20  # faulted in per call (see Faulter)
 TOUCH_STRIDE = 4096  # where the kernel cannot populate: one read per small page faults them in
 
 
@@ -75,7 +76,12 @@ class Faulter:
 
     def __call__(self, address: int, size: int) -> None:
         if self.populates:
-            if populate(address, size):
+            # In pieces: the kernel holds the process's mmap lock while it populates, and the
+            # worker's own mmap calls (thread stacks, allocations) wait for it.
+            done = 0
+            while done < size and populate(address + done, min(FAULT_PIECE, size - done)):
+                done += FAULT_PIECE
+            if done >= size:
                 return
             if ctypes.get_errno() != errno.EINVAL:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))

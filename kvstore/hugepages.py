@@ -4,6 +4,7 @@
   `MOUNTS_FILE`, or None.
 - `hugetlbfs_page_bytes(directory)`: the huge page size where `directory` is on hugetlbfs
   (every arena there is made of such pages; its size and slabs must be multiples), else None.
+- `hugetlbfs_free_bytes(directory, page_bytes)`: what an arena may still take there.
 - `thp_mode(directory)`: the transparent-huge-page setting a tmpfs arena there gets: the mount's
   `huge=` option, or, for memfd arenas (`directory` None), the kernel's shmem setting
   (`SHMEM_THP_FILE`); "never" where there is none.
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MOUNTS_FILE = "/proc/self/mounts"
 SHMEM_THP_FILE = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+HUGEPAGES_DIR = "/sys/kernel/mm/hugepages"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -89,6 +91,19 @@ def hugetlbfs_page_bytes(directory: str) -> int | None:
     if "pagesize" in mount.options:
         return _size(mount.options["pagesize"])
     return os.statvfs(directory).f_bsize  # hugetlbfs reports its page size as the block size
+
+
+def hugetlbfs_free_bytes(directory: str, page_bytes: int) -> int:
+    """Bytes an arena may still take on the hugetlbfs mount at `directory`: its size limit's free
+    space, or, on a mount with none (statvfs then counts no blocks), the pool's free pages."""
+    fs = os.statvfs(directory)
+    if fs.f_blocks:
+        return fs.f_bavail * fs.f_frsize
+    try:
+        with open(f"{HUGEPAGES_DIR}/hugepages-{page_bytes >> 10}kB/free_hugepages") as file:
+            return int(file.read()) * page_bytes
+    except (OSError, ValueError):
+        return 0
 
 
 def thp_mode(directory: str | None) -> str:

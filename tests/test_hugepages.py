@@ -1,17 +1,30 @@
-"""Huge pages under the arena: hugetlbfs and tmpfs `huge=advise` found from the mount table, a
-hugetlbfs arena whose size or slabs are not whole pages refused naming the key, and an arena on
-an advising tmpfs reserved by faulting through its mapping."""
+"""Huge pages under the arena: hugetlbfs and tmpfs `huge=advise|always|within_size` found from the
+mount table (and memfd arenas from the kernel's shmem setting), a hugetlbfs arena whose size or
+slabs are not whole pages refused naming the key, an arena on an advising tmpfs reserved by
+faulting through its mapping; real kvstoreds on a hugetlbfs mount and on a huge=always tmpfs
+(where this machine lets the test mount them, as root; else skipped saying why) report their
+pages in Stats and the log and store every byte."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvstore import hugepages
+from kvstore.cli import arena_pages_line
 from kvstore.config import ConfigError, parse_config
+from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tiers.cpu import Arena
+from kvstore.wire import stats_to_dict
+from kvstore_client import KVStoreClient
+from tests.harness import Daemon
+from tests.test_client import assert_blocks_equal, empty_cache, make_spec, random_cache, tokens_of
 
 MiB = 1 << 20
 
@@ -89,3 +102,129 @@ def test_an_arena_on_an_advising_tmpfs_asks_for_huge_pages_and_reserves_through_
         assert os.stat(plain.path).st_blocks * 512 >= 4 * MiB
     finally:
         plain.close()
+
+
+def test_which_pages_an_arena_gets_follows_the_mount_and_the_kernel(
+    mounts: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = mounts / "mounts"
+    table.write_text(
+        table.read_text()
+        + f"tmpfs {mounts}/always tmpfs rw,huge=always 0 0\n"
+        + f"tmpfs {mounts}/sized tmpfs rw,huge=within_size 0 0\n"
+    )
+    assert hugepages.arena_pages(str(mounts / "huge"), advised=False) == ("hugetlbfs", 2 * MiB)
+    assert hugepages.arena_pages(str(mounts / "always"), advised=False) == ("thp", 2 * MiB)
+    assert hugepages.arena_pages(str(mounts / "sized"), advised=False) == ("thp", 2 * MiB)
+    assert hugepages.arena_pages(str(mounts / "thp"), advised=True) == ("thp", 2 * MiB)
+    assert hugepages.arena_pages(str(mounts / "thp"), advised=False).kind == "none"  # the advice refused
+    assert hugepages.arena_pages(str(mounts / "plain"), advised=False) == ("none", hugepages.SMALL_PAGE)
+    shmem = mounts / "shmem_enabled"
+    monkeypatch.setattr(hugepages, "SHMEM_THP_FILE", str(shmem))
+    for text, kind in [
+        ("always within_size [advise] never deny force\n", "thp"),
+        ("[never] advise\n", "none"),
+    ]:
+        shmem.write_text(text)
+        assert hugepages.arena_pages(None, advised=True).kind == kind  # a memfd arena (a tenant's)
+    assert hugepages.ArenaPages("hugetlbfs", 2 * MiB).figures() == {
+        "arena_huge_pages": 2,
+        "arena_page_bytes": 2 * MiB,
+    }
+
+
+def _free_huge_pages() -> int:
+    with open("/proc/meminfo") as file:
+        fields = dict(line.split(":", 1) for line in file)
+    return int(fields["HugePages_Free"].split()[0])
+
+
+@pytest.fixture
+def hugetlbfs(tmp_path: Path) -> Iterator[Path]:
+    """A hugetlbfs mount of 2 MiB pages with 16 free ones (set aside for the test and given back),
+    or a skip saying why this machine cannot have one."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting hugetlbfs needs root")
+    point = tmp_path / "hugetlbfs"
+    point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "hugetlbfs", "-o", "pagesize=2M", "none", str(point)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount hugetlbfs here: {mounted.stderr.decode().strip()}")
+    nr = Path("/proc/sys/vm/nr_hugepages")
+    before = int(nr.read_text())
+    try:
+        if _free_huge_pages() < 16:
+            nr.write_text(str(before + 16 - _free_huge_pages()))
+        if _free_huge_pages() < 16:
+            pytest.skip("the kernel could not set 16 huge pages aside (memory too fragmented)")
+        yield point
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+        nr.write_text(str(before))
+
+
+def test_an_arena_on_hugetlbfs_says_so_and_stores_every_byte(
+    hugetlbfs: Path, daemon_factory: Callable[..., Daemon]
+) -> None:
+    daemon = daemon_factory(tiers__cpu={"bytes": "16MiB", "slab_bytes": "4MiB", "shm_dir": str(hugetlbfs)})
+    until_reserved(daemon)
+    counters = stats_to_dict(daemon.stub().Stats(pb.StatsRequest()))["counters"]
+    assert arena_pages_line(counters) == "arena pages: 2 MiB huge pages (hugetlbfs)"
+    assert "of 2 MiB huge pages (hugetlbfs)" in daemon.log()
+    (arena,) = hugetlbfs.iterdir()
+    assert os.stat(arena).st_size == 16 * MiB
+    check_bytes(daemon)
+
+
+def test_an_arena_on_a_tmpfs_with_huge_always_says_thp(
+    tmp_path: Path, daemon_factory: Callable[..., Daemon]
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point = tmp_path / "thp"
+    point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m,huge=always", "none", str(point)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs with huge=always here: {mounted.stderr.decode().strip()}")
+    daemon = None
+    try:
+        daemon = daemon_factory(tiers__cpu={"bytes": "16MiB", "slab_bytes": "4MiB", "shm_dir": str(point)})
+        counters = stats_to_dict(daemon.stub().Stats(pb.StatsRequest()))["counters"]
+        assert arena_pages_line(counters) == "arena pages: 2 MiB huge pages (thp)"
+        check_bytes(daemon)
+    finally:
+        if daemon is not None and daemon.process.poll() is None:
+            assert daemon.stop() == 0
+        subprocess.run(["umount", str(point)], check=True)
+    plain = daemon_factory(
+        "plain", tiers__cpu={"bytes": "16MiB", "slab_bytes": "4MiB", "shm_dir": str(tmp_path)}
+    )
+    counters = stats_to_dict(plain.stub().Stats(pb.StatsRequest()))["counters"]
+    assert counters["arena_huge_pages"] == 0 and counters["arena_page_bytes"] == hugepages.SMALL_PAGE
+
+
+def until_reserved(daemon: Daemon) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        stats = stats_to_dict(daemon.stub().Stats(pb.StatsRequest()))
+        if stats["counters"]["arena_reserved_bytes"] >= stats["tiers"]["cpu"]["bytes_capacity"]:
+            return
+        assert time.monotonic() < deadline, "the arena was not reserved"
+        time.sleep(0.01)
+
+
+def check_bytes(daemon: Daemon) -> None:
+    """A prompt stored through the mapped arena and loaded back, byte for byte."""
+    spec = make_spec()
+    source = random_cache(spec, 128, seed=81)
+    tokens = tokens_of(8 * 256, seed=82)
+    blocks = torch.randperm(128, generator=torch.Generator().manual_seed(83))
+    with KVStoreClient.connect(daemon.address, spec, shared_memory=True) as client:
+        assert client.store(tokens, source, blocks) == 8
+        target = empty_cache(spec, 128)
+        assert client.load(tokens, target, blocks) == 8 * 256
+        assert_blocks_equal(target, blocks, source, blocks)

@@ -28,7 +28,13 @@ import time
 from pathlib import Path
 
 from kvstore.claim import check_shared_directory, create_private_file, remove_stale_file
-from kvstore.hugepages import advise_huge, arena_pages, thp_advised
+from kvstore.hugepages import (
+    advise_huge,
+    arena_pages,
+    hugetlbfs_free_bytes,
+    hugetlbfs_page_bytes,
+    thp_advised,
+)
 from kvstore.tiers.slab import SlabAllocator
 from kvstore.wire import MEMFD_PREFIX
 
@@ -124,6 +130,9 @@ class Arena:
         if prefault:
             fs = os.statvfs(path.parent)
             free = fs.f_bavail * fs.f_frsize
+            huge_page = hugetlbfs_page_bytes(str(path.parent))
+            if huge_page:
+                free = hugetlbfs_free_bytes(str(path.parent), huge_page)
             if free < size:
                 raise OSError(
                     f"tiers.cpu.bytes: a {size}-byte arena does not fit in {path.parent}, which has "
