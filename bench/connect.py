@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
 from bench.common import print_table, running_daemon, write_results  # noqa: E402
+from kvstore.hugepages import hugetlbfs_free_bytes, hugetlbfs_page_bytes  # noqa: E402
 from kvstore.proto import kvstore_pb2 as pb  # noqa: E402
 from tests.harness import Daemon, python_env  # noqa: E402
 
@@ -258,6 +259,9 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=10.0, help="fill: seconds the second worker pauses")
     args = parser.parse_args()
     free = shutil.disk_usage(args.shm_dir).free
+    huge_page = hugetlbfs_page_bytes(args.shm_dir)
+    if huge_page:  # a mount with no size limit counts no free blocks
+        free = hugetlbfs_free_bytes(args.shm_dir, huge_page)
     if args.parts == "fill":
         main_fill(args, free)
         return
