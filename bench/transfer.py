@@ -46,6 +46,10 @@ kvstored, each timed in turn with a pinned memcpy of the same bytes (`--model-to
   size 64), bf16 and fp8 (float8_e4m3fn): a prompt's pages stored (the namespace cleared before
   each, untimed) and loaded; and the copy alone (`kvstore_kernels.gather` / `scatter` into the
   memcpy's pinned buffer, no daemon), which tells what the client's control calls add.
+- llama: Llama-3.1-8B (flash_attn, bf16, blocks of 16; `--llama-tokens`, default 8k) the same way.
+- Each mla and llama row also keeps the host timestamps of `reps` more stores and loads, each after
+  its memcpy as in the timed rounds (`steps`, `step_rounds`; `StepClock`): the round trips, the
+  host work before the copy, the wait, the closing call.
 - sliding: gpt-oss-120b (36 layers alternating sliding window 128 and full attention, 8 KV
   heads, head dim 64, bf16), one namespace per KV-cache group as the vLLM connector keys them.
   A request resumed at the end of the prompt loads the full layers' every chunk and the
@@ -95,6 +99,7 @@ from bench.transfer_cases import (  # noqa: E402
     HostCopy,
     ModelCache,
     Setup,
+    StepClock,
     against,
     both_ways,
     copy_engines,
@@ -103,11 +108,13 @@ from bench.transfer_cases import (  # noqa: E402
     device_pack,
     gpt_oss_spec,
     kernel,
+    make_spec,
     memcpy,
     memcpy_pages,
     per_block_cuda,
     per_block_python,
     staged_path,
+    step_summary,
     synchronize,
     timed,
     timed_against,
@@ -463,11 +470,21 @@ MLA_DTYPES = ("bfloat16", "float8_e4m3fn")
 
 
 def mla_rows(dtype: str, tokens: int, reps: int) -> list[dict[str, Any]]:
-    """DeepSeek-V3's MLA pages of a `tokens` prompt stored, then loaded, by the public client, each
-    in turn with a pinned memcpy of the same bytes (the namespace cleared before each store); and
-    the copy alone, `kvstore_kernels.gather` / `scatter` into the memcpy's pinned buffer, no
-    daemon: what the client's control calls add."""
-    spec = deepseek_v3_spec(dtype)
+    """DeepSeek-V3's MLA pages of a `tokens` prompt through the public client (`client_rows`)."""
+    return client_rows("deepseek-v3", deepseek_v3_spec(dtype), tokens, reps)
+
+
+def llama_rows(tokens: int, reps: int) -> list[dict[str, Any]]:
+    """Llama-3.1-8B's pages (flash_attn, bf16, blocks of 16) through the public client."""
+    return client_rows("llama-3.1-8b", make_spec("flash_attn"), tokens, reps)
+
+
+def client_rows(model: str, spec: Any, tokens: int, reps: int) -> list[dict[str, Any]]:
+    """A prompt's pages stored, then loaded, by the public client, each in turn with a pinned
+    memcpy of the same bytes (the namespace cleared before each store); and the copy alone,
+    `kvstore_kernels.gather` / `scatter` into the memcpy's pinned buffer, no daemon: what the
+    client's control calls add. Then `reps` more stores and loads, each after its memcpy as in
+    the timed rounds, with their steps' host timestamps (`StepClock`)."""
     cache = ModelCache(spec, tokens, seed=1)
     moved = cache.num_chunks * spec.page.page_bytes
     copy = HostCopy(moved)
@@ -501,6 +518,11 @@ def mla_rows(dtype: str, tokens: int, reps: int) -> list[dict[str, Any]]:
                 "scatter alone": lambda: scatter(spec, cache.target, cache.table, chunks, copy.host, offsets),
             }
             walls = walls_in_turn(runs, reps, before={"store": client.clear})
+            steps = client_steps(client, runs, reps)
+            cache.poison()  # the loads of the steps' rounds, checked too
+            load()
+            synchronize()
+            ok = ok and cache.loaded_right(0)
             cache.poison()  # the copy alone, checked: pages gathered, then scattered back
             runs["gather alone"]()
             runs["scatter alone"]()
@@ -509,7 +531,7 @@ def mla_rows(dtype: str, tokens: int, reps: int) -> list[dict[str, Any]]:
             arena = client.stats()["client"]["arena"]
     finally:
         copy.release()
-    common = {"model": "deepseek-v3", "dtype": dtype, "tokens": tokens, "page_bytes": spec.page.page_bytes}
+    common = {"model": model, "dtype": spec.dtype, "tokens": tokens, "page_bytes": spec.page.page_bytes}
     return [
         {
             **common,
@@ -517,6 +539,7 @@ def mla_rows(dtype: str, tokens: int, reps: int) -> list[dict[str, Any]]:
             **against(walls[way], walls[f"memcpy {baseline}"], moved),
             "ok": ok_alone if way.endswith("alone") else ok,
             "arena": arena,
+            **({"steps": step_summary(steps[way]), "step_rounds": steps[way]} if way in steps else {}),
         }
         for way, baseline in (
             ("store", "store"),
@@ -525,6 +548,27 @@ def mla_rows(dtype: str, tokens: int, reps: int) -> list[dict[str, Any]]:
             ("scatter alone", "load"),
         )
     ]
+
+
+def client_steps(client: Any, runs: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[Any]]:
+    """`reps` stores and loads, each after its memcpy (and a store after a Clear), as in the timed
+    rounds, with the host timestamps of their steps."""
+    clock = StepClock()
+    rounds: dict[str, list[Any]] = {"store": [], "load": []}
+    with clock.installed():
+        for _ in range(reps):
+            for way in rounds:
+                runs[f"memcpy {way}"]()
+                if way == "store":
+                    client.clear()
+                synchronize()
+                clock.take()
+                clock.mark("call")
+                runs[way]()
+                synchronize()
+                clock.mark("synchronised")
+                rounds[way].append(clock.take())
+    return rounds
 
 
 def sliding_rows(tokens: int, reps: int) -> list[dict[str, Any]]:
@@ -591,7 +635,11 @@ def sliding_rows(tokens: int, reps: int) -> list[dict[str, Any]]:
 
 
 def run_models(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
-    result: dict[str, Any] = {"mla": [], "sliding": []}
+    result: dict[str, Any] = {"mla": [], "sliding": [], "llama": []}
+    if "llama" in args.models:
+        for tokens in args.llama_tokens:
+            result["llama"] += guarded(log, f"llama {tokens}", llama_rows, tokens, args.reps) or []
+            print_progress(result["llama"][-4:])
     for tokens in args.model_tokens:
         if "mla" in args.models:
             for dtype in MLA_DTYPES:
@@ -614,16 +662,22 @@ def print_progress(rows: list[dict[str, Any]]) -> None:
 
 def print_models(result: dict[str, Any]) -> None:
     mib = 1 << 20
-    if result["mla"]:
+    client_rows = result.get("llama", []) + result["mla"]
+    if client_rows:
         print_table(
             ["model", "dtype", "tokens", "way", "MiB", "ms", "GB/s", "memcpy ms", "x memcpy", "ok"],
             [
                 [r["model"], r["dtype"], r["tokens"], r["direction"], round(r["bytes"] / mib, 1),
                  round(r["ms"], 2), round(r["gbps"], 2), round(r["memcpy_ms"], 2), round(r["x_memcpy"], 3),
                  r["ok"]]
-                for r in result["mla"]
+                for r in client_rows
             ],
         )  # fmt: skip
+        print()
+        for r in client_rows:  # where the client's time beyond the copy goes (median ms per step)
+            if r.get("steps"):
+                steps = ", ".join(f"{step['to']} {step['ms']:.3f}" for step in r["steps"])
+                print(f"{r['model']} {r['dtype']} {r['tokens']} {r['direction']}: {steps}")
         print()
     if result["sliding"]:
         print_table(
@@ -916,8 +970,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--models",
         nargs="+",
-        choices=("mla", "sliding"),
-        help="the model rows instead (DeepSeek-V3 MLA, gpt-oss)",
+        choices=("mla", "sliding", "llama"),
+        help="the model rows instead (DeepSeek-V3 MLA, gpt-oss, Llama-3.1-8B through the client)",
+    )
+    parser.add_argument(
+        "--llama-tokens", nargs="+", type=int, default=[8192], help="prompts of the Llama-3.1-8B rows"
     )
     parser.add_argument(
         "--model-tokens", nargs="+", type=int, default=[8192, 32768], help="prompts of the model rows"
@@ -925,7 +982,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="the model rows on CPU: 1024 tokens, 2 rounds")
     args = parser.parse_args(argv)
     if args.dry_run:
-        args.models, args.model_tokens, args.reps = args.models or ["mla", "sliding"], [1024], 2
+        args.models, args.model_tokens, args.reps = args.models or ["mla", "sliding", "llama"], [1024], 2
+        args.llama_tokens = [1024]
     if args.models and args.name == "transfer":
         args.name = "transfer-models-dry-run" if args.dry_run else "transfer-models"
     return args
