@@ -34,7 +34,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from itertools import repeat
+from itertools import groupby, repeat
 from typing import ClassVar, Protocol, TypeVar
 
 from kvstore.history import FrequencyHistory
@@ -225,6 +225,8 @@ class LFUDA(EvictionPolicy):
     def hit(self, chain: Sequence[Page]) -> None:
         pages = chain[::-1]  # tail first
         olds = list(map(self._run_of.__getitem__, pages))
+        if not olds:
+            return
         if len(set(pages)) < len(pages):  # a page read twice: its second use sees its first
             self._hit_each(pages)
             return
@@ -232,27 +234,24 @@ class LFUDA(EvictionPolicy):
         run_of = self._run_of
         next_priority = next_count = 0  # of the page after this one: a prefix is worth its extensions
         run: _Run | None = None
+        if olds.count(olds[0]) == len(olds):  # the usual case: the chain came from one run
+            groups = [(olds[0], len(olds))]
+        else:
+            groups = [(old, len(list(members))) for old, members in groupby(olds)]
         start = 0
-        while start < len(pages):
-            old = olds[start]
-            end = start + 1
-            if olds[-1] is old and olds.count(old) == len(olds) - start:
-                end = len(olds)  # the rest of the chain came from one run (the usual case)
-            else:
-                while end < len(olds) and olds[end] is old:
-                    end += 1
+        for old, size in groups:
             # Every page of `old` had its count: each gets the same new count and priority.
             count = max(old.count + 1, next_count)
             next_priority = max(age + count, next_priority)
             if run is None or run.count != count or run.priority != next_priority:
                 run = self._new_run(next_priority, count)
-            group = pages[start:end]
+            group = pages[start : start + size]
             run.pages += group
-            run.live += len(group)
+            run.live += size
             run_of.update(zip(group, repeat(run)))
-            self._left(old, len(group))
+            self._left(old, size)
             next_count = count
-            start = end
+            start += size
 
     def _hit_each(self, pages: Sequence[Page]) -> None:
         """`hit` one page at a time (tail first), for a chain that names a page twice."""
