@@ -45,7 +45,6 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 import socket
@@ -54,6 +53,8 @@ from collections import Counter
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
+
+from google.protobuf.message import Message
 
 from kvstore.claim import remove_stale_socket
 from kvstore.errors import status_of
@@ -252,7 +253,7 @@ class LocalChannelServer:
         except Exception as exc:
             answer = _error_frame(name, exc)
         else:
-            if inspect.isawaitable(reply):
+            if not isinstance(reply, Message):  # an awaitable (isinstance is a tenth of isawaitable's cost)
                 return self._later(name, reply, started)
             answer = frame(_OK, reply.SerializeToString())
             if name == "Connect" and reply.arena.shm_path.startswith(MEMFD_PREFIX):
@@ -358,9 +359,30 @@ class _Session(asyncio.Protocol):
                 self._transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        if (
+            not self._buffer
+            and self._waiting is None
+            and self._transport is not None
+            and len(data) >= HEADER.size
+        ):
+            length, _ = HEADER.unpack_from(data)
+            if len(data) == HEADER.size + length:  # one whole frame, as a worker's call sends it
+                self._answer_frame(data)
+                return
         self._buffer += data
         if self._waiting is None:
             self._answer()
+
+    def _answer_frame(self, data: bytes) -> None:
+        """`_answer` for one whole frame received alone: no copy through the buffer."""
+        length, method = HEADER.unpack_from(data)
+        if length > MAX_REQUEST_BYTES:
+            self._buffer += data  # refused by `_answer`
+            self._answer()
+            return
+        reply = self._server.respond(method, data[HEADER.size :], self.caller)
+        self._server.keep_polling()
+        self._send(reply)
 
     def _answer(self) -> None:
         buffer = self._buffer
@@ -382,14 +404,21 @@ class _Session(asyncio.Protocol):
                 del buffer[:end]
             reply = self._server.respond(method, payload, self.caller)
             self._server.keep_polling()
-            if not isinstance(reply, bytes):
-                self._waiting = asyncio.ensure_future(self._send_later(reply))
-                self._read_when_free()
+            if not self._send(reply):
                 return
-            if isinstance(reply, WithFd):
-                self._send_with_fd(reply, reply.fd)
-            else:
-                self._transport.write(reply)
+
+    def _send(self, reply: bytes | Awaitable[bytes]) -> bool:
+        """Sends a reply frame; a reply still awaited holds the frames behind it (False)."""
+        assert self._transport is not None
+        if not isinstance(reply, bytes):
+            self._waiting = asyncio.ensure_future(self._send_later(reply))
+            self._read_when_free()
+            return False
+        if isinstance(reply, WithFd):
+            self._send_with_fd(reply, reply.fd)
+        else:
+            self._transport.write(reply)
+        return True
 
     def _send_with_fd(self, data: bytes, fd: int) -> None:
         """Sends `data` with `fd` attached, on a duplicate of the connection's socket (transports
