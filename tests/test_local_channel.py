@@ -161,6 +161,7 @@ def test_frames_sent_together_or_split_are_answered_in_order(
             cache = [torch.randn(2, 10, 16, 2, 32).half() for _ in range(2)]
             assert client.store(prompt, cache, torch.arange(10)) == 10
         namespace, keys = client.namespace, pack_keys(client.keys(prompts[0]))
+        second = pack_keys(client.keys(prompts[1]))
         assert client.stats()["counters"]["demoted_chunks"] >= 10
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
@@ -193,6 +194,26 @@ def test_frames_sent_together_or_split_are_answered_in_order(
         sock.sendall(
             frame_of("Acquire", lease) + frame_of("Stats", pb.StatsRequest()) + frame_of("Release", lease)
         )
+        status, body = read_reply(sock)
+        assert status == 0 and pb.AcquireResponse.FromString(body).ready_chunks == 10
+        status, body = read_reply(sock)
+        assert status == 0 and pb.StatsResponse.FromString(body).counters["active_leases"] == 1
+        status, body = read_reply(sock)
+        assert status == 0 and pb.LeaseResponse.FromString(body).pages == 10
+
+        # Each frame in a write of its own (as a worker's calls come), the Acquire's reply awaited
+        # while the next frames arrive: still answered in order.
+        sock.sendall(frame_of("Lookup", pb.LookupRequest(namespace=namespace, keys=second, lease=True)))
+        status, body = read_reply(sock)
+        found = pb.LookupResponse.FromString(body)
+        assert status == 0 and found.hit_chunks == 10
+        lease = pb.LeaseRequest(namespace=namespace, lease_id=found.lease_id, epoch=connected.epoch)
+        for request in (
+            frame_of("Acquire", lease),
+            frame_of("Stats", pb.StatsRequest()),
+            frame_of("Release", lease),
+        ):
+            sock.sendall(request)
         status, body = read_reply(sock)
         assert status == 0 and pb.AcquireResponse.FromString(body).ready_chunks == 10
         status, body = read_reply(sock)
