@@ -1,0 +1,431 @@
+"""All GPUs of a host at once: one worker process per GPU, one daemon and one arena.
+
+For each count of GPUs (`--gpus 1 2 4`), every worker takes a Llama-3.1-8B-geometry KV cache
+(32 layers, 8 KV heads, head dim 128, bf16, flash_attn layout, blocks of 16, pages of 256
+tokens) of `--tokens` tokens (8k: 1 GiB) on a random block table, and all of them run each
+phase at the same moment (a barrier before each), `--prompts` prompts per worker:
+
+- `memcpy`: one pinned `cudaMemcpyAsync` of the prompt's bytes per prompt, device to host
+  (`store`) and host to device (`load`), between the worker's GPU and its own anonymous shared
+  memory registered with CUDA: what the host moves for every GPU at once, the limit.
+- `kernel`, `copy_engine`: `kvstore_kernels.gather` / `scatter` of the prompt's pages between the
+  cache and that pinned buffer with that engine, no daemon: the copy path alone, per engine.
+- `client`: `KVStoreClient.store` of each prompt (distinct keys per worker, prompt and round),
+  then `load` of each, through the daemon's arena: what an engine gets. At the end a prompt is
+  loaded into a poisoned cache and compared byte for byte with the cache it was stored from.
+- `client + model` (GPUs): the client phases again while a stream of bf16 8192^3 products runs
+  on each GPU; "model slowdown" is the products' median time beside them over alone.
+
+Each phase runs once untimed (warm-up: Triton's compile, first touches), then `--rounds` times,
+timed; the median round is reported. A probe process makes 64-key Lookups back to back
+throughout: their latency while idle and during the client phases. `--tp 4` also runs 4 workers
+as the TP ranks of one model (each its 2 of the 8 KV heads, the same prompts).
+
+A phase's aggregate GB/s is every worker's bytes over the time from the first worker's start
+to the last worker's end; "x memcpy" divides it by the same direction's `memcpy` aggregate
+of the same count in the same run. Each worker also reports its GPU's NUMA node, the CPUs it
+ran on and how long the arena's registration took from its connect.
+
+    python bench/host_gpus.py --gpus 1 2 4 --tp 4 --name host_gpus-h100x4
+    python bench/host_gpus.py --gpus 1 --tokens 1024 --prompts 2 --dry-run   # CPU: it runs, bytes right
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import machine_meta, print_table, running_daemon, write_results  # noqa: E402
+
+CHUNK_TOKENS = 256
+SLAB_BYTES = 256 << 20
+PHASES = ("memcpy", "kernel", "copy_engine", "client")
+
+
+def llama_spec() -> Any:
+    from kvstore.spec import KVSpec
+
+    return KVSpec(
+        model="llama-3.1-8b-geometry",
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+        block_size=16,
+        layout="flash_attn",
+        chunk_tokens=CHUNK_TOKENS,
+    )
+
+
+def numa_node(device: int) -> int:
+    """The NUMA node of GPU `device`'s PCI function (-1 where the kernel does not say)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return -1
+    props = torch.cuda.get_device_properties(device)
+    bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    try:
+        return int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text())
+    except (OSError, ValueError):
+        return -1
+
+
+class Timeline:
+    """Each phase's (start, end) on CLOCK_MONOTONIC, which every process on the host shares."""
+
+    def __init__(self, barrier: Any) -> None:
+        self.barrier = barrier
+        self.spans: dict[str, list[tuple[float, float]]] = {}
+
+    def phase(self, name: str, run: Any, synchronize: Any) -> None:
+        synchronize()
+        self.barrier.wait()
+        start = time.monotonic()
+        run()
+        synchronize()
+        self.spans.setdefault(name, []).append((start, time.monotonic()))
+
+
+class Products:
+    """bf16 8192^3 products on a stream of their own, queued by a thread while `running`, each
+    timed with events (the GPU's time, whatever the host does): the model beside the transfers."""
+
+    def __init__(self, device: str) -> None:
+        import threading
+
+        import torch
+
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16, generator=gen)
+        self.b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16, generator=gen)
+        self.out = torch.empty_like(self.a)
+        self.stream = torch.cuda.Stream(device)
+        self.events: list[tuple[Any, Any]] = []
+        self.running = threading.Event()
+        self.thread: Any = None
+
+    def start(self) -> None:
+        import threading
+
+        self.events = []
+        self.running.set()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        import torch
+
+        with torch.cuda.stream(self.stream):
+            while self.running.is_set():
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                torch.matmul(self.a, self.b, out=self.out)
+                end.record()
+                self.events.append((begin, end))
+                if len(self.events) > 8:  # keep a few queued, never an unbounded backlog
+                    self.events[-8][1].synchronize()
+
+    def stop(self) -> list[float]:
+        """Each product's ms, in order."""
+        self.running.clear()
+        self.thread.join()
+        self.stream.synchronize()
+        return [begin.elapsed_time(end) for begin, end in self.events]
+
+
+def worker(rank: int, count: int, args: dict[str, Any], address: str, barrier: Any, out: Any) -> None:
+    try:
+        out.put((rank, run_worker(rank, count, args, address, barrier)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the run
+        barrier.abort()
+        out.put((rank, {"error": traceback.format_exc()}))
+
+
+def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrier: Any) -> dict[str, Any]:
+    import dataclasses
+    import statistics
+
+    import numpy as np
+    import torch
+
+    import kvstore_kernels
+    from kvstore_client import KVStoreClient
+
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{rank}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(rank)
+
+    def synchronize() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    spec = llama_spec()
+    tp = args["tp"]
+    if tp:  # the ranks of one model: each its share of the heads, the same prompts
+        spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // count, tp_rank=rank, tp_size=count)
+    tokens, prompts, rounds = args["tokens"], args["prompts"], args["rounds"]
+    chunks = tokens // CHUNK_TOKENS
+    blocks = tokens // spec.block_size
+    page = spec.page.page_bytes
+    moved = chunks * page
+    gen = torch.Generator(device=device).manual_seed(rank + 1)
+    shape = (2, blocks, spec.block_size, spec.num_kv_heads, spec.head_dim * 2)
+    source = [
+        torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=gen).view(torch.bfloat16)
+        for _ in range(spec.num_layers)
+    ]
+    target = [
+        torch.full(shape, 0xA5, dtype=torch.uint8, device=device).view(torch.bfloat16)
+        for _ in range(spec.num_layers)
+    ]
+    table = np.random.default_rng(rank).permutation(blocks).tolist()
+    flat = torch.randint(0, 256, (moved,), dtype=torch.uint8, device=device, generator=gen)
+    host = (
+        torch.empty(moved, dtype=torch.uint8).pin_memory() if cuda else torch.empty(moved, dtype=torch.uint8)
+    )
+    offsets = [i * page for i in range(chunks)]
+    chunk_ids = list(range(chunks))
+    timeline = Timeline(barrier)
+    connected = time.monotonic()
+    client = KVStoreClient.connect(address, spec, name=f"host-gpus-{rank}")
+    registered_s = None
+    try:
+        while True:  # the arena's registration is warm-up, not transfer: waited for apart
+            arena = client.stats()["client"]["arena"]
+            if not arena.get("slabs_pending", 0):
+                registered_s = time.monotonic() - connected
+                break
+            time.sleep(0.01)
+        owner = 999 if tp else rank  # TP ranks store one prompt's shares; workers their own prompts
+
+        def prompt_keys(batch: int) -> list[list[bytes]]:
+            base = (owner * 16 + batch) * prompts * tokens  # under 2**31 for 999 owners and 16 rounds
+            return [client.keys([base + p * tokens + t for t in range(tokens)]) for p in range(prompts)]
+
+        # the first batch warms up, the last is stored beside the model: every store stores anew
+        batches = [prompt_keys(batch) for batch in range(rounds + 2)]
+        loaded: list[list[bytes]] = batches[0]
+        runs: dict[str, Any] = {
+            "memcpy store": lambda _: [host.copy_(flat, non_blocking=True) for _ in range(prompts)],
+            "memcpy load": lambda _: [flat.copy_(host, non_blocking=True) for _ in range(prompts)],
+        }
+        for engine in ("kernel", "copy_engine"):
+            options = kvstore_kernels.TransferOptions(engine=engine if cuda else "torch")
+            runs[f"{engine} store"] = lambda _, o=options: [
+                kvstore_kernels.gather(spec, source, table, chunk_ids, host, offsets, options=o)
+                for _ in range(prompts)
+            ]
+            runs[f"{engine} load"] = lambda _, o=options: [
+                kvstore_kernels.scatter(spec, target, table, chunk_ids, host, offsets, options=o)
+                for _ in range(prompts)
+            ]
+        runs["client store"] = lambda batch: [
+            client.store(None, source, table, keys=k) for k in batches[batch]
+        ]
+        runs["client load"] = lambda batch: [client.load(None, target, table, keys=k) for k in batches[batch]]
+        for batch in range(rounds + 1):  # round 0 warms every path up (Triton's compile too), untimed
+            for name, run in runs.items():
+                if batch == 0:
+                    run(0)
+                    synchronize()
+                else:
+                    timeline.phase(name, lambda run=run, batch=batch: run(batch), synchronize)
+        model: dict[str, Any] = {}
+        if cuda and args["products"]:  # the model beside the client's transfers, against it alone
+            products = Products(device)
+            barrier.wait()
+            products.start()
+            time.sleep(1.0)
+            alone = products.stop()[3:]
+            products.start()
+            timeline.phase("client store + model", lambda: runs["client store"](rounds + 1), synchronize)
+            timeline.phase("client load + model", lambda: runs["client load"](rounds + 1), synchronize)
+            beside = products.stop()[3:-3]
+            model = {
+                "alone_ms": statistics.median(alone),
+                "beside_ms": statistics.median(beside),
+                "slowdown": statistics.median(beside) / statistics.median(alone),
+                "products_beside": len(beside),
+            }
+        for layer in target:
+            layer.view(torch.uint8).fill_(0xA5)
+        loaded_tokens = client.load(None, target, table, keys=loaded[-1])
+        synchronize()
+        ok = loaded_tokens == tokens and all(  # as bytes: random bf16 bits hold NaNs
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(source, target, strict=True)
+        )
+        cpus = sorted(os.sched_getaffinity(0))
+        return {
+            "rank": rank,
+            "numa_node": numa_node(rank),
+            "cpus": f"{cpus[0]}-{cpus[-1]} ({len(cpus)})" if cpus else "",
+            "registered_s": registered_s,
+            "spans": timeline.spans,
+            "bytes_per_phase": moved * prompts,
+            "model": model,
+            "ok": bool(ok),
+            "arena": client.stats()["client"]["arena"],
+        }
+    finally:
+        client.close()
+
+
+def lookup_probe(address: str, stop: Any, out: Any) -> None:
+    """64-key Lookups back to back until `stop`: (start, seconds) of each."""
+    from kvstore_client import KVStoreClient
+
+    spec = llama_spec()
+    samples = []
+    with KVStoreClient.connect(address, spec, name="host-gpus-probe") as client:
+        keys = client.keys(list(range(64 * CHUNK_TOKENS)))
+        while not stop.is_set():
+            begin = time.monotonic()
+            client.lookup_chunks(keys)
+            samples.append((begin, time.monotonic() - begin))
+    out.put(samples)
+
+
+def run_count(count: int, args: dict[str, Any], address: str) -> dict[str, Any]:
+    context = mp.get_context("spawn")
+    barrier, out = context.Barrier(count), context.Queue()
+    stop, probed = context.Event(), context.Queue()
+    probe = context.Process(target=lookup_probe, args=(address, stop, probed))
+    probe.start()
+    processes = [
+        context.Process(target=worker, args=(r, count, args, address, barrier, out)) for r in range(count)
+    ]
+    for process in processes:
+        process.start()
+    results = dict(out.get(timeout=args["timeout_s"]) for _ in processes)
+    stop.set()
+    samples = probed.get(timeout=60)
+    for process in [*processes, probe]:
+        process.join(timeout=60)
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors:
+        raise RuntimeError(f"{count} GPU(s): a worker failed:\n{errors[0]}")
+    workers = [results[r] for r in range(count)]
+    total = sum(w["bytes_per_phase"] for w in workers)
+    phases = {}
+    for name in workers[0]["spans"]:
+        rates, windows = [], []
+        for index in range(len(workers[0]["spans"][name])):
+            start = min(w["spans"][name][index][0] for w in workers)
+            end = max(w["spans"][name][index][1] for w in workers)
+            rates.append(total / (end - start) / 1e9)
+            windows.append((start, end))
+        phases[name] = {"gbps": sorted(rates)[len(rates) // 2], "gbps_rounds": rates, "windows": windows}
+    for name, row in phases.items():
+        direction = name.split()[1]
+        row["x_memcpy"] = row["gbps"] / phases[f"memcpy {direction}"]["gbps"]
+    first = min(w for row in phases.values() for w, _ in row["windows"])
+    idle = [s for begin, s in samples if begin < first - 0.5]  # before the workers' first phase
+    busy = [s for begin, s in samples for name in ("client store", "client load")
+            for a, b in phases[name]["windows"] if a <= begin and begin + s <= b]  # fmt: skip
+    lookups = {"idle": _latency(idle), "during_client_phases": _latency(busy)}
+    return {"gpus": count, "tp": args["tp"], "phases": phases, "lookups": lookups, "workers": workers}
+
+
+def _latency(samples: list[float]) -> dict[str, Any]:
+    if not samples:
+        return {"calls": 0}
+    ordered = sorted(samples)
+    return {
+        "calls": len(ordered),
+        "p50_us": ordered[len(ordered) // 2] * 1e6,
+        "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--prompts", type=int, default=4, help="per worker and round")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds, after one untimed")
+    parser.add_argument(
+        "--tp", type=int, nargs="*", default=[], help="also these counts as TP ranks of one model"
+    )
+    parser.add_argument("--no-products", dest="products", action="store_false", help="no model beside")
+    parser.add_argument("--arena-gib", type=float, default=0, help="0: room for every worker's prompts")
+    parser.add_argument("--name", default="host_gpus")
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument(
+        "--dry-run", action="store_true", help="on CPU: one worker, it runs and bytes are right"
+    )
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available() and not args.dry_run:
+        parser.error("needs CUDA GPUs (or --dry-run)")
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    counts = [c for c in args.gpus if c <= available]
+    prompt_bytes = llama_spec().page.page_bytes * (args.tokens // CHUNK_TOKENS)
+    arena = int(args.arena_gib * (1 << 30)) or max(counts) * (args.rounds + 2) * args.prompts * prompt_bytes
+    arena = -(-arena // SLAB_BYTES) * SLAB_BYTES + 2 * SLAB_BYTES
+    config = {"chunk_tokens": CHUNK_TOKENS, "tiers": {"cpu": {"bytes": arena, "slab_bytes": SLAB_BYTES}}}
+    settings = {
+        "tokens": args.tokens,
+        "prompts": args.prompts,
+        "rounds": args.rounds,
+        "products": args.products,
+        "timeout_s": args.timeout_s,
+    }
+    runs = []
+    with running_daemon(config) as daemon:
+        for count, tp in [(c, False) for c in counts] + [(c, True) for c in args.tp if c <= available]:
+            runs.append(run_count(count, {**settings, "tp": tp}, daemon.address))
+            print(f"{count} GPU(s){' as TP ranks' if tp else ''} done", flush=True)
+    rows = []
+    for run in runs:
+        names = [*PHASES, "client + model"] if "client store + model" in run["phases"] else PHASES
+        for name in names:
+            key = name.replace(" + model", "")
+            store = run["phases"][f"{key} store{' + model' if name != key else ''}"]
+            load = run["phases"][f"{key} load{' + model' if name != key else ''}"]
+            label = f"{run['gpus']}{' TP' if run['tp'] else ''}"
+            rows.append([label, name, f"{store['gbps']:.1f}", f"{store['x_memcpy']:.2f}",
+                         f"{load['gbps']:.1f}", f"{load['x_memcpy']:.2f}"])  # fmt: skip
+    print_table(["GPUs", "path", "store GB/s", "x memcpy", "load GB/s", "x memcpy"], rows)
+    probe_rows = [
+        [f"{run['gpus']}{' TP' if run['tp'] else ''}", when, row.get("calls", 0),
+         f"{row.get('p50_us', 0):.0f}", f"{row.get('p99_us', 0):.0f}"]
+        for run in runs
+        for when, row in run["lookups"].items()
+    ]  # fmt: skip
+    print_table(["GPUs", "64-key Lookups", "calls", "p50 us", "p99 us"], probe_rows)
+    worker_rows = [
+        [
+            f"{run['gpus']}{' TP' if run['tp'] else ''}",
+            w["rank"],
+            w["numa_node"],
+            w["cpus"],
+            f"{w['registered_s']:.2f}",
+            f"{w['model'].get('slowdown', float('nan')):.3f}",
+            "PASS" if w["ok"] else "FAIL",
+        ]
+        for run in runs
+        for w in run["workers"]
+    ]
+    headers = ["GPUs", "worker", "GPU NUMA node", "CPUs", "registration s", "model slowdown", "bytes"]
+    print_table(headers, worker_rows)
+    path = write_results(args.name, {"meta": machine_meta(), "arena_bytes": arena, **settings, "runs": runs})
+    print(f"wrote {path}")
+    if not all(w["ok"] for run in runs for w in run["workers"]):
+        sys.exit("a worker loaded bytes that differ from what it stored")
+
+
+if __name__ == "__main__":
+    main()
