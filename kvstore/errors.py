@@ -30,6 +30,11 @@ class ResourceExhausted(KVStoreError):
     """No space can be made: everything evictable is pinned or being written."""
 
 
+class ArenaWarmingUp(ResourceExhausted):
+    """No space yet: the arena is still being reserved behind the serving daemon (a Reserve
+    waits for it a while before it answers with this)."""
+
+
 class Unauthenticated(KVStoreError, PermissionError):
     """A TCP client did not present the configured auth token."""
 
@@ -76,7 +81,8 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
     if type(exc) is ValueError:  # validation in shared modules (keys, spec) raises ValueError
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, KVStoreError):
-        return STATUS_CODES.get(type(exc), grpc.StatusCode.UNKNOWN), str(exc)
+        code = next((STATUS_CODES[cls] for cls in type(exc).__mro__ if cls in STATUS_CODES), None)
+        return code or grpc.StatusCode.UNKNOWN, str(exc)
     return None
 
 

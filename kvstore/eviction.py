@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import ArenaWarmingUp, ResourceExhausted
 from kvstore.events import EventKind, EventLog
 from kvstore.index import Entry, Namespace
 from kvstore.pins import PinTable
@@ -108,7 +108,7 @@ class Eviction:
             slots = self.cpu.slots
             if slots.num_reserved < slots.num_slabs:  # the arena is still being reserved behind
                 reserved = slots.num_reserved * slots.slab_bytes
-                raise ResourceExhausted(
+                raise ArenaWarmingUp(
                     f"cannot reserve {count} page(s) of {page_bytes} bytes in the CPU tier yet: the "
                     f"arena is still being reserved ({reserved} of {self.cpu.capacity} bytes so far, "
                     f"{self.cpu.bytes_used} in use) and nothing that could make room may be evicted; "

@@ -24,12 +24,13 @@ served, so stores and loads under way complete.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 
 from kvstore import __version__
-from kvstore.errors import DAEMON_STOPPING, InvalidArgument, StaleEpoch, Unavailable
+from kvstore.errors import DAEMON_STOPPING, ArenaWarmingUp, InvalidArgument, StaleEpoch, Unavailable
 from kvstore.events import MAX_STREAMS, MAX_STREAMS_PER_TENANT, Consumers, Event
 from kvstore.index import AcquireResult
 from kvstore.keys import unpack_keys
@@ -42,6 +43,8 @@ from kvstore.tenants import Caller, Tenancy
 from kvstore.wire import page_spec_of
 
 EVENTS_PER_BATCH = 512
+WARMUP_WAIT_S = 10.0  # how long a Reserve waits for the arena's reservation to make room
+WARMUP_POLL_S = 0.005
 
 
 def _ttl(ms: int) -> float | None:
@@ -188,7 +191,9 @@ class Handlers:
                 reply.acquired.CopyFrom(self._acquired(ready))
         return reply
 
-    def Reserve(self, request: pb.ReserveRequest, caller: Caller | None = None) -> pb.ReserveResponse:
+    def Reserve(
+        self, request: pb.ReserveRequest, caller: Caller | None = None
+    ) -> pb.ReserveResponse | Awaitable[pb.ReserveResponse]:
         self._check_serving()
         store = self._store(caller)
         self._check_epoch(store, request.epoch)
@@ -197,8 +202,38 @@ class Handlers:
             peer = caller.peer if caller is not None else None
             writer = peer or self._declared_writer(request.writer_pid, request.writer_start_time)
         keys = unpack_keys(request.keys)
-        result = store.reserve(request.namespace, keys, _ttl(request.lease_ttl_ms), writer)
+        try:
+            result = store.reserve(request.namespace, keys, _ttl(request.lease_ttl_ms), writer)
+        except ArenaWarmingUp as exc:  # a daemon just started: the reply waits for its arena
+            return self._reserved_later(store, request, keys, writer, exc)
         return pb.ReserveResponse(lease_id=result.lease_id, offsets=result.offsets)
+
+    async def _reserved_later(
+        self,
+        store: Store,
+        request: pb.ReserveRequest,
+        keys: Sequence[bytes],
+        writer: Peer | None,
+        error: ArenaWarmingUp,
+    ) -> pb.ReserveResponse:
+        """The Reserve once the arena's reservation has made room for it: tried again each time
+        more of the arena is reserved, for up to WARMUP_WAIT_S; then the warm-up error."""
+        self.counters["reserves_waited_for_arena"] += 1
+        deadline = time.monotonic() + WARMUP_WAIT_S
+        while True:
+            reserved = store.cpu.reserved_bytes
+            while store.cpu.reserved_bytes == reserved:
+                if time.monotonic() >= deadline or self.stopping:
+                    raise error
+                await asyncio.sleep(WARMUP_POLL_S)
+            self._check_serving()
+            self._check_epoch(store, request.epoch)
+            try:
+                result = store.reserve(request.namespace, keys, _ttl(request.lease_ttl_ms), writer)
+            except ArenaWarmingUp as exc:
+                error = exc
+                continue
+            return pb.ReserveResponse(lease_id=result.lease_id, offsets=result.offsets)
 
     def _declared_writer(self, pid: int, start_time: int) -> Peer:
         """The gRPC writer `pid` says it is, checked against /proc once per (pid, start time)."""
