@@ -45,24 +45,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_meta, print_table, running_daemon, write_results  # noqa: E402
 
-CHUNK_TOKENS = 256
+CHUNK_TOKENS = 256  # make_spec's (bench.transfer_cases)
 SLAB_BYTES = 256 << 20
 PHASES = ("memcpy", "kernel", "copy_engine", "client")
 
 
 def llama_spec() -> Any:
-    from kvstore.spec import KVSpec
+    from bench.transfer_cases import make_spec  # the 8B geometry every transfer bench uses
 
-    return KVSpec(
-        model="llama-3.1-8b-geometry",
-        num_layers=32,
-        num_kv_heads=8,
-        head_dim=128,
-        dtype="bfloat16",
-        block_size=16,
-        layout="flash_attn",
-        chunk_tokens=CHUNK_TOKENS,
-    )
+    return make_spec("flash_attn")
 
 
 def numa_node(device: int) -> int:
