@@ -14,6 +14,10 @@
 Tables for people, `--json` for scripts. The default address is the default
 config's unix socket. Names come from clients: tables and event lines show their control
 characters escaped (`printable`), and JSON is ASCII with `\\u` escapes.
+
+Each command imports what it needs when it runs: a kvctl call is a fresh process, often a
+script's or a probe's, so `kvctl --version` loads neither gRPC nor numpy nor the store, and
+`kvctl stats` loads no store, replay or fleet (`bench/kvctl_startup.py` times them).
 """
 
 from __future__ import annotations
@@ -23,28 +27,44 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from typing import TYPE_CHECKING, Any
 
 from kvstore import __version__
-from kvstore.channel import LocalChannel, Refused
-from kvstore.config import EvictionConfig
-from kvstore.errors import KVStoreError, ResourceExhausted, from_rpc_error
-from kvstore.fleet import ASSIGNMENTS, fleet_replay
-from kvstore.hugepages import KINDS, ArenaPages
-from kvstore.keys import KEY_BYTES, pack_keys
-from kvstore.local import LOCAL_CHANNEL_FULL
 from kvstore.paths import default_socket_path, default_token, local_socket_of, read_token
-from kvstore.policy import policy_names
-from kvstore.proto import kvstore_pb2 as pb
-from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.replay import bounds, replay, report
-from kvstore.trace import Trace, TraceError, load_trace
-from kvstore.wire import stats_to_dict
+
+if TYPE_CHECKING:
+    import grpc
+
+    from kvstore.channel import LocalChannel
+    from kvstore.errors import KVStoreError
+    from kvstore.trace import Trace
+
+
+NO_LIMIT = "no limit"
+# The Stats counters that say how things stand now, and go down as well as up. Every other one
+# counts since the daemon started: `pinned_chunks` counts the chunks pinned, `pinned_pages` the
+# pages pinned now (a Clear or an expiry unpins them).
+LEVELS = frozenset(
+    {
+        "active_leases",
+        "active_load_leases",
+        "active_puts",
+        "active_store_leases",
+        "arena_huge_pages",
+        "arena_page_bytes",
+        "arena_reserved_bytes",
+        "event_names",
+        "event_streams",
+        "namespaces",
+        "pinned_bytes",
+        "pinned_pages",
+        "quarantined_bytes",
+        "quarantined_pages",
+        "remote_sending_bytes",
+    }
+)
 
 
 def human_bytes(n: float) -> str:
@@ -80,32 +100,57 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 class Admin:
     """The daemon, as kvctl calls it: over its local channel where the address is a unix socket
     and no token is given (the daemon knows the caller by its uid there: root and `admins` may do
-    what spans tenants), else gRPC with the token."""
+    what spans tenants), else gRPC with the token. The gRPC channel is opened on first use."""
 
     def __init__(
         self, address: str, token: str | None, timeout_s: float, tls: grpc.ChannelCredentials | None = None
     ) -> None:
-        if tls is not None and not address.startswith("unix:"):
-            self.channel = grpc.secure_channel(address, tls)
-        else:
-            self.channel = grpc.insecure_channel(address)
-        self.stub = pb_grpc.KVStoreStub(self.channel)
+        self.address, self.tls = address, tls
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout_s = timeout_s
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
         self.local: LocalChannel | None = None
         path = local_socket_of(address)
         if path and not token:
+            from kvstore.channel import LocalChannel
+
             try:
                 self.local = LocalChannel(path, timeout_s)
             except OSError:
                 self.local = None  # no local channel there: gRPC
 
+    @property
+    def channel(self) -> grpc.Channel:
+        if self._channel is None:
+            import grpc
+
+            if self.tls is not None and not self.address.startswith("unix:"):
+                self._channel = grpc.secure_channel(self.address, self.tls)
+            else:
+                self._channel = grpc.insecure_channel(self.address)
+        return self._channel
+
+    @property
+    def stub(self) -> Any:
+        if self._stub is None:
+            from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+
+            self._stub = pb_grpc.KVStoreStub(self.channel)
+        return self._stub
+
     def close(self) -> None:
         if self.local is not None:
             self.local.close()
-        self.channel.close()
+        if self._channel is not None:
+            self._channel.close()
 
     def call(self, method: str, request: Any) -> Any:
+        import grpc
+
+        from kvstore.channel import Refused
+        from kvstore.errors import KVStoreError, ResourceExhausted, from_rpc_error
+
         refusal: KVStoreError | None = None
         if self.local is not None:
             first_reply = not self.local.answered
@@ -114,7 +159,7 @@ class Admin:
             except (Refused, ResourceExhausted) as exc:
                 # Refused at the daemon's caps (closed at once, or told so): gRPC, where a daemon
                 # without tenants serves anyone who can reach its socket.
-                if not (isinstance(exc, Refused) or (first_reply and LOCAL_CHANNEL_FULL in str(exc))):
+                if not (isinstance(exc, Refused) or (first_reply and _told_channel_full(exc))):
                     raise
                 self.local.close()
                 self.local, refusal = None, exc
@@ -130,11 +175,22 @@ class Admin:
             raise error from None
 
     def stats(self) -> dict[str, Any]:
+        from kvstore.proto import kvstore_pb2 as pb
+        from kvstore.wire import stats_to_dict
+
         return stats_to_dict(self.call("Stats", pb.StatsRequest()))
+
+
+def _told_channel_full(exc: Exception) -> bool:
+    from kvstore.local import LOCAL_CHANNEL_FULL  # the daemon's server module: only on this rare path
+
+    return LOCAL_CHANNEL_FULL in str(exc)
 
 
 def arena_pages_line(counters: dict[str, Any]) -> str:
     """Which pages the CPU tier's arena got (`kvstore.hugepages.ArenaPages`)."""
+    from kvstore.hugepages import KINDS, ArenaPages
+
     kind = KINDS[int(counters.get("arena_huge_pages", 0))]
     return f"arena pages: {ArenaPages(kind, int(counters['arena_page_bytes'])).describe()}"
 
@@ -150,13 +206,7 @@ def cmd_stats(admin: Admin, args: argparse.Namespace) -> int:
         table(
             ("tier", "used", "capacity", "use", "pages"),
             [
-                (
-                    name,
-                    human_bytes(t["bytes_used"]),
-                    human_bytes(t["bytes_capacity"]),
-                    f"{100 * t['bytes_used'] / max(t['bytes_capacity'], 1):.1f}%",
-                    t["pages"],
-                )
+                (name, human_bytes(t["bytes_used"]), *capacity_and_use(t), t["pages"])
                 for name, t in stats["tiers"].items()
             ],
         )
@@ -177,14 +227,27 @@ def cmd_stats(admin: Admin, args: argparse.Namespace) -> int:
     if "arena_page_bytes" in counters:
         print("\n" + arena_pages_line(counters))
     looked_up = counters.get("hit_chunks", 0) + counters.get("missed_chunks", 0)
-    rows = [(name, value) for name, value in counters.items()]
-    rows.append(("chunk_hit_ratio", f"{counters.get('hit_chunks', 0) / looked_up:.3f}" if looked_up else "-"))
+    since_start = [(name, value) for name, value in counters.items() if name not in LEVELS]
+    since_start.append(
+        ("chunk_hit_ratio", f"{counters.get('hit_chunks', 0) / looked_up:.3f}" if looked_up else "-")
+    )
     print()
-    print(table(("counter", "value"), rows))
+    print(table(("now", "value"), [(name, value) for name, value in counters.items() if name in LEVELS]))
+    print()
+    print(table(("since start", "count"), since_start))
     if stats["namespaces"]:
         print()
         print(_namespace_table(stats["namespaces"]))
     return 0
+
+
+def capacity_and_use(tier: dict[str, Any]) -> tuple[str, str]:
+    """A tier's capacity and the share of it in use, as cells. A capacity of 0 is a remote
+    server without `maxmemory`: no limit, and no share of one."""
+    capacity = tier["bytes_capacity"]
+    if not capacity:
+        return NO_LIMIT, "-"
+    return human_bytes(capacity), f"{100 * tier['bytes_used'] / capacity:.1f}%"
 
 
 def _nodes_table(tier: str, nodes: list[dict[str, Any]]) -> str:
@@ -197,7 +260,7 @@ def _nodes_table(tier: str, nodes: list[dict[str, Any]]) -> str:
                 node["role"],
                 "up" if node["up"] else "down",
                 human_bytes(node["bytes_used"]),
-                human_bytes(node["bytes_capacity"]) if node["bytes_capacity"] else "-",
+                human_bytes(node["bytes_capacity"]) if node["bytes_capacity"] else NO_LIMIT,
                 node["keys"],
                 node["errors"],
             )
@@ -255,6 +318,9 @@ def cmd_ls(admin: Admin, args: argparse.Namespace) -> int:
 
 
 def _hex_bytes(text: str, what: str) -> bytes:
+    from kvstore.errors import KVStoreError
+    from kvstore.keys import KEY_BYTES
+
     try:
         value = bytes.fromhex(text)
     except ValueError:
@@ -265,6 +331,8 @@ def _hex_bytes(text: str, what: str) -> bytes:
 
 
 def cmd_clear(admin: Admin, args: argparse.Namespace) -> int:
+    from kvstore.proto import kvstore_pb2 as pb
+
     namespace = _hex_bytes(args.namespace, "--namespace") if args.namespace else b""
     pages = admin.call("Clear", pb.ClearRequest(namespace=namespace)).pages
     print(f"cleared {pages} pages" + (f" of namespace {args.namespace}" if args.namespace else ""))
@@ -272,6 +340,11 @@ def cmd_clear(admin: Admin, args: argparse.Namespace) -> int:
 
 
 def cmd_health(admin: Admin, args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.errors import from_rpc_error
+
     stub = health_pb2_grpc.HealthStub(admin.channel)
     try:
         reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=admin.timeout_s)
@@ -284,6 +357,8 @@ def cmd_health(admin: Admin, args: argparse.Namespace) -> int:
 
 def _tokens(path: str) -> list[int]:
     """Token ids from a file ("-": stdin): a JSON list, or integers separated by spaces or commas."""
+    from kvstore.errors import KVStoreError
+
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except OSError as err:
@@ -296,6 +371,10 @@ def _tokens(path: str) -> list[int]:
 
 
 def cmd_pin(admin: Admin, args: argparse.Namespace) -> int:
+    from kvstore.errors import KVStoreError
+    from kvstore.keys import pack_keys
+    from kvstore.proto import kvstore_pb2 as pb
+
     if (args.tokens is None) == (args.keys is None):
         raise KVStoreError("pin: give the chain as --tokens FILE or as --keys HEX,..., not both")
     request = pb.PinRequest(namespace=_hex_bytes(args.namespace, "namespace"), ttl_ms=round(args.ttl * 1000))
@@ -332,6 +411,11 @@ def cmd_pin(admin: Admin, args: argparse.Namespace) -> int:
 
 def cmd_events(admin: Admin, args: argparse.Namespace) -> int:
     """Follows the daemon's KV events (every page entering or leaving a tier), one line each."""
+    import grpc
+
+    from kvstore.errors import from_rpc_error
+    from kvstore.proto import kvstore_pb2 as pb
+
     request = pb.EventsRequest(
         since=args.since,
         epoch=args.epoch,
@@ -354,6 +438,8 @@ def cmd_events(admin: Admin, args: argparse.Namespace) -> int:
 
 
 def _event_line(event: Any, as_json: bool) -> str:
+    from kvstore.proto import kvstore_pb2 as pb
+
     fields = {
         "sequence": event.sequence,
         "kind": pb.KVEvent.Kind.Name(event.kind).lower(),
@@ -402,6 +488,11 @@ class ProgressBar:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from kvstore.config import EvictionConfig
+    from kvstore.replay import bounds, replay, report
+    from kvstore.trace import load_trace
+
+    args.policy = args.policy or EvictionConfig().policy
     trace = load_trace(args.trace)
     if args.hosts is not None or args.remote_pages is not None:
         return _replay_fleet(trace, args)
@@ -441,6 +532,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def _replay_fleet(trace: Trace, args: argparse.Namespace) -> int:
     """`kvctl replay --hosts N --remote-pages R`: the fleet simulation (`kvstore.fleet`)."""
+    from kvstore.errors import KVStoreError
+    from kvstore.fleet import fleet_replay
+
     if args.disk_pages:
         raise KVStoreError("--disk-pages: the fleet simulation has no disk tiers; leave it out with --hosts")
     hosts, remote = args.hosts or 1, args.remote_pages or 0
@@ -493,6 +587,8 @@ def _tls(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
     ]
     if files[0] is None:
         return None
+    import grpc
+
     if (files[1] is None) != (files[2] is None):
         raise ValueError("--tls-cert and --tls-key go together (mutual TLS)")
     ca, cert, key = (None if f is None else _read_file(f) for f in files)
@@ -504,6 +600,32 @@ def _read_file(path: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err.strerror}") from None
+
+
+class Choices:
+    """An option's choices, read from their registry only when argparse checks a value or
+    prints help: the registries live with the store, which other commands never import."""
+
+    def __init__(self, names: Callable[[], Sequence[str]]) -> None:
+        self._names = names
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+
+def _policy_names() -> list[str]:
+    from kvstore.policy import policy_names
+
+    return policy_names(serving=False)
+
+
+def _assignments() -> Sequence[str]:
+    from kvstore.fleet import ASSIGNMENTS
+
+    return ASSIGNMENTS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -574,7 +696,12 @@ def _parser() -> argparse.ArgumentParser:
     play.add_argument(
         "--disk-pages", type=_positive, help="a disk tier of this many pages behind the CPU tier"
     )
-    play.add_argument("--policy", choices=policy_names(serving=False), default=EvictionConfig().policy)
+    play.add_argument(
+        "--policy",
+        choices=Choices(_policy_names),
+        metavar="NAME",
+        help="the eviction policy: %(choices)s (default: kvstored's, eviction.policy)",
+    )
     play.add_argument("--hosts", type=_positive, help="a fleet of this many hosts, each its own CPU tier")
     play.add_argument(
         "--remote-pages",
@@ -582,7 +709,11 @@ def _parser() -> argparse.ArgumentParser:
         help="a remote tier of this many pages the hosts share (0: none)",
     )
     play.add_argument(
-        "--assign", choices=ASSIGNMENTS, default="round-robin", help="how the fleet's requests go to hosts"
+        "--assign",
+        choices=Choices(_assignments),
+        metavar="HOW",
+        default="round-robin",
+        help="how the fleet's requests go to hosts: %(choices)s (default: %(default)s)",
     )
     play.add_argument("--json", action="store_true")
     play.set_defaults(run=cmd_replay, local=True)
@@ -608,7 +739,10 @@ def _quiet_exit() -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(argv)  # exits here for --version and --help
+    from kvstore.errors import KVStoreError
+    from kvstore.trace import TraceError
+
     if getattr(args, "local", False):  # needs no daemon
         try:
             return int(args.run(args))
