@@ -722,14 +722,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # SIGPIPE stays ignored: a local channel the daemon closed at its caps is an error kvctl
-    # reports, not a signal that kills it; `kvctl stats | head` still ends quietly (_quiet_exit).
+    # reports, not a signal that kills it; `kvctl stats | head` still ends quietly (quiet_exit).
     try:
         return _main(argv)
     except BrokenPipeError:  # stdout's reader went away
-        return _quiet_exit()
+        return quiet_exit()
 
 
-def _quiet_exit() -> int:
+def quiet_exit() -> int:
     """The exit of a command whose output nobody reads any more, as a shell reports SIGPIPE's,
     without a traceback (stdout is pointed at /dev/null, so its final flush cannot fail)."""
     devnull = os.open(os.devnull, os.O_WRONLY)

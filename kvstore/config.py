@@ -440,6 +440,15 @@ class EvictionConfig:
     pin_fraction: float = setting(0.1, gt=0, le=1)  # pinned pages may fill this share of a tier at most
     max_pin_ttl_s: float = setting(86400.0, gt=0)  # the longest a Pin may keep pages
 
+    def validate(self, path: str) -> None:
+        from kvstore.policy import make_policy  # the registry (and what it may serve) is the policies'
+
+        try:
+            make_policy(self.policy)
+        except ValueError as err:  # its message starts with this key: keep the loader's form
+            key = join(path, "policy")
+            raise ConfigError(key, str(err).removeprefix(f"{key}: ")) from None
+
 
 _TENANT_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
 MAX_TENANT_NAMESPACES = 4096

@@ -27,9 +27,9 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import grpc
 import xxhash
@@ -46,6 +46,7 @@ from kvstore.metrics import HttpLimits, MetricsServer
 from kvstore.policy import make_policy
 from kvstore.progress import progress_reporter
 from kvstore.server import SERVICE_NAME, KVStoreServicer, create_server
+from kvstore.settings import Mode
 from kvstore.store import Store
 from kvstore.tenants import Tenancy
 from kvstore.tiers.cpu import Arena, CpuTier
@@ -423,6 +424,36 @@ def _checked(config: Config) -> Config:
     return config
 
 
+def _naming(path: Path | None, exc: ValueError) -> str:
+    """An error in the config file `path` as kvstored reports it: naming the file, as the loader's
+    own errors do, also where a check after loading found it (`_checked`)."""
+    message = str(exc)
+    return message if path is None or message.startswith(f"{path}: ") else f"{path}: {message}"
+
+
+def effective_config(config: Config) -> dict[str, Any]:
+    """The config as `--check-config` prints it: `Config.to_dict`, with file modes in octal as
+    strings the loader reads back (`"0o660"`, not 432) and the socket path `auto` stands for."""
+    effective = config.to_dict()
+    _octal_modes(config, effective)
+    effective["server"]["socket_path"] = str(config.server.socket_path)
+    return effective
+
+
+def _octal_modes(node: Any, data: dict[str, Any]) -> None:
+    hints = get_type_hints(type(node), include_extras=True)
+    for field in fields(node):
+        value = getattr(node, field.name)
+        if hints[field.name] == Mode:
+            data[field.name] = f"0o{value:o}"
+        elif is_dataclass(value):
+            _octal_modes(value, data[field.name])
+        elif isinstance(value, list | tuple):
+            for item, item_data in zip(value, data[field.name], strict=True):
+                if is_dataclass(item):
+                    _octal_modes(item, item_data)
+
+
 def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # until the event loop takes them over
         signal.signal(sig, _note_signal)
@@ -431,17 +462,20 @@ def main(argv: list[str] | None = None) -> int:
         try:
             config = _checked(load_config(args.check_config))
         except (ConfigError, ValueError) as exc:
-            print(f"kvstored: {exc}", file=sys.stderr)
+            print(f"kvstored: {_naming(args.check_config, exc)}", file=sys.stderr)
             return 1
-        effective = config.to_dict()
-        effective["server"]["socket_path"] = str(config.server.socket_path)
-        print(json.dumps(effective, indent=2, default=str))
-        print(f"kvstored: {args.check_config} is valid", file=sys.stderr)
+        try:
+            print(json.dumps(effective_config(config), indent=2, default=str))
+            print(f"kvstored: {args.check_config} is valid", file=sys.stderr)
+        except BrokenPipeError:  # `kvstored --check-config FILE | head`: the reader has what it wanted
+            from kvstore.cli import quiet_exit
+
+            return quiet_exit()
         return 0
     try:
         config = _checked(load_config(args.config) if args.config else parse_config({}))
     except (ConfigError, ValueError) as exc:
-        print(f"kvstored: {exc}", file=sys.stderr)
+        print(f"kvstored: {_naming(args.config, exc)}", file=sys.stderr)
         return 1
     configure_logs(args.log_level or config.log_level, config.log_format)
     try:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -377,6 +381,70 @@ def test_errors_from_a_file_are_prefixed_with_it(tmp_path: Path) -> None:
 
     assert str(info.value) == f"{path}: tiers.cpu.bytes: expected a size like 8GiB, got 'lots'"
     assert (info.value.source, info.value.key) == (str(path), "tiers.cpu.bytes")
+
+
+def test_a_policy_error_names_the_file(tmp_path: Path) -> None:
+    from kvstore.policy import policy_names
+
+    path = tmp_path / "policy.yaml"
+    path.write_text("eviction:\n  policy: fifo\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert (
+        str(info.value) == f"{path}: eviction.policy: unknown policy 'fifo'; choose one of {policy_names()}"
+    )
+    assert (info.value.source, info.value.key) == (str(path), "eviction.policy")
+
+    path.write_text("eviction:\n  policy: lru-plain\n")  # a replay baseline, not for serving
+    with pytest.raises(ConfigError, match=rf"^{path}: eviction.policy: 'lru-plain' may evict a chain's head"):
+        load_config(path)
+    assert load_config(CONFIGS / "kvstored.yaml").eviction.policy in policy_names()
+
+
+def kvstored(*args: str, stdout: int = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore.daemon", *args],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_check_config_prints_modes_in_octal_as_the_loader_reads_them(tmp_path: Path) -> None:
+    path = tmp_path / "modes.yaml"
+    path.write_text(f"server:\n  unix_socket: {tmp_path / 's.sock'}\n  socket_mode: 0640\n")
+    result = kvstored("--check-config", str(path))
+    assert result.returncode == 0 and result.stderr == f"kvstored: {path} is valid\n", result.stderr
+    effective = json.loads(result.stdout)
+    assert (effective["server"]["socket_mode"], effective["tiers"]["cpu"]["file_mode"]) == ("0o640", "0o600")
+    assert '"socket_mode": "0o640"' in result.stdout
+    assert effective["server"].pop("socket_path") == str(tmp_path / "s.sock")
+    assert parse_config(effective) == load_config(path)
+
+
+def test_check_config_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text(f"server:\n  unix_socket: {tmp_path / 's.sock'}\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # as `| head` does once it has its lines: nothing reads what follows
+    try:
+        result = kvstored("--check-config", str(path), stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (128 + signal.SIGPIPE, "")
+
+
+def test_a_check_after_loading_names_the_file_too(tmp_path: Path) -> None:
+    path = tmp_path / "caps.yaml"
+    path.write_text("server:\n  max_local_connections: 8\n  max_local_connections_per_uid: 16\n")
+    for option in ("--check-config", "--config"):
+        result = kvstored(option, str(path))
+        assert (result.returncode, result.stdout) == (1, "")
+        assert result.stderr == (
+            f"kvstored: {path}: server.max_local_connections_per_uid: expected at most "
+            f"server.max_local_connections (8), got 16\n"
+        )
 
 
 def test_missing_file(tmp_path: Path) -> None:
