@@ -30,6 +30,8 @@ README = ROOT / "README.md"
 TOUR = "## A five-minute tour"
 MARK = "@@readme-tour@@"
 PRINTED = re.compile(r"^\s*print\(.*\)\s*#\s*([^:\s]+)")  # `print(x)  # 4: what x is` -> "4"
+SAYS = re.compile(r"^\s*print\(.*\)\s*#\s*(.+?):\s")  # `print(x.shape)  # torch.Size([1, 2]): ...`
+TRANSFORMERS = "### transformers"
 MODEL = "llama-3.1-8b"  # the tour's KVSpec
 
 
@@ -47,12 +49,18 @@ class LineRun(NamedTuple):
 
 def tour_blocks() -> list[Block]:
     """The fenced code blocks of the tour section, in order, as printed."""
+    return section_blocks(TOUR)
+
+
+def section_blocks(heading: str) -> list[Block]:
+    """The fenced code blocks of the README's section `heading` (up to the next heading of its
+    level or above, its subsections included), in order, as printed."""
     lines = README.read_text(encoding="utf-8").splitlines()
-    start = lines.index(TOUR)
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    start = lines.index(heading)
+    level = len(heading) - len(heading.lstrip("#"))
     blocks: list[Block] = []
     block: Block | None = None
-    for line in lines[start + 1 : end]:
+    for line in lines[start + 1 :]:
         if block is None and line.startswith("```"):
             block = Block(line[3:].strip(), [])
         elif block is not None and line.startswith("```"):
@@ -60,7 +68,9 @@ def tour_blocks() -> list[Block]:
             block = None
         elif block is not None:
             block.lines.append(line)
-    assert block is None, "the tour has a code block that is not closed"
+        elif line.startswith("#") and len(line) - len(line.lstrip("#")) <= level:
+            break
+    assert block is None, f"{heading} has a code block that is not closed"
     return blocks
 
 
@@ -263,3 +273,34 @@ def test_the_tour_runs_as_printed(
     assert set(by_command) == set(checks), "a tour line this test does not know what to expect of"
     for name in checks:  # the JSON first: the other checks compare with it
         checks[name](by_command[name])
+
+
+def test_the_transformers_snippets_run_as_printed(
+    tour_daemon: tuple[Daemon, dict[str, Any]], tour_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Each Python block of the transformers section (HFPrefixCache, then a progressive model's
+    stage) runs as printed against the tour's daemon, on the default socket, and prints what its
+    comments say."""
+    pytest.importorskip("transformers")
+    daemon, _ = tour_daemon
+    blocks = [block for block in section_blocks(TRANSFORMERS) if block.language == "python"]
+    assert len(blocks) == 2
+    expected = [
+        ["2", "512", "torch.Size([1, 88, 1000])"],  # HFPrefixCache: stored, restored, computed
+        ["none", "whole"],  # a stage's prefill before and after its save
+    ]
+    for index, block in enumerate(blocks):
+        script = tmp_path / f"transformers_{index}.py"
+        script.write_text("\n".join(block.lines) + "\n")
+        ran = subprocess.run(
+            [sys.executable, str(script)],
+            env=tour_env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert ran.returncode == 0, f"{block.lines[:3]}\n{ran.stdout}\n{ran.stderr}\n{daemon.log()}"
+        says = [match.group(1) for line in block.lines if (match := SAYS.match(line))]
+        assert says == expected[index]
+        assert ran.stdout.splitlines() == says
