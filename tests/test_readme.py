@@ -304,3 +304,30 @@ def test_the_transformers_snippets_run_as_printed(
         says = [match.group(1) for line in block.lines if (match := SAYS.match(line))]
         assert says == expected[index]
         assert ran.stdout.splitlines() == says
+
+
+def test_the_replay_example_runs_as_printed(tour_env: dict[str, str]) -> None:
+    """The Operating section's `kvctl replay` lines, run from the repository's root on the trace
+    it ships, each print the hit ratios its comment gives (the total's or the fleet's first)."""
+    (block,) = [
+        block
+        for block in section_blocks("## Operating")
+        if any("kvctl replay" in line for line in block.lines)
+    ]
+    assert block.language == "bash" and len(block.lines) == 4
+    for run in run_lines(block.lines, tour_env, ROOT):
+        assert (run.status, run.stderr) == (0, ""), run
+        said = comment(run.line)
+        rows = {line.split()[0]: line.split()[-1] for line in run.stdout.splitlines() if line.strip()}
+        total = rows["fleet"] if "--hosts" in run.line else rows["total"]
+        assert total == said.split()[0], (said, run.stdout)
+        for bound in ("belady", "infinite"):
+            if bound in said:
+                assert rows[bound] == number_text(rf"{bound} ([\d.]+%)", said), (said, run.stdout)
+        assert run.stdout.startswith("examples/conversation_trace_2k.jsonl: 2000 requests, 22977 blocks")
+
+
+def number_text(pattern: str, text: str) -> str:
+    match = re.search(pattern, text)
+    assert match is not None, (pattern, text)
+    return match.group(1)
