@@ -1,7 +1,8 @@
 """The page index: what the store knows of each page and namespace, and what its calls return.
 
-- `Entry`: one page of one namespace: its arena slot and GPU slot, whether it is committed,
-  the leases and pins that hold it, its place in a committed chain, copies in flight.
+- `Entry`: one page of one namespace: its arena slot, whether it is committed, the leases and
+  pins that hold it, its place in a committed chain and in its policy's order; its GPU slot and
+  copies in flight in a `Tiering` of its own, only for the pages that have them.
 - `Namespace`: a page spec's pages by key; `Namespaces`: those the daemon serves, bounded.
 - The results of the store's calls (`LookupResult`, `ReserveResult`, `AcquireResult`,
   `PinResult`) and its figures (`TierUsage`, `NamespaceUsage`, `StoreStats`).
@@ -25,7 +26,30 @@ from kvstore.tiers import Tier
 _GPU, _CPU = Tier.GPU, Tier.CPU
 
 
+class Tiering:
+    """What few pages have: a GPU slot, a copy in flight, hits towards promotion. An `Entry` gets
+    one the first time one of these fields is set to other than its default."""
+
+    __slots__ = ("gpu", "pool", "gpu_pending", "on_gpu", "hits", "loaded", "source")
+
+    def __init__(self) -> None:
+        self.gpu = -1  # slot in GPU pool `pool`; -1: none
+        self.pool = 0
+        self.gpu_pending = False  # its GPU slot is being filled from the arena
+        self.on_gpu = False  # it belongs to the GPU tier (its arena copy goes once nobody reads it)
+        self.hits = 0  # leased hits while in the CPU tier, towards promote_after_hits
+        self.loaded: asyncio.Future[bool] | None = None  # its arena slot is being filled: done when read
+        self.source = Tier.CPU  # while its arena slot is filled (`loaded`): the tier it comes from
+
+
+_PLAIN = Tiering()  # the defaults, read where an entry has no `Tiering`; never written
+
+
 class Entry:
+    """One page of one namespace. The fields every page uses are slots of its own; the GPU tier's
+    and those of copies in flight (`Tiering`) read as their defaults until one is set, so a page
+    that only ever lives in the arena costs 10 slots, not 17 (issue #31: bytes per page)."""
+
     __slots__ = (
         "namespace",
         "key",
@@ -35,13 +59,8 @@ class Entry:
         "removed",
         "parent",
         "children",
-        "loaded",
-        "gpu",
-        "pool",
-        "gpu_pending",
-        "on_gpu",
-        "hits",
-        "source",
+        "place",
+        "tiering",
     )
 
     def __init__(self, namespace: Namespace, key: bytes, offset: int) -> None:
@@ -53,42 +72,119 @@ class Entry:
         self.removed = False  # dropped from the index while pinned: freed at the last release
         self.parent: Entry | None = None  # the page before it in a committed chain
         self.children = 0  # committed pages whose parent it is
-        self.loaded: asyncio.Future[bool] | None = None  # its arena slot is being filled: done when read
-        self.gpu = -1  # slot in GPU pool `pool`; -1: none
-        self.pool = 0
-        self.gpu_pending = False  # its GPU slot is being filled from the arena
-        self.on_gpu = False  # it belongs to the GPU tier (its arena copy goes once nobody reads it)
-        self.hits = 0  # leased hits while in the CPU tier, towards promote_after_hits
-        self.source = Tier.CPU  # while its arena slot is filled (`loaded`): the tier it comes from
+        self.place: object = None  # the record of the policy that holds it (`kvstore.policy.Page`)
+        self.tiering: Tiering | None = None
+
+    def _tiering(self) -> Tiering:
+        tiering = self.tiering
+        if tiering is None:
+            tiering = self.tiering = Tiering()
+        return tiering
+
+    # The `Tiering` fields, read and written as if they were the entry's own.
+
+    @property
+    def gpu(self) -> int:
+        return (self.tiering or _PLAIN).gpu
+
+    @gpu.setter
+    def gpu(self, slot: int) -> None:
+        if self.tiering is not None or slot != -1:
+            self._tiering().gpu = slot
+
+    @property
+    def pool(self) -> int:
+        return (self.tiering or _PLAIN).pool
+
+    @pool.setter
+    def pool(self, index: int) -> None:
+        if self.tiering is not None or index != 0:
+            self._tiering().pool = index
+
+    @property
+    def gpu_pending(self) -> bool:
+        return (self.tiering or _PLAIN).gpu_pending
+
+    @gpu_pending.setter
+    def gpu_pending(self, pending: bool) -> None:
+        if self.tiering is not None or pending:
+            self._tiering().gpu_pending = pending
+
+    @property
+    def on_gpu(self) -> bool:
+        return (self.tiering or _PLAIN).on_gpu
+
+    @on_gpu.setter
+    def on_gpu(self, on_gpu: bool) -> None:
+        if self.tiering is not None or on_gpu:
+            self._tiering().on_gpu = on_gpu
+
+    @property
+    def hits(self) -> int:
+        return (self.tiering or _PLAIN).hits
+
+    @hits.setter
+    def hits(self, hits: int) -> None:
+        if self.tiering is not None or hits:
+            self._tiering().hits = hits
+
+    @property
+    def loaded(self) -> asyncio.Future[bool] | None:
+        return (self.tiering or _PLAIN).loaded
+
+    @loaded.setter
+    def loaded(self, loaded: asyncio.Future[bool] | None) -> None:
+        if self.tiering is not None or loaded is not None:
+            self._tiering().loaded = loaded
+
+    @property
+    def source(self) -> Tier:
+        return (self.tiering or _PLAIN).source
+
+    @source.setter
+    def source(self, tier: Tier) -> None:
+        if self.tiering is not None or tier is not _CPU:
+            self._tiering().source = tier
+
+    # What the store asks of a page.
 
     @property
     def cpu_ready(self) -> bool:
         """Its arena slot holds the page."""
-        loaded = self.loaded
+        loaded = (self.tiering or _PLAIN).loaded
         return self.offset >= 0 and (loaded is None or (loaded.done() and loaded.result()))
 
     @property
     def gpu_ready(self) -> bool:
         """Its GPU slot holds the page."""
-        return self.gpu >= 0 and not self.gpu_pending
+        tiering = self.tiering
+        return tiering is not None and tiering.gpu >= 0 and not tiering.gpu_pending
 
     @property
     def busy(self) -> bool:
         """A copy into or out of one of its slots is in flight."""
-        return self.gpu_pending or (self.loaded is not None and not self.loaded.done())
+        tiering = self.tiering
+        if tiering is None:
+            return False
+        loaded = tiering.loaded
+        return tiering.gpu_pending or (loaded is not None and not loaded.done())
 
     @property
     def hit_tier(self) -> Tier:
         """Where a hit is read from: the GPU tier, the arena, or the disk or remote tier (being
         read into the arena)."""
-        # Read for every hit of every Lookup: `gpu_ready` inlined, the tiers bound once.
-        if self.gpu >= 0 and not self.gpu_pending:
+        # Read for every hit of every Lookup: the tiers bound once, the usual page (no Tiering) first.
+        tiering = self.tiering
+        if tiering is None:
+            return _CPU
+        if tiering.gpu >= 0 and not tiering.gpu_pending:
             return _GPU
-        return _CPU if self.committed else self.source
+        return _CPU if self.committed else tiering.source
 
     def in_pools(self, pools: frozenset[int]) -> bool:
         """Whether a reader that opened GPU pools `pools` reads this page in place in the GPU tier."""
-        return self.gpu >= 0 and not self.gpu_pending and self.pool in pools
+        tiering = self.tiering
+        return tiering is not None and tiering.gpu >= 0 and not tiering.gpu_pending and tiering.pool in pools
 
 
 @dataclass(eq=False)

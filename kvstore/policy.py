@@ -34,17 +34,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from itertools import groupby, repeat
+from itertools import groupby
 from typing import ClassVar, Protocol, TypeVar
 
 from kvstore.history import FrequencyHistory
 
 
 class Page(Protocol):
-    """What a policy sees of a stored page: an identity (the object) and its chunk key."""
+    """What a policy sees of a stored page: an identity (the object), its chunk key, and a place
+    the policy that holds it may keep its own record of the page in (`LFUDA`: its run), so that
+    it needs no table of its own per page. None while no policy holds the page that uses it."""
 
     @property
     def key(self) -> bytes: ...
+
+    place: object
 
 
 class EvictionPolicy(ABC):
@@ -159,7 +163,7 @@ class PlainLRU(LRU):
 class _Run:
     """Pages placed by one call at one priority and count, in placement order.
 
-    A page belongs to the last run it was placed in (`LFUDA._run_of`); the copies it left behind
+    A page belongs to the last run it was placed in (its `place`); the copies it left behind
     in older runs are skipped, and a run is compacted once fewer than half its pages belong to it.
     """
 
@@ -184,6 +188,8 @@ class LFUDA(EvictionPolicy):
     evicted pages live on in a `FrequencyHistory` with two slots per page held, so a page stored
     again soon after its eviction resumes its count.
 
+    A page's run is its `place` (`Page.place`): the policy keeps no table of its own per page.
+
     Pages are kept in runs (`_Run`): the pages one call placed at one priority and count, in
     order. Each priority's bucket holds its runs in placement order, so the eviction order is
     (priority, run, place in run). A hit on a chain moves whole runs: the pages that shared a run
@@ -192,7 +198,7 @@ class LFUDA(EvictionPolicy):
     """
 
     def __init__(self) -> None:
-        self._run_of: dict[Page, _Run] = {}
+        self._held = 0  # pages whose place is one of this policy's runs
         self._buckets: dict[int, dict[_Run, None]] = {}  # priority -> its runs, oldest first
         self._floor = 0  # no page has a lower priority
         self._age = 0  # L
@@ -214,8 +220,7 @@ class LFUDA(EvictionPolicy):
         if run.live * 2 >= len(run.pages):
             return
         if run.live:
-            run_of = self._run_of
-            run.pages = [page for page in run.pages if run_of.get(page) is run]
+            run.pages = [page for page in run.pages if page.place is run]
             return
         bucket = self._buckets[run.priority]
         del bucket[run]
@@ -224,14 +229,13 @@ class LFUDA(EvictionPolicy):
 
     def hit(self, chain: Sequence[Page]) -> None:
         pages = chain[::-1]  # tail first
-        olds = list(map(self._run_of.__getitem__, pages))
+        olds: list[_Run] = [page.place for page in pages]  # type: ignore[misc]
         if not olds:
             return
         if len(set(pages)) < len(pages):  # a page read twice: its second use sees its first
             self._hit_each(pages)
             return
         age = self._age
-        run_of = self._run_of
         next_priority = next_count = 0  # of the page after this one: a prefix is worth its extensions
         run: _Run | None = None
         if olds.count(olds[0]) == len(olds):  # the usual case: the chain came from one run
@@ -248,18 +252,18 @@ class LFUDA(EvictionPolicy):
             group = pages[start : start + size]
             run.pages += group
             run.live += size
-            run_of.update(zip(group, repeat(run)))
+            for page in group:
+                page.place = run
             self._left(old, size)
             next_count = count
             start += size
 
     def _hit_each(self, pages: Sequence[Page]) -> None:
         """`hit` one page at a time (tail first), for a chain that names a page twice."""
-        run_of = self._run_of
         next_priority = next_count = 0
         run: _Run | None = None
         for page in pages:
-            old = run_of[page]
+            old: _Run = page.place  # type: ignore[assignment]
             count = max(old.count + 1, next_count)
             next_priority = max(self._age + count, next_priority)
             if run is None or run is old or run.count != count or run.priority != next_priority:
@@ -271,18 +275,18 @@ class LFUDA(EvictionPolicy):
     def _place(self, page: Page, run: _Run) -> None:
         run.pages.append(page)
         run.live += 1
-        self._run_of[page] = run
+        page.place = run
 
     def stored(self, chain: Sequence[Page]) -> None:
-        run_of = self._run_of
         next_priority = next_count = 0
         run: _Run | None = None
         for page in reversed(chain):
-            old = run_of.get(page)
+            old: _Run | None = page.place  # type: ignore[assignment]
             if old is not None:
                 priority, count = old.priority, old.count
             else:
                 priority, count = 0, self._history.pop(page.key) + 1
+                self._held += 1
             count = max(count, next_count)
             next_priority = max(priority, self._age + count, next_priority)
             if run is None or run is old or run.count != count or run.priority != next_priority:
@@ -291,23 +295,26 @@ class LFUDA(EvictionPolicy):
             if old is not None:
                 self._left(old, 1)
             next_count = count
-        self._history.fit(len(run_of))
+        self._history.fit(self._held)
 
     def evicted(self, page: Page) -> None:
-        run = self._run_of.pop(page)
+        run: _Run = page.place  # type: ignore[assignment]
+        page.place = None
+        self._held -= 1
         self._age = max(self._age, run.priority)
         self._history.put(page.key, run.count)
         self._left(run, 1)
 
     def remove(self, page: Page) -> None:
-        run = self._run_of.pop(page, None)
-        if run is not None:
+        run = page.place
+        if isinstance(run, _Run) and run in self._buckets.get(run.priority, ()):  # one of this policy's
+            page.place = None
+            self._held -= 1
             self._left(run, 1)
 
     def candidates(self) -> Iterator[Page]:
         buckets = self._buckets
-        run_of = self._run_of
-        left = len(run_of)
+        left = self._held
         while left and self._floor not in buckets:
             self._floor += 1
         priority = self._floor
@@ -316,10 +323,10 @@ class LFUDA(EvictionPolicy):
             if bucket:
                 for run in bucket:
                     for page in run.pages:
-                        if run_of.get(page) is run:
+                        if page.place is run:
                             yield page
                     left -= run.live
             priority += 1
 
     def __len__(self) -> int:
-        return len(self._run_of)
+        return self._held

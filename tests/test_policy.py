@@ -6,8 +6,9 @@ import json
 import random
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -22,13 +23,32 @@ from tests.harness import Daemon
 from tests.test_store import PAGE, SPEC, load_chain, page_bytes, store_chain
 
 
-@dataclass(frozen=True)
 class Page:
-    name: str
+    """A page as the store hands it to a policy: one object per name (within a test), as the store
+    has one entry per key, with the place a policy may keep its record of it in."""
 
-    @property
-    def key(self) -> bytes:
-        return self.name.encode().ljust(16, b".")
+    __slots__ = ("name", "key", "place")
+    name: str
+    key: bytes
+    place: object
+    _by_name: ClassVar[dict[str, Page]] = {}
+
+    def __new__(cls, name: str) -> Page:
+        page = cls._by_name.get(name)
+        if page is None:
+            page = cls._by_name[name] = super().__new__(cls)
+            page.name = name
+            page.key = name.encode().ljust(16, b".")
+            page.place = None
+        return page
+
+
+@pytest.fixture(autouse=True)
+def fresh_pages() -> Iterator[None]:
+    """Each test's pages are its own: none carries a record of another test's policy."""
+    Page._by_name.clear()
+    yield
+    Page._by_name.clear()
 
 
 def pages(*names: str) -> list[Page]:

@@ -17,11 +17,12 @@ from kvstore.policy import EvictionPolicy, Page, make_policy
 class Held:
     """A page as the store hands it: an identity and a 16-byte key."""
 
-    __slots__ = ("key", "name")
+    __slots__ = ("key", "name", "place")
 
     def __init__(self, name: int) -> None:
         self.name = name
         self.key = name.to_bytes(16, "little")
+        self.place: object = None
 
 
 class PageAtATime(EvictionPolicy):
