@@ -47,11 +47,12 @@ BYTES_TARGET = 256
 class FakePage:
     """A held page as the store hands it to a policy: an identity and a 16-byte key."""
 
-    __slots__ = ("key", "index")
+    __slots__ = ("key", "index", "place")  # place: where an LFUDA policy keeps it in its order
 
     def __init__(self, number: int, index: int) -> None:
         self.key = number.to_bytes(16, "little")
         self.index = index  # its place in the harness's list
+        self.place = None  # an LFUDA policy's
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -200,6 +200,9 @@ class LFUDA(EvictionPolicy):
     def __init__(self) -> None:
         self._held = 0  # pages whose place is one of this policy's runs
         self._buckets: dict[int, dict[_Run, None]] = {}  # priority -> its runs, oldest first
+        # runs deleted from each bucket since it was last copied: a dict deleted from at the front
+        # keeps the deleted slots, which every iteration from its front steps over
+        self._holes: dict[int, int] = {}
         self._floor = 0  # no page has a lower priority
         self._age = 0  # L
         self._history = FrequencyHistory()
@@ -222,10 +225,18 @@ class LFUDA(EvictionPolicy):
         if run.live:
             run.pages = [page for page in run.pages if page.place is run]
             return
-        bucket = self._buckets[run.priority]
+        priority = run.priority
+        bucket = self._buckets[priority]
         del bucket[run]
         if not bucket:
-            del self._buckets[run.priority]
+            del self._buckets[priority]
+            self._holes.pop(priority, None)
+            return
+        holes = self._holes.get(priority, 0) + 1
+        if holes > len(bucket):  # a compact copy, in the same order: amortised O(1) a deletion
+            self._buckets[priority] = dict(bucket)
+            holes = 0
+        self._holes[priority] = holes
 
     def hit(self, chain: Sequence[Page]) -> None:
         pages = chain[::-1]  # tail first
