@@ -275,8 +275,7 @@ def test_event_streams_past_a_tenants_cap_are_refused(tenant_daemon: Callable[..
         channel = grpc.insecure_channel(daemon.address)
         stub = pb_grpc.KVStoreStub(channel)
         streams = [
-            stub.Events(pb.EventsRequest(from_now=True), metadata=as_beta, timeout=30)
-            for _ in range(cap + 8)
+            stub.Events(pb.EventsRequest(from_now=True), metadata=as_beta, timeout=30) for _ in range(cap + 8)
         ]
         wait_counter(daemon, "refused_event_streams", 8)
         assert beta_stores() == 1

@@ -10,11 +10,11 @@ import grpc
 import pytest
 import torch
 
-from tests.harness import Daemon, wait_flushed
 from kvstore.keys import chunk_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import KVSpec, PageSpec
 from kvstore_client import KVStoreClient
+from tests.harness import Daemon, wait_flushed
 
 STATE_BYTES = 1000  # not a multiple of anything the kernels like: every byte must still move
 STATE = "test-mamba2:conv=bfloat16[3,64];ssm=float32[2,16,13]"

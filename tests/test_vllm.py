@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import struct
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from kvstore.keys import chain_keys  # noqa: E402
 from kvstore.tiers.disk_files import record_path  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 from kvstore_client.vllm import ConnectorConfig  # noqa: E402
+from kvstore_client.vllm import prompts as vllm_prompts  # noqa: E402
 from kvstore_client.vllm import scheduler as vllm_scheduler  # noqa: E402
 from tests.harness import Daemon, wait_flushed  # noqa: E402
 from tests.vllm_engine import SAMPLED, Engine, Model, vllm_config  # noqa: E402
@@ -173,10 +175,10 @@ def test_media_key_the_chunks_they_cover_and_every_chunk_after(
 
     def keys(request_id: str, *features: MultiModalFeatureSpec) -> list[bytes]:
         request = engine.request(request_id, a, mm_features=list(features))
-        extras = vllm_scheduler.chunk_extras(request, 5, CHUNK)
-        return chain_keys(b"n" * 16, vllm_scheduler.struct.pack("<160i", *a), CHUNK, extras)
+        extras = vllm_prompts.chunk_extras(request, 5, CHUNK)
+        return chain_keys(b"n" * 16, struct.pack("<160i", *a), CHUNK, extras)
 
-    plain = chain_keys(b"n" * 16, vllm_scheduler.struct.pack("<160i", *a), CHUNK)
+    plain = chain_keys(b"n" * 16, struct.pack("<160i", *a), CHUNK)
     cat, dog, cat_later = (
         keys("cat", image("cat", 70)),
         keys("dog", image("dog", 70)),
@@ -206,7 +208,7 @@ def test_a_prompt_that_shares_a_prefix_takes_its_keys_from_the_memo(
         assert state.keys[client.namespace] == client.keys(b)  # the memo's keys are the tokens' keys
     assert state.packed_from == 192 and len(state.packed) == (288 - 192) * 4  # none of A's tokens packed
     engine.connector.request_finished(request, [])
-    memo = vllm_scheduler._Memo(2, capacity=4)
+    memo = vllm_prompts.KeyMemo(2, capacity=4)
     keys = [bytes([i]) * 16 for i in range(6)]
     memo.add(keys, [bytes([100 + i]) * 32 for i in range(12)], 0)
     assert list(memo.keys.values()) == keys[2:]  # at most `capacity`, the oldest dropped

@@ -1,6 +1,6 @@
-"""The vLLM connector on the model kinds people deploy: MLA, sliding-window hybrids, Mamba /
-linear-attention hybrids, fp8 caches, and the layouts of different attention backends, driven by vLLM's real Scheduler (its hybrid
-allocator on) over a real kvstored.
+"""The vLLM connector on the model kinds people deploy: MLA, sliding-window and chunked-local
+hybrids, Mamba / linear-attention hybrids, fp8 caches, and the layouts of different attention
+backends, driven by vLLM's real Scheduler (its hybrid allocator on) over a real kvstored.
 
 Every forward of the stand-in model (`tests.vllm_engine`) checks that each token a request
 attends to holds exactly the KV (or MLA latent) of its prefix, for every layer and TP rank: a
@@ -250,8 +250,9 @@ def test_a_mamba_hit_stops_at_the_last_stored_state_never_beyond(
     kvstored: Daemon, make_engine: Callable[..., Engine]
 ) -> None:
     """Steps of 64 tokens whose states vLLM keeps (prefix_cache_retention_interval 64): states
-    at 64, 128, 192. A prompt sharing 100 tokens resumes at 64 (its attention KV reaches 96, but no state is kept
-    there), and without the state at 192 a prompt sharing all of them resumes at 128."""
+    at 64, 128, 192. A prompt sharing 100 tokens resumes at 64 (its attention KV reaches 96, but
+    no state is kept there), and without the state at 192 a prompt sharing all of them resumes
+    at 128."""
     a = prompt(13, 12 * STATE_BLOCK + 5)
     first = make_engine(kvstored, QWEN3_NEXT, retention_interval=64, max_num_batched_tokens=64)
     asked = _drop_state_saves(first, {192})
@@ -359,7 +360,9 @@ def test_an_attention_kind_the_connector_does_not_serve_is_refused_at_start_up(
     ):
         make_engine(
             kvstored,
-            Model(num_layers=2, num_kv_heads=1, head_dim=576, kinds=("mla", "sliding_mla"), backend="TRITON_MLA"),
+            Model(
+                num_layers=2, num_kv_heads=1, head_dim=576, kinds=("mla", "sliding_mla"), backend="TRITON_MLA"
+            ),
         )
 
 

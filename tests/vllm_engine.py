@@ -3,9 +3,10 @@ connector loaded by vLLM's KVConnectorFactory, one worker connector per TP rank 
 KV-cache tensors laid out by vLLM's own `allocate_kv_cache`, and a stand-in for the model.
 
 The stand-in model writes, for each scheduled token, K and V that are a function of the token's
-whole prefix (and for a Mamba layer, the state after the step's last token, where vLLM's align
-mode keeps it: the block of the request's table holding that token) (a rolling hash of the token ids) and of the layer and TP rank: two requests that
-share a prefix compute the same bytes for it, as a real model does. Before it writes, each
+whole prefix (a rolling hash of the token ids) and of the layer and TP rank, and for a Mamba
+layer the state after the step's last token, where vLLM's align mode keeps it (the block of the
+request's table holding that token): two requests that share a prefix compute the same bytes
+for it, as a real model does. Before it writes, each
 forward checks that every token the request attends to (its computed prefix, loaded or not) holds
 exactly the KV of that prefix: a load that left a wrong byte, or a block vLLM was told is loaded
 and is not, fails the step (`WrongKV`). The steps follow vLLM's worker: handle_preemptions, bind,
@@ -383,7 +384,9 @@ class Engine:
             if done:
                 held = states[table[(done - 1) // block_size]]
                 if not torch.equal(held, expected_state(tokens[:done], layer, rank, self.model)):
-                    raise WrongKV(f"{req_id}: rank {rank} layer {layer}: the state after {done} tokens is wrong")
+                    raise WrongKV(
+                        f"{req_id}: rank {rank} layer {layer}: the state after {done} tokens is wrong"
+                    )
             end = done + count
             states[table[(end - 1) // block_size]] = expected_state(tokens[:end], layer, rank, self.model)
 

@@ -193,8 +193,9 @@ def _mamba_group(index: int, spec: Any, names: tuple[str, ...], model: str) -> G
     import torch
 
     dtypes = [str(dtype).removeprefix("torch.") for dtype in spec.dtypes]
-    sizes = [math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in zip(spec.shapes, dtypes)]
-    parts = ";".join(f"{dtype}{list(shape)}" for shape, dtype in zip(spec.shapes, dtypes, strict=True))
+    shapes = list(zip(spec.shapes, dtypes, strict=True))
+    sizes = [math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in shapes]
+    parts = ";".join(f"{dtype}{list(shape)}" for shape, dtype in shapes)
     kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     return Group(
         index=index,

@@ -11,173 +11,33 @@
 - `events`: BlockStored / BlockRemoved for what the workers' commits stored and their loads
   found gone (medium CPU: kvstore's arena).
 
-A daemon that is down or slower than `lookup_timeout_s` makes a lookup a miss; every call is
-bounded by that deadline and never raises (`KVStoreClient`).
+Each request's chunk keys, and the memo of keys by vLLM's block hashes: `prompts.py`. A daemon
+that is down or slower than `lookup_timeout_s` makes a lookup a miss; every call is bounded by
+that deadline and never raises (`KVStoreClient`).
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-from kvstore.keys import chain_keys
 from kvstore_client.vllm.config import ConnectorConfig, engine_specs
 from kvstore_client.vllm.connection import LazyClient
 from kvstore_client.vllm.groups import MAMBA, Group, is_quantized
 from kvstore_client.vllm.metadata import LoadSpec, SaveSpec, StepMetadata, StoredChunks
+from kvstore_client.vllm.prompts import KeyMemo, PromptKeys
 
 log = logging.getLogger(__name__)
 
 MEDIUM = "CPU"  # where a committed page lands first: the daemon's shared-memory arena
 PROBE_TOKENS = 2048  # a lookup's first window (see `num_new_matched_tokens`)
-MEMO_CHUNKS = 1 << 16  # chunk keys remembered per TP rank by vLLM's block hash (~10 MiB)
 ANSWER_STEPS = 8  # steps a waiting request's lookup answer is reused for (it asks every step)
 FAILED_S = 30.0  # how long a chunk whose load failed is not offered to other requests
 MAX_FAILED = 4096  # such chunks remembered
-
-
-def chunk_extras(request: Any, chunks: int, chunk_tokens: int) -> list[bytes] | None:
-    """What chunks `[0, chunks)` of `request` depend on beside their tokens, as extra key bytes
-    (`kvstore.keys`): vLLM's own per-block identity (its LoRA adapter's name and path, the
-    images or other media behind the chunk's placeholder tokens with their offsets, the
-    request's cache salt on the first chunk, the prompt embeddings a mixed prompt puts in place
-    of some tokens), taken over the chunk's tokens. None for a request of token ids alone: its
-    chunks key by their tokens, shared with any engine."""
-    if not (
-        request.lora_request
-        or request.mm_features
-        or request.cache_salt
-        or getattr(request, "prompt_embeds", None) is not None
-    ):
-        return None
-    extras = []
-    for index in range(chunks):
-        keys, _ = generate_block_hash_extra_keys(request, index * chunk_tokens, (index + 1) * chunk_tokens, 0)
-        extras.append(repr(keys).encode() if keys else b"")
-    return extras
-
-
-class _Request:
-    """What the scheduler side keeps of one request. Its chunk keys come first from the memo of
-    keys already made for a vLLM block hash (`SchedulerSide._memo`: a prompt that shares a
-    prefix with an earlier one shares its keys, found with one dict lookup per chunk); the
-    rest are hashed from the prompt, packed (int32 LE) only as far as a lookup or a save
-    needs: packing is most of that cost (bench/NOTES-vllm.md)."""
-
-    __slots__ = (
-        "request",
-        "hashes",
-        "prompt",
-        "packed",
-        "packed_from",
-        "num_prompt",
-        "keys",
-        "_extras",
-        "local",
-        "block_ids",
-        "saved",
-        "saving",
-        "loading",
-        "limit",
-        "answer",
-    )
-
-    def __init__(self, request: Any, prompt: list[int], hashes: Sequence[bytes]) -> None:
-        self.request = request
-        self.hashes = hashes  # vLLM's block hashes of the request, or () where they cannot be used
-        self.prompt = prompt
-        self.packed = bytearray()  # tokens [packed_from, ...), packed
-        self.packed_from = 0
-        self.num_prompt = len(prompt)
-        self.keys: dict[bytes, list[bytes]] = {}  # per namespace (TP rank): its first chunks' keys
-        self._extras: list[bytes] | None | bool = False  # not yet made
-        self.local = 0  # tokens vLLM had computed when the lookup was made
-        self.block_ids: list[list[int]] = []  # per KV-cache group
-        self.saved = 0  # leading chunks saved
-        self.saving = False  # some save was handed to the workers
-        self.loading = (-1, 0)  # chunks [first, stop) being loaded (stored: no need to save them)
-        self.limit = len(prompt)  # tokens a lookup may offer: a failed load cuts it
-        self.answer: tuple[int, int, int] | None = None  # (computed tokens, answer, step) of the last lookup
-
-    def window(self, start: int, stop: int) -> bytes | bytearray:
-        """The prompt's tokens `[start, stop)`, packed. Packed tokens are kept from where the first
-        window began, so that another rank's keys over the same tokens pack nothing again."""
-        if not self.packed:
-            self.packed_from = start
-        begin, end = self.packed_from, self.packed_from + len(self.packed) // 4
-        if start < begin:  # before what is kept (a rank whose memo holds less): packed apart
-            return struct.pack(f"<{stop - start}i", *self.prompt[start:stop])
-        if end < stop:
-            self.packed += struct.pack(f"<{stop - end}i", *self.prompt[end:stop])
-        return self.packed
-
-    def extras(self, chunk_tokens: int) -> list[bytes] | None:
-        """`chunk_extras` of the prompt's whole chunks (made once)."""
-        if self._extras is False:
-            self._extras = chunk_extras(self.request, self.num_prompt // chunk_tokens, chunk_tokens)
-        return self._extras  # type: ignore[return-value]
-
-    def known(self, client: Any, stop: int, memo: _Memo) -> int:
-        """How many leading chunks' keys under `client`'s namespace are made or in the memo (up to
-        `stop`), taken from it."""
-        keys = self.keys.setdefault(client.namespace, [])
-        if len(keys) < stop:
-            memo.extend(keys, self.hashes, stop)
-        return len(keys)
-
-    def chunk_keys(self, client: Any, stop: int, memo: _Memo) -> list[bytes]:
-        """The keys of chunks `[0, stop)` under `client`'s namespace (made once, extended as needed)."""
-        keys = self.keys.setdefault(client.namespace, [])
-        if self.known(client, stop, memo) < stop:
-            chunk, have = client.spec.page.chunk_tokens, len(keys)
-            packed = self.window(have * chunk, stop * chunk)
-            offset = (have * chunk - self.packed_from) * 4 if packed is self.packed else 0
-            extras = self.extras(chunk)
-            with memoryview(packed) as view, view[offset : offset + (stop - have) * chunk * 4] as new:
-                prev = keys[-1] if keys else client.namespace
-                keys += chain_keys(prev, new, chunk, extras[have:stop] if extras is not None else None)
-            memo.add(keys, self.hashes, have)
-        return keys[:stop]
-
-
-class _Memo:
-    """Chunk keys of one namespace by vLLM's block hash of the chunk's last block. vLLM hashes
-    every request's blocks (chained, with the same extras as `chunk_extras`) before the
-    scheduler sees it; equal hashes mean an equal prefix, so its chunk keys are equal too. At
-    most `capacity` entries, the oldest dropped first."""
-
-    def __init__(self, hashes_per_chunk: int, capacity: int = MEMO_CHUNKS) -> None:
-        self.per_chunk = hashes_per_chunk
-        self.capacity = capacity
-        self.keys: dict[bytes, bytes] = {}
-
-    def extend(self, keys: list[bytes], block_hashes: Sequence[bytes], stop: int) -> None:
-        """Appends the memo's keys for chunks `len(keys)..` up to `stop` or the first it lacks."""
-        per_chunk, memo = self.per_chunk, self.keys
-        if not per_chunk:
-            return
-        end = min(stop * per_chunk, len(block_hashes))
-        for index in range((len(keys) + 1) * per_chunk - 1, end, per_chunk):
-            key = memo.get(block_hashes[index])
-            if key is None:
-                return
-            keys.append(key)
-
-    def add(self, keys: list[bytes], block_hashes: Sequence[bytes], first: int) -> None:
-        """Remembers chunks `[first, len(keys))`' keys by their last block's hash."""
-        per_chunk, memo = self.per_chunk, self.keys
-        if not per_chunk:
-            return
-        for chunk in range(first, min(len(keys), len(block_hashes) // per_chunk)):
-            memo[block_hashes[(chunk + 1) * per_chunk - 1]] = keys[chunk]
-        while len(memo) > self.capacity:
-            del memo[next(iter(memo))]
 
 
 class _GroupClients:
@@ -203,9 +63,9 @@ class SchedulerSide:
         # vLLM hashes each request's blocks at this size (HMA aside, its block size)
         self.hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
         self.null_block = 0  # vLLM's null block (BlockPool), where a window's skipped blocks point
-        self._memos: dict[bytes, _Memo] = {}  # per namespace (group and TP rank)
+        self._memos: dict[bytes, KeyMemo] = {}  # per namespace (group and TP rank)
         self.loads, self.saves = loads, saves
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, PromptKeys] = {}
         self._pending_loads: list[LoadSpec] = []
         self._held: set[str] = set()
         self._events: list[KVCacheEvent] = []
@@ -257,7 +117,7 @@ class SchedulerSide:
     def bind_block_pool(self, block_pool: Any) -> None:
         self.null_block = int(block_pool.null_block.block_id)
 
-    def _state(self, request: Any) -> _Request | None:
+    def _state(self, request: Any) -> PromptKeys | None:
         state = self._requests.get(request.request_id)
         if state is None:
             prompt = request.prompt_token_ids
@@ -266,16 +126,16 @@ class SchedulerSide:
             hashes = request.block_hashes
             if len(hashes) != request.num_tokens // self.hash_block:  # not hashed as expected: no memo
                 hashes = ()
-            state = self._requests[request.request_id] = _Request(request, prompt, hashes)
+            state = self._requests[request.request_id] = PromptKeys(request, prompt, hashes)
         return state
 
-    def _memo(self, client: Any) -> _Memo:
+    def _memo(self, client: Any) -> KeyMemo:
         memo = self._memos.get(client.namespace)
         if memo is None:
             chunk = client.spec.page.chunk_tokens
             # a chunk that does not end on a hashed block has no hash to be found by
             per_chunk = chunk // self.hash_block if chunk % self.hash_block == 0 else 0
-            memo = self._memos[client.namespace] = _Memo(per_chunk)
+            memo = self._memos[client.namespace] = KeyMemo(per_chunk)
         return memo
 
     def _clients(self) -> list[tuple[Group, list[Any]]] | None:
@@ -312,7 +172,7 @@ class SchedulerSide:
         return tokens
 
     def _matched(
-        self, state: _Request, request: Any, local: int, groups: list[tuple[Group, list[Any]]]
+        self, state: PromptKeys, request: Any, local: int, groups: list[tuple[Group, list[Any]]]
     ) -> int:
         chunk = self.chunk_tokens
         limit = min(state.num_prompt, state.limit)
@@ -349,7 +209,7 @@ class SchedulerSide:
             end -= end % chunk
         return max(end - local, 0)
 
-    def _state_hit(self, state: _Request, clients: list[Any], first: int, stop: int) -> int:
+    def _state_hit(self, state: PromptKeys, clients: list[Any], first: int, stop: int) -> int:
         """`first` plus the chunks up to the last boundary in `(first, stop]` whose state every
         rank's namespace holds (`first` where there is none): states are kept only where a step
         of some engine ended, so they need not form a prefix."""
@@ -360,7 +220,7 @@ class SchedulerSide:
         last = next((index for index in range(len(held) - 1, -1, -1) if held[index]), -1)
         return first + last + 1
 
-    def _prefix_hit(self, state: _Request, client: Any, first: int, stop: int) -> int:
+    def _prefix_hit(self, state: PromptKeys, client: Any, first: int, stop: int) -> int:
         """`first` plus the stored chunks from `first` on under `client`'s namespace, up to `stop`.
         The chunks whose keys the memo holds (or PROBE_TOKENS' worth, where fewer) are looked
         up first, the rest only where all of those hit: the tokens past the first miss are never
@@ -374,7 +234,7 @@ class SchedulerSide:
         return hit
 
     def _window_hit(
-        self, state: _Request, client: Any, group: Group, first: int, stop: int, tokens: int
+        self, state: PromptKeys, client: Any, group: Group, first: int, stop: int, tokens: int
     ) -> int:
         """How far the window's chunks of a windowed group are stored: `stop` where the chunks of
         the window before the resume point are, else the stored prefix."""
@@ -387,7 +247,7 @@ class SchedulerSide:
         return self._prefix_hit(state, client, first, stop)
 
     def _before_failures(
-        self, state: _Request, groups: list[tuple[Group, list[Any]]], first: int, hit: int
+        self, state: PromptKeys, groups: list[tuple[Group, list[Any]]], first: int, hit: int
     ) -> int:
         """`hit` cut before any chunk whose load failed lately (for any request)."""
         if not self._failed or hit <= first:
@@ -441,7 +301,13 @@ class SchedulerSide:
         state.loading = (first, stop)
 
     def _load_state(
-        self, req_id: str, state: _Request, group: Group, namespaces: Sequence[bytes], table: list[int], stop: int
+        self,
+        req_id: str,
+        state: PromptKeys,
+        group: Group,
+        namespaces: Sequence[bytes],
+        table: list[int],
+        stop: int,
     ) -> None:
         """The load of the state after chunk `stop - 1` into the block vLLM gave that boundary (the
         last of the hit: a Mamba group's block table holds a state per block, at its end)."""
@@ -541,7 +407,7 @@ class SchedulerSide:
         meta: StepMetadata,
         groups: list[tuple[Group, list[Any]]],
         req_id: str,
-        state: _Request,
+        state: PromptKeys,
         computed: int,
     ) -> None:
         chunk = self.chunk_tokens
