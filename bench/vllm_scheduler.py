@@ -8,9 +8,13 @@ on real CPU KV tensors that stores and loads real pages through a real kvstored 
 512: one page per trace block and KV-cache group), and a stand-in model that computes nothing.
 
 The model's layers follow a pattern (`--patterns`, each run in turn on the same requests):
-`full`, every layer full attention (one group, one namespace), or `gpt-oss`, sliding-window
+`full`, every layer full attention (one group, one namespace), `gpt-oss`, sliding-window
 layers (window 128) alternating with full attention (two groups: the window's group loads only
-the chunks of the window before the resume point). Every pattern stores every layer of every
+the chunks of the window before the resume point), or `qwen3-next`, three Mamba layers to one
+full (`--layers 4`): vLLM keeps their state only with its prefix caching in align mode, where a
+prefill ends (the last block boundary before the prompt's last token), so that pattern runs
+only the two runs with vLLM's prefix caching on, with vLLM's blocks of 512 tokens (a state per
+trace block, kvstore's chunk), and a hit needs the state at its end. Every pattern stores every layer of every
 chunk, so its bytes per token are the same and kvstore's CPU tier is the same size in bytes:
 `--cpu-pages` chunks of every layer (for gpt-oss, twice as many pages of half the size).
 
@@ -76,7 +80,11 @@ SCHEDULER_METHODS = (
 PATTERNS: dict[str, tuple[str, ...]] = {
     "full": ("full",),
     "gpt-oss": ("sliding", "full"),
+    "qwen3-next": ("mamba", "mamba", "mamba", "full"),
 }
+# patterns with Mamba state: vLLM keeps it only with prefix caching in align mode, and the
+# connector's chunks are the Mamba block size, here the trace's block
+STATEFUL = {"qwen3-next"}
 WINDOW = 128  # gpt-oss's sliding window, in tokens
 KV_HEADS, HEAD_DIM, VALUE_BYTES = 1, 8, 2  # the stand-in model's KV: one head of dim 8, fp16
 RUNS = (  # name, with kvstore, vLLM's prefix caching
@@ -136,20 +144,23 @@ class Timer:
         self._waited = 0.0
         for name in SCHEDULER_METHODS:
             setattr(connector, name, self._timed(name, getattr(connector, name)))
-        lookup_chunks = KVStoreClient.lookup_chunks
+        self._originals = {name: getattr(KVStoreClient, name) for name in ("lookup_chunks", "lookup_each")}
+        for name, original in self._originals.items():
+            setattr(KVStoreClient, name, self._waiting(original))
 
-        def timed_lookup(client: KVStoreClient, keys: Any) -> int:
+    def _waiting(self, lookup: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_lookup(client: KVStoreClient, keys: Any) -> Any:
             started = time.perf_counter()
             try:
-                return lookup_chunks(client, keys)
+                return lookup(client, keys)
             finally:
                 self._waited += time.perf_counter() - started
 
-        self._restore = lambda: setattr(KVStoreClient, "lookup_chunks", lookup_chunks)
-        KVStoreClient.lookup_chunks = timed_lookup  # type: ignore[method-assign]
+        return timed_lookup
 
     def close(self) -> None:
-        self._restore()
+        for name, original in self._originals.items():
+            setattr(KVStoreClient, name, original)
 
     def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
@@ -179,16 +190,23 @@ class LoadCounter:
     move, for each loaded request, a page of every group for each chunk any group loads."""
 
     def __init__(self, connector: Any, kv_cache_config: Any) -> None:
-        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
         groups = list(kv_cache_config.kv_cache_groups)
-        self.kinds = ["sliding" if isinstance(g.kv_cache_spec, SlidingWindowSpec) else "full" for g in groups]
-        self.layers = [len(g.layer_names) for g in groups]
-        self.page_bytes = [
-            len(g.layer_names)
-            * g.kv_cache_spec.page_size_bytes
-            * (BLOCK_TOKENS // g.kv_cache_spec.block_size)
+        self.kinds = [
+            "sliding"
+            if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+            else "mamba"
+            if isinstance(g.kv_cache_spec, MambaSpec)
+            else "full"
             for g in groups
+        ]
+        self.layers = [len(g.layer_names) for g in groups]
+        self.page_bytes = [  # a Mamba group's page: its layers' states, one per chunk
+            len(g.layer_names)
+            * (g.kv_cache_spec.real_page_size_bytes if kind == "mamba" else g.kv_cache_spec.page_size_bytes)
+            * (1 if kind == "mamba" else BLOCK_TOKENS // g.kv_cache_spec.block_size)
+            for g, kind in zip(groups, self.kinds, strict=True)
         ]
         self.chunks = [0] * len(groups)
         self.every_layer_chunks = 0
@@ -244,14 +262,19 @@ def run(
 
     longest = max(map(len, prompts))
     extra = {"address": address, "model": "trace", "lookup_timeout_s": 5.0} if address else None
+    stateful = "mamba" in model.kinds
+    block = BLOCK_TOKENS if stateful else VLLM_BLOCK  # a stateful model: a state per trace block
     config = vllm_config(
         model.write_config(model_dir, 1),
         extra,
         prefix_caching=prefix_caching,
+        block_size=block,
+        mamba_cache_mode="align" if stateful else "none",
         max_num_batched_tokens=8192,
-        max_model_len=longest + 16,
+        max_model_len=longest + block,
     )
-    num_blocks = max(gpu_blocks, longest // VLLM_BLOCK + 256)  # the longest prompt always fits
+    # the same tokens' worth of vLLM's cache whatever its block; the longest prompt always fits
+    num_blocks = max(gpu_blocks * VLLM_BLOCK // block, longest // block + 256 * VLLM_BLOCK // block)
     engine = Engine(config, model, num_blocks=num_blocks, check=False)
     timer = Timer(engine.connector) if engine.connector is not None else None
     loads = LoadCounter(engine.connector, engine.kv_cache_config) if engine.connector is not None else None
@@ -315,13 +338,17 @@ def run(
     return result
 
 
-def daemon_config(cpu_chunks: int, bytes_per_chunk: int, policy: str) -> dict[str, Any]:
+def daemon_config(
+    cpu_chunks: int, bytes_per_chunk: int, policy: str, stateful: bool = False
+) -> dict[str, Any]:
     size = cpu_chunks * bytes_per_chunk
+    # one page size per slab: a stateful model's state pages need slabs of their own
+    slab = min(size, 1 << 20) if stateful else size
     return {
         "chunk_tokens": BLOCK_TOKENS,
         "log_level": "warning",
         "eviction": {"policy": policy},
-        "tiers": {"cpu": {"bytes": size, "slab_bytes": size, "prefault": False}},
+        "tiers": {"cpu": {"bytes": -(-size // slab) * slab, "slab_bytes": slab, "prefault": False}},
     }
 
 
@@ -331,9 +358,13 @@ def measure(
     """The four runs of one pattern, each kvstore run on a fresh daemon."""
     runs: dict[str, dict[str, Any]] = {}
     for name, with_kvstore, prefix_caching in RUNS:
+        if pattern in STATEFUL and not prefix_caching:
+            continue  # vLLM keeps Mamba state only with its prefix caching on
         common = {"model": model, "prefix_caching": prefix_caching, "gpu_blocks": args.gpu_blocks}
         if with_kvstore:
-            config = daemon_config(args.cpu_pages, chunk_bytes(model.num_layers), args.policy)
+            config = daemon_config(
+                args.cpu_pages, chunk_bytes(model.num_layers), args.policy, pattern in STATEFUL
+            )
             with running_daemon(config) as daemon:
                 runs[name] = run(prompts, address=daemon.address, model_dir=model_dir, **common)
         else:
@@ -343,13 +374,14 @@ def measure(
 
 
 def targets_of(runs: dict[str, dict[str, Any]], expected: float) -> dict[str, Any]:
-    share = runs["kvstore"]["served_share"]
     own = runs["vllm_prefix_cache"]["computed_tokens"]
     both = runs["vllm_prefix_cache+kvstore"]["computed_tokens"]
-    kvstore = runs["kvstore"]
+    alone = "kvstore" in runs  # a stateful pattern runs with vLLM's prefix caching only
+    kvstore = runs["kvstore" if alone else "vllm_prefix_cache+kvstore"]
+    share = kvstore["served_share"]
     return {
-        "served_share_vs_replay_pp": round((share - expected) * 100, 3),
-        "served_share_within_1pp": abs(share - expected) <= 0.01,
+        "served_share_vs_replay_pp": round((share - expected) * 100, 3) if alone else None,
+        "served_share_within_1pp": abs(share - expected) <= 0.01 if alone else None,
         "prefix_cache_tokens_saved": own - both,
         "prefix_cache_fewer_with_kvstore": both < own,
         "lookup_p50_us": round(kvstore["lookup"]["p50_us"], 1),
@@ -422,11 +454,15 @@ def report(patterns: dict[str, dict[str, dict[str, Any]]], targets: dict[str, di
     for pattern, runs in patterns.items():
         own = runs["vllm_prefix_cache"]["computed_tokens"]
         saved = targets[pattern]["prefix_cache_tokens_saved"]
+        alone = (
+            f"kvstore served {runs['kvstore']['served_share']:.2%} "
+            f"({targets[pattern]['served_share_vs_replay_pp']:+.2f} pp against kvctl replay). "
+            if "kvstore" in runs
+            else "(vLLM's prefix caching on in both runs: its align mode keeps the Mamba states.) "
+        )
         print(
-            f"\n{pattern}: kvstore served {runs['kvstore']['served_share']:.2%} "
-            f"({targets[pattern]['served_share_vs_replay_pp']:+.2f} pp against kvctl replay). With vLLM's "
-            f"prefix cache on, kvstore saves {saved:,} of {own:,} computed prompt tokens "
-            f"({saved / max(own, 1):.1%})."
+            f"\n{pattern}: {alone}With vLLM's prefix cache on, kvstore saves {saved:,} of {own:,} "
+            f"computed prompt tokens ({saved / max(own, 1):.1%})."
         )
 
 
