@@ -27,11 +27,15 @@ default config's socket), `namespace_salt` (pages of different salts never match
     does not check, since another rank's store of those keys is skipped by the daemon (Reserve
     skips keys already stored or being written) and reports them held once committed.
   PP and context-parallel ranks are in the salt of both.
+- Sidecar pools of a hybrid model (SGLang's v2 calls): Mamba state and sliding-window KV beside
+  the KV pool, each a namespace of its own keyed by the KV pages' names
+  (`kvstore_client.sglang_sidecars`); `batch_exists_v2` folds their hit policies (every page, or
+  the trailing pages only) into the prefix every pool can restore, as SGLang's own file backend.
 - Not served, refused at `register_mem_pool_host` with a message naming it: MLA's
   `page_first_kv_split` (Ascend), allocator-only MLA pools (no host buffer), layer-sharded MLA
-  pools, decode context parallelism, other rank-replicated pools (DeepSeek V4's), and the
-  sidecar pools SGLang's v2 calls serve (sliding-window, Mamba, DSA indexer, draft), refused at
-  `register_mem_host_pool_v2`.
+  pools, decode context parallelism, other rank-replicated pools (DeepSeek V4's); and at
+  `register_mem_host_pool_v2`, the sidecars other than Mamba and sliding-window (the DSA
+  indexer, so DeepSeek-V3.2, speculative draft pools, DeepSeek V4's compressed pools).
 - Keys: SGLang names each page itself (SHA-256 chained over the prefix's token ids, as hex);
   `kvstore.keys.foreign_keys` maps each name into the namespace. Such a key still names its
   whole prefix, but it is not the key kvstore's own clients compute from the token ids, which
@@ -57,6 +61,7 @@ import kvstore_kernels
 from kvstore.keys import foreign_keys
 from kvstore.spec import KVSpec
 from kvstore_client.client import KVStoreClient
+from kvstore_client.sglang_sidecars import SERVED, Sidecar, exists_v2, move_v2, sidecar_spec
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +230,7 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
         self.spec: KVSpec | None = None
         self._pool: HostPool | None = None
         self._views: Any = None
+        self._sidecars: dict[str, Sidecar] = {}
 
     # -- the host pool ------------------------------------------------------
 
@@ -237,13 +243,20 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
         self._connected()
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """The KV pool registered again is accepted; a sidecar pool (served by SGLang's v2 calls,
-        which kvstore does not implement) is refused, so SGLang does not start without its pages."""
+        """The KV pool registered again is accepted, and so are Mamba and sliding-window sidecar
+        pools with flat pages; any other sidecar is refused by name, so SGLang does not start
+        without its pages."""
+        name = str(getattr(host_pool_name, "value", host_pool_name))
         if host_pool is not getattr(self, "mem_pool_host", None):
-            raise ValueError(
-                f"host pool {str(host_pool_name)!r} ({type(host_pool).__name__}): kvstore serves "
-                "SGLang's KV host pool only, not the sidecar pools of its v2 calls"
-            )
+            if name not in SERVED or not hasattr(host_pool, "set_from_flat_data_page"):
+                raise ValueError(
+                    f"host pool {name!r} ({type(host_pool).__name__}): kvstore serves SGLang's KV host "
+                    f"pool and its {' and '.join(SERVED)} sidecar pools, not this one"
+                )
+            if self.spec is None:
+                raise ValueError(f"host pool {name!r}: register the KV pool (register_mem_pool_host) first")
+            spec = sidecar_spec(name, host_pool, self.spec)
+            self._sidecars[name] = Sidecar(name, host_pool, spec, self.address, self.timeout_s)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _salt(self, config: Any) -> str:
@@ -321,6 +334,24 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
         held = client.lookup_chunks(mapped)
         return [index < held for index in range(len(keys))]
 
+    # -- the v2 calls: the KV pool and its sidecars --------------------------
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """The KV pages stored from the first, and the prefixes every sidecar can restore too."""
+        return exists_v2(self.batch_exists(keys, extra_info), keys, pool_transfers or (), self._sidecars)
+
+    def batch_get_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each transfer's pages into its pool's slots: True per page in place."""
+        return {
+            t.name: move_v2(t, self._sidecars, self.batch_get_v1, extra_info, load=True) for t in transfers
+        }
+
+    def batch_set_v2(self, transfers: Any, extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each transfer's pages from its pool's slots: True per page the daemon then holds."""
+        return {
+            t.name: move_v2(t, self._sidecars, self.batch_set_v1, extra_info, load=False) for t in transfers
+        }
+
     # -- the older calls: one flat page (the pool's layout) per key ---------
 
     def _page_views(self, page: torch.Tensor) -> list[torch.Tensor]:
@@ -373,6 +404,8 @@ class KVStoreHiCache(HiCacheStorage):  # type: ignore[misc]
 
     def close(self) -> None:
         with self._lock:
+            for sidecar in self._sidecars.values():
+                sidecar.close()
             if self._client is not None:
                 self._client.close()
                 self._client = None

@@ -27,6 +27,14 @@ layers. Pages pass between instances only through the daemon. A step acts on ins
 - `refusals`: what `register_mem_pool_host` (and `register_mem_host_pool_v2`) say of the MLA
   pools and settings the backend does not serve.
 - `wait`: reads a line on stdin (the test stops the daemon meanwhile).
+- `fill_states` (an instance with `"mamba": true`, a hybrid model's: an MHA KV pool and a real
+  `MambaPoolHost` of 3 layers beside it): a random Mamba state for each filled page, in slots
+  of the Mamba pool (`"write": false`: expected only).
+- `set_v2`: `batch_set_v2` of the filled KV pages and the states of pages `states`.
+- `exists_v2`: `batch_exists_v2` of the filled keys (`missing` as for `exists`) with a Mamba
+  transfer of the `trailing` last pages (SGLang's trailing-pages policy).
+- `get_v2`: `batch_get_v2` of the KV pages and the state of the last page into poisoned slots;
+  per page whether it is identical, and whether the state is.
 
 Every step's exceptions are reported, not raised: a backend that raises into SGLang fails the test.
 """
@@ -163,6 +171,28 @@ def mla_host_pool(layout: str, *, allocator_only: bool = False, layer_shard_enab
             end_layer=layers,
             target_layer_num=layers,
             layer_shard_enabled=layer_shard_enabled,
+        )
+
+
+MAMBA_LAYERS = 3
+
+
+def mamba_host_pool() -> Any:
+    """SGLang's Mamba host pool of 3 layers on the CPU: a conv state (3 x 8, bf16) and a temporal
+    state (2 x 4 x 5, fp32) per layer and slot, page-first."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    slots = 17
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(MAMBA_LAYERS, slots, 2, 4, 5, dtype=torch.float32),
+        conv=(torch.zeros(MAMBA_LAYERS, slots, 3, 8, dtype=torch.bfloat16),),
+    )
+    with host_memory_budget_scope(1 << 34):
+        return MambaPoolHost(
+            info, 2.0, 0, device_capacity=16, pin_memory=False, device="cpu", layout="page_first"
         )
 
 
@@ -309,6 +339,14 @@ class Session:
         self.keys: list[str] = []
         self.indices: Any = None
         self.pages: list[Any] = []
+        self.mamba: Any = None
+        self.states: list[Any] = []  # per filled page, its flat state bytes
+        self.state_slots: Any = None
+        if instance.get("mamba"):
+            from sglang.srt.mem_cache.hicache_storage import PoolName
+
+            self.mamba = mamba_host_pool()
+            self.backend.register_mem_host_pool_v2(self.mamba, PoolName.MAMBA)
 
     def same(self, start: int, expected: Any) -> bool:
         int16 = self.torch.int16
@@ -415,6 +453,75 @@ class Session:
         """SGLang's host pool drops every page (its `clear`): what comes back must come from kvstore."""
         self.pool.clear()
         return {"available": int(self.pool.available_size())}
+
+    def fill_states(self, step: dict[str, Any]) -> dict[str, Any]:
+        torch = self.torch
+        size = self.mamba.get_dummy_flat_data_page().numel()
+        self.state_slots = self.mamba.alloc(len(self.keys))
+        self.states = [
+            torch.randint(0, 256, (size,), dtype=torch.uint8, generator=self.generator) for _ in self.keys
+        ]
+        if step.get("write", True):
+            for slot, state in zip(self.state_slots.tolist(), self.states, strict=True):
+                self.mamba.set_from_flat_data_page(slot, state)
+        return {"bytes": size}
+
+    def _state_transfer(self, pages: list[int], **fields: Any) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+        slots = self.torch.tensor([int(self.state_slots[page]) for page in pages], dtype=self.torch.int64)
+        keys = [self.keys[page] for page in pages]
+        return PoolTransfer(name=PoolName.MAMBA, host_indices=slots, keys=keys, **fields)
+
+    def set_v2(self, step: dict[str, Any]) -> dict[str, Any]:
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+        which = list(range(len(self.keys)))
+        transfers = [PoolTransfer(name=PoolName.KV, host_indices=self.slots(which), keys=list(self.keys))]
+        transfers.append(self._state_transfer(step["states"]))
+        results = self.backend.batch_set_v2(transfers)
+        return {"kv": results[PoolName.KV], "mamba": results[PoolName.MAMBA]}
+
+    def exists_v2(self, step: dict[str, Any]) -> dict[str, Any]:
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+        keys, _ = self.chosen(step)
+        transfer = PoolTransfer(
+            name=PoolName.MAMBA,
+            keys=keys[-step.get("trailing", 1) :],
+            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+        )
+        result = self.backend.batch_exists_v2(keys, [transfer])
+        return {
+            "kv_hit_pages": result.kv_hit_pages,
+            "pools": {str(getattr(k, "value", k)): v for k, v in result.extra_pool_hit_pages.items()},
+            "restorable": result.restorable_prefix_pages,
+        }
+
+    def get_v2(self, step: dict[str, Any]) -> dict[str, Any]:
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+        torch = self.torch
+        count, last = len(self.keys), len(self.keys) - 1
+        targets = self.pool.alloc(count * self.page_size)
+        starts = [int(targets[page * self.page_size]) for page in range(count)]
+        for start in starts:
+            self.store.poison(start)
+        state_slot = self.mamba.alloc(1)
+        poison = torch.full_like(self.states[last], 0x7E)
+        self.mamba.set_from_flat_data_page(int(state_slot[0]), poison)
+        transfers = [
+            PoolTransfer(name=PoolName.KV, host_indices=targets, keys=list(self.keys)),
+            PoolTransfer(name=PoolName.MAMBA, host_indices=state_slot, keys=[self.keys[last]]),
+        ]
+        results = self.backend.batch_get_v2(transfers)
+        state = self.mamba.get_data_page(int(state_slot[0]), flat=True).view(torch.uint8)
+        return {
+            "kv": results[PoolName.KV],
+            "mamba": results[PoolName.MAMBA],
+            "identical": [self.same(start, self.pages[i]) for i, start in enumerate(starts)],
+            "state_identical": bool(torch.equal(state, self.states[last])),
+        }
 
     def wait(self, step: dict[str, Any]) -> dict[str, Any]:
         print(json.dumps({"waiting": True}), flush=True)

@@ -26,6 +26,9 @@ WORKER = Path(__file__).with_name("sglang_pool.py")
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_unified")  # all SGLang 0.5.23 builds
 MLA_PAGE_BYTES = 3 * 16 * (512 + 64) * 2  # the worker's pool: 3 layers, 16 tokens, bf16 latent 512 + 64
+MAMBA_STATE_BYTES = 3 * (
+    3 * 8 * 2 + 2 * 4 * 5 * 4
+)  # its Mamba pool: 3 layers of a bf16 conv and fp32 temporal state
 
 
 def namespaces_of(daemon: Daemon, model: str) -> list[dict[str, Any]]:
@@ -300,6 +303,63 @@ def test_a_missing_mla_page_is_a_miss_from_there_on(daemon: Daemon) -> None:
     assert unknown["results"] == [False] * 5 and unknown["poisoned"] == [True] * 5
 
 
+def hybrid(**fields: Any) -> dict[str, Any]:
+    return {"kind": "mha", "layout": "page_first", "seed": 9, "mamba": True} | fields
+
+
+def test_a_hybrid_model_s_mamba_states_come_back_byte_identical_beside_its_kv(daemon: Daemon) -> None:
+    """A Mamba hybrid's instance stores 8 KV pages and the states after pages 3 and 7 through
+    SGLang's v2 calls; another instance finds the prefixes it can restore (4 and 8 pages) and
+    loads the KV and the state after page 7 into poisoned slots, byte for byte."""
+    _, _, stored, _, _, found, got = run_worker(
+        daemon.address,
+        "",
+        [
+            {"op": "fill", "pages": 8},
+            {"op": "fill_states"},
+            {"op": "set_v2", "states": [3, 7]},
+            {"op": "fill", "pages": 8, "write": False, "on": 1},
+            {"op": "fill_states", "write": False, "on": 1},
+            {"op": "exists_v2", "on": 1},
+            {"op": "get_v2", "on": 1},
+        ],
+        instances=[hybrid(), hybrid()],
+    )
+    assert stored["kv"] == [True] * 8 and stored["mamba"] == [True, True]
+    assert found == {
+        "op": "exists_v2",
+        "kv_hit_pages": 8,
+        "pools": {"kv": 8, "mamba": 8},
+        "restorable": [4, 8],
+    }
+    assert got["kv"] == [True] * 8 and got["mamba"] == [True]
+    assert got["identical"] == [True] * 8 and got["state_identical"]
+    (kv_namespace, state_namespace) = sorted(namespaces_of(daemon, "sglang-test"), key=lambda n: -n["pages"])
+    assert kv_namespace["pages"] == 8 and state_namespace["pages"] == 2
+    assert state_namespace["page_bytes"] == MAMBA_STATE_BYTES
+
+
+def test_a_hybrid_prefix_stops_at_the_last_page_whose_state_is_stored(daemon: Daemon) -> None:
+    """States after pages 2 and 5 only: a prompt of 8 stored KV pages restores 6 pages at most, and
+    one whose 4th page is unknown restores 3; with the trailing 2 pages' states needed, none."""
+    _, _, _, last, gap, pair = run_worker(
+        daemon.address,
+        "",
+        [
+            {"op": "fill", "pages": 8},
+            {"op": "fill_states"},
+            {"op": "set_v2", "states": [2, 5]},
+            {"op": "exists_v2"},
+            {"op": "exists_v2", "missing": [3]},
+            {"op": "exists_v2", "trailing": 2},
+        ],
+        instances=[hybrid(seed=11)],
+    )
+    assert last["kv_hit_pages"] == 6 and last["restorable"] == [3, 6]
+    assert gap["kv_hit_pages"] == 3 and gap["restorable"] == [3]
+    assert pair["kv_hit_pages"] == 0 and pair["restorable"] == []
+
+
 def test_mla_pools_and_settings_not_served_are_refused_at_start_naming_what(daemon: Daemon) -> None:
     (said,) = run_worker(daemon.address, "", [{"op": "refusals"}], instances=[])
     assert "page_first_kv_split" in said["page_first_kv_split"]
@@ -308,4 +368,4 @@ def test_mla_pools_and_settings_not_served_are_refused_at_start_naming_what(daem
     assert "layer-sharded MLA host pool" in said["layer_sharded"]
     assert "decode context parallelism (2 ranks" in said["dcp"]
     assert "got a MHATokenToKVPoolHost" in said["mha_pool_of_an_mla_model"]
-    assert "'indexer'" in said["sidecar"] and "sidecar pools" in said["sidecar"]
+    assert "'indexer'" in said["sidecar"] and "mamba and swa sidecar pools, not this one" in said["sidecar"]
