@@ -77,6 +77,7 @@ class Sidecar:
         self.pool = pool
         self.spec = spec
         self.page_size = int(getattr(pool, "page_size", 1) or 1)  # slots per page
+        self.dtype = pool.get_dummy_flat_data_page().dtype  # what its flat pages hold
         self._address, self._timeout_s = address, timeout_s
         self._client: KVStoreClient | None = None
 
@@ -130,7 +131,7 @@ class Sidecar:
         loaded = client.load(None, [staging], list(range(len(names))), keys=self._keys(client, names))
         pages = loaded // self.spec.page.chunk_tokens
         for row in range(pages):
-            self.pool.set_from_flat_data_page(starts[row], staging[row, 0])
+            self.pool.set_from_flat_data_page(starts[row], staging[row, 0].view(self.dtype))
         return [row < pages for row in range(len(names))]
 
     def close(self) -> None:

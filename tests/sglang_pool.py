@@ -27,14 +27,15 @@ layers. Pages pass between instances only through the daemon. A step acts on ins
 - `refusals`: what `register_mem_pool_host` (and `register_mem_host_pool_v2`) say of the MLA
   pools and settings the backend does not serve.
 - `wait`: reads a line on stdin (the test stops the daemon meanwhile).
-- `fill_states` (an instance with `"mamba": true`, a hybrid model's: an MHA KV pool and a real
-  `MambaPoolHost` of 3 layers beside it): a random Mamba state for each filled page, in slots
-  of the Mamba pool (`"write": false`: expected only).
-- `set_v2`: `batch_set_v2` of the filled KV pages and the states of pages `states`.
-- `exists_v2`: `batch_exists_v2` of the filled keys (`missing` as for `exists`) with a Mamba
+- `fill_states` (an instance with `"side": "mamba"` or `"swa"`, a hybrid model's: an MHA KV pool
+  and beside it a real `MambaPoolHost` of 3 layers, or a second MHA pool, `layer_first`, as its
+  sliding-window layers' pool): a random sidecar page for each filled page, in slots of the
+  sidecar pool (`"write": false`: expected only).
+- `set_v2`: `batch_set_v2` of the filled KV pages and the sidecar pages of pages `states`.
+- `exists_v2`: `batch_exists_v2` of the filled keys (`missing` as for `exists`) with a sidecar
   transfer of the `trailing` last pages (SGLang's trailing-pages policy).
-- `get_v2`: `batch_get_v2` of the KV pages and the state of the last page into poisoned slots;
-  per page whether it is identical, and whether the state is.
+- `get_v2`: `batch_get_v2` of the KV pages and the last page's sidecar page into poisoned
+  slots; per page whether it is identical, and whether the sidecar page is.
 
 Every step's exceptions are reported, not raised: a backend that raises into SGLang fails the test.
 """
@@ -339,14 +340,15 @@ class Session:
         self.keys: list[str] = []
         self.indices: Any = None
         self.pages: list[Any] = []
-        self.mamba: Any = None
-        self.states: list[Any] = []  # per filled page, its flat state bytes
-        self.state_slots: Any = None
-        if instance.get("mamba"):
+        self.side: Any = None  # a hybrid model's sidecar pool: "mamba", or "swa" (an MHA pool)
+        self.side_name = instance.get("side", "")
+        self.states: list[Any] = []  # per filled page, the sidecar's flat page (as bytes)
+        self.state_slots: list[int] = []  # per filled page, where the sidecar holds it
+        if self.side_name:
             from sglang.srt.mem_cache.hicache_storage import PoolName
 
-            self.mamba = mamba_host_pool()
-            self.backend.register_mem_host_pool_v2(self.mamba, PoolName.MAMBA)
+            self.side = mamba_host_pool() if self.side_name == "mamba" else mha_host_pool("layer_first")
+            self.backend.register_mem_host_pool_v2(self.side, PoolName(self.side_name))
 
     def same(self, start: int, expected: Any) -> bool:
         int16 = self.torch.int16
@@ -454,40 +456,55 @@ class Session:
         self.pool.clear()
         return {"available": int(self.pool.available_size())}
 
+    def _side_slots(self, count: int) -> list[int]:
+        """Where the sidecar pool holds `count` pages: each page's first slot."""
+        size = int(self.side.page_size)
+        slots = self.side.alloc(count * size)
+        return [int(slots[page * size]) for page in range(count)]
+
+    def _side_indices(self, starts: list[int]) -> Any:
+        size = int(self.side.page_size)
+        return self.torch.tensor([start + offset for start in starts for offset in range(size)])
+
+    def _side_page(self, start: int) -> Any:
+        return self.side.get_data_page(start, flat=True).reshape(-1).view(self.torch.uint8)
+
     def fill_states(self, step: dict[str, Any]) -> dict[str, Any]:
+        """A random sidecar page (a Mamba state, or a window's KV) for each filled page."""
         torch = self.torch
-        size = self.mamba.get_dummy_flat_data_page().numel()
-        self.state_slots = self.mamba.alloc(len(self.keys))
+        dummy = self.side.get_dummy_flat_data_page()
+        size = dummy.numel() * dummy.element_size()
+        self.state_slots = self._side_slots(len(self.keys))
         self.states = [
             torch.randint(0, 256, (size,), dtype=torch.uint8, generator=self.generator) for _ in self.keys
         ]
         if step.get("write", True):
-            for slot, state in zip(self.state_slots.tolist(), self.states, strict=True):
-                self.mamba.set_from_flat_data_page(slot, state)
+            for start, state in zip(self.state_slots, self.states, strict=True):
+                self.side.set_from_flat_data_page(start, state.view(dummy.dtype))
         return {"bytes": size}
 
-    def _state_transfer(self, pages: list[int], **fields: Any) -> Any:
+    def _side_transfer(self, pages: list[int], **fields: Any) -> Any:
         from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
-        slots = self.torch.tensor([int(self.state_slots[page]) for page in pages], dtype=self.torch.int64)
+        indices = self._side_indices([self.state_slots[page] for page in pages])
         keys = [self.keys[page] for page in pages]
-        return PoolTransfer(name=PoolName.MAMBA, host_indices=slots, keys=keys, **fields)
+        return PoolTransfer(name=PoolName(self.side_name), host_indices=indices, keys=keys, **fields)
 
     def set_v2(self, step: dict[str, Any]) -> dict[str, Any]:
         from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
         which = list(range(len(self.keys)))
         transfers = [PoolTransfer(name=PoolName.KV, host_indices=self.slots(which), keys=list(self.keys))]
-        transfers.append(self._state_transfer(step["states"]))
+        transfers.append(self._side_transfer(step["states"]))
         results = self.backend.batch_set_v2(transfers)
-        return {"kv": results[PoolName.KV], "mamba": results[PoolName.MAMBA]}
+        return {"kv": results[PoolName.KV], "side": results[PoolName(self.side_name)]}
 
     def exists_v2(self, step: dict[str, Any]) -> dict[str, Any]:
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
         keys, _ = self.chosen(step)
         transfer = PoolTransfer(
-            name=PoolName.MAMBA,
+            name=PoolName(self.side_name),
             keys=keys[-step.get("trailing", 1) :],
             hit_policy=PoolHitPolicy.TRAILING_PAGES,
         )
@@ -499,6 +516,7 @@ class Session:
         }
 
     def get_v2(self, step: dict[str, Any]) -> dict[str, Any]:
+        """The KV pages and the last page's sidecar page into slots poisoned first."""
         from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
         torch = self.torch
@@ -507,20 +525,25 @@ class Session:
         starts = [int(targets[page * self.page_size]) for page in range(count)]
         for start in starts:
             self.store.poison(start)
-        state_slot = self.mamba.alloc(1)
-        poison = torch.full_like(self.states[last], 0x7E)
-        self.mamba.set_from_flat_data_page(int(state_slot[0]), poison)
+        (side_start,) = self._side_slots(1)
+        dummy = self.side.get_dummy_flat_data_page()
+        self.side.set_from_flat_data_page(
+            side_start, torch.full_like(self.states[last], 0x7E).view(dummy.dtype)
+        )
         transfers = [
             PoolTransfer(name=PoolName.KV, host_indices=targets, keys=list(self.keys)),
-            PoolTransfer(name=PoolName.MAMBA, host_indices=state_slot, keys=[self.keys[last]]),
+            PoolTransfer(
+                name=PoolName(self.side_name),
+                host_indices=self._side_indices([side_start]),
+                keys=[self.keys[last]],
+            ),
         ]
         results = self.backend.batch_get_v2(transfers)
-        state = self.mamba.get_data_page(int(state_slot[0]), flat=True).view(torch.uint8)
         return {
             "kv": results[PoolName.KV],
-            "mamba": results[PoolName.MAMBA],
+            "side": results[PoolName(self.side_name)],
             "identical": [self.same(start, self.pages[i]) for i, start in enumerate(starts)],
-            "state_identical": bool(torch.equal(state, self.states[last])),
+            "state_identical": bool(torch.equal(self._side_page(side_start), self.states[last])),
         }
 
     def wait(self, step: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ WORKER = Path(__file__).with_name("sglang_pool.py")
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_unified")  # all SGLang 0.5.23 builds
 MLA_PAGE_BYTES = 3 * 16 * (512 + 64) * 2  # the worker's pool: 3 layers, 16 tokens, bf16 latent 512 + 64
+MHA_PAGE_BYTES = 2 * 4 * 16 * 2 * 16 * 2  # its MHA pools: K and V, 4 layers, 16 tokens, 2 heads of 16, bf16
 MAMBA_STATE_BYTES = 3 * (
     3 * 8 * 2 + 2 * 4 * 5 * 4
 )  # its Mamba pool: 3 layers of a bf16 conv and fp32 temporal state
@@ -303,14 +304,18 @@ def test_a_missing_mla_page_is_a_miss_from_there_on(daemon: Daemon) -> None:
     assert unknown["results"] == [False] * 5 and unknown["poisoned"] == [True] * 5
 
 
-def hybrid(**fields: Any) -> dict[str, Any]:
-    return {"kind": "mha", "layout": "page_first", "seed": 9, "mamba": True} | fields
+def hybrid(side: str = "mamba", **fields: Any) -> dict[str, Any]:
+    return {"kind": "mha", "layout": "page_first", "seed": 9, "side": side} | fields
 
 
-def test_a_hybrid_model_s_mamba_states_come_back_byte_identical_beside_its_kv(daemon: Daemon) -> None:
-    """A Mamba hybrid's instance stores 8 KV pages and the states after pages 3 and 7 through
-    SGLang's v2 calls; another instance finds the prefixes it can restore (4 and 8 pages) and
-    loads the KV and the state after page 7 into poisoned slots, byte for byte."""
+@pytest.mark.parametrize("side", ["mamba", "swa"])
+def test_a_hybrid_model_s_sidecar_pages_come_back_byte_identical_beside_its_kv(
+    daemon: Daemon, side: str
+) -> None:
+    """A hybrid's instance stores 8 KV pages and the sidecar pages (Mamba states, or a
+    sliding-window pool's KV) of pages 3 and 7 through SGLang's v2 calls; another instance finds
+    the prefixes it can restore (4 and 8 pages) and loads the KV and page 7's sidecar page into
+    poisoned slots, byte for byte."""
     _, _, stored, _, _, found, got = run_worker(
         daemon.address,
         "",
@@ -323,20 +328,15 @@ def test_a_hybrid_model_s_mamba_states_come_back_byte_identical_beside_its_kv(da
             {"op": "exists_v2", "on": 1},
             {"op": "get_v2", "on": 1},
         ],
-        instances=[hybrid(), hybrid()],
+        instances=[hybrid(side), hybrid(side)],
     )
-    assert stored["kv"] == [True] * 8 and stored["mamba"] == [True, True]
-    assert found == {
-        "op": "exists_v2",
-        "kv_hit_pages": 8,
-        "pools": {"kv": 8, "mamba": 8},
-        "restorable": [4, 8],
-    }
-    assert got["kv"] == [True] * 8 and got["mamba"] == [True]
+    assert stored["kv"] == [True] * 8 and stored["side"] == [True, True]
+    assert found == {"op": "exists_v2", "kv_hit_pages": 8, "pools": {"kv": 8, side: 8}, "restorable": [4, 8]}
+    assert got["kv"] == [True] * 8 and got["side"] == [True]
     assert got["identical"] == [True] * 8 and got["state_identical"]
-    (kv_namespace, state_namespace) = sorted(namespaces_of(daemon, "sglang-test"), key=lambda n: -n["pages"])
-    assert kv_namespace["pages"] == 8 and state_namespace["pages"] == 2
-    assert state_namespace["page_bytes"] == MAMBA_STATE_BYTES
+    (kv_namespace, side_namespace) = sorted(namespaces_of(daemon, "sglang-test"), key=lambda n: -n["pages"])
+    assert kv_namespace["pages"] == 8 and side_namespace["pages"] == 2
+    assert side_namespace["page_bytes"] == (MAMBA_STATE_BYTES if side == "mamba" else MHA_PAGE_BYTES)
 
 
 def test_a_hybrid_prefix_stops_at_the_last_page_whose_state_is_stored(daemon: Daemon) -> None:
