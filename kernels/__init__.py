@@ -33,6 +33,10 @@ block table, chunks, offsets and buffer: a fraction of the first call's host tim
 `register(spec, kv_caches)` checks an engine's tensors once and returns them as
 `RegisteredCaches`: calls given that object skip the fingerprints too (the engine promises
 the tensors keep their storage, shape and strides, as vLLM's `register_kv_caches` does).
+`prepare(spec, kv_caches, block_ids, chunks, buffer, layers, to_page=...)` checks a transfer of
+every chunk and sets it up (the staged path's kernel arguments too) before its page offsets are
+known; `Prepared.run(pages, offsets)` then moves the pages that turn out to be wanted, with
+only those offsets left to check: a store or load does the setup while the daemon answers.
 `check_blocks(spec, kv_caches, block_ids, chunks, writes_cache=...)` checks a host block
 table's first chunks ahead of the calls that use it (`validate`): a load does it while its
 Lookup is in flight. A scatter from a device buffer given both (registered caches, checked
@@ -45,6 +49,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvstore.spec import KVSpec
@@ -53,11 +58,13 @@ from . import reference
 from .cache_facts import RegisteredCaches, register
 from .layouts import KVCaches
 from .routing import TransferOptions, backend_name, choose
-from .validate import CheckedBlocks, Transfer, check_blocks, plan_transfer
+from .validate import CheckedBlocks, Transfer, check_blocks, plan_pages, plan_transfer
 
 __all__ = [
     "gather",
     "scatter",
+    "prepare",
+    "Prepared",
     "TransferOptions",
     "RegisteredCaches",
     "register",
@@ -167,3 +174,90 @@ def _run(spec: KVSpec, plan: Transfer, options: TransferOptions, to_page: bool) 
         reference.gather_plan(plan)
     else:
         reference.scatter_plan(plan)
+
+
+def prepare(
+    spec: KVSpec,
+    kv_caches: KVCaches,
+    block_ids: Any,
+    chunks: Sequence[int],
+    buffer: torch.Tensor,
+    layers: range | None = None,
+    *,
+    to_page: bool,
+    batch_index: int = 0,
+    stream: torch.cuda.Stream | None = None,
+    options: TransferOptions | None = None,
+) -> Prepared:
+    """A gather (`to_page`) or scatter of `chunks` checked, and set up where the staged path moves
+    it, before the pages' offsets in `buffer` are known: `run(pages, offsets)` moves some of
+    them. The same checks as `gather` / `scatter` (a ValueError here or in `run`); the setup's
+    small uploads are queued on `stream` (default: the current one), where `run` queues too."""
+    options = options or TransferOptions()
+    if not isinstance(options, TransferOptions):
+        raise ValueError(f"options: expected a TransferOptions, got {type(options).__name__}")
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        plan = plan_transfer(
+            spec, kv_caches, block_ids, chunks, buffer, None, layers, batch_index, writes_cache=not to_page
+        )
+        if stream is not None and plan.device != stream.device:
+            raise ValueError(f"stream: on {stream.device}, but the KV cache is on {plan.device}")
+        staged_path = None
+        every = plan._replace(offsets=(0,) * len(plan.blocks))  # the staged path's view: no offsets
+        route = choose(spec, every, options, to_page=to_page) if plan.layers and len(plan.blocks) else None
+        if route is not None and route.engine == "staged":
+            from .staged import Staged
+
+            staged_path = Staged(
+                spec,
+                every,
+                to_page=to_page,
+                max_programs=options.max_programs,
+                staging_bytes=options.staging_bytes,
+            )
+    prepared = Prepared(spec, plan, options, to_page, stream, staged_path)
+    prepared._chunks = chunks
+    return prepared
+
+
+class Prepared:
+    """A transfer of some chunks, checked (and set up) ahead of its offsets (`prepare`)."""
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        plan: Transfer,
+        options: TransferOptions,
+        to_page: bool,
+        stream: torch.cuda.Stream | None,
+        staged_path: Any,
+    ) -> None:
+        self.spec, self.plan, self.options, self.to_page = spec, plan, options, to_page
+        self.stream = stream
+        self._staged = staged_path
+        self._chunks: Sequence[int] = ()
+
+    @property
+    def chunks(self) -> int:
+        """How many chunks it was prepared for (`run` takes pages among 0..chunks-1)."""
+        return len(self.plan.blocks)
+
+    def checked_blocks(self, block_ids: Any) -> Any:
+        """`block_ids` (the table `prepare` took) as `check_blocks` would give it for the prepared
+        chunks, where they are chunks 0..n-1 of a host table: their blocks were checked here."""
+        plan = self.plan
+        if isinstance(block_ids, CheckedBlocks) or not isinstance(plan.blocks, np.ndarray):
+            return block_ids
+        if tuple(self._chunks) != tuple(range(len(plan.blocks))):
+            return block_ids
+        return CheckedBlocks(block_ids, plan.blocks, plan.num_blocks, not self.to_page)
+
+    def run(self, pages: Sequence[int], offsets: Sequence[int]) -> None:
+        """Moves prepared chunks `pages` (indices among the chunks `prepare` took) between the KV
+        cache and the pages at `offsets` in the buffer: one offset per page, checked here."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            plan = plan_pages(self.plan, pages, offsets, writes_cache=not self.to_page)
+            if self._staged is not None:
+                self._staged.issue(pages, plan.offsets)
+            else:
+                _run(self.spec, plan, self.options, self.to_page)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from typing import Any, NamedTuple
 
@@ -106,12 +106,16 @@ def pieces(spec: KVSpec, plan: Transfer, staging_bytes: int) -> list[Piece]:
 
 
 def _pieces(plan: Transfer, per_piece: int) -> Iterator[Piece]:
-    count = len(plan.layers)
+    for page in range(len(plan.offsets)):
+        yield from _page_pieces(page, len(plan.layers), per_piece)
+
+
+def _page_pieces(page: int, count: int, per_piece: int) -> Iterator[Piece]:
+    """Page `page`'s `count` moved layers in runs of at most `per_piece`."""
     if not per_piece:
         return
-    for page in range(len(plan.offsets)):
-        for first in range(0, count, per_piece):
-            yield Piece(page, first, min(first + per_piece, count))
+    for first in range(0, count, per_piece):
+        yield Piece(page, first, min(first + per_piece, count))
 
 
 def _staged_geometry(spec: KVSpec, plan: Transfer, ring: StagingRing) -> tuple[Transfer, Geometry]:
@@ -235,56 +239,122 @@ def launch(
 
     `copy_streams` (with `overlap`): side streams the copies alternate between, so one copy
     is queued while another runs."""
-    from . import triton_copy
+    if not plan.offsets or not plan.layers:
+        why_not_raise(spec, plan, staging_bytes)
+        programs_of(max_programs)
+        return
+    staged = Staged(spec, plan, to_page=to_page, max_programs=max_programs, staging_bytes=staging_bytes)
+    staged.issue(range(len(plan.offsets)), plan.offsets, overlap=overlap, copy_streams=copy_streams)
 
+
+def why_not_raise(spec: KVSpec, plan: Transfer, staging_bytes: int) -> None:
     reason = why_not(spec, plan, staging_bytes)
     if reason is not None:
         raise ValueError(f"engine='staged': {reason}")
+
+
+def programs_of(max_programs: int | None) -> int:
+    """The pack/unpack programs asked for (None: the default), checked."""
     programs = DEFAULT_PROGRAMS if max_programs is None else max_programs
     if programs < 1:
         raise ValueError(f"max_programs: expected a positive integer, got {programs}")
-    if not plan.offsets or not plan.layers:
-        return
-    per_piece = layers_per_piece(spec, plan, staging_bytes)
-    work = _pieces(plan, per_piece)
-    layer_bytes = plan.page.layer_bytes
-    ring = ring_for(plan.device, to_page)
-    cuda = plan.device.type == "cuda"
-    with ring.lock, torch.cuda.device(plan.device) if cuda else nullcontext():
-        ring.reserve(per_piece * layer_bytes)
-        staged_plan, geometry = _staged_geometry(spec, plan, ring)
-        kernel = triton_copy.Launch(spec, staged_plan, geometry, to_page=to_page, staged=True)
-        segments_per_layer = len(plan.view_facts[0]) * geometry.blocks_per_chunk
-        segments_per_page = len(plan.layers) * segments_per_layer
-        host = plan.buffer.data_ptr()
-        stream = torch.cuda.current_stream(plan.device).cuda_stream if cuda else None
-        ring_base = ring.memory.data_ptr()
+    return programs
 
-        def pack(piece: Piece, slot: int) -> None:
-            first = piece.page * segments_per_page + piece.first_layer * segments_per_layer
-            end = first + (piece.stop_layer - piece.first_layer) * segments_per_layer
-            base = ring_base + slot * ring.slot_bytes - piece.first_layer * layer_bytes
-            kernel.run(first, end, programs, base, stream)
 
-        def span(piece: Piece) -> tuple[int, int]:
-            """(host address, bytes) of a piece in the buffer."""
-            position = plan.positions[piece.first_layer]
-            at = host + plan.offsets[piece.page] + position * layer_bytes
-            return at, (piece.stop_layer - piece.first_layer) * layer_bytes
+class Staged:
+    """A validated transfer set up for the staging ring: its ring, the kernel's view of it and the
+    kernel's arguments (tables uploaded on the current stream). `issue(pages, offsets)` then
+    queues pages of the plan (indices into its pages) at byte offsets in its buffer: every page
+    at once (`launch`), or pages chosen later (`kvstore_kernels.prepare`: set up while the
+    daemon answers, issued once its reply names the pages and their slots). Issue on the stream
+    that was current when it was made, or on one ordered after it."""
 
-        if stream is not None:
-            streams = max(1, copy_streams) if overlap else 0
-            _issue_cuda(ring, work, pack, span, stream, to_page=to_page, copy_streams=streams)
-        else:
-            for piece in work:
-                slot = ring.take()
-                at, size = span(piece)
-                if to_page:
-                    pack(piece, slot)
-                    ctypes.memmove(at, ring.address(slot), size)
-                else:
-                    ctypes.memmove(ring.address(slot), at, size)
-                    pack(piece, slot)
+    def __init__(
+        self,
+        spec: KVSpec,
+        plan: Transfer,
+        *,
+        to_page: bool,
+        max_programs: int | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+    ) -> None:
+        why_not_raise(spec, plan, staging_bytes)
+        self.spec, self.plan, self.to_page = spec, plan, to_page
+        self.programs = programs_of(max_programs)
+        self.per_piece = layers_per_piece(spec, plan, staging_bytes)
+        self.ring = ring_for(plan.device, to_page)
+        self.cuda = plan.device.type == "cuda"
+        with self.ring.lock, torch.cuda.device(plan.device) if self.cuda else nullcontext():
+            self._set_up()
+
+    def _set_up(self) -> None:
+        """The kernel's arguments for the ring as it is now (its lock held)."""
+        from . import triton_copy
+
+        plan, ring = self.plan, self.ring
+        ring.reserve(self.per_piece * plan.page.layer_bytes)
+        self.memory = ring.memory
+        staged_plan, geometry = _staged_geometry(self.spec, plan, ring)
+        self.kernel = triton_copy.Launch(self.spec, staged_plan, geometry, to_page=self.to_page, staged=True)
+        self.segments_per_layer = len(plan.view_facts[0]) * geometry.blocks_per_chunk
+
+    def issue(
+        self,
+        pages: Iterable[int],
+        offsets: Sequence[int],
+        *,
+        overlap: bool = OVERLAP,
+        copy_streams: int = COPY_STREAMS,
+    ) -> None:
+        """Queue `pages` (indices into the plan's pages; checked by the caller) at `offsets` (one
+        per page, in the plan's buffer, checked by the caller) on the current stream."""
+        plan, ring, to_page = self.plan, self.ring, self.to_page
+        if not plan.layers:
+            return
+        layer_bytes = plan.page.layer_bytes
+        cuda = self.cuda
+        with ring.lock, torch.cuda.device(plan.device) if cuda else nullcontext():
+            if ring.memory is not self.memory:  # another transfer grew the ring since: set up again
+                self._set_up()
+            kernel, programs = self.kernel, self.programs
+            segments_per_layer = self.segments_per_layer
+            segments_per_page = len(plan.layers) * segments_per_layer
+            host = plan.buffer.data_ptr()
+            stream = torch.cuda.current_stream(plan.device).cuda_stream if cuda else None
+            ring_base = ring.memory.data_ptr()
+            slot_bytes = ring.slot_bytes
+            # A piece's `page` is its index j in `pages` here: plan page pages[j] at offsets[j].
+            pages = list(pages)
+            if len(pages) != len(offsets):
+                raise ValueError(f"pages and offsets: {len(pages)} pages but {len(offsets)} offsets")
+            count, per_piece = len(plan.layers), self.per_piece
+            work = (piece for j in range(len(pages)) for piece in _page_pieces(j, count, per_piece))
+
+            def pack(piece: Piece, slot: int) -> None:
+                first = pages[piece.page] * segments_per_page + piece.first_layer * segments_per_layer
+                end = first + (piece.stop_layer - piece.first_layer) * segments_per_layer
+                base = ring_base + slot * slot_bytes - piece.first_layer * layer_bytes
+                kernel.run(first, end, programs, base, stream)
+
+            def span(piece: Piece) -> tuple[int, int]:
+                """(host address, bytes) of a piece in the buffer."""
+                position = plan.positions[piece.first_layer]
+                at = host + offsets[piece.page] + position * layer_bytes
+                return at, (piece.stop_layer - piece.first_layer) * layer_bytes
+
+            if stream is not None:
+                streams = max(1, copy_streams) if overlap else 0
+                _issue_cuda(ring, work, pack, span, stream, to_page=to_page, copy_streams=streams)
+            else:
+                for piece in work:
+                    slot = ring.take()
+                    at, size = span(piece)
+                    if to_page:
+                        pack(piece, slot)
+                        ctypes.memmove(at, ring.address(slot), size)
+                    else:
+                        ctypes.memmove(ring.address(slot), at, size)
+                        pack(piece, slot)
 
 
 def _issue_cuda(

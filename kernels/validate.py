@@ -118,19 +118,21 @@ def plan_transfer(
     block_ids: Any,
     chunks: Sequence[int],
     buffer: torch.Tensor,
-    offsets: Sequence[int],
+    offsets: Sequence[int] | None,
     layers: range | None,
     batch_index: int,
     *,
     writes_cache: bool,
 ) -> Transfer:
-    """Check a gather (`writes_cache=False`) or scatter call; return what to move."""
+    """Check a gather (`writes_cache=False`) or scatter call; return what to move. With `offsets`
+    None, a plan of every chunk whose offsets are not known yet: `plan_pages` takes pages of it."""
     page = spec.page
     position = page.stored_position
     moved, facts = _moved_facts(spec, kv_caches, layers, batch_index)
     chunk_array = _int_array("chunks", chunks)
-    offset_array = _int_array("offsets", offsets)
-    if chunk_array.size != offset_array.size:
+    # None: not known yet (`kvstore_kernels.prepare`); `plan_pages` checks them when they are.
+    offset_array = np.empty(0, dtype=np.int64) if offsets is None else _int_array("offsets", offsets)
+    if offsets is not None and chunk_array.size != offset_array.size:
         raise ValueError(
             f"chunks and offsets: {chunk_array.size} chunks but {offset_array.size} offsets; "
             "give one page offset per chunk"
@@ -163,6 +165,33 @@ def plan_transfer(
         kv_caches=kv_caches,
         batch_index=batch_index,
     )
+
+
+def plan_pages(
+    plan: Transfer, pages: Sequence[int], offsets: Sequence[int], *, writes_cache: bool
+) -> Transfer:
+    """The plan of pages `pages` of `plan` (indices into its chunks) at `offsets` in its buffer,
+    checked as `plan_transfer` checks a call's chunks and offsets."""
+    page_array = _int_array("pages", pages)
+    offset_array = _int_array("offsets", offsets)
+    if page_array.size != offset_array.size:
+        raise ValueError(
+            f"pages and offsets: {page_array.size} pages but {offset_array.size} offsets; "
+            "give one page offset per page"
+        )
+    count = len(plan.blocks)
+    if page_array.size and int(page_array.max()) >= count:
+        index = int(np.flatnonzero(page_array >= count)[0])
+        raise ValueError(f"pages[{index}]: {int(page_array[index])} is not one of the plan's {count} chunks")
+    if writes_cache and np.unique(page_array).size != page_array.size:
+        raise ValueError("pages: a page appears twice; scatter would write its blocks twice")
+    _check_buffer(plan.buffer, plan.device, offset_array, plan.page.page_bytes, overlap_ok=writes_cache)
+    blocks: np.ndarray | torch.Tensor = plan.blocks
+    if isinstance(blocks, torch.Tensor):
+        blocks = blocks[torch.as_tensor(page_array, device=blocks.device)]
+    else:
+        blocks = blocks[page_array]
+    return plan._replace(blocks=blocks, offsets=tuple(offset_array.tolist()))
 
 
 def _checked_already(

@@ -1,0 +1,194 @@
+"""`kvstore_kernels.prepare`: a transfer checked and set up before its page offsets are known,
+then run for the pages a reply names (some of the chunks, in parts, in any order), against the
+token-by-token oracle with the destination poisoned twice. The staged path runs in Triton's
+interpreter on CPU tensors here, and on the GPU into pinned pages where there is one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import kvstore_kernels
+from tests.kernel_cases import (
+    CUDA,
+    POISONS,
+    as_bytes,
+    block_table,
+    buffer_of,
+    build,
+    device_of,
+    expected_buffer,
+    make_spec,
+    staged_options,
+    triton_module,
+    write_expected,
+)
+
+IMPLS = ["staged", "torch", "triton"]
+CHUNKS = [3, 0, 2, 1]  # what `prepare` takes; a run names pages: indices into these
+
+
+def options_for(impl: str, spec: Any, layers_per_slot: int = 2) -> kvstore_kernels.TransferOptions:
+    if impl == "staged":
+        return staged_options(spec, layers_per_slot)
+    if impl == "triton":
+        triton_module()
+    return kvstore_kernels.TransferOptions(engine="kernel" if impl == "triton" else impl)
+
+
+def settle(impl: str) -> None:
+    if CUDA and impl != "torch":
+        torch.cuda.synchronize()
+
+
+def parts_and_offsets(page_bytes: int) -> tuple[list[list[int]], list[list[int]], int]:
+    """Pages 2 and 0, then 3 (1 is not wanted), at offsets apart and out of order."""
+    parts = [[2, 0], [3]]
+    offsets = [[4 * page_bytes + 8, 16], [2 * page_bytes + 24]]
+    return parts, offsets, 6 * page_bytes + 64
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["flash_attn", "mla", "cross_layer"])
+@pytest.mark.parametrize("layers", [None, range(1, 3)])
+def test_prepared_gather_writes_the_named_pages_only(impl: str, layout: str, layers: range | None) -> None:
+    spec = make_spec(layout, "bfloat16", num_layers=4)
+    table = block_table(12, 4 * spec.blocks_per_chunk)
+    _, caches = build(spec, device_of(impl))
+    parts, offsets, size = parts_and_offsets(spec.page.page_bytes)
+    wanted = [CHUNKS[page] for part in parts for page in part]
+    expected = expected_buffer(spec, caches, table, wanted, sum(offsets, []), size, layers)
+    for poison in POISONS:
+        buffer = buffer_of(impl, torch.full((size,), poison, dtype=torch.uint8))
+        prepared = kvstore_kernels.prepare(
+            spec, caches, table, CHUNKS, buffer, layers, to_page=True, options=options_for(impl, spec)
+        )
+        assert prepared.chunks == len(CHUNKS)
+        for part, at in zip(parts, offsets, strict=True):
+            prepared.run(part, at)
+        settle(impl)
+        want = torch.where(expected < 0, poison, expected).to(torch.uint8)
+        assert torch.equal(buffer.cpu(), want), (
+            f"poison {poison:#x}: {int((buffer.cpu() != want).sum())} differ"
+        )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout", ["flash_attn", "mla"])
+def test_prepared_scatter_fills_the_named_chunks_only(impl: str, layout: str) -> None:
+    spec = make_spec(layout, "float8_e4m3fn" if layout == "mla" else "float16", num_layers=3)
+    table = block_table(12, 4 * spec.blocks_per_chunk)
+    parts, offsets, size = parts_and_offsets(spec.page.page_bytes)
+    pages = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    for poison in POISONS:
+        bases, caches = build(spec, device_of(impl), fill=poison)
+        want_bases, want = build(spec, "cpu", fill=poison)
+        buffer = buffer_of(impl, pages)
+        prepared = kvstore_kernels.prepare(
+            spec, caches, table, CHUNKS, buffer, to_page=False, options=options_for(impl, spec, 1)
+        )
+        for part, at in zip(parts, offsets, strict=True):
+            prepared.run(part, at)
+            write_expected(spec, want, table, [CHUNKS[page] for page in part], pages, at)
+        settle(impl)
+        for index, (got, expected) in enumerate(zip(as_bytes(bases), as_bytes(want_bases), strict=True)):
+            assert torch.equal(got.cpu(), expected), f"poison {poison:#x}, tensor {index} differs"
+
+
+def test_prepared_staged_survives_the_ring_growing_in_between(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another transfer grows the staging ring between prepare and run: the run sets itself up
+    again on the new ring (the old one is gone), and the bytes are right."""
+    spec = make_spec("flash_attn", "bfloat16", num_layers=4, head_dim=512)  # layers past a slot's alignment
+    table = block_table(12, 4 * spec.blocks_per_chunk)
+    _, caches = build(spec, device_of("staged"))
+    parts, offsets, size = parts_and_offsets(spec.page.page_bytes)
+    from kvstore_kernels import staged
+
+    monkeypatch.setattr(staged, "_rings", {})  # a ring of this test's sizes only
+    small = staged_options(spec, 1)
+    buffer = buffer_of("staged", torch.full((size,), 0xA5, dtype=torch.uint8))
+    prepared = kvstore_kernels.prepare(spec, caches, table, CHUNKS, buffer, to_page=True, options=small)
+    device = torch.device(device_of("staged"))
+    before = staged.ring_for(device, True).memory
+    other = buffer_of("staged", torch.zeros(size, dtype=torch.uint8))
+    larger = staged_options(spec, 8)  # a slot of a whole page and more: the ring is replaced
+    kvstore_kernels.gather(spec, caches, table, [1], other, [0], options=larger)
+    assert staged.ring_for(device, True).memory is not before
+    for part, at in zip(parts, offsets, strict=True):
+        prepared.run(part, at)
+    settle("staged")
+    wanted = [CHUNKS[page] for part in parts for page in part]
+    expected = expected_buffer(spec, caches, table, wanted, sum(offsets, []), size)
+    want = torch.where(expected < 0, 0xA5, expected).to(torch.uint8)
+    assert torch.equal(buffer.cpu(), want)
+
+
+@pytest.mark.parametrize(
+    ("to_page", "pages", "offsets", "message"),
+    [
+        (True, [4], [0], r"pages\[0\]: 4 is not one of the plan's 4 chunks"),
+        (True, [0, 1], [0], "pages and offsets: 2 pages but 1 offsets"),
+        (True, [0, 1], [0, 8], r"offsets\[0\] and offsets\[1\]: pages at 0 and 8 overlap"),
+        (True, [0], [10**9], r"offsets\[0\]: page .* runs past the end"),
+        (False, [1, 1], [0, 0], "pages: a page appears twice"),
+        (True, [-1], [0], r"pages\[0\]: -1 is negative"),
+    ],
+)
+def test_prepared_run_refuses_bad_pages_and_offsets(
+    to_page: bool, pages: list[int], offsets: list[int], message: str
+) -> None:
+    """Every page and offset a run names is checked before any byte moves; nothing is written."""
+    spec = make_spec("flash_attn", "bfloat16", num_layers=2)
+    table = block_table(12, 4 * spec.blocks_per_chunk)
+    bases, caches = build(spec, "cpu")
+    size = 4 * spec.page.page_bytes
+    buffer = torch.full((size,), 0x5A, dtype=torch.uint8)
+    options = kvstore_kernels.TransferOptions(engine="torch")
+    prepared = kvstore_kernels.prepare(spec, caches, table, CHUNKS, buffer, to_page=to_page, options=options)
+    before = [tensor.clone() for tensor in as_bytes(bases)]
+    with pytest.raises(ValueError, match=message):
+        prepared.run(pages, offsets)
+    assert bool((buffer == 0x5A).all())
+    assert all(torch.equal(a, b) for a, b in zip(as_bytes(bases), before, strict=True))
+
+
+def test_prepare_checks_the_call_as_gather_does() -> None:
+    """What `gather` refuses, `prepare` refuses with the same message (a block outside the cache)."""
+    spec = make_spec("flash_attn", "bfloat16", num_layers=2)
+    _, caches = build(spec, "cpu", num_blocks=12)
+    table = block_table(12, 4 * spec.blocks_per_chunk)
+    table[0] = 99
+    buffer = torch.zeros(spec.page.page_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"block_ids\[0\]: block 99 .* is outside 0..11"):
+        kvstore_kernels.prepare(spec, caches, table, [0], buffer, to_page=True)
+    with pytest.raises(ValueError, match=r"block_ids\[0\]: block 99 .* is outside 0..11"):
+        kvstore_kernels.gather(spec, caches, table, [0], buffer, [0])
+
+
+def test_prepared_scatter_hands_its_checked_blocks_on() -> None:
+    """A scatter prepared for chunks 0..n-1 of a host table gives the same `CheckedBlocks` as
+    `check_blocks`; any other chunks, or a gather, give the table back as it was."""
+    from kvstore_kernels import CheckedBlocks
+
+    spec = make_spec("flash_attn", "bfloat16", num_layers=2)
+    _, caches = build(spec, "cpu")
+    table = block_table(12, 4 * spec.blocks_per_chunk)
+    buffer = torch.zeros(4 * spec.page.page_bytes, dtype=torch.uint8)
+    prepared = kvstore_kernels.prepare(spec, caches, table, range(4), buffer, to_page=False)
+    checked = prepared.checked_blocks(table)
+    expected = kvstore_kernels.check_blocks(spec, caches, table, 4, writes_cache=True)
+    assert isinstance(checked, CheckedBlocks) and isinstance(expected, CheckedBlocks)
+    assert checked.table is table and checked.unique and checked.num_blocks == expected.num_blocks
+    assert checked.blocks.tolist() == expected.blocks.tolist()
+    assert (
+        kvstore_kernels.prepare(spec, caches, table, CHUNKS, buffer, to_page=False).checked_blocks(table)
+        is table
+    )
+    assert (
+        kvstore_kernels.prepare(spec, caches, table, range(4), buffer, to_page=True)
+        .checked_blocks(table)
+        .unique
+        is False
+    )
