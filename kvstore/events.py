@@ -22,7 +22,8 @@ it saw (`since`, with that event's epoch) and loses nothing while the buffer
 a RESYNC. Memory is bounded by the buffers whatever consumers do. The remote tier is shared by
 many hosts and evicts on its own: its pages are not reported here.
 
-`add` may be called from any thread (the disk tier's workers call it); consumers wait on the
+`add` (and `add_many`, a batch of one kind: a Commit's pages, under one lock and one wake-up)
+may be called from any thread (the disk tier's workers call it); consumers wait on the
 event loop (`wait`), woken only by events they may see: those of their own stream and, where
 they follow one namespace, of that namespace. `Consumers` caps the streams followed at once, in
 all and per tenant, so that idle consumers cost a bounded amount.
@@ -38,7 +39,7 @@ import contextlib
 import secrets
 import threading
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -95,9 +96,21 @@ class _Stream:
                 if not future.done():
                     future.set_result(None)
 
-    def append(self, event: Event) -> None:
-        self.sequence += 1
-        self.ring[self.sequence % self.capacity] = event._replace(sequence=self.sequence)
+    def append(
+        self,
+        kind: EventKind,
+        tier: Tier,
+        namespace: bytes,
+        pages: Sequence[tuple[bytes, bytes]],
+        reason: str,
+        tenant: str,
+    ) -> None:
+        """One event for each (key, parent) of `pages`, in order."""
+        ring, capacity, sequence = self.ring, self.capacity, self.sequence
+        for key, parent in pages:
+            sequence += 1
+            ring[sequence % capacity] = Event(sequence, kind, tier, namespace, key, parent, reason, tenant)
+        self.sequence = sequence
 
     def read(
         self, after: int, limit: int, keep: Callable[[Event], bool] | None, resync: str
@@ -188,18 +201,36 @@ class EventLog:
     def add(
         self, kind: EventKind, tier: Tier, namespace: bytes, key: bytes, parent: bytes = b"", reason: str = ""
     ) -> None:
+        self.add_many(kind, tier, namespace, ((key, parent),), reason)
+
+    def add_many(
+        self,
+        kind: EventKind,
+        tier: Tier,
+        namespace: bytes,
+        pages: Sequence[tuple[bytes, bytes]],
+        reason: str = "",
+    ) -> None:
+        """One event of `kind` for each (key, parent) of `pages`, in order, under one lock; the
+        consumers are woken once."""
+        if not pages:
+            return
         tenant = self._names.get(namespace, ("", ""))[0]
-        event = Event(0, kind, tier, namespace, key, parent, reason, tenant)
         with self._lock:
-            self._all.append(event)
+            self._all.append(kind, tier, namespace, pages, reason, tenant)
             own = None
             if tenant:  # a daemon without tenants has the one stream
-                own = self._tenants.get(tenant)
-                if own is None:
-                    own = self._tenants[tenant] = _Stream(self.capacity)
-                own.append(event)
+                own = self._own_stream(tenant)
+                own.append(kind, tier, namespace, pages, reason, tenant)
         if self._all.can_wake(namespace) or (own is not None and own.can_wake(namespace)):
             self._wake(own, namespace)
+
+    def _own_stream(self, tenant: str) -> _Stream:
+        """`tenant`'s stream, made at its first event (called with the lock held)."""
+        own = self._tenants.get(tenant)
+        if own is None:
+            own = self._tenants[tenant] = _Stream(self.capacity)
+        return own
 
     def _wake(self, own: _Stream | None, namespace: bytes) -> None:
         if threading.get_ident() == self._loop_thread:

@@ -10,7 +10,8 @@ The store and the GPU placement call these on the daemon's event loop.
   An evicted page goes to `demote` (the lower tiers write it behind).
 - `remove(entry)`: drops a committed page from the index; `settle(entry)` frees the slots it no
   longer needs once no lease holds it and no copy is in flight.
-- `link(ns, keys)`: links a stored chain's pages to their parents (what the chain guard reads).
+- `link(ns, keys, start, stop)`: links a stored chain's pages (of `keys[start:stop]`, a Commit's
+  part) to their parents (what the chain guard reads).
 - `tell_hit` / `tell_stored`: each tier's policy hears of its own pages (a page in the GPU tier
   is in the GPU tier's policy's care); a page pinned with `pin` is in no policy's care
   (`policy_pages`) until its pin ends.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
 from typing import TYPE_CHECKING, cast
 
 from kvstore.errors import ArenaWarmingUp, ResourceExhausted
@@ -83,12 +85,21 @@ class Eviction:
         placement = self.placement
         return placement.policy if placement is not None and entry.on_gpu else self.policy
 
-    def link(self, ns: Namespace, keys: Sequence[bytes]) -> list[Entry]:
-        """The committed entries of a chain, in order; each is linked to the one before it."""
+    def link(
+        self, ns: Namespace, keys: Sequence[bytes], start: int = 0, stop: int | None = None
+    ) -> list[Entry]:
+        """The committed entries of `keys[start:stop]`, in order; each is linked to the one before
+        it in `keys` (the first to `keys[start - 1]`'s, which an earlier part linked), so that
+        linking a chain in parts builds what linking it whole does."""
         chain: list[Entry] = []
+        entries = ns.entries
         parent: Entry | None = None
-        for key in keys:
-            entry = ns.entries.get(key)
+        if start:
+            parent = entries.get(keys[start - 1])
+            if parent is not None and not parent.committed:
+                parent = None
+        for key in islice(keys, start, stop):
+            entry = entries.get(key)
             if entry is None or not entry.committed:
                 parent = None
                 continue

@@ -247,7 +247,8 @@ class Handlers:
     def Commit(self, request: pb.LeaseRequest, caller: Caller | None = None) -> pb.CommitResponse:
         store = self._store(caller)
         self._check_epoch(store, request.epoch)
-        return pb.CommitResponse(committed=store.commit(request.namespace, request.lease_id))
+        committed = store.commit(request.namespace, request.lease_id, request.commit_count)
+        return pb.CommitResponse(committed=committed)
 
     def Abort(self, request: pb.LeaseRequest, caller: Caller | None = None) -> pb.LeaseResponse:
         return pb.LeaseResponse(pages=self._store(caller).abort(request.namespace, request.lease_id))

@@ -1,7 +1,8 @@
 """Leases: what a client holds between the two phases of a store or a load.
 
 - A store lease owns the slots reserved for pages being written; Commit makes
-  them visible, Abort or expiry frees them.
+  them visible, Abort or expiry frees them. A Commit may make only the next few
+  visible (`commit_count`): the lease then holds the rest, and ends with its last.
 - A load lease pins committed pages so they cannot be evicted while a client
   reads them; Release or expiry unpins them.
 
@@ -57,6 +58,13 @@ class Lease:
     broken: str = ""  # why the pages cannot be committed (a Put that failed part-way)
     gpu_pools: frozenset[int] = frozenset()  # load: the GPU pools its reader opened
     renew_until: float = 0.0  # no renewal takes the deadline past this (leases.max_ttl_s after it began)
+    committed: int = 0  # store: how many of `entries` (the first ones) earlier Commits made visible
+    linked: int = 0  # store: how many of `keys` (the first ones) those Commits linked into the chain
+
+    @property
+    def pending(self) -> list[Any]:
+        """Store: the entries not committed yet, which the lease still owns."""
+        return self.entries[self.committed :] if self.committed else self.entries
 
 
 class LeaseTable:
@@ -110,10 +118,15 @@ class LeaseTable:
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
 
+    def commit_part(self, lease: Lease, count: int) -> None:
+        """`count` more of a store lease's entries are committed: it keeps the rest only."""
+        lease.committed += count
+        self.entries -= count
+
     def pop(self, lease_id: int) -> Lease | None:
         lease = self._leases.pop(lease_id, None)
         if lease is not None:
-            self.entries -= len(lease.entries)
+            self.entries -= len(lease.entries) - lease.committed
         return lease
 
     def pop_expired(self, now: float) -> list[Lease]:
@@ -123,7 +136,7 @@ class LeaseTable:
             lease = self._leases.get(lease_id)
             if lease is not None and lease.expires_at <= now:
                 expired.append(self._leases.pop(lease_id))
-                self.entries -= len(lease.entries)
+                self.entries -= len(lease.entries) - lease.committed
         return expired
 
     def held(self, namespace: bytes, lease_id: int, kind: LeaseKind) -> Lease:

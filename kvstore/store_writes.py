@@ -5,11 +5,16 @@ makes them visible to lookups at once, or Aborts. An entry being written is neve
 - `reserve(ns, keys, writer)`: all or nothing: without room for every new page, none.
 - `begin_put` / `write_leased` / `end_put`: one inline Put at a time per lease, each write
   checked against the lease; a Put that fails part-way breaks the lease (Commit refused).
-- `commit(ns, lease)`: the pages are stored, linked into their chain, written through to the
-  lower tiers that ask for it. A Commit after the lease expired is refused: nothing stored.
-- Expiry (`Store.expire`): a lease written inline only is dropped; one written in place is
-  fenced (`_fence`): its keys leave the index, its slots stay quarantined until its writer
-  is gone, its client ends it, or `leases.quarantine_s` passes.
+- `commit(ns, lease, count)`: the pages are stored, linked into their chain, written through
+  to the lower tiers that ask for it. With `count`, only the lease's next `count` new pages
+  (in the order of its keys), and the lease stays open for the rest: a writer commits the
+  pages whose copies ended while the last ones are still copying. Linked in parts, the chain
+  is the one a whole Commit builds. A Commit after the lease expired is refused: what it
+  had not committed is not stored.
+- Expiry (`Store.expire`) and Abort end only what the lease has not committed: a committed
+  page is an ordinary page at once. Expired, a lease written inline only is dropped; one
+  written in place is fenced (`_fence`): those keys leave the index, their slots stay
+  quarantined until its writer is gone, its client ends it, or `leases.quarantine_s` passes.
 """
 
 from __future__ import annotations
@@ -75,6 +80,11 @@ class Writes(StoreState):
         lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
         if lease.writer_active:
             raise FailedPrecondition(f"lease {lease_id}: another Put is already writing its pages")
+        if lease.committed:  # a Put writes every page of the lease: it would rewrite visible pages
+            raise FailedPrecondition(
+                f"lease {lease_id}: {lease.committed} of its pages are committed already; a Put writes "
+                f"every page of a lease, so it must come before the lease's first Commit"
+            )
         lease.writer_active = True
         return lease, AcquireResult(
             [entry.offset for entry in lease.entries], self.namespaces[ns_id].spec.page_bytes
@@ -91,53 +101,77 @@ class Writes(StoreState):
             raise NotFound(f"lease {lease.id} expired while its pages were being written")
         self.cpu.write(offset, data, within)
 
-    def commit(self, ns_id: bytes, lease_id: int) -> int:
-        if self.quarantines.end(ns_id, lease_id):  # its writer has finished: it commits after writing
+    def commit(self, ns_id: bytes, lease_id: int, count: int = 0) -> int:
+        """Makes the lease's next `count` new pages visible (0: all it has left); returns how many.
+        The lease ends with its last page and stays open until then."""
+        fenced = self.quarantines.end(ns_id, lease_id)
+        if fenced is not None:  # its writer has finished: it commits after writing
+            kept = fenced.lease.committed
+            stored = (
+                f"only the {kept} page(s) it committed before stay stored" if kept else "nothing was stored"
+            )
             raise FailedPrecondition(
                 f"lease {lease_id} expired before its Commit (the writer did not renew it within its "
-                f"TTL, leases.ttl_s): nothing was stored; store the pages again"
+                f"TTL, leases.ttl_s): {stored}; store the pages again"
             )
         lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
         if lease.broken or lease.writer_active:
             why = lease.broken or "a Put is still writing its pages"
             raise FailedPrecondition(f"lease {lease_id} cannot be committed: {why}; Abort it and store again")
-        self.leases.pop(lease_id)
+        part, stop = self._next_part(lease, count)
         ns = self.namespaces[ns_id]
-        for entry in lease.entries:
+        for entry in part:
             entry.committed = True
-        ns.pages += len(lease.entries)
-        self.eviction.tell_stored(self.eviction.policy_pages(self.eviction.link(ns, lease.keys)))
-        add = self.events.add
-        for entry in lease.entries:
-            parent = entry.parent.key if entry.parent is not None else b""
-            add(EventKind.STORED, Tier.CPU, ns_id, entry.key, parent, "committed")
-        self.counters["stored_chunks"] += len(lease.entries)
+        ns.pages += len(part)
+        chain = self.eviction.link(ns, lease.keys, lease.linked, stop)
+        lease.linked = stop
+        self.eviction.tell_stored(self.eviction.policy_pages(chain))
+        pages = [(entry.key, entry.parent.key if entry.parent is not None else b"") for entry in part]
+        self.events.add_many(EventKind.STORED, Tier.CPU, ns_id, pages, "committed")
+        self.counters["stored_chunks"] += len(part)
         if self.lower is not None:
-            self.lower.committed(ns, lease.entries)
-        return len(lease.entries)
+            self.lower.committed(ns, part)
+        return len(part)
+
+    def _next_part(self, lease: Lease, count: int) -> tuple[list[Entry], int]:
+        """The entries a Commit of `count` pages makes visible, and where their keys end in
+        `lease.keys` (the keys after the lease's last new page, present ones, go with it). The
+        lease ends when they are the last it holds."""
+        pending = lease.pending
+        if count == 0 or count >= len(pending):
+            self.leases.pop(lease.id)
+            return pending, len(lease.keys)
+        part = pending[:count]
+        self.leases.commit_part(lease, count)
+        return part, lease.keys.index(part[-1].key, lease.linked) + 1
 
     def abort(self, ns_id: bytes, lease_id: int) -> int:
+        """Frees the slots of the pages the lease has not committed; returns how many."""
         fenced = self.quarantines.end(ns_id, lease_id)
         if fenced is not None:
             return len(fenced.offsets)
         lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
         self.leases.pop(lease_id)
-        self._drop_reservation(lease)
-        self.counters["aborted_chunks"] += len(lease.entries)
-        return len(lease.entries)
+        dropped = self._drop_reservation(lease)
+        self.counters["aborted_chunks"] += dropped
+        return dropped
 
-    def _drop_reservation(self, lease: Lease) -> None:
+    def _drop_reservation(self, lease: Lease) -> int:
+        """Drops the pages the lease has not committed from the index and frees their slots."""
         ns = self.namespaces[lease.namespace]
-        for entry in lease.entries:
+        pending = lease.pending
+        for entry in pending:
             del ns.entries[entry.key]
             self.cpu.slots.free(entry.offset)
+        return len(pending)
 
     def _fence(self, lease: Lease, now: float) -> None:
-        """An expired store lease written in place: its pages leave the index (their keys can be
-        stored again, into other slots) but its slots stay allocated until its writer is gone, its
-        client ends the lease, or leases.quarantine_s passes."""
+        """An expired store lease written in place: its pages not committed leave the index (their
+        keys can be stored again, into other slots) but their slots stay allocated until its writer
+        is gone, its client ends the lease, or leases.quarantine_s passes. Those it committed stay."""
         ns = self.namespaces[lease.namespace]
-        for entry in lease.entries:
+        pending = lease.pending
+        for entry in pending:
             del ns.entries[entry.key]
-        self.quarantines.fence(lease, [entry.offset for entry in lease.entries], ns.spec.page_bytes, now)
+        self.quarantines.fence(lease, [entry.offset for entry in pending], ns.spec.page_bytes, now)
         self.counters["fenced_leases"] += 1

@@ -196,14 +196,16 @@ class ReserveResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("namespace", "lease_id", "epoch")
+    __slots__ = ("namespace", "lease_id", "epoch", "commit_count")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_COUNT_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     lease_id: int
     epoch: int
-    def __init__(self, namespace: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    commit_count: int
+    def __init__(self, namespace: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., epoch: _Optional[int] = ..., commit_count: _Optional[int] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("namespace", "lease_ids", "epoch")

@@ -131,7 +131,8 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
-        """Makes a store lease's pages visible to lookups.
+        """Makes a store lease's pages visible to lookups: all of them, or the next
+        commit_count (the lease stays open for the rest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
