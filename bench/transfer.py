@@ -74,6 +74,7 @@ programs, cache hints) and the copy-engine paths' issue cost, for choosing the d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -469,17 +470,28 @@ def summarize(result: dict[str, Any]) -> tuple[list[list[Any]], list[list[Any]],
 MLA_DTYPES = ("bfloat16", "float8_e4m3fn")
 
 
-def mla_rows(dtype: str, tokens: int, reps: int) -> list[dict[str, Any]]:
+def mla_rows(dtype: str, tokens: int, reps: int, way: ClientWay) -> list[dict[str, Any]]:
     """DeepSeek-V3's MLA pages of a `tokens` prompt through the public client (`client_rows`)."""
-    return client_rows("deepseek-v3", deepseek_v3_spec(dtype), tokens, reps)
+    return client_rows("deepseek-v3", deepseek_v3_spec(dtype), tokens, reps, way)
 
 
-def llama_rows(tokens: int, reps: int) -> list[dict[str, Any]]:
+def llama_rows(tokens: int, reps: int, way: ClientWay) -> list[dict[str, Any]]:
     """Llama-3.1-8B's pages (flash_attn, bf16, blocks of 16) through the public client."""
-    return client_rows("llama-3.1-8b", make_spec("flash_attn"), tokens, reps)
+    return client_rows("llama-3.1-8b", make_spec("flash_attn"), tokens, reps, way)
 
 
-def client_rows(model: str, spec: Any, tokens: int, reps: int) -> list[dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class ClientWay:
+    """How the client rows call the client and run the daemon. `registered`: the KV caches given
+    as `client.register_kv_caches` returns them, as vLLM's and SGLang's adapters pass them (else
+    the bare tensor lists, fingerprinted on every call). `poll_ms`: the daemon's
+    `server.local_poll_ms`."""
+
+    registered: bool = True
+    poll_ms: float = 0.0
+
+
+def client_rows(model: str, spec: Any, tokens: int, reps: int, way: ClientWay) -> list[dict[str, Any]]:
     """A prompt's pages stored, then loaded, by the public client, each in turn with a pinned
     memcpy of the same bytes (the namespace cleared before each store); and the copy alone,
     `kvstore_kernels.gather` / `scatter` into the memcpy's pinned buffer, no daemon: what the
@@ -489,19 +501,24 @@ def client_rows(model: str, spec: Any, tokens: int, reps: int) -> list[dict[str,
     moved = cache.num_chunks * spec.page.page_bytes
     copy = HostCopy(moved)
     try:
+        config = daemon_config(spec.page.page_bytes, cache.num_chunks)
+        config["server"] = {"local_poll_ms": way.poll_ms}
         with (
-            running_daemon(daemon_config(spec.page.page_bytes, cache.num_chunks)) as daemon,
+            running_daemon(config) as daemon,
             KVStoreClient.connect(daemon.address, spec) as client,
         ):
             wait_reserved(client)
             keys = client.keys(list(range(tokens)))
+            source, target = cache.source, cache.target
+            if way.registered:
+                source, target = client.register_kv_caches(source), client.register_kv_caches(target)
 
             def store() -> None:
-                if client.store(None, cache.source, cache.table, keys=keys) != cache.num_chunks:
+                if client.store(None, source, cache.table, keys=keys) != cache.num_chunks:
                     raise RuntimeError("store: the daemon took fewer pages than the prompt has")
 
             def load() -> None:
-                if client.load(None, cache.target, cache.table, keys=keys) != tokens:
+                if client.load(None, target, cache.table, keys=keys) != tokens:
                     raise RuntimeError("load: fewer tokens than were stored")
 
             offsets = [chunk * spec.page.page_bytes for chunk in range(cache.num_chunks)]
@@ -531,7 +548,14 @@ def client_rows(model: str, spec: Any, tokens: int, reps: int) -> list[dict[str,
             arena = client.stats()["client"]["arena"]
     finally:
         copy.release()
-    common = {"model": model, "dtype": spec.dtype, "tokens": tokens, "page_bytes": spec.page.page_bytes}
+    common = {
+        "model": model,
+        "dtype": spec.dtype,
+        "tokens": tokens,
+        "page_bytes": spec.page.page_bytes,
+        "registered": way.registered,
+        "daemon_poll_ms": way.poll_ms,
+    }
     return [
         {
             **common,
@@ -636,15 +660,16 @@ def sliding_rows(tokens: int, reps: int) -> list[dict[str, Any]]:
 
 def run_models(args: argparse.Namespace, log: list[str]) -> dict[str, Any]:
     result: dict[str, Any] = {"mla": [], "sliding": [], "llama": []}
+    way = ClientWay(registered=args.register_caches, poll_ms=args.daemon_poll_ms)
     if "llama" in args.models:
         for tokens in args.llama_tokens:
-            result["llama"] += guarded(log, f"llama {tokens}", llama_rows, tokens, args.reps) or []
+            result["llama"] += guarded(log, f"llama {tokens}", llama_rows, tokens, args.reps, way) or []
             print_progress(result["llama"][-4:])
     for tokens in args.model_tokens:
         if "mla" in args.models:
             for dtype in MLA_DTYPES:
                 result["mla"] += (
-                    guarded(log, f"mla {dtype} {tokens}", mla_rows, dtype, tokens, args.reps) or []
+                    guarded(log, f"mla {dtype} {tokens}", mla_rows, dtype, tokens, args.reps, way) or []
                 )
                 print_progress(result["mla"][-4:])
         if "sliding" in args.models:
@@ -978,6 +1003,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--model-tokens", nargs="+", type=int, default=[8192, 32768], help="prompts of the model rows"
+    )
+    parser.add_argument(
+        "--register-caches",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="model rows: pass the caches as client.register_kv_caches returns them, as the engine "
+        "adapters do (default), or as bare tensor lists",
+    )
+    parser.add_argument(
+        "--daemon-poll-ms", type=float, default=0.0, help="model rows: the daemon's server.local_poll_ms"
     )
     parser.add_argument("--dry-run", action="store_true", help="the model rows on CPU: 1024 tokens, 2 rounds")
     args = parser.parse_args(argv)

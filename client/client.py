@@ -183,6 +183,7 @@ class KVStoreClient(StorePath, LoadPath):
         self.page_bytes: int = reply.page_bytes
         self.max_message_bytes: int = reply.max_message_bytes
         self.lease_ttl_s: float = reply.lease_ttl_ms / 1000  # a lease's life when the request names none
+        self.commits_in_parts = reply.commits_in_parts
         self._renewer.ttl_s = self.lease_ttl_s
 
     def close(self) -> None:

@@ -66,10 +66,21 @@ class StoreHandle(TransferHandle):
         fail: Callable[[BaseException], None],
         chunks: int,
         positions: Sequence[int] = (),
+        early: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(event, finish, fail)
         self.chunks = chunks  # chunks being written (not yet stored)
         self.positions = positions  # their indices among the call's chunks
+        self._early = early  # run by the first wait(), before it waits for the last pages
+
+    def wait(self) -> int:
+        """Blocks until the pages are written and commits them; returns how many were new. A store
+        issued in parts commits its first pages once they are written, while the last ones are
+        still being copied."""
+        early, self._early = self._early, None
+        if early is not None and self._result is None and self._error is None:
+            early()
+        return super().wait()
 
 
 class LoadHandle(TransferHandle):

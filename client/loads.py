@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,20 +31,59 @@ class _LoadTargets:
 
     block_ids: Any
     stream: Any
+    prepared: kvstore_kernels.Prepared | None = None  # the arena's scatter of every chunk, set up
 
     def ready(self, client: Session, kv_caches: Any, chunks: int, layers: range) -> None:
-        """Checks the block table of every chunk that can hit and orders the side stream after the
-        caller's. None of it depends on the Lookup's reply; nothing here may fail the call, whose
-        reply holds a lease: what fails is done again after the reply, where an error releases it."""
+        """Orders the side stream after the caller's, and checks and sets up the scatter of every
+        chunk that can hit from the arena (its block table checked, as `check_blocks` does, for
+        the GPU pools too). None of it depends on the Lookup's reply; nothing here may fail the
+        call, whose reply holds a lease: what fails is done again after the reply, where an error
+        releases it."""
         try:
-            self.block_ids = kvstore_kernels.check_blocks(
-                client.spec, kv_caches, self.block_ids, chunks, layers, writes_cache=True
-            )
             device = cache_device(kv_caches)
             if self.stream is None and device.type == "cuda":
                 self.stream = client._streams.ordered_side(device)
+            table = self.block_ids
+            try:
+                self.prepared = kvstore_kernels.prepare(
+                    client.spec,
+                    kv_caches,
+                    table,
+                    range(chunks),
+                    client.arena,
+                    layers,
+                    to_page=False,
+                    stream=self.stream,
+                )
+                self.block_ids = self.prepared.checked_blocks(table)
+            except ValueError:  # e.g. a table shorter than every chunk: check what it holds
+                self.prepared = None
+                self.block_ids = kvstore_kernels.check_blocks(
+                    client.spec, kv_caches, table, chunks, layers, writes_cache=True
+                )
         except Exception:
             log.debug("checking the block table ahead failed; it is checked with the scatter", exc_info=True)
+
+    def arena_scatter(self, arena: Any, layers: range) -> Callable[..., None] | None:
+        """The prepared scatter (with `kvstore_kernels.scatter`'s signature) where it moves these
+        layers out of this arena (not the mapping of a daemon that restarted meanwhile)."""
+        prepared = self.prepared
+        if prepared is None or prepared.plan.buffer is not arena or prepared.layers != layers:
+            return None
+
+        def run(
+            spec: Any,
+            kv_caches: Any,
+            block_ids: Any,
+            chunks: Sequence[int],
+            buffer: Any,
+            offsets: Sequence[int],
+            layers: range | None,
+            stream: Any = None,
+        ) -> None:
+            prepared.run(chunks, offsets)  # the load's chunk i is its prepared page i
+
+        return run
 
 
 class LoadPath(Session):
@@ -188,6 +227,8 @@ class LoadPath(Session):
             scatter = functools.partial(scatter, options=options)
         elif layerwise and self._mapped.registered and cache_device(kv_caches).type == "cuda":
             scatter = functools.partial(scatter, options=self.layerwise_options)
+        elif len(groups) == 1:
+            scatter = targets.arena_scatter(self.arena, groups[0]) or scatter
         events = [
             [
                 self._streams.enqueue(

@@ -203,6 +203,7 @@ class Session:
     spec: KVSpec
     namespace: bytes
     page_bytes: int
+    commits_in_parts: bool = False  # the daemon commits a store lease in parts (LeaseRequest.commit_count)
     max_message_bytes: int
     lease_ttl_s: float
     timeout_s: float

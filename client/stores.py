@@ -4,7 +4,7 @@ inline through Put), Commit once the gather is done (`StoreHandle.wait`)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,11 @@ from kvstore_client.connection import is_outage
 from kvstore_client.handles import StoreHandle
 from kvstore_client.inline import put_pages
 from kvstore_client.session import Session, ignore, log
-from kvstore_client.transfers import Streams
+from kvstore_client.transfers import Streams, cache_device
+
+# The bytes still to cross PCIe when a store commits its first pages early (`_early_split`): at
+# ~50 GB/s, ~0.5 ms, about what a daemon that slept through the copy needs to wake and commit them.
+EARLY_COMMIT_TAIL_BYTES = 24 << 20
 
 
 class StorePath(Session):
@@ -54,14 +58,15 @@ class StorePath(Session):
         end of that chunk (the positions past the prompt are stored but never served).
         """
         keys = self._keys_of(token_ids, keys, tail)
-        reply = self._reserve(keys) if keys else None
+        ahead = _GatherAhead(kv_caches, block_ids, layers, stream)
+        reply = self._reserve(keys, ahead.meanwhile(self, len(keys))) if keys else None
         chunks = [i for i, offset in enumerate(reply.offsets) if offset >= 0] if reply else []
         if reply is None or not chunks:
             return StoreHandle(None, lambda: 0, ignore, 0)
         lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
         self._renewer.hold(lease.lease_id, lease.namespace)
         try:
-            event = self._gather(reply, chunks, kv_caches, block_ids, layers, stream)
+            event, early = self._gather(reply, chunks, kv_caches, block_ids, layers, ahead)
         except (Unavailable, NotFound) as exc:  # an inline Put the daemon did not take
             if isinstance(exc, Unavailable):
                 self._conn.lost(exc)
@@ -75,16 +80,18 @@ class StorePath(Session):
             raise
         handle = StoreHandle(
             event,
-            functools.partial(self._commit, lease),
+            functools.partial(self._commit, lease, early),
             lambda exc: self._end_quietly("Abort", lease),
             len(chunks),
             chunks,
+            early=functools.partial(self._commit_early, lease, early) if early is not None else None,
         )
         self._renewer.owned_by(lease.lease_id, handle)  # a handle dropped unwaited: no more renewals
         return handle
 
-    def _reserve(self, keys: Sequence[bytes]) -> Any:
-        """The Reserve reply for `keys` (slots for the new ones), or None in an outage."""
+    def _reserve(self, keys: Sequence[bytes], meanwhile: Callable[[], Any] | None = None) -> Any:
+        """The Reserve reply for `keys` (slots for the new ones), or None in an outage;
+        `meanwhile()` runs while the daemon answers."""
         pid, start_time = self._writer
 
         def request() -> pb.ReserveRequest:
@@ -98,34 +105,44 @@ class StorePath(Session):
             )
 
         try:
-            return self._conn.call("Reserve", request)
+            return self._conn.call("Reserve", request, meanwhile)
         except Unavailable:
             return None
 
     def _gather(
-        self, reply: Any, chunks: list[int], kv_caches: Any, block_ids: Any, layers: range | None, stream: Any
-    ) -> torch.cuda.Event | None:
-        """Writes the reserved chunks' pages: into the arena's slots (enqueued; its event), or
-        inline through Put (done)."""
+        self,
+        reply: Any,
+        chunks: list[int],
+        kv_caches: Any,
+        block_ids: Any,
+        layers: range | None,
+        ahead: _GatherAhead,
+    ) -> tuple[torch.cuda.Event | None, _EarlyCommit | None]:
+        """Writes the reserved chunks' pages: into the arena's slots (enqueued: the event after
+        them, and where the first pages are committed early, the event after those), or inline
+        through Put (done)."""
+        stream = ahead.stream
         if self.arena is not None:
             offsets = [reply.offsets[i] for i in chunks]
             options = self._mapped.transfer_options(offsets)  # None: their slabs are registered
-            gather = (
-                kvstore_kernels.gather
-                if options is None
-                else functools.partial(kvstore_kernels.gather, options=options)
-            )
-            return self._streams.enqueue(
-                gather,
-                self.spec,
-                kv_caches,
-                block_ids,
-                chunks,
-                self.arena,
-                offsets,
-                layers,
-                stream,
-            )
+            enqueue = functools.partial(self._streams.enqueue, kvstore_kernels.gather)
+            if options is None and ahead.prepared_for(self.arena):
+                enqueue = functools.partial(self._streams.enqueue, ahead.run)
+                split = self._early_split(len(chunks))
+                if split:  # the pages before `split` are committed once they are written
+                    arena, spec = self.arena, self.spec
+                    head = enqueue(
+                        spec, kv_caches, block_ids, chunks[:split], arena, offsets[:split], layers, stream
+                    )
+                    last = enqueue(
+                        spec, kv_caches, block_ids, chunks[split:], arena, offsets[split:], layers, stream
+                    )
+                    return last, _EarlyCommit(head, split)
+            elif options is not None:
+                gather = functools.partial(kvstore_kernels.gather, options=options)
+                enqueue = functools.partial(self._streams.enqueue, gather)
+            event = enqueue(self.spec, kv_caches, block_ids, chunks, self.arena, offsets, layers, stream)
+            return event, None
         staging = torch.empty(len(chunks) * self.page_bytes, dtype=torch.uint8)
         offsets = [i * self.page_bytes for i in range(len(chunks))]
         kvstore_kernels.gather(self.spec, kv_caches, block_ids, chunks, staging, offsets, layers)
@@ -139,11 +156,47 @@ class StorePath(Session):
             self._conn.metadata,
             is_outage,
         )
-        return None
+        return None, None
 
-    def _commit(self, lease: pb.LeaseRequest) -> int:
-        """Commits a store lease whose pages are written; 0 where nothing could be stored (the
-        daemon restarted, stopped, or the lease expired), with a warning."""
+    def _early_split(self, pages: int) -> int:
+        """How many of a store's `pages` to commit before the last ones are written (0: none).
+
+        A Commit after the copy is on the store's critical path, and it costs the daemon work per
+        page and, when the daemon slept through the copy, its wake-up. Where the daemon commits
+        leases in parts and the local channel is open, the pages but the last ones are committed
+        as soon as they are written, while the last `EARLY_COMMIT_TAIL_BYTES` (at least one
+        page) are still crossing PCIe: the final Commit then carries those pages only, to a
+        daemon that is awake (bench/NOTES-transfer.md)."""
+        if not self.commits_in_parts or self._conn.local is None or pages < 2:
+            return 0
+        tail = max(1, -(-EARLY_COMMIT_TAIL_BYTES // self.page_bytes))
+        return max(0, pages - tail)
+
+    def _commit_early(self, lease: pb.LeaseRequest, early: _EarlyCommit) -> None:
+        """Once the first `early.pages` pages are written: their Commit, sent without waiting (its
+        reply is read with the final Commit's). Nothing here fails the store: the final Commit
+        tells what was stored."""
+        try:
+            if early.head is not None:  # None: written already (a CPU cache)
+                early.head.synchronize()
+            local = self._conn.local
+            if local is None or lease.epoch != self.epoch:
+                return
+            request = pb.LeaseRequest(
+                namespace=lease.namespace,
+                lease_id=lease.lease_id,
+                epoch=lease.epoch,
+                commit_count=early.pages,
+            )
+            local.send("Commit", request)
+            early.sent = True
+        except Exception:
+            log.debug("store lease %d: the early Commit failed", lease.lease_id, exc_info=True)
+
+    def _commit(self, lease: pb.LeaseRequest, early: _EarlyCommit | None = None) -> int:
+        """Commits a store lease whose pages are written (the rest of it, after an early Commit of
+        its first pages); 0 where nothing could be stored (the daemon restarted, stopped, or the
+        lease expired), with a warning."""
         self._renewer.drop(lease.lease_id)
         if lease.epoch != self.epoch:
             log.debug(
@@ -152,6 +205,8 @@ class StorePath(Session):
             return 0
         try:
             committed: int = self._conn.rpc("Commit", lease).committed
+            if early is not None and early.sent:
+                committed += early.pages  # the lease still held them: the early Commit took them
         except KVStoreError as exc:
             if is_outage(exc):
                 self._conn.lost(exc)
@@ -161,3 +216,68 @@ class StorePath(Session):
                 raise
             return 0
         return committed
+
+
+class _GatherAhead:
+    """A store's gather, checked and set up while its Reserve is in flight (`meanwhile`), for every
+    chunk it asks about: after the reply only the new chunks' slots are checked and their pages
+    issued (`run`). Nothing here may fail the store: where it cannot be prepared, the gather
+    after the reply checks and sets up everything, as without it."""
+
+    def __init__(self, kv_caches: Any, block_ids: Any, layers: range | None, stream: Any) -> None:
+        self.kv_caches, self.block_ids, self.layers, self.stream = kv_caches, block_ids, layers, stream
+        self.prepared: kvstore_kernels.Prepared | None = None
+
+    def meanwhile(self, session: Session, chunks: int) -> Callable[[], None] | None:
+        if session.arena is None:
+            return None
+        return functools.partial(self._prepare, session, chunks)
+
+    def _prepare(self, session: Session, chunks: int) -> None:
+        try:
+            device = cache_device(self.kv_caches)
+            if self.stream is None and device.type == "cuda":
+                self.stream = session._streams.ordered_side(device)
+            self.prepared = kvstore_kernels.prepare(
+                session.spec,
+                self.kv_caches,
+                self.block_ids,
+                range(chunks),
+                session.arena,
+                self.layers,
+                to_page=True,
+                stream=self.stream,
+            )
+        except Exception:
+            self.prepared = None
+            log.debug("preparing the gather ahead failed; it is checked after the reply", exc_info=True)
+
+    def prepared_for(self, arena: Any) -> bool:
+        """Whether the gather was prepared into this arena (not the mapping of a daemon that
+        restarted while the Reserve was answered)."""
+        return self.prepared is not None and self.prepared.plan.buffer is arena
+
+    def run(
+        self,
+        spec: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        chunks: Sequence[int],
+        buffer: Any,
+        offsets: Sequence[int],
+        layers: range | None,
+        stream: Any = None,
+    ) -> None:
+        """`kvstore_kernels.gather`'s signature (`Streams.enqueue` calls it so), through the
+        prepared transfer: the store's chunk i is its prepared page i."""
+        assert self.prepared is not None
+        self.prepared.run(chunks, offsets)
+
+
+class _EarlyCommit:
+    """A store's gather issued in two parts: `head`, the event after its first `pages` pages;
+    `sent` once the early Commit of those went out."""
+
+    def __init__(self, head: Any, pages: int) -> None:
+        self.head, self.pages = head, pages
+        self.sent = False

@@ -216,7 +216,7 @@ def prepare(
                 staging_bytes=options.staging_bytes,
             )
     prepared = Prepared(spec, plan, options, to_page, stream, staged_path)
-    prepared._chunks = chunks
+    prepared._chunks, prepared.layers = chunks, layers
     return prepared
 
 
@@ -236,6 +236,7 @@ class Prepared:
         self.stream = stream
         self._staged = staged_path
         self._chunks: Sequence[int] = ()
+        self.layers: range | None = None  # the layers asked for (None: every layer)
 
     @property
     def chunks(self) -> int:

@@ -147,6 +147,7 @@ class Handlers:
             max_message_bytes=self.max_message_bytes,
             local_socket=self.local_socket,
             tenant=store.tenant,
+            commits_in_parts=True,
             # Issued where the caller is known by its uid, for its gRPC calls.
             credential=self.tenancy.credential(caller) if caller and caller.peer is not None else "",
         )

@@ -302,14 +302,21 @@ import kvstore_kernels
 from kvstore_client import KVStoreClient
 from tests.integrity_worker import SPEC, BLOCKS, prompt
 
-gather = kvstore_kernels.gather
+gather, run = kvstore_kernels.gather, kvstore_kernels.Prepared.run
 
-def stalled(*args, **kwargs):  # between Reserve and the write: wait for the test
+def stall():  # between Reserve and the write: wait for the test
     print("reserved", flush=True)
     sys.stdin.readline()
+
+def stalled(*args, **kwargs):
+    stall()
     return gather(*args, **kwargs)
 
-kvstore_kernels.gather = stalled
+def stalled_run(self, *args, **kwargs):  # the gather prepared while the Reserve was in flight
+    stall()
+    return run(self, *args, **kwargs)
+
+kvstore_kernels.gather, kvstore_kernels.Prepared.run = stalled, stalled_run
 client = KVStoreClient.connect(sys.argv[1], SPEC)
 mine = [torch.full((2, BLOCKS, 16, 2, 32), 0.5).half() for _ in range(2)]  # a pattern of A's own
 try:

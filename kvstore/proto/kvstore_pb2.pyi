@@ -102,7 +102,7 @@ class Arena(_message.Message):
     def __init__(self, shm_path: _Optional[str] = ..., size: _Optional[int] = ..., device: _Optional[int] = ..., inode: _Optional[int] = ..., boot_id: _Optional[str] = ..., slab_bytes: _Optional[int] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
-    __slots__ = ("namespace", "chunk_tokens", "page_bytes", "arena", "lease_ttl_ms", "max_message_bytes", "local_socket", "gpu_pools", "epoch", "tenant", "credential")
+    __slots__ = ("namespace", "chunk_tokens", "page_bytes", "arena", "lease_ttl_ms", "max_message_bytes", "local_socket", "gpu_pools", "epoch", "tenant", "credential", "commits_in_parts")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class ConnectResponse(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_IN_PARTS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     chunk_tokens: int
     page_bytes: int
@@ -125,7 +126,8 @@ class ConnectResponse(_message.Message):
     epoch: int
     tenant: str
     credential: str
-    def __init__(self, namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., page_bytes: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ..., epoch: _Optional[int] = ..., tenant: _Optional[str] = ..., credential: _Optional[str] = ...) -> None: ...
+    commits_in_parts: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., chunk_tokens: _Optional[int] = ..., page_bytes: _Optional[int] = ..., arena: _Optional[_Union[Arena, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ..., gpu_pools: _Optional[_Iterable[_Union[GpuPool, _Mapping]]] = ..., epoch: _Optional[int] = ..., tenant: _Optional[str] = ..., credential: _Optional[str] = ..., commits_in_parts: _Optional[bool] = ...) -> None: ...
 
 class GpuPool(_message.Message):
     __slots__ = ("device", "pci_bus_id", "ipc_handle", "size")
