@@ -19,8 +19,9 @@ from kvstore_client.inline import put_pages
 from kvstore_client.session import Session, ignore, log
 from kvstore_client.transfers import Streams, cache_device
 
-# The bytes still to cross PCIe when a store commits its first pages early (`_early_split`): at
-# ~50 GB/s, ~0.5 ms, about what a daemon that slept through the copy needs to wake and commit them.
+# A store committed in parts (`_early_parts`): parts of ~1.2 ms of copy at ~50 GB/s, and a last part
+# of ~0.5 ms, about what the daemon needs to commit the part before it and answer.
+EARLY_COMMIT_PART_BYTES = 64 << 20
 EARLY_COMMIT_TAIL_BYTES = 24 << 20
 
 
@@ -117,7 +118,7 @@ class StorePath(Session):
         block_ids: Any,
         layers: range | None,
         ahead: _GatherAhead,
-    ) -> tuple[torch.cuda.Event | None, _EarlyCommit | None]:
+    ) -> tuple[torch.cuda.Event | None, _EarlyCommits | None]:
         """Writes the reserved chunks' pages: into the arena's slots (enqueued: the event after
         them, and where the first pages are committed early, the event after those), or inline
         through Put (done)."""
@@ -128,16 +129,23 @@ class StorePath(Session):
             enqueue = functools.partial(self._streams.enqueue, kvstore_kernels.gather)
             if options is None and ahead.prepared_for(self.arena):
                 enqueue = functools.partial(self._streams.enqueue, ahead.run)
-                split = self._early_split(len(chunks))
-                if split:  # the pages before `split` are committed once they are written
-                    arena, spec = self.arena, self.spec
-                    head = enqueue(
-                        spec, kv_caches, block_ids, chunks[:split], arena, offsets[:split], layers, stream
-                    )
-                    last = enqueue(
-                        spec, kv_caches, block_ids, chunks[split:], arena, offsets[split:], layers, stream
-                    )
-                    return last, _EarlyCommit(head, split)
+                parts = self._early_parts(len(chunks))
+                if parts:  # each part's pages are committed once they are written
+                    early, start = _EarlyCommits(), 0
+                    for stop in [*parts, len(chunks)]:
+                        event = enqueue(
+                            self.spec,
+                            kv_caches,
+                            block_ids,
+                            chunks[start:stop],
+                            self.arena,
+                            offsets[start:stop],
+                            layers,
+                            stream,
+                        )
+                        early.parts.append((event, stop - start))
+                        start = stop
+                    return early.parts.pop()[0], early
             elif options is not None:
                 gather = functools.partial(kvstore_kernels.gather, options=options)
                 enqueue = functools.partial(self._streams.enqueue, gather)
@@ -158,42 +166,43 @@ class StorePath(Session):
         )
         return None, None
 
-    def _early_split(self, pages: int) -> int:
-        """How many of a store's `pages` to commit before the last ones are written (0: none).
+    def _early_parts(self, pages: int) -> list[int]:
+        """Where to cut a store's `pages` into parts committed as each is written: the ends of the
+        parts before the last (none: one Commit at the end).
 
         A Commit after the copy is on the store's critical path, and it costs the daemon work per
         page and, when the daemon slept through the copy, its wake-up. Where the daemon commits
-        leases in parts and the local channel is open, the pages but the last ones are committed
-        as soon as they are written, while the last `EARLY_COMMIT_TAIL_BYTES` (at least one
-        page) are still crossing PCIe: the final Commit then carries those pages only, to a
-        daemon that is awake (bench/NOTES-transfer.md)."""
+        leases in parts and the local channel is open, the pages are committed in parts of
+        `EARLY_COMMIT_PART_BYTES` as soon as each is written, while later ones still cross PCIe,
+        so the daemon does that work in the copy's shadow and stays awake; the last part, at
+        least `EARLY_COMMIT_TAIL_BYTES` (and a page), is what the final Commit carries
+        (bench/NOTES-transfer.md)."""
         if not self.commits_in_parts or self._conn.local is None or pages < 2:
-            return 0
+            return []
         tail = max(1, -(-EARLY_COMMIT_TAIL_BYTES // self.page_bytes))
-        return max(0, pages - tail)
+        part = max(1, EARLY_COMMIT_PART_BYTES // self.page_bytes)
+        return list(range(part, pages - tail + 1, part)) if pages > tail else []
 
-    def _commit_early(self, lease: pb.LeaseRequest, early: _EarlyCommit) -> None:
-        """Once the first `early.pages` pages are written: their Commit, sent without waiting (its
-        reply is read with the final Commit's). Nothing here fails the store: the final Commit
-        tells what was stored."""
+    def _commit_early(self, lease: pb.LeaseRequest, early: _EarlyCommits) -> None:
+        """Each part but the last, once its pages are written: its Commit, sent without waiting
+        (the replies are read with the final Commit's). Nothing here fails the store: the final
+        Commit tells what was stored."""
         try:
-            if early.head is not None:  # None: written already (a CPU cache)
-                early.head.synchronize()
-            local = self._conn.local
-            if local is None or lease.epoch != self.epoch:
-                return
-            request = pb.LeaseRequest(
-                namespace=lease.namespace,
-                lease_id=lease.lease_id,
-                epoch=lease.epoch,
-                commit_count=early.pages,
-            )
-            local.send("Commit", request)
-            early.sent = True
+            for event, pages in early.parts:
+                if event is not None:  # None: written already (a CPU cache)
+                    event.synchronize()
+                local = self._conn.local
+                if local is None or lease.epoch != self.epoch:
+                    return
+                request = pb.LeaseRequest(
+                    namespace=lease.namespace, lease_id=lease.lease_id, epoch=lease.epoch, commit_count=pages
+                )
+                local.send("Commit", request)
+                early.sent += pages
         except Exception:
-            log.debug("store lease %d: the early Commit failed", lease.lease_id, exc_info=True)
+            log.debug("store lease %d: an early Commit failed", lease.lease_id, exc_info=True)
 
-    def _commit(self, lease: pb.LeaseRequest, early: _EarlyCommit | None = None) -> int:
+    def _commit(self, lease: pb.LeaseRequest, early: _EarlyCommits | None = None) -> int:
         """Commits a store lease whose pages are written (the rest of it, after an early Commit of
         its first pages); 0 where nothing could be stored (the daemon restarted, stopped, or the
         lease expired), with a warning."""
@@ -205,8 +214,8 @@ class StorePath(Session):
             return 0
         try:
             committed: int = self._conn.rpc("Commit", lease).committed
-            if early is not None and early.sent:
-                committed += early.pages  # the lease still held them: the early Commit took them
+            if early is not None:
+                committed += early.sent  # the lease still held them: the early Commits took them
         except KVStoreError as exc:
             if is_outage(exc):
                 self._conn.lost(exc)
@@ -274,10 +283,10 @@ class _GatherAhead:
         self.prepared.run(chunks, offsets)
 
 
-class _EarlyCommit:
-    """A store's gather issued in two parts: `head`, the event after its first `pages` pages;
-    `sent` once the early Commit of those went out."""
+class _EarlyCommits:
+    """A store's gather issued in parts: `parts`, the event after each part but the last and its
+    pages; `sent`, the pages whose early Commits went out."""
 
-    def __init__(self, head: Any, pages: int) -> None:
-        self.head, self.pages = head, pages
-        self.sent = False
+    def __init__(self) -> None:
+        self.parts: list[tuple[Any, int]] = []
+        self.sent = 0

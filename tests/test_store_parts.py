@@ -49,21 +49,31 @@ def test_the_daemon_announces_commits_in_parts(daemon: Daemon) -> None:
         assert client.commits_in_parts is True
 
 
-@pytest.mark.parametrize("tail_pages", [1, 3])
-def test_a_store_commits_its_first_pages_early(
-    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, tail_pages: int
+def commit_in_parts(monkeypatch: pytest.MonkeyPatch, client: KVStoreClient, part: int, tail: int) -> None:
+    monkeypatch.setattr(stores, "EARLY_COMMIT_PART_BYTES", part * client.page_bytes)
+    monkeypatch.setattr(stores, "EARLY_COMMIT_TAIL_BYTES", tail * client.page_bytes)
+
+
+@pytest.mark.parametrize(
+    ("part", "tail", "early"),
+    [(5, 3, [5]), (2, 1, [2, 2, 2]), (1, 1, [1] * 7), (3, 2, [3, 3]), (8, 1, [])],
+    ids=["5+3", "2+2+2+2", "1x8", "3+3+2", "one-commit"],
+)
+def test_a_store_commits_its_pages_in_parts_as_they_are_written(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, part: int, tail: int, early: list[int]
 ) -> None:
-    """Eight new pages: the first 8 - tail_pages are committed by a Commit sent without waiting,
-    the rest by the final one; the store counts all eight and another client loads them all."""
+    """Eight new pages in parts of `part` pages, the last at least `tail`: each part but the last
+    is committed by a Commit sent without waiting, the last by the final one; the store counts
+    all eight and another client loads them all."""
     spec = make_spec()
     tokens = tokens_of(8 * 256, seed=11)
     blocks = torch.randperm(400, generator=torch.Generator().manual_seed(12))[: len(tokens) // BLOCK]
     source = random_cache(spec, 400, seed=13)
     with KVStoreClient.connect(daemon.address, spec) as client:
-        monkeypatch.setattr(stores, "EARLY_COMMIT_TAIL_BYTES", tail_pages * client.page_bytes)
+        commit_in_parts(monkeypatch, client, part, tail)
         sent = sent_commits(client, monkeypatch)
         assert client.store(tokens, source, blocks) == 8
-        assert [request.commit_count for request in sent] == [8 - tail_pages]
+        assert [request.commit_count for request in sent] == early
         assert client.store(tokens, source, blocks) == 0
     assert load_back(daemon, spec, tokens, source, blocks) == 8 * 256
 
@@ -77,7 +87,7 @@ def test_early_commit_with_pages_already_stored(daemon: Daemon, monkeypatch: pyt
     source = random_cache(spec, 400, seed=23)
     with KVStoreClient.connect(daemon.address, spec) as client:
         assert client.store(tokens[: 3 * 256], source, blocks[: 3 * 16]) == 3
-        monkeypatch.setattr(stores, "EARLY_COMMIT_TAIL_BYTES", 2 * client.page_bytes)
+        commit_in_parts(monkeypatch, client, 3, 2)
         sent = sent_commits(client, monkeypatch)
         assert client.store(tokens, source, blocks) == 5
         assert [request.commit_count for request in sent] == [3]
@@ -96,7 +106,7 @@ def test_no_early_commit_where_the_daemon_does_not_commit_in_parts(
     source = random_cache(spec, 400, seed=33)
     with KVStoreClient.connect(daemon.address, spec) as client:
         client.commits_in_parts = False
-        monkeypatch.setattr(stores, "EARLY_COMMIT_TAIL_BYTES", 1)
+        commit_in_parts(monkeypatch, client, 1, 1)
         sent = sent_commits(client, monkeypatch)
         assert client.store(tokens, source, blocks) == 4
         assert sent == []
