@@ -110,7 +110,7 @@ def test_prepared_staged_survives_the_ring_growing_in_between(monkeypatch: pytes
     small = staged_options(spec, 1)
     buffer = buffer_of("staged", torch.full((size,), 0xA5, dtype=torch.uint8))
     prepared = kvstore_kernels.prepare(spec, caches, table, CHUNKS, buffer, to_page=True, options=small)
-    device = torch.device(device_of("staged"))
+    device = caches[0].device  # the ring's key: the cache's device as the plan names it (cuda:0)
     before = staged.ring_for(device, True).memory
     other = buffer_of("staged", torch.zeros(size, dtype=torch.uint8))
     larger = staged_options(spec, 8)  # a slot of a whole page and more: the ring is replaced
