@@ -1,0 +1,223 @@
+"""Prefill to decode on one host, today: the hand-over through the arena against a peer copy.
+
+Issue 32's first step ("measure first"): how the host's GPUs are linked, and what handing a
+prompt's KV from a producer on one GPU to a consumer on another costs through the CPU arena.
+
+- Link: `nvidia-smi topo -m`, peer access between every pair (`torch.cuda.can_device_access_peer`),
+  and the rate of one device-to-device copy of the prompt's bytes each way
+  (`dst.copy_(src)` across devices: cudaMemcpyPeerAsync, over NVLink where there is one).
+- Hand-over through the arena: a producer client with the KV cache on GPU `--producer` stores a
+  prompt's pages (Llama-3.1-8B geometry: 128 KiB per token, flash_attn, blocks of 16), then a
+  consumer client with its cache on GPU `--consumer` loads them: timed from the producer's call
+  to the consumer's last byte (both synchronised), the namespace cleared before each round. Both
+  clients live in one process (one arena mapping, as two workers on the host would have one
+  each); two processes add the signal between them (tens of microseconds), not measured here.
+- Baselines in the same run: the peer copy of the same bytes, and pinned memcpy device-to-host on
+  the producer's GPU plus host-to-device on the consumer's (what the arena path moves at best).
+- Every round's loaded bytes are compared with the producer's (column `ok`).
+
+    python bench/handover.py                      # 8k and 32k tokens, GPUs 0 -> 1
+    python bench/handover.py --tokens 8192 --reps 5
+    python bench/handover.py --dry-run            # CPU tensors, 512 tokens: that it runs and compares
+
+Writes bench/results/handover.json (`--name`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table, running_daemon, write_results  # noqa: E402
+from bench.transfer_cases import daemon_config, make_spec, wait_reserved  # noqa: E402
+from kvstore_client import KVStoreClient  # noqa: E402
+
+
+def sync(*devices: torch.device) -> None:
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def cache_on(spec: Any, tokens: int, device: torch.device, seed: int | None) -> list[torch.Tensor]:
+    """A flash_attn cache of `tokens` on `device`: random bytes (seed), or the poison 0xA5 (None)."""
+    shape = (2, tokens // spec.block_size, spec.block_size, spec.num_kv_heads, spec.head_dim * 2)
+    if seed is None:
+        return [
+            torch.full(shape, 0xA5, dtype=torch.uint8, device=device).view(torch.bfloat16)
+            for _ in range(spec.num_layers)
+        ]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [
+        torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=gen).view(torch.bfloat16)
+        for _ in range(spec.num_layers)
+    ]
+
+
+def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(
+        torch.equal(x.view(torch.uint8).cpu(), y.view(torch.uint8).cpu()) for x, y in zip(a, b, strict=True)
+    )
+
+
+def timed(run: Any, devices: tuple[torch.device, ...], reps: int, before: Any = None) -> list[float]:
+    """Wall ms of `run` (synchronised), `reps` times after one untimed call; `before` untimed first."""
+    walls = []
+    for attempt in range(reps + 1):
+        if before is not None:
+            before()
+        sync(*devices)
+        start = time.perf_counter()
+        run()
+        sync(*devices)
+        if attempt:
+            walls.append((time.perf_counter() - start) * 1e3)
+    return walls
+
+
+def link(producer: torch.device, consumer: torch.device) -> dict[str, Any]:
+    """How the GPUs are linked: nvidia-smi's matrix and peer access between every pair."""
+    found: dict[str, Any] = {"devices": torch.cuda.device_count() if producer.type == "cuda" else 0}
+    try:
+        found["topo"] = subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        found["topo"] = f"nvidia-smi topo -m: {exc}"
+    count = found["devices"]
+    found["peer_access"] = {
+        f"{a}->{b}": torch.cuda.can_device_access_peer(a, b)
+        for a in range(count)
+        for b in range(count)
+        if a != b
+    }
+    if count:
+        found["names"] = [torch.cuda.get_device_name(i) for i in range(count)]
+    return found
+
+
+def run_tokens(tokens: int, producer: torch.device, consumer: torch.device, reps: int) -> dict[str, Any]:
+    spec = make_spec("flash_attn")
+    page_bytes = spec.page.page_bytes
+    chunks = tokens // spec.chunk_tokens
+    moved = chunks * page_bytes
+    source = cache_on(spec, tokens, producer, seed=1)
+    target = cache_on(spec, tokens, consumer, seed=None)
+    table = list(range(tokens // spec.block_size))
+    devices = (producer, consumer)
+    row: dict[str, Any] = {"tokens": tokens, "bytes": moved}
+    flat_p = torch.randint(0, 256, (moved,), dtype=torch.uint8, device=producer)
+    flat_c = torch.empty(moved, dtype=torch.uint8, device=consumer)
+    walls: dict[str, list[float]] = {}
+    if producer.type == "cuda":
+        walls["peer copy producer->consumer"] = timed(
+            lambda: flat_c.copy_(flat_p, non_blocking=True), devices, reps
+        )
+        walls["peer copy consumer->producer"] = timed(
+            lambda: flat_p.copy_(flat_c, non_blocking=True), devices, reps
+        )
+        host = torch.empty(moved, dtype=torch.uint8, pin_memory=True)  # cudaHostAlloc: every device's
+
+        def through_host() -> None:
+            host.copy_(flat_p, non_blocking=True)
+            torch.cuda.synchronize(producer)
+            flat_c.copy_(host, non_blocking=True)
+
+        walls["memcpy d2h + h2d"] = timed(through_host, devices, reps)
+    with (
+        running_daemon(daemon_config(page_bytes, 2 * chunks)) as daemon,
+        torch.cuda.device(producer) if producer.type == "cuda" else _nothing(),
+        KVStoreClient.connect(daemon.address, spec) as producing,
+    ):
+        with torch.cuda.device(consumer) if consumer.type == "cuda" else _nothing():
+            consuming = KVStoreClient.connect(daemon.address, spec)
+        try:
+            wait_reserved(producing)
+            source_r = producing.register_kv_caches(source)
+            target_r = consuming.register_kv_caches(target)
+            keys = producing.keys(list(range(tokens)))
+            results: list[tuple[int, int]] = []
+
+            def hand_over() -> None:
+                stored = producing.store(None, source_r, table, keys=keys)
+                loaded = consuming.load(None, target_r, table, keys=keys)
+                results.append((stored, loaded))
+
+            def poison() -> None:
+                producing.clear()
+                for layer in target:
+                    layer.view(torch.uint8).fill_(0xA5)
+
+            walls["hand-over through the arena"] = timed(hand_over, devices, reps, before=poison)
+            row["ok"] = all(r == (chunks, tokens) for r in results) and same_bytes(target, source)
+        finally:
+            consuming.close()
+    row["ms"] = {name: statistics.median(values) for name, values in walls.items()}
+    row["walls_ms"] = walls
+    peer = row["ms"].get("peer copy producer->consumer")
+    if peer:
+        row["handover_x_peer_copy"] = peer / row["ms"]["hand-over through the arena"]
+        row["handover_x_host_copies"] = (
+            row["ms"]["memcpy d2h + h2d"] / row["ms"]["hand-over through the arena"]
+        )
+    return row
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", nargs="+", type=int, default=[8192, 32768])
+    parser.add_argument("--producer", type=int, default=0)
+    parser.add_argument("--consumer", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--name", default="handover")
+    parser.add_argument("--dry-run", action="store_true", help="CPU tensors, 512 tokens, 2 rounds")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        producer = consumer = torch.device("cpu")
+        args.tokens, args.reps, args.name = [512], 2, "handover-dry-run"
+    else:
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("bench/handover.py needs two CUDA GPUs (--dry-run runs it on CPU)")
+        producer, consumer = torch.device("cuda", args.producer), torch.device("cuda", args.consumer)
+    found = link(producer, consumer) if producer.type == "cuda" else {"devices": 0}
+    rows = [run_tokens(tokens, producer, consumer, args.reps) for tokens in args.tokens]
+    path = write_results(args.name, {"config": vars(args), "link": found, "rows": rows})
+    if found.get("topo"):
+        print(found["topo"])
+    print("peer access:", found.get("peer_access"))
+    table = []
+    for row in rows:
+        for name, ms in row["ms"].items():
+            mib, gbps = round(row["bytes"] / 2**20, 1), round(row["bytes"] / ms / 1e6, 2)
+            table.append([row["tokens"], name, mib, round(ms, 3), gbps, "PASS" if row.get("ok") else "FAIL"])
+    print_table(["tokens", "path", "MiB", "ms", "GB/s", "ok"], table)
+    for row in rows:
+        if "handover_x_peer_copy" in row:
+            print(
+                f"{row['tokens']} tokens: the arena hand-over at {row['handover_x_peer_copy']:.3f}x the peer "
+                f"copy and {row['handover_x_host_copies']:.3f}x the two host copies"
+            )
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
