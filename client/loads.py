@@ -31,6 +31,7 @@ class _LoadTargets:
 
     block_ids: Any
     stream: Any
+    layerwise: bool = False  # moved in runs of layers: no scatter of every layer is prepared
     prepared: kvstore_kernels.Prepared | None = None  # the arena's scatter of every chunk, set up
 
     def ready(self, client: Session, kv_caches: Any, chunks: int, layers: range) -> None:
@@ -44,25 +45,34 @@ class _LoadTargets:
             if self.stream is None and device.type == "cuda":
                 self.stream = client._streams.ordered_side(device)
             table = self.block_ids
-            try:
-                self.prepared = kvstore_kernels.prepare(
-                    client.spec,
-                    kv_caches,
-                    table,
-                    range(chunks),
-                    client.arena,
-                    layers,
-                    to_page=False,
-                    stream=self.stream,
-                )
+            if not self.layerwise:
+                self.prepared = self._prepared(client, kv_caches, table, chunks, layers)
+            if self.prepared is not None:
                 self.block_ids = self.prepared.checked_blocks(table)
-            except ValueError:  # e.g. a table shorter than every chunk: check what it holds
-                self.prepared = None
+            else:  # layer-wise (runs of layers), or a table shorter than every chunk
                 self.block_ids = kvstore_kernels.check_blocks(
                     client.spec, kv_caches, table, chunks, layers, writes_cache=True
                 )
         except Exception:
             log.debug("checking the block table ahead failed; it is checked with the scatter", exc_info=True)
+
+    def _prepared(
+        self, client: Session, kv_caches: Any, table: Any, chunks: int, layers: range
+    ) -> kvstore_kernels.Prepared | None:
+        """The arena's scatter of every chunk, checked and set up; None where it cannot be."""
+        try:
+            return kvstore_kernels.prepare(
+                client.spec,
+                kv_caches,
+                table,
+                range(chunks),
+                client.arena,
+                layers,
+                to_page=False,
+                stream=self.stream,
+            )
+        except ValueError:
+            return None
 
     def arena_scatter(self, arena: Any, layers: range) -> Callable[..., None] | None:
         """The prepared scatter (with `kvstore_kernels.scatter`'s signature) where it moves these
@@ -129,7 +139,7 @@ class LoadPath(Session):
         moved = self._layer_range(layers)
         keys = self._keys_of(token_ids, keys, tail)
         asked = time.monotonic()  # the daemon's lease deadline is at least this + lease_ttl_s
-        targets = _LoadTargets(block_ids, stream)
+        targets = _LoadTargets(block_ids, stream, layerwise)
         reply = self._lookup_leased(keys, kv_caches, moved, targets) if keys else None
         if reply is None or reply.hit_chunks == 0:
             return LoadHandle(None, lambda: 0, ignore, 0, moved)

@@ -157,3 +157,33 @@ def test_a_prepared_store_and_load_of_a_table_shorter_than_the_prompt(daemon: Da
         assert all(bool((layer == -7.0).all()) for layer in target)
         assert client.stats()["counters"]["active_leases"] == 0
     assert load_back(daemon, spec, tokens, source, blocks) == 5 * 256
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_load_prepares_its_scatter_unless_layerwise(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, layerwise: bool
+) -> None:
+    """A load prepares the scatter of every chunk while its Lookup is in flight and moves the
+    pages through it; a layer-wise load (runs of layers, each its own scatter) prepares none and
+    checks its block table only. Both load the stored bytes."""
+    spec = make_spec()
+    tokens = tokens_of(4 * 256, seed=61)
+    blocks = torch.randperm(400, generator=torch.Generator().manual_seed(62))[: len(tokens) // BLOCK]
+    source = random_cache(spec, 400, seed=63)
+    prepared: list[bool] = []
+    real_prepare = kvstore_kernels.prepare
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        prepared.append(kwargs["to_page"])
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(kvstore_kernels, "prepare", counting)
+    with KVStoreClient.connect(daemon.address, spec) as client:
+        assert client.store(tokens, source, blocks) == 4
+        assert prepared == [True]
+        target = empty_cache(spec, 300)
+        target_blocks = torch.randperm(300, generator=torch.Generator().manual_seed(64))[: len(blocks)]
+        handle = client.load_async(tokens, target, target_blocks, layerwise=layerwise)
+        assert handle.wait() == 4 * 256
+        assert prepared == ([True] if layerwise else [True, False])
+        assert_blocks_equal(target, target_blocks, source, blocks)
