@@ -52,6 +52,7 @@ def layer_groups(layers: range, runs: int) -> list[range]:
 class Streams:
     def __init__(self) -> None:
         self._side: dict[torch.device, Any] = {}
+        self._ordering: dict[torch.device, int] = {}  # per device: a raw event that orders the side stream
 
     def side(self, device: torch.device) -> Any:
         """This client's side stream on `device` (made once)."""
@@ -61,9 +62,19 @@ class Streams:
         return stream
 
     def ordered_side(self, device: torch.device) -> Any:
-        """The side stream, after the work queued so far on the caller's current stream."""
+        """The side stream, after the work queued so far on the caller's current stream (one raw
+        event per device, recorded there and waited on here: a wait takes the event's latest
+        record, so one event serves every call; torch's `wait_stream` makes a new one each time)."""
         stream = self.side(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        from kvstore_kernels import cudart
+
+        runtime = cudart.runtime()
+        event = self._ordering.get(device)
+        if event is None:
+            with torch.cuda.device(device):
+                event = self._ordering[device] = runtime.event_create()
+        runtime.event_record(event, torch.cuda.current_stream(device).cuda_stream)
+        runtime.stream_wait_event(stream.cuda_stream, event)
         return stream
 
     def enqueue(

@@ -45,6 +45,8 @@ blocks) takes a shorter path (`device_scatter`: the GPU tier's loads).
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -58,7 +60,7 @@ from . import reference
 from .cache_facts import RegisteredCaches, register
 from .layouts import KVCaches
 from .routing import TransferOptions, backend_name, choose
-from .validate import CheckedBlocks, Transfer, check_blocks, plan_pages, plan_transfer
+from .validate import CheckedBlocks, Transfer, check_blocks, facts_of, plan_pages, plan_transfer, replan
 
 __all__ = [
     "gather",
@@ -192,32 +194,120 @@ def prepare(
     """A gather (`to_page`) or scatter of `chunks` checked, and set up where the staged path moves
     it, before the pages' offsets in `buffer` are known: `run(pages, offsets)` moves some of
     them. The same checks as `gather` / `scatter` (a ValueError here or in `run`); the setup's
-    small uploads are queued on `stream` (default: the current one), where `run` queues too."""
+    small uploads are queued on `stream` (default: the current one), where `run` queues too.
+
+    With `RegisteredCaches` (tensors that keep their storage, shape and strides), what does not
+    depend on the block table is kept on that object (`_Kept`) for the next call with the same
+    spec, layers, buffer and direction: that call checks its chunks and block table and uploads
+    the kernel's tables, nothing else."""
     options = options or TransferOptions()
     if not isinstance(options, TransferOptions):
         raise ValueError(f"options: expected a TransferOptions, got {type(options).__name__}")
+    writes_cache = not to_page
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        plan = plan_transfer(
-            spec, kv_caches, block_ids, chunks, buffer, None, layers, batch_index, writes_cache=not to_page
-        )
+        kept = _Kept.of(spec, kv_caches, buffer, layers, batch_index, to_page, options)
+        if kept is not None and kept.plan is not None:
+            plan = replan(kept.plan, kept.facts, block_ids, chunks, writes_cache=writes_cache)
+            plan = plan._replace(buffer=buffer)
+        else:
+            plan = plan_transfer(
+                spec,
+                kv_caches,
+                block_ids,
+                chunks,
+                buffer,
+                None,
+                layers,
+                batch_index,
+                writes_cache=writes_cache,
+            )
+            if kept is not None:
+                kept.plan, kept.facts = (
+                    plan._replace(buffer=None),
+                    facts_of(spec, kv_caches, layers, batch_index),
+                )
         if stream is not None and plan.device != stream.device:
             raise ValueError(f"stream: on {stream.device}, but the KV cache is on {plan.device}")
         staged_path = None
-        every = plan._replace(offsets=(0,) * len(plan.blocks))  # the staged path's view: no offsets
-        route = choose(spec, every, options, to_page=to_page) if plan.layers and len(plan.blocks) else None
-        if route is not None and route.engine == "staged":
-            from .staged import Staged
-
-            staged_path = Staged(
-                spec,
-                every,
-                to_page=to_page,
-                max_programs=options.max_programs,
-                staging_bytes=options.staging_bytes,
-            )
+        if plan.layers and len(plan.blocks):
+            every = plan._replace(offsets=(0,) * len(plan.blocks))  # the staged path's view: no offsets
+            staged = kept.staged if kept is not None else None
+            if staged is None:
+                staged = choose(spec, every, options, to_page=to_page).engine == "staged"
+                if kept is not None and staged:  # a buffer not pinned yet may be later: asked again
+                    kept.staged = staged
+            if staged:
+                staged_path = _staged(spec, every, to_page, options, kept)
     prepared = Prepared(spec, plan, options, to_page, stream, staged_path)
     prepared._chunks, prepared.layers = chunks, layers
     return prepared
+
+
+def _staged(
+    spec: KVSpec, every: Transfer, to_page: bool, options: TransferOptions, kept: _Kept | None
+) -> Any:
+    """The staged path's setup of `every`: made, or a kept one of as many pages renewed."""
+    from .staged import Staged
+
+    pages = len(every.blocks)
+    setup = kept.setups.get(pages) if kept is not None else None
+    if setup is not None:
+        return setup.renewed(every)
+    setup = Staged(
+        spec, every, to_page=to_page, max_programs=options.max_programs, staging_bytes=options.staging_bytes
+    )
+    if kept is not None:
+        if len(kept.setups) >= _Kept.MAX_SETUPS:
+            kept.setups.pop(next(iter(kept.setups)))
+        template = copy.copy(setup)
+        template.plan = every._replace(buffer=None)  # kept without the buffer (a weak reference decides)
+        kept.setups[pages] = template
+    return setup
+
+
+class _Kept:
+    """What a prepared transfer of `RegisteredCaches` keeps for the next one of the same spec,
+    layers, batch index, direction, options and buffer: the plan but its block ids (and the cache
+    facts it was checked with), whether the staged path moves it, and the staged setup per page
+    count. Kept on the registered caches object (it lives as long as they do), the buffer by a
+    weak reference (a kept entry never holds an arena's mapping alive, and a new buffer at the
+    same address is another buffer)."""
+
+    MAX_ENTRIES = 16  # per registered caches object
+    MAX_SETUPS = 16  # page counts per entry
+
+    def __init__(self, spec: KVSpec, buffer: torch.Tensor) -> None:
+        self.spec = spec
+        self.buffer = weakref.ref(buffer)
+        self.plan: Transfer | None = None
+        self.facts: Any = None
+        self.staged: bool | None = None
+        self.setups: dict[int, Any] = {}
+
+    @classmethod
+    def of(
+        cls,
+        spec: KVSpec,
+        kv_caches: KVCaches,
+        buffer: Any,
+        layers: range | None,
+        batch_index: int,
+        to_page: bool,
+        options: TransferOptions,
+    ) -> _Kept | None:
+        if type(kv_caches) is not RegisteredCaches or not isinstance(buffer, torch.Tensor):
+            return None
+        if layers is not None and type(layers) is not range:
+            return None
+        entries: dict[tuple[Any, ...], _Kept] = kv_caches.__dict__.setdefault("_prepared", {})
+        key = (id(spec), layers, batch_index, to_page, options, id(buffer))
+        entry = entries.get(key)
+        if entry is not None and entry.spec is spec and entry.buffer() is buffer:
+            return entry
+        if len(entries) >= cls.MAX_ENTRIES:
+            entries.clear()
+        entry = entries[key] = cls(spec, buffer)
+        return entry
 
 
 class Prepared:

@@ -36,6 +36,7 @@ With CPU tensors (tests) the kernel runs in Triton's interpreter and the copies 
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -297,6 +298,19 @@ class Staged:
         staged_plan, geometry = _staged_geometry(self.spec, plan, ring)
         self.kernel = triton_copy.Launch(self.spec, staged_plan, geometry, to_page=self.to_page, staged=True)
         self.segments_per_layer = len(plan.view_facts[0]) * geometry.blocks_per_chunk
+
+    def renewed(self, plan: Transfer) -> Staged:
+        """This setup for `plan`: the same cache, layers, buffer and page count with other block
+        ids (`validate.replan`). Only the kernel's tables are made and uploaded again, on the
+        current stream; the ring, the kernel's view and its shape are this one's."""
+        other = copy.copy(self)
+        other.plan = plan
+        with self.ring.lock, torch.cuda.device(plan.device) if self.cuda else nullcontext():
+            if self.ring.memory is not self.memory:  # another transfer grew the ring since
+                other._set_up()
+            else:
+                other.kernel = self.kernel.with_blocks(plan.blocks)
+        return other
 
     def issue(
         self,

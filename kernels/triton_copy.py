@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from collections.abc import Sequence
@@ -138,21 +139,36 @@ class Launch:
     ) -> None:
         shape = shape_of(spec, plan, geometry, to_page, tuning, staged)
         self.segments_per_step = shape.segments
-        host_blocks = plan.blocks if isinstance(plan.blocks, np.ndarray) else None
-        values, starts = geometry.table_values(host_blocks)
-        self.tables = staging.to_device(values, plan.device)
-        blocks = self.tables[starts[0] :] if isinstance(plan.blocks, np.ndarray) else plan.blocks
-        self._args = (self.tables, blocks, *starts[1:])
         self._kwargs = shape.kwargs
         self._constants = shape.constants
+        self._shape, self._geometry, self._device = shape, geometry, plan.device
         self._key: tuple[Any, ...] | None = None
         self._kernels: dict[tuple[str, ...], Any] = {}  # int kinds -> compiled kernel, for this launch
+        self._set_tables(plan.blocks)
+
+    def _set_tables(self, plan_blocks: np.ndarray | torch.Tensor) -> None:
+        """The tables on the device (one upload, on the current stream) and what a launch passes."""
+        host_blocks = plan_blocks if isinstance(plan_blocks, np.ndarray) else None
+        values, starts = self._geometry.table_values(host_blocks)
+        self.tables = staging.to_device(values, self._device)
+        blocks = self.tables[starts[0] :] if host_blocks is not None else plan_blocks
+        self._args = (self.tables, blocks, *starts[1:])
         self._pointers: tuple[int, ...] = ()
-        if plan.device.type == "cuda":
+        if self._device.type == "cuda":
             pointers = (self.tables.data_ptr(), blocks.data_ptr())
             self._pointers = (*pointers, *starts[1:])
-            device = plan.device.index if plan.device.index is not None else torch.cuda.current_device()
-            self._key = specialisation(device, pointers, starts[1:], shape)
+            index = self._device.index
+            device = index if index is not None else torch.cuda.current_device()
+            key = specialisation(device, pointers, starts[1:], self._shape)
+            if key != self._key:  # the compiled kernels found so far were for other alignments
+                self._key, self._kernels = key, {}
+
+    def with_blocks(self, plan_blocks: np.ndarray | torch.Tensor) -> Launch:
+        """This launch for other block ids of the same pages' count (a transfer of the same cache,
+        layers and geometry): only the tables are made and uploaded again."""
+        other = copy.copy(self)
+        other._set_tables(plan_blocks)
+        return other
 
     def run(
         self, first: int, end: int, max_programs: int, stage_base: int = 0, stream: int | None = None

@@ -138,19 +138,7 @@ def plan_transfer(
             "give one page offset per chunk"
         )
     _check_buffer(buffer, facts.device, offset_array, page.page_bytes, overlap_ok=writes_cache)
-    blocks: np.ndarray | torch.Tensor | None = _checked_already(
-        block_ids, chunk_array, facts.num_blocks, writes_cache
-    )
-    if blocks is None:
-        if isinstance(block_ids, CheckedBlocks):
-            block_ids = block_ids.table
-        blocks = _block_table(
-            spec, page, block_ids, chunk_array, facts.num_blocks, facts.smallest_layer, facts.device
-        )
-        if writes_cache:
-            _check_unique(blocks)
-        if facts.write_error is not None:
-            raise ValueError(facts.write_error)
+    blocks = _blocks_of(spec, facts, block_ids, chunk_array, writes_cache)
     return Transfer(
         page=page,
         layers=tuple(moved),
@@ -165,6 +153,43 @@ def plan_transfer(
         kv_caches=kv_caches,
         batch_index=batch_index,
     )
+
+
+def facts_of(spec: KVSpec, kv_caches: KVCaches, layers: range | None, batch_index: int) -> CacheFacts:
+    """The checked facts of the cache tensors a transfer of `layers` moves (as `plan_transfer`
+    takes them): remembered, so cheap for tensors seen before and for `RegisteredCaches`."""
+    return _moved_facts(spec, kv_caches, layers, batch_index)[1]
+
+
+def replan(
+    plan: Transfer, facts: CacheFacts, block_ids: Any, chunks: Sequence[int], *, writes_cache: bool
+) -> Transfer:
+    """`plan` (of the same cache, layers and buffer, offsets not known yet) for `chunks` of
+    `block_ids`: the checks `plan_transfer` makes of a call's chunks and block table, the rest
+    taken from `plan` (`facts`: the cache facts it was made with)."""
+    chunk_array = _int_array("chunks", chunks)
+    blocks = _blocks_of(plan.spec, facts, block_ids, chunk_array, writes_cache)
+    return plan._replace(blocks=blocks, offsets=())
+
+
+def _blocks_of(
+    spec: KVSpec, facts: CacheFacts, block_ids: Any, chunk_array: np.ndarray, writes_cache: bool
+) -> np.ndarray | torch.Tensor:
+    """The checked block ids of `chunk_array`'s chunks, [chunks, blocks per chunk]."""
+    blocks: np.ndarray | torch.Tensor | None = _checked_already(
+        block_ids, chunk_array, facts.num_blocks, writes_cache
+    )
+    if blocks is None:
+        if isinstance(block_ids, CheckedBlocks):
+            block_ids = block_ids.table
+        blocks = _block_table(
+            spec, spec.page, block_ids, chunk_array, facts.num_blocks, facts.smallest_layer, facts.device
+        )
+        if writes_cache:
+            _check_unique(blocks)
+        if facts.write_error is not None:
+            raise ValueError(facts.write_error)
+    return blocks
 
 
 def plan_pages(

@@ -192,3 +192,77 @@ def test_prepared_scatter_hands_its_checked_blocks_on() -> None:
         .unique
         is False
     )
+
+
+@pytest.mark.parametrize("impl", ["staged", "torch"])
+def test_prepared_registered_caches_keep_their_setup_for_the_next_table(impl: str) -> None:
+    """With registered caches the second and later prepares of the same shape reuse what does not
+    depend on the block table (the staged setup renewed with the new block ids): a gather of
+    another table and another page count, then a scatter, every byte against the oracle."""
+    spec = make_spec("flash_attn", "bfloat16", num_layers=3)
+    _, caches = build(spec, device_of(impl))
+    registered = kvstore_kernels.register(spec, caches)
+    options = options_for(impl, spec)
+    size = 6 * spec.page.page_bytes
+    buffer = buffer_of(impl, torch.full((size,), 0xA5, dtype=torch.uint8))  # one buffer, as an arena
+    for seed, chunks in ((1, [3, 0, 2, 1]), (2, [1, 2, 0, 3]), (3, [2, 0, 1]), (4, [0, 3, 1, 2])):
+        table = block_table(12, 4 * spec.blocks_per_chunk, seed=seed)
+        offsets = [(5 - j) * spec.page.page_bytes for j in range(len(chunks))]
+        expected = expected_buffer(spec, caches, table, chunks, offsets, size)
+        buffer.fill_(0xA5)
+        prepared = kvstore_kernels.prepare(
+            spec, registered, table, chunks, buffer, to_page=True, options=options
+        )
+        prepared.run(range(len(chunks)), offsets)
+        settle(impl)
+        want = torch.where(expected < 0, 0xA5, expected).to(torch.uint8)
+        assert torch.equal(buffer.cpu(), want), f"table {seed}"
+    kept = registered.__dict__["_prepared"]
+    assert len(kept) == 1  # one spec, layers, direction, options and buffer
+    entry = next(iter(kept.values()))
+    assert entry.plan is not None and entry.plan.buffer is None  # the kept plan holds no buffer
+    if impl == "staged":
+        assert sorted(entry.setups) == [3, 4]  # a setup per page count
+
+
+def test_prepared_kept_entries_hold_no_buffer_alive() -> None:
+    """The kept entry refers to its buffer weakly: a buffer dropped is gone, and a new buffer
+    (even at the same address) gets an entry of its own."""
+    import gc
+    import weakref
+
+    spec = make_spec("mla", "bfloat16", num_layers=2)
+    _, caches = build(spec, "cpu")
+    registered = kvstore_kernels.register(spec, caches)
+    table = block_table(12, 4 * spec.blocks_per_chunk)
+    options = kvstore_kernels.TransferOptions(engine="torch")
+    buffer = torch.zeros(4 * spec.page.page_bytes, dtype=torch.uint8)
+    kvstore_kernels.prepare(spec, registered, table, [0, 1], buffer, to_page=True, options=options)
+    alive = weakref.ref(buffer)
+    del buffer
+    gc.collect()
+    assert alive() is None
+    other = torch.zeros(4 * spec.page.page_bytes, dtype=torch.uint8)
+    prepared = kvstore_kernels.prepare(spec, registered, table, [0, 1], other, to_page=True, options=options)
+    prepared.run([0, 1], [0, spec.page.page_bytes])
+    expected = expected_buffer(spec, caches, table, [0, 1], [0, spec.page.page_bytes], other.numel())
+    assert torch.equal(other, torch.where(expected < 0, 0, expected).to(torch.uint8))
+
+
+def test_prepared_registered_caches_check_every_table() -> None:
+    """A kept setup does not keep a table's checks: a later table with a block outside the cache
+    is refused by name, as the first call's would be."""
+    spec = make_spec("flash_attn", "bfloat16", num_layers=2)
+    _, caches = build(spec, "cpu", num_blocks=12)
+    registered = kvstore_kernels.register(spec, caches)
+    buffer = torch.zeros(4 * spec.page.page_bytes, dtype=torch.uint8)
+    table = block_table(12, 4 * spec.blocks_per_chunk)
+    kvstore_kernels.prepare(spec, registered, table, [0, 1], buffer, to_page=True)
+    bad = table.clone()
+    bad[spec.blocks_per_chunk] = 40
+    with pytest.raises(ValueError, match=r"block_ids\[2\]: block 40 .* is outside 0..11"):
+        kvstore_kernels.prepare(spec, registered, bad, [0, 1], buffer, to_page=True)
+    with pytest.raises(ValueError, match="a block id that appears twice|appears twice"):
+        twice = table.clone()
+        twice[0] = twice[1]
+        kvstore_kernels.prepare(spec, registered, twice, [0, 1], buffer, to_page=False)
