@@ -86,7 +86,14 @@ def main() -> None:
     parser.add_argument("report_file", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts", type=int, default=40)
+    parser.add_argument(
+        "--commit-parts", action="store_true", help="stores commit page by page as each is written"
+    )
     args = parser.parse_args()
+    if args.commit_parts:  # parts of one page, the last part one page: every early Commit is taken
+        from kvstore_client import stores
+
+        stores.EARLY_COMMIT_PART_BYTES = stores.EARLY_COMMIT_TAIL_BYTES = 1
     rng = random.Random(args.seed)
     caches = {i: cache_for(i) for i in range(args.prompts)}
     counts = {"ops": 0, "loads": 0, "hit_tokens": 0, "stored": 0}

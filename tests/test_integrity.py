@@ -64,14 +64,14 @@ def load_checked(client: KVStoreClient, i: int) -> int:
 class Workers:
     """Client processes running tests/integrity_worker.py against one address."""
 
-    def __init__(self, tmp_path: Path, address: str, count: int) -> None:
+    def __init__(self, tmp_path: Path, address: str, count: int, *extra: str) -> None:
         self.stop_file = tmp_path / "stop"
         self.reports = [tmp_path / f"worker-{n}.json" for n in range(count)]
         self.processes = [
             subprocess.Popen(
                 [
                     sys.executable, "-m", "tests.integrity_worker",
-                    address, str(self.stop_file), str(report), "--seed", str(n),
+                    address, str(self.stop_file), str(report), "--seed", str(n), *extra,
                 ],
                 env=python_env(),
                 stdout=subprocess.PIPE,
@@ -115,14 +115,20 @@ def restartable(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
             assert daemon.stop() == 0, daemon.log()
 
 
-@pytest.mark.parametrize("local_channel", [True, False], ids=["local-channel", "grpc-only"])
+@pytest.mark.parametrize(
+    ("local_channel", "parts"),
+    [(True, False), (False, False), (True, True)],
+    ids=["local-channel", "grpc-only", "local-channel-commits-in-parts"],
+)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_workers_see_no_error_and_no_wrong_byte_through_five_restarts(
-    tmp_path: Path, restartable: Callable[..., Daemon], sig: int, local_channel: bool
+    tmp_path: Path, restartable: Callable[..., Daemon], sig: int, local_channel: bool, parts: bool
 ) -> None:
+    """`parts`: every store commits page by page as each is written (a restart lands between
+    a store's Commits too)."""
     config = {**SMALL, "server__local_channel": local_channel}
     daemon = restartable(**config)
-    workers = Workers(tmp_path, daemon.address, WORKERS)
+    workers = Workers(tmp_path, daemon.address, WORKERS, *(["--commit-parts"] if parts else []))
     serving_since: list[float] = []
     try:
         time.sleep(1.0)
