@@ -80,20 +80,7 @@ class _LoadTargets:
         prepared = self.prepared
         if prepared is None or prepared.plan.buffer is not arena or prepared.layers != layers:
             return None
-
-        def run(
-            spec: Any,
-            kv_caches: Any,
-            block_ids: Any,
-            chunks: Sequence[int],
-            buffer: Any,
-            offsets: Sequence[int],
-            layers: range | None,
-            stream: Any = None,
-        ) -> None:
-            prepared.run(chunks, offsets)  # the load's chunk i is its prepared page i
-
-        return run
+        return prepared.transfer  # the load's chunk i is its prepared page i
 
 
 class LoadPath(Session):

@@ -127,8 +127,9 @@ class StorePath(Session):
             offsets = [reply.offsets[i] for i in chunks]
             options = self._mapped.transfer_options(offsets)  # None: their slabs are registered
             enqueue = functools.partial(self._streams.enqueue, kvstore_kernels.gather)
-            if options is None and ahead.prepared_for(self.arena):
-                enqueue = functools.partial(self._streams.enqueue, ahead.run)
+            prepared = ahead.prepared_in(self.arena) if options is None else None
+            if prepared is not None:  # the store's chunk i is its prepared page i
+                enqueue = functools.partial(self._streams.enqueue, prepared.transfer)
                 parts = self._early_parts(len(chunks))
                 if parts:  # each part's pages are committed once they are written
                     early, start = _EarlyCommits(), 0
@@ -261,26 +262,11 @@ class _GatherAhead:
             self.prepared = None
             log.debug("preparing the gather ahead failed; it is checked after the reply", exc_info=True)
 
-    def prepared_for(self, arena: Any) -> bool:
-        """Whether the gather was prepared into this arena (not the mapping of a daemon that
-        restarted while the Reserve was answered)."""
-        return self.prepared is not None and self.prepared.plan.buffer is arena
-
-    def run(
-        self,
-        spec: Any,
-        kv_caches: Any,
-        block_ids: Any,
-        chunks: Sequence[int],
-        buffer: Any,
-        offsets: Sequence[int],
-        layers: range | None,
-        stream: Any = None,
-    ) -> None:
-        """`kvstore_kernels.gather`'s signature (`Streams.enqueue` calls it so), through the
-        prepared transfer: the store's chunk i is its prepared page i."""
-        assert self.prepared is not None
-        self.prepared.run(chunks, offsets)
+    def prepared_in(self, arena: Any) -> kvstore_kernels.Prepared | None:
+        """The gather prepared into this arena (None: none, or one into the mapping of a daemon
+        that restarted while the Reserve was answered)."""
+        prepared = self.prepared
+        return prepared if prepared is not None and prepared.plan.buffer is arena else None
 
 
 class _EarlyCommits:

@@ -343,6 +343,22 @@ class Prepared:
             return block_ids
         return CheckedBlocks(block_ids, plan.blocks, plan.num_blocks, not self.to_page)
 
+    def transfer(
+        self,
+        spec: KVSpec,
+        kv_caches: KVCaches,
+        block_ids: Any,
+        chunks: Sequence[int],
+        buffer: torch.Tensor,
+        offsets: Sequence[int],
+        layers: range | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """`run` with `gather`'s (or `scatter`'s) signature, for callers that take either: moves
+        prepared chunks `chunks` at `offsets`; the other arguments are the ones `prepare` took."""
+        self.run(chunks, offsets)
+
     def run(self, pages: Sequence[int], offsets: Sequence[int]) -> None:
         """Moves prepared chunks `pages` (indices among the chunks `prepare` took) between the KV
         cache and the pages at `offsets` in the buffer: one offset per page, checked here."""
