@@ -35,6 +35,7 @@ from google.protobuf.message import DecodeError
 from kvstore.channel import LocalChannel, Refused
 from kvstore.errors import (
     DAEMON_STOPPING,
+    Code,
     DeadlineExceeded,
     KVStoreError,
     NotFound,
@@ -68,7 +69,7 @@ def is_outage(exc: KVStoreError) -> bool:
         return True
     if isinstance(exc, NotFound):
         return _NOT_REGISTERED in str(exc)
-    return getattr(exc, "code", None) is grpc.StatusCode.CANCELLED
+    return getattr(exc, "code", None) == Code.CANCELLED
 
 
 TLS_ENV = ("KVSTORE_TLS_CA_FILE", "KVSTORE_TLS_CERT_FILE", "KVSTORE_TLS_KEY_FILE")

@@ -146,8 +146,6 @@ class Admin:
             self._channel.close()
 
     def call(self, method: str, request: Any) -> Any:
-        import grpc
-
         from kvstore.channel import Refused
         from kvstore.errors import KVStoreError, ResourceExhausted, from_rpc_error
 
@@ -163,6 +161,8 @@ class Admin:
                     raise
                 self.local.close()
                 self.local, refusal = None, exc
+        import grpc  # gRPC only here: a call the local channel answers never loads it
+
         try:
             return getattr(self.stub, method)(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:

@@ -2,12 +2,38 @@
 
 Messages are written for the person reading them: what was wrong, and what to do.
 Clients get the same classes back (`from_rpc_error`), so a worker can catch
-`ResourceExhausted` or `ValueError` without knowing gRPC.
+`ResourceExhausted` or `ValueError` without knowing gRPC. Status codes are `Code`, gRPC's
+numbers: this module does not import grpc, so a caller on the local channel alone (`kvctl
+stats`) never loads it.
 """
 
 from __future__ import annotations
 
-import grpc
+from enum import IntEnum
+from typing import Any
+
+
+class Code(IntEnum):
+    """gRPC's status codes, by the numbers every gRPC implementation uses (`grpc.StatusCode`'s
+    `value[0]`)."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 class KVStoreError(Exception):
@@ -59,43 +85,50 @@ class StaleEpoch(KVStoreError):
     done; the client maps the current arena and connects again."""
 
 
-STATUS_CODES: dict[type[KVStoreError], grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
-    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
-    StaleEpoch: grpc.StatusCode.ABORTED,
+STATUS_CODES: dict[type[KVStoreError], Code] = {
+    InvalidArgument: Code.INVALID_ARGUMENT,
+    NotFound: Code.NOT_FOUND,
+    FailedPrecondition: Code.FAILED_PRECONDITION,
+    ResourceExhausted: Code.RESOURCE_EXHAUSTED,
+    Unauthenticated: Code.UNAUTHENTICATED,
+    PermissionDenied: Code.PERMISSION_DENIED,
+    Unavailable: Code.UNAVAILABLE,
+    DeadlineExceeded: Code.DEADLINE_EXCEEDED,
+    StaleEpoch: Code.ABORTED,
 }
 _ERRORS = {code: cls for cls, code in STATUS_CODES.items()}
 
 
-_CODES_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def status_of(exc: Exception) -> tuple[grpc.StatusCode, str] | None:
+def status_of(exc: Exception) -> tuple[Code, str] | None:
     """The status a handler's error maps to; None for an unexpected (internal) error."""
     if type(exc) is ValueError:  # validation in shared modules (keys, spec) raises ValueError
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        return Code.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, KVStoreError):
         code = next((STATUS_CODES[cls] for cls in type(exc).__mro__ if cls in STATUS_CODES), None)
-        return code or grpc.StatusCode.UNKNOWN, str(exc)
+        return code or Code.UNKNOWN, str(exc)
     return None
 
 
-def error_for(code: grpc.StatusCode | int, method: str, details: str) -> KVStoreError:
-    """The KVStoreError a failed call stands for, its message prefixed with the RPC's name."""
-    if isinstance(code, int):
-        code = _CODES_BY_VALUE.get(code, grpc.StatusCode.UNKNOWN)
-    error = _ERRORS.get(code, KVStoreError)(f"{method}: {details} ({code.name})")
-    error.code = code  # type: ignore[attr-defined]
+def code_of(code: Any) -> Code:
+    """A status code as `Code`: from its number, or from a `grpc.StatusCode` (value (number, name))."""
+    number = code.value[0] if isinstance(getattr(code, "value", None), tuple) else code
+    try:
+        return Code(int(number))
+    except (TypeError, ValueError):
+        return Code.UNKNOWN
+
+
+def error_for(code: Any, method: str, details: str) -> KVStoreError:
+    """The KVStoreError a failed call stands for, its message prefixed with the RPC's name;
+    `code`: a number, a `Code` or a `grpc.StatusCode`."""
+    status = code_of(code)
+    error = _ERRORS.get(status, KVStoreError)(f"{method}: {details} ({status.name})")
+    error.code = status  # type: ignore[attr-defined]
     return error
 
 
-def from_rpc_error(exc: grpc.RpcError, method: str) -> KVStoreError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+def from_rpc_error(exc: Any, method: str) -> KVStoreError:
+    """The KVStoreError a `grpc.RpcError` stands for."""
+    code = exc.code() if hasattr(exc, "code") else Code.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     return error_for(code, method, details or "")

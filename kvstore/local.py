@@ -291,7 +291,7 @@ def _error_frame(name: str, exc: Exception) -> bytes:
         log.error("internal error in %s", name, exc_info=exc)
         return frame(_INTERNAL, f"internal error in kvstored: {exc!r} (see the daemon's log)".encode())
     code, message = status
-    return frame(code.value[0], message.encode())
+    return frame(int(code), message.encode())
 
 
 class _Session(asyncio.Protocol):

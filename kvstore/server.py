@@ -45,7 +45,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
         raise exc
     status = status_of(exc)
     if status is not None:
-        await context.abort(*status)
+        code, message = status
+        await context.abort(grpc.StatusCode[code.name], message)
     log.error("internal error", exc_info=exc)
     await context.abort(
         grpc.StatusCode.INTERNAL, f"internal error in kvstored: {exc!r} (see the daemon's log)"

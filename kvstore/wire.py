@@ -25,7 +25,6 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import KEY_BYTES
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import PageSpec
 
@@ -48,6 +47,7 @@ METHOD_IDS = {name: index for index, name in enumerate(METHOD_NAMES)}
 HEADER = struct.Struct("<IB")  # request: length, method index; reply: length, grpc.StatusCode value
 MAX_FRAME_BYTES = 16 << 20
 MAX_KEYS_PER_REQUEST = 1 << 16
+KEY_BYTES = 16  # kvstore.keys.KEY_BYTES (not imported: that module loads numpy)
 MAX_REQUEST_BYTES = MAX_KEYS_PER_REQUEST * KEY_BYTES + (64 << 10)
 
 

@@ -151,6 +151,8 @@ def test_stats_imports_no_store_replay_config_or_rich(daemon: Daemon) -> None:
     unwanted = ("torch", "yaml", "rich", "kvstore.store", "kvstore.replay", "kvstore.fleet", "kvstore.config")
     assert loaded(modules, *unwanted) == set()
     assert loaded(modules, "kvstore.handlers", "kvstore.local", "kvstore.policy") == set()
+    # Over the local channel: neither gRPC nor numpy (most of a call's start-up on a busy machine).
+    assert loaded(modules, "grpc", "numpy", "kvstore.keys") == set()
 
 
 def test_top_without_a_terminal_prints_one_plain_frame(daemon: Daemon) -> None:

@@ -9,11 +9,10 @@ import asyncio
 import inspect
 from pathlib import Path
 
-import grpc
 import pytest
 
 from kvstore import handlers as handlers_module
-from kvstore.errors import ArenaWarmingUp, status_of
+from kvstore.errors import ArenaWarmingUp, Code, status_of
 from kvstore.handlers import Handlers
 from kvstore.keys import chunk_keys, pack_keys
 from kvstore.policy import make_policy
@@ -82,7 +81,7 @@ def test_a_reserve_the_arena_never_makes_room_for_fails_by_name_after_the_bound(
     pending = handlers.Reserve(pb.ReserveRequest(namespace=namespace, keys=pack_keys(keys)))
     with pytest.raises(ArenaWarmingUp, match=r"still being reserved \(16384 of 65536 bytes so far") as error:
         asyncio.run(_awaited(pending))
-    assert status_of(error.value)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[index]
+    assert status_of(error.value)[0] == Code.RESOURCE_EXHAUSTED  # type: ignore[index]
 
 
 def test_a_reserve_waiting_when_the_daemon_stops_is_answered_at_once(tmp_path: Path) -> None:
