@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 
 from kvstore.errors import ArenaWarmingUp, ResourceExhausted
 from kvstore.events import EventKind, EventLog
-from kvstore.index import Entry, Namespace
+from kvstore.index import CHILD, CHILDREN, COMMITTED, PIN, REMOVED, Entry, Namespace
 from kvstore.pins import PinTable
 from kvstore.policy import EvictionPolicy
 from kvstore.tiers import Tier
@@ -96,16 +96,16 @@ class Eviction:
         parent: Entry | None = None
         if start:
             parent = entries.get(keys[start - 1])
-            if parent is not None and not parent.committed:
+            if parent is not None and not parent.state & COMMITTED:
                 parent = None
         for key in islice(keys, start, stop):
             entry = entries.get(key)
-            if entry is None or not entry.committed:
+            if entry is None or not entry.state & COMMITTED:
                 parent = None
                 continue
             if entry.parent is None and parent is not None:
                 entry.parent = parent
-                parent.children += 1
+                parent.state += CHILD
             chain.append(entry)
             parent = entry
         return chain
@@ -140,9 +140,10 @@ class Eviction:
         planned: Counter[int] = Counter()  # per parent: its children already offered in this plan
         for item in self.policy.candidates():
             entry = cast(Entry, item)
-            if entry.pins or id(entry) in protected or entry.busy:
+            state = entry.state
+            if state >= PIN or id(entry) in protected or entry.busy:
                 continue
-            if guard and entry.children and entry.children > planned[id(entry)]:
+            if guard and state & CHILDREN and (state & CHILDREN) // CHILD > planned[id(entry)]:
                 continue  # a later page of its chain is held: tails go first
             if entry.parent is not None:
                 planned[id(entry.parent)] += 1
@@ -154,20 +155,20 @@ class Eviction:
         """Drops a committed entry from the index; its slots are freed now, or at its last release.
         `reason` (unless `evicted`) is what its REMOVED event says."""
         ns = entry.namespace
-        if entry.committed:
+        if entry.state & COMMITTED:
             tier = Tier.GPU if entry.on_gpu else Tier.CPU
             self.events.add(EventKind.REMOVED, tier, ns.id, entry.key, b"", "evicted" if evicted else reason)
         del ns.entries[entry.key]
         ns.pages -= 1
         if entry.parent is not None:
-            entry.parent.children -= 1
+            entry.parent.state -= CHILD
         if evicted:
             self.policy.evicted(entry)
-            if self.demote is not None and entry.committed:
+            if self.demote is not None and entry.state & COMMITTED:
                 self.demote(entry)
         elif not self.pins.unpin(entry):
             self.policy_of(entry).remove(entry)
-        entry.removed = True
+        entry.state |= REMOVED
         if entry.on_gpu and self.placement is not None:
             self.placement.left(entry)
         self.settle(entry)
@@ -175,14 +176,12 @@ class Eviction:
     def settle(self, entry: Entry) -> None:
         """Frees the slots an entry no longer needs, once no lease holds it and no copy is in flight:
         both if it left the index, its arena slot if it belongs to the GPU tier."""
-        if entry.pins or entry.busy:
+        state, tiering = entry.state, entry.tiering  # the usual page has no Tiering: read for every release
+        if state >= PIN or (tiering is not None and entry.busy):
             return
-        if entry.removed:
-            if entry.offset >= 0:
-                self.cpu.slots.free(entry.offset)
-                entry.offset = -1
-            if entry.gpu >= 0 and self.placement is not None:
-                self.placement.free_slot(entry)
-        elif entry.on_gpu and entry.offset >= 0:
+        arena_copy_unneeded = state & REMOVED or (tiering is not None and tiering.on_gpu)
+        if arena_copy_unneeded and entry.offset >= 0:
             self.cpu.slots.free(entry.offset)
             entry.offset = -1
+        if state & REMOVED and tiering is not None and tiering.gpu >= 0 and self.placement is not None:
+            self.placement.free_slot(entry)

@@ -28,7 +28,7 @@ from typing import Protocol, cast
 
 from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.events import EventKind, EventLog
-from kvstore.index import Entry, TierUsage
+from kvstore.index import COMMITTED, PIN, Entry, TierUsage
 from kvstore.pins import PinTable
 from kvstore.policy import EvictionPolicy
 from kvstore.tiers import Tier
@@ -69,7 +69,7 @@ class GpuPlacement:
     def hit(self, entries: Sequence[Entry]) -> None:
         ready: list[Entry] = []
         for entry in entries:
-            if entry.gpu < 0 and entry.committed:
+            if entry.gpu < 0 and entry.state & COMMITTED:
                 entry.hits += 1
                 if entry.hits >= self.promote_after_hits:
                     ready.append(entry)
@@ -128,7 +128,7 @@ class GpuPlacement:
     def _evictable(self, pool: GpuPool) -> Iterator[tuple[int, Entry]]:
         for item in self.policy.candidates():
             entry = cast("Entry", item)
-            if entry.pool == pool.index and not entry.pins and not entry.busy:
+            if entry.pool == pool.index and entry.state < PIN and not entry.busy:
                 yield entry.gpu, entry
 
     def _arena_room(self, victims: list[Entry], protected: list[Entry]) -> bool:

@@ -3,7 +3,8 @@
 - `Entry`: one page of one namespace: its arena slot, whether it is committed, the leases and
   pins that hold it, its place in a committed chain and in its policy's order; its GPU slot and
   copies in flight in a `Tiering` of its own, only for the pages that have them.
-- `Namespace`: a page spec's pages by key; `Namespaces`: those the daemon serves, bounded.
+- `Namespace`: a page spec's pages by key, in a dict kept at its least size (`make_room`), and
+  the class of its pages (`new_entry`); `Namespaces`: those the daemon serves, bounded.
 - The results of the store's calls (`LookupResult`, `ReserveResult`, `AcquireResult`,
   `PinResult`) and its figures (`TierUsage`, `NamespaceUsage`, `StoreStats`).
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvstore.keys import KEY_BYTES
@@ -44,36 +45,74 @@ class Tiering:
 
 _PLAIN = Tiering()  # the defaults, read where an entry has no `Tiering`; never written
 
+# `Entry.state`: a page's flags and counts in one int. A page no lease holds, with fewer than 64
+# children, has a state under 257, an int CPython shares: the four cost one slot and no object.
+COMMITTED = 1  # visible to lookups
+REMOVED = 2  # dropped from the index while held: its slots are freed at the last release
+CHILD = 4  # one committed page whose parent it is (bits 2-31: the guard's count)
+PIN = 1 << 32  # one hold by a lease or a send from its slot (bits 32 up): never evicted or freed
+CHILDREN = PIN - CHILD  # the bits of the children's count
+
 
 class Entry:
-    """One page of one namespace. The fields every page uses are slots of its own; the GPU tier's
-    and those of copies in flight (`Tiering`) read as their defaults until one is set, so a page
-    that only ever lives in the arena costs 10 slots, not 17 (issue #31: bytes per page)."""
+    """One page of one namespace: 6 slots (issue #31: bytes per page). Its flags and counts are
+    one int (`state`, read through `committed`, `removed`, `children` and `pins`); the GPU tier's
+    fields and those of copies in flight (`Tiering`) read as their defaults until one is set; its
+    namespace is its class's (`Namespace.new_entry`), so that it needs no slot of its own."""
 
-    __slots__ = (
-        "namespace",
-        "key",
-        "offset",
-        "committed",
-        "pins",
-        "removed",
-        "parent",
-        "children",
-        "place",
-        "tiering",
-    )
+    __slots__ = ("key", "offset", "state", "parent", "place", "tiering")
 
-    def __init__(self, namespace: Namespace, key: bytes, offset: int) -> None:
-        self.namespace = namespace
+    namespace: ClassVar[Namespace]
+
+    def __init__(self, key: bytes, offset: int) -> None:
         self.key = key
         self.offset = offset  # arena slot; -1: none (the page is in the GPU tier only)
-        self.committed = False
-        self.pins = 0
-        self.removed = False  # dropped from the index while pinned: freed at the last release
+        self.state = 0  # COMMITTED | REMOVED | children * CHILD | pins * PIN
         self.parent: Entry | None = None  # the page before it in a committed chain
-        self.children = 0  # committed pages whose parent it is
         self.place: object = None  # the record of the policy that holds it (`kvstore.policy.Page`)
         self.tiering: Tiering | None = None
+
+    # The flags and counts of `state`, read and written as if they were fields of their own. The
+    # store's hot loops (lookup, release, linking, eviction) use `state` itself.
+
+    @property
+    def committed(self) -> bool:
+        return bool(self.state & COMMITTED)
+
+    @committed.setter
+    def committed(self, committed: bool) -> None:
+        self.state = self.state | COMMITTED if committed else self.state & ~COMMITTED
+
+    @property
+    def removed(self) -> bool:
+        """Dropped from the index while held: its slots are freed at the last release."""
+        return bool(self.state & REMOVED)
+
+    @removed.setter
+    def removed(self, removed: bool) -> None:
+        self.state = self.state | REMOVED if removed else self.state & ~REMOVED
+
+    @property
+    def children(self) -> int:
+        """Committed pages whose parent it is."""
+        return (self.state & CHILDREN) // CHILD
+
+    @children.setter
+    def children(self, children: int) -> None:
+        if not 0 <= children < PIN // CHILD:
+            raise ValueError(f"children: {children} is outside 0..{PIN // CHILD - 1}")
+        self.state = self.state & ~CHILDREN | children * CHILD
+
+    @property
+    def pins(self) -> int:
+        """Leases (and sends from its slot) holding it: never evicted or freed while any does."""
+        return self.state // PIN
+
+    @pins.setter
+    def pins(self, pins: int) -> None:
+        if pins < 0:
+            raise ValueError(f"pins: {pins} is negative")
+        self.state = self.state % PIN + pins * PIN
 
     def _tiering(self) -> Tiering:
         tiering = self.tiering
@@ -179,7 +218,7 @@ class Entry:
             return _CPU
         if tiering.gpu >= 0 and not tiering.gpu_pending:
             return _GPU
-        return _CPU if self.committed else tiering.source
+        return _CPU if self.state & COMMITTED else tiering.source
 
     def in_pools(self, pools: frozenset[int]) -> bool:
         """Whether a reader that opened GPU pools `pools` reads this page in place in the GPU tier."""
@@ -187,17 +226,51 @@ class Entry:
         return tiering is not None and tiering.gpu >= 0 and not tiering.gpu_pending and tiering.pool in pools
 
 
+def _table_free(keys: int) -> int:
+    """The keys a dict rebuilt from `keys` keys (`dict(d)`) takes before it grows: CPython 3.11-3.13
+    sizes it to the least power of two of at least 1.5 slots a key, and fills 2/3 of the slots."""
+    slots = 8
+    while slots < (3 * keys + 1) // 2:
+        slots *= 2
+    return 2 * slots // 3 - keys
+
+
 @dataclass(eq=False)
 class Namespace:
     id: bytes
     spec: PageSpec
+    # Its pages by key. `make_room` may replace the dict: never keep it across a call that adds pages.
     entries: dict[bytes, Entry] = field(default_factory=dict)
     pages: int = 0  # committed pages
     gpu_pool: int = -1  # the GPU pool its pages go to (its workers' device); -1: the emptiest
+    # The class of its pages: an `Entry` whose `namespace` is this one (`new_entry(key, offset)`).
+    new_entry: type[Entry] = field(init=False, repr=False)
+    _room: int = field(default=0, init=False, repr=False)  # keys `entries` takes before it grows
+
+    def __post_init__(self) -> None:
+        self.new_entry = type("Entry", (Entry,), {"__slots__": (), "namespace": self})
 
     @property
     def label(self) -> str:
         return f"{self.id.hex()[:12]} ({self.spec.model})"
+
+    def make_room(self, count: int) -> None:
+        """`count` new keys are about to go into `entries`. A dict never reuses the slot of a key
+        deleted from it: once its slots run out it is rebuilt at 3 slots per key it holds (CPython's
+        growth rate), so an index that evicts as much as it stores sits at twice the slots it needs
+        (84 bytes a page at 1M pages, not 42). Rebuilt here instead, where that leaves room for a
+        quarter of its keys or more, it keeps the least table: an O(n) copy at most every n/4 keys
+        added, in place of the dict's own (n/4 and more apart)."""
+        self._room -= count
+        if self._room >= 0:
+            return
+        held = len(self.entries)
+        free = _table_free(held)
+        if free >= count + held // 4:
+            self.entries = dict(self.entries)  # insertion order kept
+            self._room = free - count
+        else:  # too full to gain: let it grow, and look again after as many keys as it holds
+            self._room = held
 
 
 class Namespaces(dict[bytes, Namespace]):

@@ -112,8 +112,9 @@ class LowerTiers:
             return False
         loop = asyncio.get_running_loop()
         self.counters["promotions_started"] += len(keys)
+        ns.make_room(len(keys))
         for key in keys:
-            entry = Entry(ns, key, self.cpu.slots.alloc(page_bytes))
+            entry = ns.new_entry(key, self.cpu.slots.alloc(page_bytes))
             entry.loaded = loop.create_future()
             entry.source = source.medium
             ns.entries[key] = entry

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from operator import attrgetter
 
 from kvstore.errors import NotFound
-from kvstore.index import AcquireResult, Entry, LookupResult
+from kvstore.index import COMMITTED, PIN, AcquireResult, Entry, LookupResult
 from kvstore.leases import Lease, LeaseKind
 from kvstore.store_state import StoreState
 from kvstore.tiers import Tier
 
 PROMOTION_TIMEOUT_S = 10.0
+_TIERING = attrgetter("tiering")
+_CPU_TIER = bytes([Tier.CPU])
 
 
 class Loads(StoreState):
@@ -47,9 +50,10 @@ class Loads(StoreState):
         self._check_keys(keys)
         ttl_s = self._ttl(ttl_s)
         hits: list[Entry] = []
+        find = ns.entries.get
         for key in keys:
-            entry = ns.entries.get(key)
-            if entry is None or not (entry.committed or entry.loaded is not None):
+            entry = find(key)
+            if entry is None or not (entry.state & COMMITTED or entry.loaded is not None):
                 break
             hits.append(entry)
         lower = self.lower
@@ -61,18 +65,23 @@ class Loads(StoreState):
         self.counters["lookups"] += 1
         self.counters["hit_chunks"] += found
         self.counters["missed_chunks"] += len(keys) - found
+        # The usual hits have no `Tiering` (committed, in the arena alone, no copy in flight): their
+        # tiers, and which of them the policy hears of, need no look at each one.
+        plain = not any(map(_TIERING, hits))
         if touch:
-            self.eviction.tell_hit(self.eviction.policy_pages([e for e in hits if e.committed]))
+            committed = hits if plain else [e for e in hits if e.state & COMMITTED]
+            self.eviction.tell_hit(self.eviction.policy_pages(committed))
             if lower is not None and found:
                 lower.touch(ns, keys[:found])
-        tiers = bytes(e.hit_tier for e in hits) + b"".join(bytes([s.medium]) * len(run) for s, run in runs)
+        tiers = _CPU_TIER * len(hits) if plain else bytes(e.hit_tier for e in hits)
+        tiers += b"".join(bytes([s.medium]) * len(run) for s, run in runs)
         lease_id = 0
         placement = self.gpu_placement
         if lease and hits and placement is not None:
             hits = placement.readable(hits, gpu_pools)
         if lease and hits:
             for entry in hits:
-                entry.pins += 1
+                entry.state += PIN
             load = self.leases.add(ns_id, LeaseKind.LOAD, hits, self.clock() + ttl_s, ttl_s)
             load.gpu_pools = frozenset(gpu_pools)
             lease_id = load.id
@@ -90,7 +99,7 @@ class Loads(StoreState):
         lower = self.lower
         for index, key in enumerate(keys):
             entry = ns.entries.get(key)
-            if entry is not None and (entry.committed or entry.loaded is not None):
+            if entry is not None and (entry.state & COMMITTED or entry.loaded is not None):
                 tiers[index] = entry.hit_tier
             elif lower is not None and entry is None:
                 tiers[index] = lower.tier_of(ns, key)
@@ -128,7 +137,7 @@ class Loads(StoreState):
                 offsets.append(entry.gpu)
                 tiers.append(Tier.GPU)
                 pools.append(entry.pool)
-            elif entry.committed and entry.cpu_ready:
+            elif entry.state & COMMITTED and entry.cpu_ready:
                 offsets.append(entry.offset)
                 tiers.append(Tier.CPU)
                 pools.append(0)
@@ -143,9 +152,10 @@ class Loads(StoreState):
         return self._unpin(lease)
 
     def _unpin(self, lease: Lease) -> int:
+        settle = self.eviction.settle
         for entry in lease.entries:
-            entry.pins -= 1
-            self.eviction.settle(entry)
+            entry.state -= PIN
+            settle(entry)
         return len(lease.entries)
 
     async def begin_get(self, ns_id: bytes, lease_id: int) -> tuple[Lease, AcquireResult]:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.events import EventKind
-from kvstore.index import AcquireResult, Entry, ReserveResult
+from kvstore.index import COMMITTED, AcquireResult, Entry, ReserveResult
 from kvstore.leases import Lease, LeaseKind
 from kvstore.peers import Peer
 from kvstore.store_state import StoreState
@@ -63,9 +63,10 @@ class Writes(StoreState):
         self.eviction.tell_stored(self.eviction.policy_pages([e for e in present if e.committed]))
         if not new_keys:
             return ReserveResult(0, offsets)
+        ns.make_room(len(new_keys))
         entries = []
         for key in new_keys:
-            entry = Entry(ns, key, self.cpu.slots.alloc(ns.spec.page_bytes))
+            entry = ns.new_entry(key, self.cpu.slots.alloc(ns.spec.page_bytes))
             ns.entries[key] = entry
             entries.append(entry)
         slots = iter(entries)
@@ -121,7 +122,7 @@ class Writes(StoreState):
         part, stop = self._next_part(lease, count)
         ns = self.namespaces[ns_id]
         for entry in part:
-            entry.committed = True
+            entry.state |= COMMITTED
         ns.pages += len(part)
         chain = self.eviction.link(ns, lease.keys, lease.linked, stop)
         lease.linked = stop

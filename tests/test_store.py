@@ -5,6 +5,8 @@ Every scenario that stores pages writes distinct bytes into their slots and read
 
 from __future__ import annotations
 
+import itertools
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -273,3 +275,73 @@ def test_a_reserve_past_the_slabs_reserved_so_far_says_the_arena_is_warming_up(
         store.cpu.write(offset, page_bytes(key))
     assert store.commit(ns, reserved.lease_id) == 8
     assert load_chain(store, keys) == [page_bytes(key) for key in keys]
+
+
+def test_a_page_keeps_its_flags_and_counts_apart(tmp_path: Path, clock: Clock) -> None:
+    """A page's committed and removed flags, children and pins share one int (issue #31: 6 slots,
+    80 bytes a page): each reads back what was set, past the counts CPython shares too."""
+    store = make_store(tmp_path, clock, 16)
+    ns = store.connect(SPEC)
+    entry = ns.new_entry(b"k" * 16, 0)
+    assert entry.namespace is ns and sys.getsizeof(entry) <= 80
+    for committed, removed, children, pins in itertools.product(
+        (False, True), (False, True), (0, 1, 63, 64, 5000), (0, 1, 7, 300)
+    ):
+        entry.pins, entry.committed, entry.children, entry.removed = pins, committed, children, removed
+        assert (entry.committed, entry.removed, entry.children, entry.pins) == (
+            committed,
+            removed,
+            children,
+            pins,
+        )
+        entry.children += 1
+        entry.pins -= 1 if pins else 0
+        assert (entry.committed, entry.removed, entry.children) == (committed, removed, children + 1)
+        assert entry.pins == max(pins - 1, 0)
+    with pytest.raises(ValueError, match="negative"):
+        entry.pins = -1
+
+
+def test_a_head_with_70_continuations_stays_while_leased_and_while_any_is_stored(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """A system prompt's page followed by 70 continuations: its count of children is past what a
+    page's state keeps small; the guard and its lease still hold it, and its bytes load as stored."""
+    store = make_store(tmp_path, clock, 80)
+    ns = SPEC.namespace()
+    head = store_chain(store, list(range(16)))
+    chains = [
+        store_chain(store, list(range(16)) + list(range(1000 * i, 1000 * i + 16))) for i in range(1, 71)
+    ]
+    entries = store.namespaces[ns].entries
+    assert entries[head[0]].children == 70 and all(chain[0] == head[0] for chain in chains)
+    lease = store.lookup(ns, chains[-1], lease=True).lease_id
+    assert entries[head[0]].pins == 1
+    others = [store_chain(store, list(range(10**6 + 16 * i, 10**6 + 16 * i + 16))) for i in range(78)]
+    assert entries[head[0]].children == sum(chain[1] in entries for chain in chains) == 1  # the leased one
+    offsets = acquired(store, ns, lease).offsets
+    assert [bytes(store.cpu.read(o, PAGE)) for o in offsets] == [page_bytes(k) for k in chains[-1]]
+    store.release(ns, lease)
+    assert entries[head[0]].pins == 0
+    store_chain(store, list(range(2 * 10**6, 2 * 10**6 + 32)))  # evicts the last continuation, then the head
+    assert head[0] not in entries and chains[-1][1] not in entries
+    assert load_chain(store, others[-1]) == [page_bytes(others[-1][0])]
+
+
+def test_the_index_keeps_its_least_table_while_pages_come_and_go(tmp_path: Path, clock: Clock) -> None:
+    """A dict never reuses the slot of a deleted key: an index that evicts as much as it stores
+    would sit at twice the table it needs. The namespace rebuilds it instead (issue #31)."""
+    store = make_store(tmp_path, clock, 512)
+    ns = SPEC.namespace()
+    chains = [store_chain(store, list(range(64 * i, 64 * i + 64))) for i in range(20 * 512 // 4)]
+    entries = store.namespaces[ns].entries
+    assert len(entries) == 512 and store.counters["evicted_chunks"] == 20 * 512 - 512
+    assert sys.getsizeof(entries) == sys.getsizeof(dict(entries))  # as small as a dict of its keys
+    churned: dict[bytes, None] = {}
+    for i in range(20 * 512):  # the same churn in a plain dict: twice the table
+        churned[i.to_bytes(16, "little")] = None
+        if i >= 512:
+            del churned[(i - 512).to_bytes(16, "little")]
+    assert sys.getsizeof(churned) > 1.5 * sys.getsizeof(entries)
+    for chain in chains[-128:]:  # every page stored last loads its own bytes
+        assert load_chain(store, chain) == [page_bytes(key) for key in chain]
