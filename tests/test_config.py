@@ -97,7 +97,8 @@ def test_systemd_unit_runs_the_daemon_with_the_etc_config() -> None:
     lines = set((CONFIGS / "kvstored.service").read_text().splitlines())
 
     for line in (
-        "ExecStart=/usr/local/bin/kvstored --config /etc/kvstore/kvstored.yaml",
+        "ExecStart=/usr/bin/env kvstored --config /etc/kvstore/kvstored.yaml",  # from the unit's PATH
+        "Environment=PATH=/opt/kvstore/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin",
         "RuntimeDirectory=kvstore",
         "Restart=on-failure",
         "KillSignal=SIGTERM",
@@ -105,7 +106,11 @@ def test_systemd_unit_runs_the_daemon_with_the_etc_config() -> None:
         "LimitMEMLOCK=infinity",
     ):
         assert line in lines
-    assert not any(line.startswith("PrivateDevices=") for line in lines)
+    # A private /dev (the host's /dev/shm and /dev/hugepages stay shared); the GPU tier's drop-in
+    # gives the NVIDIA devices back.
+    assert "PrivateDevices=yes" in lines
+    gpu = set((CONFIGS.parent / "deploy" / "systemd" / "gpu.conf").read_text().splitlines())
+    assert {"PrivateDevices=no", "DeviceAllow=char-nvidia* rw"} <= gpu
 
 
 def test_to_dict_round_trips_and_hides_the_token() -> None:
