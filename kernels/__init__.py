@@ -208,7 +208,7 @@ def prepare(
         kept = _Kept.of(spec, kv_caches, buffer, layers, batch_index, to_page, options)
         if kept is not None and kept.plan is not None:
             plan = replan(kept.plan, kept.facts, block_ids, chunks, writes_cache=writes_cache)
-            plan = plan._replace(buffer=buffer)
+            plan = plan._replace(buffer=buffer, kv_caches=kv_caches)
         else:
             plan = plan_transfer(
                 spec,
@@ -223,7 +223,7 @@ def prepare(
             )
             if kept is not None:
                 kept.plan, kept.facts = (
-                    plan._replace(buffer=None),
+                    _without_references(plan),
                     facts_of(spec, kv_caches, layers, batch_index),
                 )
         if stream is not None and plan.device != stream.device:
@@ -260,9 +260,15 @@ def _staged(
         if len(kept.setups) >= _Kept.MAX_SETUPS:
             kept.setups.pop(next(iter(kept.setups)))
         template = copy.copy(setup)
-        template.plan = every._replace(buffer=None)  # kept without the buffer (a weak reference decides)
+        template.plan = _without_references(every)
         kept.setups[pages] = template
     return setup
+
+
+def _without_references(plan: Transfer) -> Transfer:
+    """`plan` as kept: without the buffer (a weak reference decides) or the caches (kept on them:
+    a reference back would keep the tensors alive until a garbage collection finds the cycle)."""
+    return plan._replace(buffer=None, kv_caches=None)
 
 
 class _Kept:

@@ -220,7 +220,7 @@ def test_prepared_registered_caches_keep_their_setup_for_the_next_table(impl: st
     kept = registered.__dict__["_prepared"]
     assert len(kept) == 1  # one spec, layers, direction, options and buffer
     entry = next(iter(kept.values()))
-    assert entry.plan is not None and entry.plan.buffer is None  # the kept plan holds no buffer
+    assert entry.plan is not None and entry.plan.buffer is None and entry.plan.kv_caches is None
     if impl == "staged":
         assert sorted(entry.setups) == [3, 4]  # a setup per page count
 
