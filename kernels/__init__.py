@@ -257,8 +257,8 @@ def _staged(
         spec, every, to_page=to_page, max_programs=options.max_programs, staging_bytes=options.staging_bytes
     )
     if kept is not None:
-        if len(kept.setups) >= _Kept.MAX_SETUPS:
-            kept.setups.pop(next(iter(kept.setups)))
+        if len(kept.setups) >= _Kept.MAX_SETUPS:  # one call, atomic: transfers on other threads
+            kept.setups.clear()
         template = copy.copy(setup)
         template.plan = _without_references(every)
         kept.setups[pages] = template
