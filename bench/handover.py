@@ -14,7 +14,10 @@ prompt's KV from a producer on one GPU to a consumer on another costs through th
   each); two processes add the signal between them (tens of microseconds), not measured here.
 - Baselines in the same run: the peer copy of the same bytes, and pinned memcpy device-to-host on
   the producer's GPU plus host-to-device on the consumer's (what the arena path moves at best).
-- Every round's loaded bytes are compared with the producer's (column `ok`).
+- The copies a hand-over through a GPU-tier pool would make, by the kernels alone (no daemon):
+  the producer's gather into a buffer on the consumer's GPU over peer access, then the
+  consumer's local scatter; or a local gather, then the consumer's scatter over peer access.
+- Every round's loaded bytes are compared with the producer's (column `ok`; `ok_device_copies`).
 
     python bench/handover.py                      # 8k and 32k tokens, GPUs 0 -> 1
     python bench/handover.py --tokens 8192 --reps 5
@@ -37,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kvstore_kernels  # noqa: E402
 from bench.common import print_table, running_daemon, write_results  # noqa: E402
 from bench.transfer_cases import daemon_config, make_spec, wait_reserved  # noqa: E402
 from kvstore_client import KVStoreClient  # noqa: E402
@@ -133,6 +137,7 @@ def run_tokens(tokens: int, producer: torch.device, consumer: torch.device, reps
             flat_c.copy_(host, non_blocking=True)
 
         walls["memcpy d2h + h2d"] = timed(through_host, devices, reps)
+        row["ok_device_copies"] = device_copies(spec, source, target, table, flat_p, flat_c, walls, reps)
     with (
         running_daemon(daemon_config(page_bytes, 2 * chunks)) as daemon,
         torch.cuda.device(producer) if producer.type == "cuda" else _nothing(),
@@ -166,10 +171,90 @@ def run_tokens(tokens: int, producer: torch.device, consumer: torch.device, reps
     peer = row["ms"].get("peer copy producer->consumer")
     if peer:
         row["handover_x_peer_copy"] = peer / row["ms"]["hand-over through the arena"]
+        row["x_peer_copy"] = {name: peer / ms for name, ms in row["ms"].items()}
         row["handover_x_host_copies"] = (
             row["ms"]["memcpy d2h + h2d"] / row["ms"]["hand-over through the arena"]
         )
     return row
+
+
+DEVICE_ROWS = (
+    "gather into the consumer's GPU (peer)",
+    "scatter on the consumer's GPU (local)",
+    "gather on the producer's GPU (local)",
+    "scatter from the producer's GPU (peer)",
+    "pool copies, written over the link",
+    "pool copies, read over the link",
+)
+
+
+def device_copies(
+    spec: Any,
+    source: list[torch.Tensor],
+    target: list[torch.Tensor],
+    table: list[int],
+    flat_p: torch.Tensor,
+    flat_c: torch.Tensor,
+    walls: dict[str, list[float]],
+    reps: int,
+) -> bool:
+    """The copies of a hand-over through a GPU-tier pool, by `kvstore_kernels` alone (no daemon):
+    the producer's gather into a buffer on the consumer's GPU (written over the link) and the
+    consumer's scatter from it (local), or the producer's gather into its own GPU's buffer and the
+    consumer's scatter from there (read over the link). Whether the pages written over the link
+    and scattered locally are the producer's bytes."""
+    producer, consumer = flat_p.device, flat_c.device
+    devices = (producer, consumer)
+    chunks = range(len(table) * spec.block_size // spec.chunk_tokens)
+    offsets = [chunk * spec.page.page_bytes for chunk in chunks]
+    source_r, target_r = kvstore_kernels.register(spec, source), kvstore_kernels.register(spec, target)
+
+    def on(device: torch.device, run: Any) -> Any:
+        def call() -> None:
+            with torch.cuda.device(device):
+                run()
+
+        return call
+
+    gather_peer = on(producer, lambda: kvstore_kernels.gather(spec, source_r, table, chunks, flat_c, offsets))
+    scatter_local = on(
+        consumer, lambda: kvstore_kernels.scatter(spec, target_r, table, chunks, flat_c, offsets)
+    )
+    gather_local = on(
+        producer, lambda: kvstore_kernels.gather(spec, source_r, table, chunks, flat_p, offsets)
+    )
+    scatter_peer = on(
+        consumer, lambda: kvstore_kernels.scatter(spec, target_r, table, chunks, flat_p, offsets)
+    )
+
+    def written_over_the_link() -> None:
+        gather_peer()
+        sync(producer)
+        scatter_local()
+
+    def read_over_the_link() -> None:
+        gather_local()
+        sync(producer)
+        scatter_peer()
+
+    walls[DEVICE_ROWS[0]] = timed(gather_peer, devices, reps)
+    walls[DEVICE_ROWS[1]] = timed(scatter_local, devices, reps)
+    walls[DEVICE_ROWS[2]] = timed(gather_local, devices, reps)
+    walls[DEVICE_ROWS[3]] = timed(scatter_peer, devices, reps)
+    walls[DEVICE_ROWS[4]] = timed(written_over_the_link, devices, reps)
+    walls[DEVICE_ROWS[5]] = timed(read_over_the_link, devices, reps)
+    ok = True
+    for run in (written_over_the_link, read_over_the_link):
+        flat_c.fill_(0x5A)
+        flat_p.fill_(0x5A)
+        for layer in target:
+            layer.view(torch.uint8).fill_(0xA5)
+        run()
+        sync(*devices)
+        ok = ok and same_bytes(target, source)
+    for layer in target:
+        layer.view(torch.uint8).fill_(0xA5)
+    return ok
 
 
 class _nothing:
@@ -208,8 +293,20 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         for name, ms in row["ms"].items():
             mib, gbps = round(row["bytes"] / 2**20, 1), round(row["bytes"] / ms / 1e6, 2)
-            table.append([row["tokens"], name, mib, round(ms, 3), gbps, "PASS" if row.get("ok") else "FAIL"])
-    print_table(["tokens", "path", "MiB", "ms", "GB/s", "ok"], table)
+            ratio = row.get("x_peer_copy", {}).get(name)
+            ok = row.get("ok_device_copies") if name in DEVICE_ROWS else row.get("ok")
+            table.append(
+                [
+                    row["tokens"],
+                    name,
+                    mib,
+                    round(ms, 3),
+                    gbps,
+                    "-" if ratio is None else round(ratio, 3),
+                    "PASS" if ok else "FAIL",
+                ]
+            )
+    print_table(["tokens", "path", "MiB", "ms", "GB/s", "x peer copy", "ok"], table)
     for row in rows:
         if "handover_x_peer_copy" in row:
             print(

@@ -12,6 +12,10 @@ These two are the only entry points with the transfer's arguments. Each checks t
 `triton_copy.launch`, `copy_engine.launch`, `staged.launch`, `reference.gather_plan` /
 `scatter_plan`.
 
+The buffer is host memory (pinned for the GPU paths), the KV cache's device, or another GPU
+the cache's device reaches over peer access (`peer`: turned on once per pair; a GPU-tier pool
+of another device, over NVLink): the kernel then reads or writes it in place.
+
 A page is layer-major, `[stored_layer][k|v][token][kv_head][head_dim]` (MLA:
 `[stored_layer][token][latent]`), whatever the engine's layout (`spec.layout`).
 

@@ -14,7 +14,8 @@ the transfer, i.e. how many SMs it holds and for how long. The figures behind ea
 2. A CPU cache, or a CUDA cache with a pageable host buffer: the reference.
 3. A buffer in device memory: the kernel, one program per 32 KiB step (`triton_copy.DEVICE_*`):
    it reads a GPU-tier pool at nearly the rate of a device copy, where the copy engines'
-   batched 32 KiB copies are far slower.
+   batched 32 KiB copies are far slower. The same for a buffer on another GPU that the
+   cache's device reaches over peer access (NVLink): its programs read or write it in place.
 4. A pinned buffer whose staging slots hold at least one stored layer of a page: the staged
    path, every layout, host or device block table. Closest to memcpy each way and both ways
    at once, and the model barely slows: its pack programs hold their SMs for a small part of
@@ -97,6 +98,8 @@ def choose(spec: KVSpec, plan: Transfer, options: TransferOptions, *, to_page: b
         return Route("torch", "the KV cache is not on CUDA")
     if plan.buffer.device == plan.device:
         return Route("kernel", "device buffer")
+    if plan.buffer.device.type == "cuda":  # validated: a GPU the cache's device reaches as a peer
+        return Route("kernel", "a buffer on another GPU, over peer access")
     if not plan.buffer.is_pinned():
         return Route("torch", "pageable host buffer")
     reason = staged.why_not(spec, plan, options.staging_bytes)

@@ -68,7 +68,8 @@ def can_reach(plan: Transfer) -> bool:
         return plan.device.type == "cpu" and plan.buffer.device.type == "cpu"
     if plan.device.type != "cuda":
         return False
-    return plan.buffer.device == plan.device or plan.buffer.is_pinned()
+    # A buffer on another GPU was checked for peer access when the plan was validated.
+    return plan.buffer.device.type == "cuda" or plan.buffer.is_pinned()
 
 
 def default_programs(plan: Transfer, *, to_page: bool) -> int:
@@ -115,8 +116,9 @@ def check_reach(plan: Transfer) -> None:
     """ValueError unless the kernel can address both the cache and the buffer of `plan`."""
     if not can_reach(plan):
         raise ValueError(
-            f"buffer: the Triton kernels need the KV cache on CUDA and the buffer on that device or in "
-            f"pinned (registered) host memory, or CPU tensors with TRITON_INTERPRET=1 set before import "
+            f"buffer: the Triton kernels need the KV cache on CUDA and the buffer on that device (or a "
+            f"peer GPU) or in pinned (registered) host memory, or CPU tensors with TRITON_INTERPRET=1 "
+            f"set before import "
             f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')!r}); got the cache on "
             f"{plan.device}, the buffer on {plan.buffer.device}"
         )

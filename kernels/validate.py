@@ -342,7 +342,7 @@ def _check_buffer(
     if buffer.stride(0) != 1 and buffer.numel() > 1:
         raise ValueError(f"buffer: expected contiguous bytes, got stride {buffer.stride(0)}")
     if buffer.device.type != "cpu" and buffer.device != device:
-        raise ValueError(f"buffer: on {buffer.device}; expected the CPU or the KV cache's device {device}")
+        _check_peer(buffer.device, device)
     size = buffer.numel()
     if offsets.size and int(offsets.max()) + page_bytes > size:
         past = np.flatnonzero(offsets + page_bytes > size)
@@ -363,6 +363,20 @@ def _check_buffer(
                 f"offsets[{before}] and offsets[{after}]: pages at {int(starts[at])} and "
                 f"{int(starts[at + 1])} overlap ({page_bytes}-byte pages); gather needs one page per chunk"
             )
+
+
+def _check_peer(buffer_device: torch.device, device: torch.device) -> None:
+    """A buffer on another GPU than the KV cache's: one its kernels reach over peer access."""
+    if buffer_device.type != "cuda" or device.type != "cuda":
+        raise ValueError(
+            f"buffer: on {buffer_device}; expected the CPU, the KV cache's device {device}, or another "
+            "GPU that device has peer access to"
+        )
+    from . import peer
+
+    reason = peer.why_not(device, buffer_device)
+    if reason is not None:
+        raise ValueError(f"buffer: on {buffer_device}, which the KV cache's {device} cannot reach: {reason}")
 
 
 def _block_table(

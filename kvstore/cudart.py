@@ -43,6 +43,7 @@ _IPC_LAZY_ENABLE_PEER_ACCESS = 1
 _STREAM_NON_BLOCKING = 1
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 _NO_DEVICE = 100  # cudaErrorNoDevice
+_PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 _INSUFFICIENT_DRIVER = 35  # cudaErrorInsufficientDriver
 
 
@@ -98,6 +99,8 @@ class CudaRuntime:
             "cudaIpcGetMemHandle": [ctypes.POINTER(_IpcHandle), ptr],
             "cudaIpcOpenMemHandle": [ctypes.POINTER(ptr), _IpcHandle, ctypes.c_uint],
             "cudaIpcCloseMemHandle": [ptr],
+            "cudaDeviceCanAccessPeer": [ctypes.POINTER(c_int), c_int, c_int],
+            "cudaDeviceEnablePeerAccess": [c_int, ctypes.c_uint],
             "cudaStreamCreateWithFlags": [ctypes.POINTER(ptr), ctypes.c_uint],
             "cudaStreamDestroy": [ptr],
             "cudaStreamSynchronize": [ptr],
@@ -153,6 +156,21 @@ class CudaRuntime:
         status = self._lib.cudaDeviceGetByPCIBusId(ctypes.byref(device), bus_id.encode())
         self._check(status, f"cudaDeviceGetByPCIBusId({bus_id})")
         return device.value
+
+    def can_access_peer(self, device: int, peer: int) -> bool:
+        """Whether kernels on `device` can address memory of `peer` once peer access is enabled."""
+        allowed = ctypes.c_int()
+        status = self._lib.cudaDeviceCanAccessPeer(ctypes.byref(allowed), device, peer)
+        self._check(status, f"cudaDeviceCanAccessPeer({device}, {peer})")
+        return bool(allowed.value)
+
+    def enable_peer_access(self, peer: int) -> None:
+        """Lets the current device's kernels address memory of `peer` (already enabled: fine)."""
+        status = self._lib.cudaDeviceEnablePeerAccess(peer, 0)
+        if status == _PEER_ACCESS_ALREADY_ENABLED:
+            self._lib.cudaGetLastError()  # clear it
+            return
+        self._check(status, f"cudaDeviceEnablePeerAccess({peer})")
 
     def malloc(self, size: int) -> int:
         pointer = ctypes.c_void_p()
