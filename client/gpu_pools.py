@@ -3,8 +3,12 @@
 - `GpuPools.open(pools)`: opens each pool of a ConnectResponse once, on this process's device
   with the pool's PCI bus id (device numbers differ between processes), and wraps it as a
   uint8 tensor on that device. A pool on a device this process cannot see stays closed.
-- `readable(device)`: the indices of the open pools on `device`: a load into a KV cache there
-  reads their pages in place (the daemon copies pages of other pools into the arena for it).
+- `readable(device)`: the indices of the open pools a KV cache on `device` reads in place: those
+  on `device`, and those on another GPU it reaches over peer access (NVLink; `kvstore_kernels.
+  peer`), a decode instance reading what a prefill instance on another GPU stored there. The
+  daemon copies pages of other pools into the arena for it.
+- `on(device)`: the open pool on `device` (its index, and its PCI bus id), or None: where a
+  store asked to land in the GPU tier (`KVStoreClient.store_to_gpu`) writes its pages.
 - `pieces(acquired, arena)`: an Acquire reply cut by buffer: `(buffer, chunks, offsets)` for
   the arena and for each pool, so one load scatters chunks of both tiers.
 - `scatter_for(buffer, arena_scatter)`: the scatter that reads `buffer`: `arena_scatter` for the
@@ -58,9 +62,15 @@ class _DeviceBytes:
 
 
 class GpuPools:
-    def __init__(self, runtime: CudaRuntime | None, tensors: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        runtime: CudaRuntime | None,
+        tensors: dict[int, torch.Tensor],
+        bus_ids: dict[int, str] | None = None,
+    ) -> None:
         self._runtime = runtime
         self.tensors = tensors  # pool index -> its bytes, on this process's device
+        self.bus_ids = bus_ids or {}  # pool index -> its device's PCI bus id
         self.max_programs: int | None = None  # kernel programs of a load from a pool
 
     @classmethod
@@ -74,6 +84,7 @@ class GpuPools:
             log.info("GPU-tier pools not opened (%s): their pages come through the arena", exc)
             return cls(None, {})
         tensors: dict[int, torch.Tensor] = {}
+        bus_ids: dict[int, str] = {}
         for index, pool in enumerate(pools):
             try:
                 device = runtime.device_by_pci_bus_id(pool.pci_bus_id)
@@ -89,10 +100,26 @@ class GpuPools:
                 continue
             tensor = torch.as_tensor(_DeviceBytes(address, pool.size), device=torch.device("cuda", device))
             tensors[index] = tensor
-        return cls(runtime, tensors)
+            bus_ids[index] = pool.pci_bus_id
+        return cls(runtime, tensors, bus_ids)
 
     def readable(self, device: torch.device) -> list[int]:
-        return [index for index, tensor in self.tensors.items() if tensor.device == device]
+        local = [index for index, tensor in self.tensors.items() if tensor.device == device]
+        if device.type != "cuda":
+            return local
+        from kvstore_kernels import peer
+
+        return local + [
+            index
+            for index, tensor in self.tensors.items()
+            if tensor.device != device and peer.why_not(device, tensor.device) is None
+        ]
+
+    def on(self, device: torch.device) -> tuple[int, str] | None:
+        for index, tensor in self.tensors.items():
+            if tensor.device == device:
+                return index, self.bus_ids.get(index, "")
+        return None
 
     def pieces(
         self, acquired: Any, arena: torch.Tensor
@@ -130,6 +157,7 @@ class GpuPools:
         self.tensors = {}
         if runtime is None:
             return
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)  # reads of this process still in flight, from any device
         for tensor in tensors.values():
-            torch.cuda.synchronize(tensor.device)  # reads of this process still in flight
             runtime.ipc_close(tensor.data_ptr())

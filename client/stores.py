@@ -26,6 +26,13 @@ EARLY_COMMIT_TAIL_BYTES = 24 << 20
 
 
 class StorePath(Session):
+    # Whether a store asks to land its new pages in the daemon's GPU pool on the KV cache's
+    # device (written there device to device, read in place by workers on that GPU or, over
+    # peer access, on another GPU of the host: a prefill instance handing a prompt to a decode
+    # instance). The daemon answers with the arena where the pool has no room; a client
+    # without that pool open (no GPU tier, or a device it cannot see) always stores to the arena.
+    store_to_gpu: bool = False
+
     def store(
         self,
         token_ids: Any,
@@ -60,11 +67,24 @@ class StorePath(Session):
         """
         keys = self._keys_of(token_ids, keys, tail)
         ahead = _GatherAhead(kv_caches, block_ids, layers, stream)
-        reply = self._reserve(keys, ahead.meanwhile(self, len(keys))) if keys else None
+        pool = (
+            self._gpu_pools.on(cache_device(kv_caches))
+            if self.store_to_gpu and self.arena is not None
+            else None
+        )
+        meanwhile = ahead.meanwhile(self, len(keys)) if pool is None else None  # an arena gather's setup
+        reply = self._reserve(keys, meanwhile, pool[1] if pool else "") if keys else None
         chunks = [i for i, offset in enumerate(reply.offsets) if offset >= 0] if reply else []
         if reply is None or not chunks:
             return StoreHandle(None, lambda: 0, ignore, 0)
         lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
+        if reply.in_gpu_pool and reply.gpu_pool not in self._gpu_pools.tensors:
+            # Only where the daemon's pools changed since this client opened them (a restart).
+            log.warning(
+                "store lease %d: its pages are in a GPU pool this client has not opened", lease.lease_id
+            )
+            self._end_quietly("Abort", lease)
+            return StoreHandle(None, lambda: 0, ignore, 0)
         self._renewer.hold(lease.lease_id, lease.namespace)
         try:
             event, early = self._gather(reply, chunks, kv_caches, block_ids, layers, ahead)
@@ -90,9 +110,12 @@ class StorePath(Session):
         self._renewer.owned_by(lease.lease_id, handle)  # a handle dropped unwaited: no more renewals
         return handle
 
-    def _reserve(self, keys: Sequence[bytes], meanwhile: Callable[[], Any] | None = None) -> Any:
-        """The Reserve reply for `keys` (slots for the new ones), or None in an outage;
-        `meanwhile()` runs while the daemon answers."""
+    def _reserve(
+        self, keys: Sequence[bytes], meanwhile: Callable[[], Any] | None = None, gpu_bus_id: str = ""
+    ) -> Any:
+        """The Reserve reply for `keys` (slots for the new ones, in the GPU pool on `gpu_bus_id`
+        where the daemon has room there), or None in an outage; `meanwhile()` runs while the
+        daemon answers."""
         pid, start_time = self._writer
 
         def request() -> pb.ReserveRequest:
@@ -103,6 +126,7 @@ class StorePath(Session):
                 epoch=self.epoch,
                 writer_pid=pid if self.epoch else 0,
                 writer_start_time=start_time if self.epoch else 0,
+                gpu_bus_id=gpu_bus_id,
             )
 
         try:
@@ -123,6 +147,12 @@ class StorePath(Session):
         them, and where the first pages are committed early, the event after those), or inline
         through Put (done)."""
         stream = ahead.stream
+        if reply.in_gpu_pool:  # device to device, into the pool: one Commit once written
+            pool, offsets = self._gpu_pools.tensors[reply.gpu_pool], [reply.offsets[i] for i in chunks]
+            gather = kvstore_kernels.gather
+            return self._streams.enqueue(
+                gather, self.spec, kv_caches, block_ids, chunks, pool, offsets, layers, stream
+            ), None
         if self.arena is not None:
             offsets = [reply.offsets[i] for i in chunks]
             options = self._mapped.transfer_options(offsets)  # None: their slabs are registered

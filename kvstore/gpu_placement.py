@@ -11,6 +11,9 @@ end here, on the loop again (`loop.call_soon_threadsafe`). Nothing here waits fo
 - `readable(entries, pools)`: the pages a load lease can read: those in a pool its reader
   has not opened are copied into the arena first (Acquire waits for them); without arena
   room, the lease ends before the first of them.
+- `reserve(pool, page_bytes, count, protected)`: slots for a store that lands in a pool (a
+  worker writes its pages there device to device: `ReserveRequest.gpu_bus_id`), or None where
+  it goes to the arena; `landed(entries)` when such pages are committed.
 - `left(entry)`, `free_slot(entry)`: bookkeeping for a GPU-tier page leaving the index.
 
 While a page moves up it is read from the arena; once it is up, its arena slot is freed as
@@ -172,6 +175,46 @@ class GpuPlacement:
                 self.free_slot(entry)
             eviction.settle(entry)
 
+    # -- stores that land in a pool -----------------------------------------
+
+    def reserve(
+        self, pool_index: int, page_bytes: int, count: int, protected: Sequence[Entry]
+    ) -> list[int] | None:
+        """Slots of pool `pool_index` for `count` new pages a worker writes there in place (device
+        to device), or None: that store goes to the arena. Room is made by evicting the GPU tier's
+        policy's first unleased pages of the pool from the index (no copy down: the slots are
+        free at once, and a store into a pool is a hand-over, read soon or not at all). None
+        while a copy of the daemon's is in flight in the pool: a slot that a copy reads out of
+        is reused by the daemon's own copies in their order, but a worker's writes are not
+        ordered after it."""
+        pool = self.gpu.pools[pool_index]
+        if self.gpu.copies_in_flight(pool) or not pool.slots.can_hold(page_bytes):
+            self.counters["gpu_reserves_to_arena"] += 1
+            return None
+        kept = {id(entry) for entry in protected}
+        candidates = ((slot, e) for slot, e in self._evictable(pool) if id(e) not in kept)
+        victims = pool.slots.plan_free(page_bytes, count, candidates)
+        if victims is None:
+            self.counters["gpu_reserves_to_arena"] += 1
+            return None
+        for victim in victims:
+            self._make_room(victim)
+        return [pool.slots.alloc(page_bytes) for _ in range(count)]
+
+    def _make_room(self, victim: Entry) -> None:
+        """A GPU-tier page leaves the index for a store into its pool (a GPU-tier eviction: no
+        copy, so its slot is free at once; no lease holds it and no copy is in flight)."""
+        self.eviction.remove(victim, reason="evicted")
+        self.counters["gpu_evicted_chunks"] += 1
+
+    def landed(self, entries: Sequence[Entry]) -> None:
+        """Pages a worker wrote into a pool are committed: they belong to the GPU tier (the store
+        then tells the GPU tier's policy, as it tells the CPU tier's of the others)."""
+        for entry in entries:
+            entry.on_gpu = True
+        self.pages += len(entries)
+        self.counters["gpu_stored_chunks"] += len(entries)
+
     # -- down, for a reader without the pool --------------------------------
 
     def readable(self, entries: list[Entry], pools: Sequence[int]) -> list[Entry]:
@@ -235,7 +278,15 @@ class GpuPlacement:
             "copies_in_flight": self.gpu.pending_copies,
             "arena_registered": float(self.gpu.arena_registered),
         }
-        for name in ("promoted_chunks", "demoted_chunks", "copied_down_chunks", "promotions_refused"):
+        for name in (
+            "promoted_chunks",
+            "demoted_chunks",
+            "copied_down_chunks",
+            "promotions_refused",
+            "stored_chunks",
+            "evicted_chunks",
+            "reserves_to_arena",
+        ):
             extra[name] = self.counters[f"gpu_{name}"]
         return TierUsage(Tier.GPU.name.lower(), self.gpu.bytes_used, self.gpu.capacity, self.pages, extra)
 

@@ -32,7 +32,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, S
 from kvstore import __version__
 from kvstore.errors import DAEMON_STOPPING, ArenaWarmingUp, InvalidArgument, StaleEpoch, Unavailable
 from kvstore.events import MAX_STREAMS, MAX_STREAMS_PER_TENANT, Consumers, Event
-from kvstore.index import AcquireResult
+from kvstore.index import AcquireResult, ReserveResult
 from kvstore.keys import unpack_keys
 from kvstore.leases import Lease
 from kvstore.peers import Peer, boot_id
@@ -49,6 +49,15 @@ WARMUP_POLL_S = 0.005
 
 def _ttl(ms: int) -> float | None:
     return ms / 1000 if ms else None
+
+
+def _reserved(result: ReserveResult) -> pb.ReserveResponse:
+    """A Reserve's reply: the slots, in the arena or in one GPU pool."""
+    if result.pool < 0:
+        return pb.ReserveResponse(lease_id=result.lease_id, offsets=result.offsets)
+    return pb.ReserveResponse(
+        lease_id=result.lease_id, offsets=result.offsets, in_gpu_pool=True, gpu_pool=result.pool
+    )
 
 
 def _resync_reason(request: pb.EventsRequest, epoch: int) -> str:
@@ -204,10 +213,12 @@ class Handlers:
             writer = peer or self._declared_writer(request.writer_pid, request.writer_start_time)
         keys = unpack_keys(request.keys)
         try:
-            result = store.reserve(request.namespace, keys, _ttl(request.lease_ttl_ms), writer)
+            result = store.reserve(
+                request.namespace, keys, _ttl(request.lease_ttl_ms), writer, request.gpu_bus_id
+            )
         except ArenaWarmingUp as exc:  # a daemon just started: the reply waits for its arena
             return self._reserved_later(store, request, keys, writer, exc)
-        return pb.ReserveResponse(lease_id=result.lease_id, offsets=result.offsets)
+        return _reserved(result)
 
     async def _reserved_later(
         self,
@@ -230,11 +241,13 @@ class Handlers:
             self._check_serving()
             self._check_epoch(store, request.epoch)
             try:
-                result = store.reserve(request.namespace, keys, _ttl(request.lease_ttl_ms), writer)
+                result = store.reserve(
+                    request.namespace, keys, _ttl(request.lease_ttl_ms), writer, request.gpu_bus_id
+                )
             except ArenaWarmingUp as exc:
                 error = exc
                 continue
-            return pb.ReserveResponse(lease_id=result.lease_id, offsets=result.offsets)
+            return _reserved(result)
 
     def _declared_writer(self, pid: int, start_time: int) -> Peer:
         """The gRPC writer `pid` says it is, checked against /proc once per (pid, start time)."""

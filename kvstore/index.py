@@ -324,6 +324,7 @@ class LookupResult(NamedTuple):
 class ReserveResult(NamedTuple):
     lease_id: int
     offsets: list[int]  # -1: already stored or being stored, skip
+    pool: int = -1  # the offsets are slots of this GPU pool (-1: of the arena)
 
 
 class AcquireResult(NamedTuple):

@@ -178,6 +178,7 @@ class Quarantine:
     page_bytes: int
     until: float  # leases.quarantine_s after the expiry: freed then whatever the writer does
     next_check: float = 0.0  # when to look again whether the writer is gone
+    free: Callable[[int], None] | None = None  # gives a slot back (None: the arena's); a GPU pool's
 
 
 class Quarantines:
@@ -191,8 +192,17 @@ class Quarantines:
     def __bool__(self) -> bool:
         return bool(self._fenced)
 
-    def fence(self, lease: Lease, offsets: list[int], page_bytes: int, now: float) -> None:
-        self._fenced[lease.id] = Quarantine(lease, offsets, page_bytes, now + self.quarantine_s)
+    def fence(
+        self,
+        lease: Lease,
+        offsets: list[int],
+        page_bytes: int,
+        now: float,
+        free: Callable[[int], None] | None = None,
+    ) -> None:
+        """Keeps `offsets` (arena slots, or those of the pool `free` gives back to) from reuse."""
+        until = now + self.quarantine_s
+        self._fenced[lease.id] = Quarantine(lease, offsets, page_bytes, until, free=free)
 
     def end(self, namespace: bytes, lease_id: int) -> Quarantine | None:
         """Frees the slots of a fenced lease of `namespace`, if `lease_id` is one; it, or None."""
@@ -200,8 +210,9 @@ class Quarantines:
         if fenced is None or fenced.lease.namespace != namespace:
             return None
         del self._fenced[lease_id]
+        free = fenced.free or self._free
         for offset in fenced.offsets:
-            self._free(offset)
+            free(offset)
         return fenced
 
     def end_due(self, now: float) -> int:

@@ -2,7 +2,10 @@
 writer fills them (in place through the arena, or inline through Put) and Commits, which
 makes them visible to lookups at once, or Aborts. An entry being written is never visible.
 
-- `reserve(ns, keys, writer)`: all or nothing: without room for every new page, none.
+- `reserve(ns, keys, writer, gpu_bus_id)`: all or nothing: without room for every new page,
+  none. With the writer's GPU named, the new pages land in the GPU tier's pool on it where it
+  has room (the writer writes them there device to device; readers on other GPUs read them
+  over peer access, or the daemon copies them down for a reader without the pool).
 - `begin_put` / `write_leased` / `end_put`: one inline Put at a time per lease, each write
   checked against the lease; a Put that fails part-way breaks the lease (Commit refused).
 - `commit(ns, lease, count)`: the pages are stored, linked into their chain, written through
@@ -32,11 +35,18 @@ from kvstore.tiers import Tier
 
 class Writes(StoreState):
     def reserve(
-        self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float | None = None, writer: Peer | None = None
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        ttl_s: float | None = None,
+        writer: Peer | None = None,
+        gpu_bus_id: str = "",
     ) -> ReserveResult:
         """Slots for the keys not stored yet, under one store lease. `writer`: the process that
-        writes them in place (the arena), whose slots are fenced if the lease expires; None for a
-        client that writes through Put only."""
+        writes them in place (the arena, or a GPU pool), whose slots are fenced if the lease
+        expires; None for a client that writes through Put only. `gpu_bus_id`: the writer's GPU;
+        the new pages land in the GPU tier's pool there where it has room (`GpuPlacement.reserve`),
+        else in the arena."""
         ns = self.namespaces.registered(ns_id)
         self._check_keys(keys)
         ttl_s = self._ttl(ttl_s)
@@ -55,7 +65,8 @@ class Writes(StoreState):
             else:
                 present.append(entry)
                 offsets.append(-1)
-        if new_keys:
+        pool, slots = self._pool_slots(gpu_bus_id, writer, ns.spec.page_bytes, len(new_keys), present)
+        if new_keys and slots is None:
             self.eviction.make_cpu_room(ns.spec.page_bytes, len(new_keys), protected=present)
         self.counters["reserves"] += 1
         self.counters["skipped_chunks"] += len(present)
@@ -65,16 +76,39 @@ class Writes(StoreState):
             return ReserveResult(0, offsets)
         ns.make_room(len(new_keys))
         entries = []
-        for key in new_keys:
-            entry = ns.new_entry(key, self.cpu.slots.alloc(ns.spec.page_bytes))
-            ns.entries[key] = entry
-            entries.append(entry)
-        slots = iter(entries)
-        offsets = [offset if offset < 0 else next(slots).offset for offset in offsets]
+        if slots is None:
+            for key in new_keys:
+                entry = ns.new_entry(key, self.cpu.slots.alloc(ns.spec.page_bytes))
+                ns.entries[key] = entry
+                entries.append(entry)
+            places = iter([entry.offset for entry in entries])
+        else:  # in a GPU pool only: no arena slot until the page moves down
+            for key, slot in zip(new_keys, slots, strict=True):
+                entry = ns.new_entry(key, -1)
+                entry.gpu, entry.pool = slot, pool
+                ns.entries[key] = entry
+                entries.append(entry)
+            places = iter(slots)
+        offsets = [offset if offset < 0 else next(places) for offset in offsets]
         lease = self.leases.add(
             ns_id, LeaseKind.STORE, entries, self.clock() + ttl_s, ttl_s, list(keys), writer
         )
-        return ReserveResult(lease.id, offsets)
+        return ReserveResult(lease.id, offsets, pool)
+
+    def _pool_slots(
+        self, gpu_bus_id: str, writer: Peer | None, page_bytes: int, count: int, present: list[Entry]
+    ) -> tuple[int, list[int] | None]:
+        """The pool on the writer's GPU and slots there for `count` new pages; (-1, None): the
+        arena's."""
+        placement = self.gpu_placement
+        if not gpu_bus_id or not count or placement is None or writer is None:
+            return -1, None
+        pool = placement.gpu.pool_for(gpu_bus_id)
+        if pool < 0:
+            self.counters["gpu_reserves_to_arena"] += 1
+            return -1, None
+        slots = placement.reserve(pool, page_bytes, count, present)
+        return (pool, slots) if slots is not None else (-1, None)
 
     def begin_put(self, ns_id: bytes, lease_id: int) -> tuple[Lease, AcquireResult]:
         """Claims a store lease for one inline Put; a second concurrent Put is refused."""
@@ -124,14 +158,21 @@ class Writes(StoreState):
         for entry in part:
             entry.state |= COMMITTED
         ns.pages += len(part)
+        landed = [entry for entry in part if entry.offset < 0]  # written into a GPU pool
+        if landed:
+            assert self.gpu_placement is not None
+            self.gpu_placement.landed(landed)
         chain = self.eviction.link(ns, lease.keys, lease.linked, stop)
         lease.linked = stop
         self.eviction.tell_stored(self.eviction.policy_pages(chain))
-        pages = [(entry.key, entry.parent.key if entry.parent is not None else b"") for entry in part]
-        self.events.add_many(EventKind.STORED, Tier.CPU, ns_id, pages, "committed")
+        for tier, entries in ((Tier.CPU, [e for e in part if e.offset >= 0]), (Tier.GPU, landed)):
+            if entries:
+                pages = [(e.key, e.parent.key if e.parent is not None else b"") for e in entries]
+                self.events.add_many(EventKind.STORED, tier, ns_id, pages, "committed")
         self.counters["stored_chunks"] += len(part)
-        if self.lower is not None:
-            self.lower.committed(ns, part)
+        if self.lower is not None and len(landed) < len(part):
+            # A page in a pool only reaches the write-through tiers once it moves down.
+            self.lower.committed(ns, [e for e in part if e.offset >= 0] if landed else part)
         return len(part)
 
     def _next_part(self, lease: Lease, count: int) -> tuple[list[Entry], int]:
@@ -163,7 +204,11 @@ class Writes(StoreState):
         pending = lease.pending
         for entry in pending:
             del ns.entries[entry.key]
-            self.cpu.slots.free(entry.offset)
+            if entry.offset >= 0:
+                self.cpu.slots.free(entry.offset)
+            else:  # reserved in a GPU pool
+                assert self.gpu_placement is not None
+                self.gpu_placement.free_slot(entry)
         return len(pending)
 
     def _fence(self, lease: Lease, now: float) -> None:
@@ -174,5 +219,11 @@ class Writes(StoreState):
         pending = lease.pending
         for entry in pending:
             del ns.entries[entry.key]
-        self.quarantines.fence(lease, [entry.offset for entry in pending], ns.spec.page_bytes, now)
+        in_pool = [entry for entry in pending if entry.offset < 0]
+        if in_pool:  # a lease's new pages are all in one pool, or all in the arena
+            assert self.gpu_placement is not None
+            slots = self.gpu_placement.gpu.pools[in_pool[0].pool].slots
+            self.quarantines.fence(lease, [e.gpu for e in in_pool], ns.spec.page_bytes, now, slots.free)
+        else:
+            self.quarantines.fence(lease, [e.offset for e in pending], ns.spec.page_bytes, now)
         self.counters["fenced_leases"] += 1

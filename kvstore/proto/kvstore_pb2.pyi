@@ -174,28 +174,34 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_chunks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., acquired: _Optional[_Union[AcquireResponse, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease_ttl_ms", "epoch", "writer_pid", "writer_start_time")
+    __slots__ = ("namespace", "keys", "lease_ttl_ms", "epoch", "writer_pid", "writer_start_time", "gpu_bus_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     WRITER_PID_FIELD_NUMBER: _ClassVar[int]
     WRITER_START_TIME_FIELD_NUMBER: _ClassVar[int]
+    GPU_BUS_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: bytes
     lease_ttl_ms: int
     epoch: int
     writer_pid: int
     writer_start_time: int
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., writer_pid: _Optional[int] = ..., writer_start_time: _Optional[int] = ...) -> None: ...
+    gpu_bus_id: str
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease_ttl_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., writer_pid: _Optional[int] = ..., writer_start_time: _Optional[int] = ..., gpu_bus_id: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "offsets")
+    __slots__ = ("lease_id", "offsets", "in_gpu_pool", "gpu_pool")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    IN_GPU_POOL_FIELD_NUMBER: _ClassVar[int]
+    GPU_POOL_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    in_gpu_pool: bool
+    gpu_pool: int
+    def __init__(self, lease_id: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., in_gpu_pool: _Optional[bool] = ..., gpu_pool: _Optional[int] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("namespace", "lease_id", "epoch", "commit_count")

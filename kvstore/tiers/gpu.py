@@ -176,6 +176,11 @@ class GpuTier:
     def pending_copies(self) -> int:
         return sum(copier.submitted - copier.completed for copier in self._copiers)
 
+    def copies_in_flight(self, pool: GpuPool) -> int:
+        """Copies submitted into or out of `pool` that have not finished."""
+        copier = self._copiers[pool.index]
+        return copier.submitted - copier.completed
+
     def pool_for(self, pci_bus_id: str) -> int:
         """Index of the pool on the device with this PCI bus id, or -1."""
         for pool in self.pools:
