@@ -17,7 +17,11 @@ prompt's KV from a producer on one GPU to a consumer on another costs through th
 - The copies a hand-over through a GPU-tier pool would make, by the kernels alone (no daemon):
   the producer's gather into a buffer on the consumer's GPU over peer access, then the
   consumer's local scatter; or a local gather, then the consumer's scatter over peer access.
-- Every round's loaded bytes are compared with the producer's (column `ok`; `ok_device_copies`).
+- The hand-over through the GPU tier: the producer stores into the daemon's pool on its own GPU
+  (`KVStoreClient.store_to_gpu`), the consumer loads from there over peer access; timed as the
+  arena's.
+- Every round's loaded bytes are compared with the producer's (column `ok`; `ok_device_copies`,
+  `ok_pool`).
 
     python bench/handover.py                      # 8k and 32k tokens, GPUs 0 -> 1
     python bench/handover.py --tokens 8192 --reps 5
@@ -166,6 +170,8 @@ def run_tokens(tokens: int, producer: torch.device, consumer: torch.device, reps
             row["ok"] = all(r == (chunks, tokens) for r in results) and same_bytes(target, source)
         finally:
             consuming.close()
+    if producer.type == "cuda":
+        row["ok_pool"] = pool_handover(spec, source, target, table, chunks, tokens, devices, walls, reps)
     row["ms"] = {name: statistics.median(values) for name, values in walls.items()}
     row["walls_ms"] = walls
     peer = row["ms"].get("peer copy producer->consumer")
@@ -176,6 +182,69 @@ def run_tokens(tokens: int, producer: torch.device, consumer: torch.device, reps
             row["ms"]["memcpy d2h + h2d"] / row["ms"]["hand-over through the arena"]
         )
     return row
+
+
+POOL_ROW = "hand-over through the GPU tier (read over the link)"
+
+
+def pool_handover(
+    spec: Any,
+    source: list[torch.Tensor],
+    target: list[torch.Tensor],
+    table: list[int],
+    chunks: int,
+    tokens: int,
+    devices: tuple[torch.device, torch.device],
+    walls: dict[str, list[float]],
+    reps: int,
+) -> bool:
+    """The hand-over through the GPU tier: a daemon with a pool on each of the two GPUs, the
+    producer storing into the pool on its own GPU (`store_to_gpu`, device to device), the
+    consumer loading from there over peer access. Timed as the arena's: from the producer's call
+    to the consumer's last byte. Whether every round's pages were the producer's, and stayed out
+    of the arena."""
+    producer, consumer = devices
+    page_bytes = spec.page.page_bytes
+    pool_bytes = -(-(chunks * page_bytes + (64 << 20)) // (256 << 20)) * (256 << 20)
+    config = daemon_config(page_bytes, 4)
+    config["tiers"]["gpu"] = {
+        "enabled": True,
+        "devices": [producer.index, consumer.index],
+        "bytes": pool_bytes,
+        "slab_bytes": 256 << 20,
+    }
+    results: list[tuple[int, int]] = []
+    with running_daemon(config) as daemon:
+        with torch.cuda.device(producer):
+            producing = KVStoreClient.connect(daemon.address, spec)
+        with torch.cuda.device(consumer):
+            consuming = KVStoreClient.connect(daemon.address, spec)
+        try:
+            producing.store_to_gpu = True
+            source_r = producing.register_kv_caches(source)
+            target_r = consuming.register_kv_caches(target)
+            keys = producing.keys(list(range(tokens)))
+
+            def hand_over() -> None:
+                with torch.cuda.device(producer):
+                    stored = producing.store(None, source_r, table, keys=keys)
+                with torch.cuda.device(consumer):
+                    loaded = consuming.load(None, target_r, table, keys=keys)
+                results.append((stored, loaded))
+
+            def poison() -> None:
+                producing.clear()
+                for layer in target:
+                    layer.view(torch.uint8).fill_(0xA5)
+
+            walls[POOL_ROW] = timed(hand_over, devices, reps, before=poison)
+            stats = consuming.stats()
+            in_pool = stats["counters"].get("gpu_reserves_to_arena", 0) == 0
+            in_pool = in_pool and stats["counters"].get("gpu_copied_down_chunks", 0) == 0
+            return in_pool and all(r == (chunks, tokens) for r in results) and same_bytes(target, source)
+        finally:
+            consuming.close()
+            producing.close()
 
 
 DEVICE_ROWS = (
@@ -295,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
             mib, gbps = round(row["bytes"] / 2**20, 1), round(row["bytes"] / ms / 1e6, 2)
             ratio = row.get("x_peer_copy", {}).get(name)
             ok = row.get("ok_device_copies") if name in DEVICE_ROWS else row.get("ok")
+            ok = row.get("ok_pool") if name == POOL_ROW else ok
             table.append(
                 [
                     row["tokens"],
