@@ -2,11 +2,13 @@
 
 - `GpuPools.open(pools)`: opens each pool of a ConnectResponse once, on this process's device
   with the pool's PCI bus id (device numbers differ between processes), and wraps it as a
-  uint8 tensor on that device. A pool on a device this process cannot see stays closed.
-- `readable(device)`: the indices of the open pools a KV cache on `device` reads in place: those
-  on `device`, and those on another GPU it reaches over peer access (NVLink; `kvstore_kernels.
-  peer`), a decode instance reading what a prefill instance on another GPU stored there. The
-  daemon copies pages of other pools into the arena for it.
+  uint8 tensor on that device. A pool on another GPU that the current device (at Connect)
+  reaches over peer access is opened for the current device instead (the import maps it there
+  and turns peer access on), so its kernels read it in place over the link: a decode instance
+  reading what a prefill instance on another GPU stored into the pool on its GPU. A pool on a
+  device this process cannot see stays closed.
+- `readable(device)`: the indices of the open pools a KV cache on `device` reads in place (the
+  daemon copies pages of other pools into the arena for it).
 - `on(device)`: the open pool on `device` (its index, and its PCI bus id), or None: where a
   store asked to land in the GPU tier (`KVStoreClient.store_to_gpu`) writes its pages.
 - `pieces(acquired, arena)`: an Acquire reply cut by buffer: `(buffer, chunks, offsets)` for
@@ -67,10 +69,14 @@ class GpuPools:
         runtime: CudaRuntime | None,
         tensors: dict[int, torch.Tensor],
         bus_ids: dict[int, str] | None = None,
+        homes: dict[int, int] | None = None,
     ) -> None:
         self._runtime = runtime
-        self.tensors = tensors  # pool index -> its bytes, on this process's device
-        self.bus_ids = bus_ids or {}  # pool index -> its device's PCI bus id
+        # pool index -> its bytes, as the device that reads them sees them: its own, or (a pool
+        # on a peer GPU) this process's current device at Connect
+        self.tensors = tensors
+        self.bus_ids = bus_ids or {}  # pool index -> the PCI bus id of the GPU it is on
+        self.homes = homes or {}  # pool index -> that GPU's device number in this process
         self.max_programs: int | None = None  # kernel programs of a load from a pool
 
     @classmethod
@@ -83,13 +89,20 @@ class GpuPools:
         except CudaUnavailable as exc:
             log.info("GPU-tier pools not opened (%s): their pages come through the arena", exc)
             return cls(None, {})
+        current = torch.cuda.current_device()
         tensors: dict[int, torch.Tensor] = {}
         bus_ids: dict[int, str] = {}
+        homes: dict[int, int] = {}
         for index, pool in enumerate(pools):
             try:
-                device = runtime.device_by_pci_bus_id(pool.pci_bus_id)
-                with torch.cuda.device(device):
-                    runtime.set_device(device)
+                home = runtime.device_by_pci_bus_id(pool.pci_bus_id)
+                # A pool on another GPU that this one reaches over peer access is mapped for this
+                # one (the import turns peer access on): its kernels read it in place, over the link.
+                reader = (
+                    current if home != current and torch.cuda.can_device_access_peer(current, home) else home
+                )
+                with torch.cuda.device(reader):
+                    runtime.set_device(reader)
                     address = runtime.ipc_open(pool.ipc_handle)
             except CudaError as exc:
                 log.info(
@@ -98,26 +111,20 @@ class GpuPools:
                     exc,
                 )
                 continue
-            tensor = torch.as_tensor(_DeviceBytes(address, pool.size), device=torch.device("cuda", device))
-            tensors[index] = tensor
-            bus_ids[index] = pool.pci_bus_id
-        return cls(runtime, tensors, bus_ids)
+            finally:
+                runtime.set_device(current)
+            tensors[index] = torch.as_tensor(
+                _DeviceBytes(address, pool.size), device=torch.device("cuda", reader)
+            )
+            bus_ids[index], homes[index] = pool.pci_bus_id, home
+        return cls(runtime, tensors, bus_ids, homes)
 
     def readable(self, device: torch.device) -> list[int]:
-        local = [index for index, tensor in self.tensors.items() if tensor.device == device]
-        if device.type != "cuda":
-            return local
-        from kvstore_kernels import peer
-
-        return local + [
-            index
-            for index, tensor in self.tensors.items()
-            if tensor.device != device and peer.why_not(device, tensor.device) is None
-        ]
+        return [index for index, tensor in self.tensors.items() if tensor.device == device]
 
     def on(self, device: torch.device) -> tuple[int, str] | None:
         for index, tensor in self.tensors.items():
-            if tensor.device == device:
+            if tensor.device == device and self.homes.get(index) == device.index:
                 return index, self.bus_ids.get(index, "")
         return None
 
@@ -160,4 +167,5 @@ class GpuPools:
         for index in range(torch.cuda.device_count()):
             torch.cuda.synchronize(index)  # reads of this process still in flight, from any device
         for tensor in tensors.values():
-            runtime.ipc_close(tensor.data_ptr())
+            with torch.cuda.device(tensor.device):  # the device it was opened for
+                runtime.ipc_close(tensor.data_ptr())

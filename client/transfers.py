@@ -73,7 +73,12 @@ class Streams:
         if event is None:
             with torch.cuda.device(device):
                 event = self._ordering[device] = runtime.event_create()
-        runtime.event_record(event, torch.cuda.current_stream(device).cuda_stream)
+        current = torch.cuda.current_stream(device).cuda_stream
+        if current == 0 and torch.cuda.current_device() != device.index:
+            with torch.cuda.device(device):  # handle 0 names the current device's default stream
+                runtime.event_record(event, current)
+        else:
+            runtime.event_record(event, current)
         runtime.stream_wait_event(stream.cuda_stream, event)
         return stream
 

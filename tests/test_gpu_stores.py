@@ -274,10 +274,17 @@ def gpu_stats(client: KVStoreClient) -> tuple[dict[str, Any], dict[str, Any]]:
     return stats["tiers"]["gpu"], stats["counters"]
 
 
-def load_into(client: KVStoreClient, tokens: list[int], source: list[torch.Tensor], device: str) -> int:
-    """Loads `tokens` into a poisoned cache on `device`; every byte compared where loaded."""
+def load_into(
+    client: KVStoreClient,
+    tokens: list[int],
+    source: list[torch.Tensor],
+    device: str,
+    current: int | None = None,
+) -> int:
+    """Loads `tokens` into a poisoned cache on `device` (with `current` the caller's current
+    device, default `device`); every byte compared where loaded."""
     chunks = len(tokens) // 16
-    with torch.cuda.device(device):
+    with torch.cuda.device(device if current is None else current):
         shape = (2, chunks + 4, *source[0].shape[2:])
         target = [torch.full(shape, -7.0, dtype=source[0].dtype, device=device) for _ in source]
         loaded = client.load(tokens, target, list(range(4, chunks + 4)))
@@ -303,7 +310,7 @@ def test_cuda_a_store_lands_in_the_pool_of_its_gpu_and_loads_back_exactly(
             assert load_into(consumer, tokens, source, "cuda:0") == len(tokens)
         tier, counters = gpu_stats(producer)
     assert tier["pages"] == 8 and tier["stored_chunks"] == 8
-    assert counters["gpu_copied_down_chunks"] == 0 and counters.get("gpu_reserves_to_arena", 0) == 0
+    assert counters.get("gpu_copied_down_chunks", 0) == 0 and counters.get("gpu_reserves_to_arena", 0) == 0
     assert producer.stats()["tiers"]["cpu"]["bytes_used"] == 0
 
 
@@ -325,11 +332,12 @@ def test_cuda_prefill_on_one_gpu_hands_over_to_decode_on_another(
         producer.store_to_gpu = True
         with torch.cuda.device(0):
             assert producer.store(tokens, source, list(range(16))) == 16
-        assert consumer._gpu_pools.readable(torch.device("cuda", 1)) == [1, 0]
-        for _ in range(2):
-            assert load_into(consumer, tokens, source, "cuda:1") == len(tokens)
+        assert sorted(consumer._gpu_pools.readable(torch.device("cuda", 1))) == [0, 1]
+        assert load_into(consumer, tokens, source, "cuda:1") == len(tokens)
+        with torch.cuda.device(0):  # the caller's current device is not the cache's
+            assert load_into(consumer, tokens, source, "cuda:1", current=0) == len(tokens)
         tier, counters = gpu_stats(consumer)
-        assert tier["stored_chunks"] == 16 and counters["gpu_copied_down_chunks"] == 0
+        assert tier["stored_chunks"] == 16 and counters.get("gpu_copied_down_chunks", 0) == 0
         assert consumer.stats()["tiers"]["cpu"]["bytes_used"] == 0
     finally:
         consumer.close()
