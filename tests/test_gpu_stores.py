@@ -309,9 +309,9 @@ def test_cuda_a_store_lands_in_the_pool_of_its_gpu_and_loads_back_exactly(
         with KVStoreClient.connect(daemon.address, CUDA_SPEC) as consumer:
             assert load_into(consumer, tokens, source, "cuda:0") == len(tokens)
         tier, counters = gpu_stats(producer)
+        assert producer.stats()["tiers"]["cpu"]["bytes_used"] == 0
     assert tier["pages"] == 8 and tier["stored_chunks"] == 8
     assert counters.get("gpu_copied_down_chunks", 0) == 0 and counters.get("gpu_reserves_to_arena", 0) == 0
-    assert producer.stats()["tiers"]["cpu"]["bytes_used"] == 0
 
 
 @needs_peers
