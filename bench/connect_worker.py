@@ -10,7 +10,8 @@ once every slab is registered; prints one JSON line.
 prompts back to back (enough to fill the arena), each timed with its wait for slabs; then, once
 every slab is registered, loads each of them into a poisoned cache and compares every byte, and
 times stores of further prompts (the steady rate); then connects a second client in the process
-(`second_*`: whether it shares the mapping and registration).
+(`second_*`: whether it shares the mapping and registration); last, `arena_mapping`: the pages
+of its mapping of the arena by kind (smaps: huge ones PMD-mapped or hugetlbfs), as pinned.
 
 CUDA is initialised before the clock starts, as an engine's worker is, and the transfer kernels
 are compiled (Triton, on a pinned buffer of the worker's own, timed as `kernels_s`), as an
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.connect_pages import mapping_pages  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 
 BLOCK = 16
@@ -225,6 +227,8 @@ def fill(
         result["second_stats"] = second._mapped.stats()
     finally:
         second.close()
+    if client.arena is not None:  # last: reading smaps walks the whole mapping's page tables
+        result["arena_mapping"] = mapping_pages(client.arena.data_ptr())
     return result
 
 
