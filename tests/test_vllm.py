@@ -332,6 +332,15 @@ def test_bad_extra_config_names_the_key() -> None:
         ConnectorConfig.from_extra({"adress": "unix:///x"})
     with pytest.raises(ValueError, match="lookup_timeout_s"):
         ConnectorConfig.from_extra({"lookup_timeout_s": -1})
+    with pytest.raises(ValueError, match="save_to: expected one of auto, arena, gpu, got 'hbm'"):
+        ConnectorConfig.from_extra({"save_to": "hbm"})
+    roles = {"kv_producer": (False, True), "kv_consumer": (True, False), "kv_both": (True, True)}
+    for save_to, wanted in (("auto", ["kv_producer"]), ("gpu", list(roles)), ("arena", [])):
+        config = ConnectorConfig.from_extra({"save_to": save_to})
+        chosen = [
+            role for role, (loads, saves) in roles.items() if config.saves_to_gpu(loads=loads, saves=saves)
+        ]
+        assert chosen == wanted
 
 
 # -- roles, tensor parallelism, saves in flight, events ---------------------------
@@ -356,8 +365,9 @@ def test_a_producer_saves_and_a_consumer_loads_through_one_daemon(
 ) -> None:
     prefill = make_engine(kvstored, kv_role="kv_producer")
     decode = make_engine(kvstored, kv_role="kv_consumer")
+    assert [w._worker.save_to_gpu for w in (*prefill.workers, *decode.workers)] == [True, False]
     a = prompt(20, 160)
-    assert serve(prefill, "A", a) == 160
+    assert serve(prefill, "A", a) == 160  # asked for the GPU tier: a CPU engine's saves go to the arena
     assert serve(prefill, "A-again", a) == 160  # a producer loads nothing
     assert serve(decode, "A", a + [3], max_tokens=4) == 1
     assert serve(decode, "B", prompt(21, 64)) == 64

@@ -9,7 +9,10 @@ vLLM makes one connector in its scheduler and one in each worker (`role`); the s
 (`scheduler.SchedulerSide`) decides, the workers (`worker.WorkerSide`) move bytes, and the
 step's `metadata.StepMetadata` is all that passes between them. Roles: `kv_both` loads and
 saves; `kv_producer` (a prefill instance) saves every prompt and loads nothing; `kv_consumer`
-(a decode instance) loads and never saves. The extra-config keys are in `config`.
+(a decode instance) loads and never saves. A producer's saves land in the GPU tier's pool on its
+own GPU where the daemon has one (`save_to`), and a consumer on another GPU of the host reads them
+there over peer access: prefill to decode without the trip through host memory. The extra-config
+keys are in `config`.
 
 A daemon that is down, restarting or slow costs at most `lookup_timeout_s` per scheduler call,
 answers 0 matched tokens, saves nothing, logs one warning per outage, and never raises into vLLM.
@@ -88,6 +91,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config,
                 rank,
                 saves=saves,
+                save_to_gpu=self.config.saves_to_gpu(loads=loads, saves=saves),
             )
 
     @classmethod

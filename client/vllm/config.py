@@ -13,6 +13,11 @@ Extra-config keys, all optional:
   answer counts as a miss.
 - `timeout_s`: the workers' deadline for one call to the daemon (default 30 s).
 - `token`: the daemon's bearer token, where it asks for one.
+- `save_to`: where saves land: `"arena"` (host memory, kept for every later request on the
+  host), `"gpu"` (the daemon's GPU-tier pool on the worker's own GPU, written device to device;
+  a decode instance on another GPU of the host reads it in place over NVLink; the arena where
+  the daemon has no pool there or no room), or `"auto"` (default): `"gpu"` for a `kv_producer`
+  (a prefill instance handing prompts to decode instances), `"arena"` otherwise.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from kvstore.spec import KVSpec
 from kvstore_client.vllm.groups import Group, chunk_tokens_of, read_groups
 
 LOAD_MODES = ("async", "layerwise")
-_KEYS = ("address", "model", "salt", "load_mode", "lookup_timeout_s", "timeout_s", "token")
+SAVE_TO = ("auto", "arena", "gpu")
+_KEYS = ("address", "model", "salt", "load_mode", "lookup_timeout_s", "timeout_s", "token", "save_to")
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,11 @@ class ConnectorConfig:
     lookup_timeout_s: float = 0.2
     timeout_s: float = 30.0
     token: str | None = None
+    save_to: str = "auto"
+
+    def saves_to_gpu(self, *, loads: bool, saves: bool) -> bool:
+        """Whether a worker of this role asks for its saves to land in the GPU tier."""
+        return self.save_to == "gpu" or (self.save_to == "auto" and saves and not loads)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -59,6 +70,11 @@ class ConnectorConfig:
                         f"got {value!r}"
                     )
                 extra[key] = float(value)
+        if extra.get("save_to", "auto") not in SAVE_TO:
+            raise ValueError(
+                f"kv_connector_extra_config.save_to: expected one of {', '.join(SAVE_TO)}, "
+                f"got {extra['save_to']!r}"
+            )
         if extra.get("load_mode", "async") not in LOAD_MODES:
             raise ValueError(
                 f"kv_connector_extra_config.load_mode: expected one of {', '.join(LOAD_MODES)}, "

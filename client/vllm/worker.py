@@ -114,6 +114,7 @@ class WorkerSide:
         tp_rank: int,
         *,
         saves: bool,
+        save_to_gpu: bool = False,
     ) -> None:
         self.vllm_config = vllm_config
         self.tp_rank = tp_rank
@@ -123,6 +124,7 @@ class WorkerSide:
         }
         self.layer_group = {name: side for side in self.groups.values() for name in side.group.layer_names}
         self.saves = saves
+        self.save_to_gpu = save_to_gpu  # saves land in the GPU tier's pool on this GPU (`save_to`)
         self.layerwise = config.load_mode == "layerwise"
         self.reports = tp_rank == 0  # KV events speak of rank 0's keys
         self.handshake = Handshake()
@@ -322,6 +324,7 @@ class WorkerSide:
             if keys is None:
                 continue
             try:
+                client.store_to_gpu = self.save_to_gpu
                 stream = self._ordered_stream()
                 handle = client.store_async(
                     None, side.registered, side.cache.kernel_blocks(spec.block_ids), keys=keys, stream=stream
