@@ -4,6 +4,9 @@
 (`sglang.srt.mem_cache.pool_host.mha`, `.mla`) takes seconds and needs the torchvision stand-in
 in `tests/sglang_env`, neither of which belongs in the test process. It reads one JSON request on
 stdin, `{"address", "instances": [...], "steps": [...]}`, and prints one JSON object per step.
+With `--serve` it imports SGLang once and then serves request after request, each in a process
+forked for it (as fresh as a new worker, without the seconds of imports): after a request's
+steps it prints `{"exit": STATUS}`, the forked process's exit status, and reads the next.
 
 An instance is one SGLang host pool with its own backend (its own kvstore client), as one TP
 rank of one SGLang instance has: `{"kind": "mha" | "mla", "layout", "seed", "tp_rank",
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 import sys
 import traceback
@@ -591,12 +595,10 @@ def refusals(address: str) -> dict[str, Any]:
     }
 
 
-def main() -> int:
-    request = json.loads(sys.stdin.readline())
-    sglang_environment()
+def run(request: dict[str, Any]) -> int:
+    """Runs one request's steps, printing each step's result."""
     address = request["address"]
-    instances = request["instances"]
-    sessions = [Session(address, instance) for instance in instances]
+    sessions = [Session(address, instance) for instance in request["instances"]]
     for step in request["steps"]:
         try:
             if step["op"] == "refusals":
@@ -609,6 +611,51 @@ def main() -> int:
     for session in sessions:
         session.close()
     return 0
+
+
+def preload() -> None:
+    """Imports what every request uses, before any thread or gRPC channel exists: a process forked
+    from here starts as a new worker would after its imports."""
+    import sglang.srt.mem_cache.hicache_storage  # noqa: F401
+    import sglang.srt.mem_cache.pool_host.mamba  # noqa: F401
+    import sglang.srt.mem_cache.pool_host.mha  # noqa: F401
+    import sglang.srt.mem_cache.pool_host.mla  # noqa: F401
+    import sglang.srt.mem_cache.storage  # noqa: F401
+
+    import kvstore_client.sglang  # noqa: F401
+
+
+def run_forked(request: dict[str, Any]) -> int:
+    """`run(request)` in a child process; its exit status (1 on an exception, with the traceback
+    on stderr)."""
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            status = run(request)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def serve() -> int:
+    """Request after request from stdin, each in a forked process, until stdin closes. Nothing is
+    written to stdin while a request runs but the `wait` step's line, which its process reads."""
+    preload()
+    while line := sys.stdin.readline():
+        print(json.dumps({"exit": run_forked(json.loads(line))}), flush=True)
+    return 0
+
+
+def main() -> int:
+    sglang_environment()
+    if sys.argv[1:] == ["--serve"]:
+        return serve()
+    return run(json.loads(sys.stdin.readline()))
 
 
 if __name__ == "__main__":

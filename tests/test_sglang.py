@@ -1,8 +1,9 @@
 """kvstore as SGLang's HiCache storage backend: SGLang's own factory and MHA host pool, a real kvstored.
 
 The pool and the backend live in a worker process (`tests/sglang_pool.py`): SGLang's pool
-module takes seconds to import and needs a torchvision stand-in. Every page read back is
-compared byte for byte with the page written, in host slots poisoned with NaN first.
+module takes seconds to import and needs a torchvision stand-in. One worker per module imports
+it once and runs each scenario in a process forked for it. Every page read back is compared
+byte for byte with the page written, in host slots poisoned with NaN first.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,53 +44,87 @@ def mla(layout: str, **fields: Any) -> dict[str, Any]:
     return {"kind": "mla", "layout": layout, "seed": 5} | fields
 
 
-def run_worker(
-    address: str,
-    layout: str,
-    steps: list[dict[str, Any]],
-    seed: int = 0,
-    meanwhile: Callable[[], object] | None = None,
-    instances: list[dict[str, Any]] | None = None,
-) -> list[dict[str, Any]]:
-    """The worker's result per step; `meanwhile` runs where a step is `wait`. `instances`: the
-    host pools and backends (`tests/sglang_pool.py`), else one MHA pool of `layout`."""
-    if instances is None:
-        instances = [{"kind": "mha", "layout": layout, "seed": seed}]
-    worker = subprocess.Popen(
-        [sys.executable, str(WORKER)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert worker.stdin is not None and worker.stdout is not None
-    worker.stdin.write(json.dumps({"address": address, "instances": instances, "steps": steps}) + "\n")
-    worker.stdin.flush()
-    results = []
-    try:
-        for line in worker.stdout:
+RunWorker = Callable[..., list[dict[str, Any]]]
+
+
+class Worker:
+    """`tests/sglang_pool.py --serve`: SGLang imported once, each request in a process forked for it."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, str(WORKER), "--serve"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+
+    def run(
+        self,
+        address: str,
+        layout: str,
+        steps: list[dict[str, Any]],
+        seed: int = 0,
+        meanwhile: Callable[[], object] | None = None,
+        instances: list[dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The worker's result per step; `meanwhile` runs where a step is `wait`. `instances`: the
+        host pools and backends (`tests/sglang_pool.py`), else one MHA pool of `layout`."""
+        if instances is None:
+            instances = [{"kind": "mha", "layout": layout, "seed": seed}]
+        stdin, stdout = self.process.stdin, self.process.stdout
+        assert stdin is not None and stdout is not None
+        stdin.write(json.dumps({"address": address, "instances": instances, "steps": steps}) + "\n")
+        stdin.flush()
+        results = []
+        for line in stdout:
             reply = json.loads(line)
             if reply.get("waiting"):
                 if meanwhile is not None:
                     meanwhile()
-                worker.stdin.write("go\n")
-                worker.stdin.flush()
+                stdin.write("go\n")
+                stdin.flush()
                 continue
+            if "exit" in reply:
+                assert reply["exit"] == 0, self.log_path.read_text()[-4000:]
+                break
             results.append(reply)
-        worker.wait(timeout=120)
+        else:
+            raise AssertionError(f"the worker exited: {self.log_path.read_text()[-4000:]}")
+        for reply in results:
+            assert "error" not in reply, reply.get("traceback")
+        return results
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    worker = Worker(tmp_path_factory.mktemp("sglang") / "worker.log")
+    try:
+        yield worker
     finally:
-        if worker.poll() is None:
-            worker.kill()
-    stderr = worker.stderr.read() if worker.stderr is not None else ""
-    assert worker.returncode == 0, stderr[-4000:]
-    for reply in results:
-        assert "error" not in reply, reply.get("traceback")
-    return results
+        worker.close()
+
+
+@pytest.fixture
+def run_worker(worker: Worker) -> RunWorker:
+    return worker.run
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_sglang_builds_the_backend_and_its_pages_come_back_byte_identical(
-    daemon: Daemon, layout: str
+    run_worker: RunWorker, daemon: Daemon, layout: str
 ) -> None:
     filled, stored, hits, cleared, got, legacy = run_worker(
         daemon.address,
@@ -120,14 +155,16 @@ def test_sglang_builds_the_backend_and_its_pages_come_back_byte_identical(
     assert namespace["pages"] == 7  # 6 pages and the legacy one
 
 
-def test_pages_stored_from_one_layout_load_into_another(daemon: Daemon) -> None:
+def test_pages_stored_from_one_layout_load_into_another(run_worker: RunWorker, daemon: Daemon) -> None:
     run_worker(daemon.address, "page_first", [{"op": "fill", "pages": 4}, {"op": "set"}], seed=3)
     _, got = run_worker(daemon.address, "layer_first", [{"op": "fill", "pages": 4}, {"op": "get"}], seed=3)
     assert got["results"] == [True] * 4 and got["identical"] == [True] * 4
 
 
 @pytest.mark.parametrize("kind, layout", [("mha", "page_first_direct"), ("mla", "page_unified")])
-def test_sglang_storage_threads_at_once_get_their_own_bytes(daemon: Daemon, kind: str, layout: str) -> None:
+def test_sglang_storage_threads_at_once_get_their_own_bytes(
+    run_worker: RunWorker, daemon: Daemon, kind: str, layout: str
+) -> None:
     _, done = run_worker(
         daemon.address,
         layout,
@@ -143,7 +180,7 @@ def test_sglang_storage_threads_at_once_get_their_own_bytes(daemon: Daemon, kind
     }
 
 
-def test_missing_and_partly_present_pages(daemon: Daemon) -> None:
+def test_missing_and_partly_present_pages(run_worker: RunWorker, daemon: Daemon) -> None:
     _, stored, everything, gap, got, unknown, none = run_worker(
         daemon.address,
         "page_first",
@@ -165,7 +202,9 @@ def test_missing_and_partly_present_pages(daemon: Daemon) -> None:
     assert none["results"] == [False] * 5
 
 
-def test_a_daemon_that_is_down_is_a_miss_never_an_exception(daemon: Daemon, tmp_path: Path) -> None:
+def test_a_daemon_that_is_down_is_a_miss_never_an_exception(
+    run_worker: RunWorker, daemon: Daemon, tmp_path: Path
+) -> None:
     absent = f"unix://{tmp_path / 'no-daemon.sock'}"
     _, stored, hits, got = run_worker(
         absent, "page_first", [{"op": "fill", "pages": 3}, {"op": "set"}, {"op": "exists"}, {"op": "get"}]
@@ -206,7 +245,9 @@ def test_sglang_page_names_map_to_keys_of_their_own() -> None:
 
 
 @pytest.mark.parametrize("layout", MLA_LAYOUTS)
-def test_mla_pages_stored_by_one_instance_load_byte_exact_into_others(daemon: Daemon, layout: str) -> None:
+def test_mla_pages_stored_by_one_instance_load_byte_exact_into_others(
+    run_worker: RunWorker, daemon: Daemon, layout: str
+) -> None:
     """Instance 0 stores; instance 1 (same layout) and instance 2 (the next layout) know only what
     to expect, and load into host slots poisoned first."""
     other = MLA_LAYOUTS[(MLA_LAYOUTS.index(layout) + 1) % len(MLA_LAYOUTS)]
@@ -246,7 +287,7 @@ def test_mla_pages_stored_by_one_instance_load_byte_exact_into_others(daemon: Da
     assert namespace["page_bytes"] == MLA_PAGE_BYTES
 
 
-def test_mla_pages_are_stored_once_for_every_tp_rank(daemon: Daemon) -> None:
+def test_mla_pages_are_stored_once_for_every_tp_rank(run_worker: RunWorker, daemon: Daemon) -> None:
     """TP 2: both ranks hold the same latent; rank 0 stores it (as SGLang's storage writer),
     rank 1's store of the same keys is skipped, both ranks and a TP 1 instance load it."""
     ranks = [mla("page_first", tp_rank=0, tp_size=2), mla("page_first", tp_rank=1, tp_size=2)]
@@ -277,7 +318,7 @@ def test_mla_pages_are_stored_once_for_every_tp_rank(daemon: Daemon) -> None:
     assert namespace["page_bytes"] == MLA_PAGE_BYTES
 
 
-def test_a_missing_mla_page_is_a_miss_from_there_on(daemon: Daemon) -> None:
+def test_a_missing_mla_page_is_a_miss_from_there_on(run_worker: RunWorker, daemon: Daemon) -> None:
     """Pages 0, 1 and 3 stored: a load gets 0 and 1 and leaves every slot after them poisoned."""
     results = run_worker(
         daemon.address,
@@ -310,7 +351,7 @@ def hybrid(side: str = "mamba", **fields: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("side", ["mamba", "swa"])
 def test_a_hybrid_model_s_sidecar_pages_come_back_byte_identical_beside_its_kv(
-    daemon: Daemon, side: str
+    run_worker: RunWorker, daemon: Daemon, side: str
 ) -> None:
     """A hybrid's instance stores 8 KV pages and the sidecar pages (Mamba states, or a
     sliding-window pool's KV) of pages 3 and 7 through SGLang's v2 calls; another instance finds
@@ -339,7 +380,9 @@ def test_a_hybrid_model_s_sidecar_pages_come_back_byte_identical_beside_its_kv(
     assert side_namespace["page_bytes"] == (MAMBA_STATE_BYTES if side == "mamba" else MHA_PAGE_BYTES)
 
 
-def test_a_hybrid_prefix_stops_at_the_last_page_whose_state_is_stored(daemon: Daemon) -> None:
+def test_a_hybrid_prefix_stops_at_the_last_page_whose_state_is_stored(
+    run_worker: RunWorker, daemon: Daemon
+) -> None:
     """States after pages 2 and 5 only: a prompt of 8 stored KV pages restores 6 pages at most, and
     one whose 4th page is unknown restores 3; with the trailing 2 pages' states needed, none."""
     _, _, _, last, gap, pair = run_worker(
@@ -360,7 +403,9 @@ def test_a_hybrid_prefix_stops_at_the_last_page_whose_state_is_stored(daemon: Da
     assert pair["kv_hit_pages"] == 0 and pair["restorable"] == []
 
 
-def test_mla_pools_and_settings_not_served_are_refused_at_start_naming_what(daemon: Daemon) -> None:
+def test_mla_pools_and_settings_not_served_are_refused_at_start_naming_what(
+    run_worker: RunWorker, daemon: Daemon
+) -> None:
     (said,) = run_worker(daemon.address, "", [{"op": "refusals"}], instances=[])
     assert "page_first_kv_split" in said["page_first_kv_split"]
     assert "layer_first, page_first, page_first_direct, page_unified" in said["page_first_kv_split"]
