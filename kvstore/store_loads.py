@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 from kvstore.errors import NotFound
 from kvstore.index import COMMITTED, PIN, AcquireResult, Entry, LookupResult
@@ -49,32 +49,37 @@ class Loads(StoreState):
         ns = self.namespaces.registered(ns_id)
         self._check_keys(keys)
         ttl_s = self._ttl(ttl_s)
-        hits: list[Entry] = []
-        find = ns.entries.get
-        for key in keys:
-            entry = find(key)
-            if entry is None or not (entry.state & COMMITTED or entry.loaded is not None):
+        present = _present(ns.entries, keys)
+        # The usual hits are committed and have no `Tiering` (in the arena alone, no copy in
+        # flight): their tiers, and which of them the policy hears of, need no look at each one.
+        for entry in present:
+            if not entry.state & COMMITTED or entry.tiering is not None:
+                hits = _hit_prefix(present)
+                plain = not any(map(_TIERING, hits))
                 break
-            hits.append(entry)
+        else:
+            hits, plain = list(present), True
         lower = self.lower
         runs = lower.find(ns, keys[len(hits) :]) if lower is not None and len(hits) < len(keys) else []
         if lease and runs and lower is not None:
             lower.promote(ns, runs, hits)
             runs = []  # promoted ones joined `hits`; the rest are no longer in the answer
-        found = len(hits) + sum(len(run) for _, run in runs)
-        self.counters["lookups"] += 1
-        self.counters["hit_chunks"] += found
-        self.counters["missed_chunks"] += len(keys) - found
-        # The usual hits have no `Tiering` (committed, in the arena alone, no copy in flight): their
-        # tiers, and which of them the policy hears of, need no look at each one.
-        plain = not any(map(_TIERING, hits))
+            plain = not any(map(_TIERING, hits))
+        found = len(hits)
+        if runs:
+            found += sum(len(run) for _, run in runs)
+        counters = self.counters
+        counters["lookups"] += 1
+        counters["hit_chunks"] += found
+        counters["missed_chunks"] += len(keys) - found
         if touch:
             committed = hits if plain else [e for e in hits if e.state & COMMITTED]
             self.eviction.tell_hit(self.eviction.policy_pages(committed))
             if lower is not None and found:
                 lower.touch(ns, keys[:found])
         tiers = _CPU_TIER * len(hits) if plain else bytes(e.hit_tier for e in hits)
-        tiers += b"".join(bytes([s.medium]) * len(run) for s, run in runs)
+        if runs:
+            tiers += b"".join(bytes([s.medium]) * len(run) for s, run in runs)
         lease_id = 0
         placement = self.gpu_placement
         if lease and hits and placement is not None:
@@ -168,6 +173,30 @@ class Loads(StoreState):
         if self.leases.get(lease.id) is not lease:
             raise NotFound(f"lease {lease.id} expired while its pages were being read")
         return bytes(self.cpu.read(offset, length))
+
+
+def _present(entries: dict[bytes, Entry], keys: Sequence[bytes]) -> Sequence[Entry]:
+    """The entries of the longest prefix of `keys` that `entries` holds. The usual Lookup finds every
+    key: one C call (`itemgetter`) finds them all, without a Python turn per key; a missing key
+    names where the prefix ends, and the keys before it are all there."""
+    while len(keys) > 1:
+        try:
+            return itemgetter(*keys)(entries)  # type: ignore[no-any-return]
+        except KeyError as missing:
+            keys = keys[: keys.index(missing.args[0])]
+    entry = entries.get(keys[0]) if keys else None  # (itemgetter of one key is not a tuple)
+    return () if entry is None else (entry,)
+
+
+def _hit_prefix(present: Sequence[Entry]) -> list[Entry]:
+    """The pages a Lookup hits, of those found in order: committed, or being read into the arena
+    from a lower tier (`loaded`); the first that is neither (a page being stored) ends them."""
+    hits: list[Entry] = []
+    for entry in present:
+        if not (entry.state & COMMITTED or entry.loaded is not None):
+            break
+        hits.append(entry)
+    return hits
 
 
 def _pending(lease: Lease) -> list[asyncio.Future[bool]]:
