@@ -10,7 +10,8 @@ equal the prompt's KV and every other block must still hold the poison. Any exce
 public call is recorded, with its traceback, and the loop goes on.
 
 Report: {"ops", "loads", "hit_tokens", "stored", "wrong": [...], "exceptions": [...],
-"served": [wall-clock times of calls the daemon served, one per 50 ms at most]}.
+"served": [wall-clock times of calls the daemon served, one per 50 ms at most]}. Each served
+time is also appended to REPORT_FILE.served as it happens, one a line, for a test to wait on.
 """
 
 from __future__ import annotations
@@ -101,10 +102,14 @@ def main() -> None:
     exceptions: list[str] = []
     served: list[float] = []
 
+    served_file = open(args.report_file.with_name(args.report_file.name + ".served"), "a")  # noqa: SIM115
+
     def note_served() -> None:
         now = time.time()
         if not served or now - served[-1] >= 0.05:
             served.append(now)
+            served_file.write(f"{now}\n")
+            served_file.flush()
 
     client = KVStoreClient.connect(args.address, SPEC, timeout_s=5.0)
     print("connected", flush=True)
@@ -135,6 +140,7 @@ def main() -> None:
         except BaseException as exc:  # every exception out of a public call is a finding
             exceptions.append(f"{exc!r}\n{traceback.format_exc()}")
     client.close()
+    served_file.close()
     report = {**counts, "wrong": wrong, "exceptions": exceptions, "served": served}
     args.report_file.write_text(json.dumps(report))
 

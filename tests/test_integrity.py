@@ -38,7 +38,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_client import KVStoreClient
 from kvstore_client.connection import RECONNECT_INTERVAL_S, open_channel
-from tests.harness import Daemon, python_env, start_daemon, write_config
+from tests.harness import STARTUP_TIMEOUT_S, Daemon, python_env, start_daemon, write_config
 from tests.integrity_worker import BLOCKS, POISON, SPEC, cache_for, prompt, wrong_blocks
 
 SERVE_AGAIN_S = 3.0
@@ -82,6 +82,22 @@ class Workers:
         for process in self.processes:
             line = process.stdout.readline() if process.stdout else b""
             assert line.strip() == b"connected", process.stderr.read() if process.stderr else ""
+
+    def served_after(self, since: float) -> bool:
+        """Whether every worker has had a call served at `since` or later."""
+        for report in self.reports:
+            served = report.with_name(report.name + ".served")
+            lines = served.read_text().split() if served.exists() else []
+            if not any(float(t) >= since for t in lines):
+                return False
+        return True
+
+    def wait_served(self, since: float, timeout_s: float) -> None:
+        """Until every worker has had a call served at `since` or later, or `timeout_s` passed
+        (the caller's assertions on the reports say which worker was not served)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.served_after(since) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def finish(self) -> list[dict]:
         self.stop_file.touch()
@@ -131,13 +147,14 @@ def test_workers_see_no_error_and_no_wrong_byte_through_five_restarts(
     workers = Workers(tmp_path, daemon.address, WORKERS, *(["--commit-parts"] if parts else []))
     serving_since: list[float] = []
     try:
-        time.sleep(1.0)
+        workers.wait_served(time.time(), STARTUP_TIMEOUT_S)  # every worker is storing or loading
         for _ in range(RESTARTS):
             daemon.stop(sig)
             time.sleep(0.3)  # calls made while it is down
             daemon = restartable(**config)
             serving_since.append(time.time())
-            time.sleep(SERVE_AGAIN_S + 0.5)
+            # The next restart comes as soon as every worker is served again, with calls in flight.
+            workers.wait_served(serving_since[-1], SERVE_AGAIN_S + 0.5)
         reports = workers.finish()
     finally:
         workers.kill()
