@@ -134,7 +134,13 @@ def test_a_disk_tier_behind_the_cpu_tier_keeps_what_the_cpu_tier_drops(tmp_path:
 
 @pytest.mark.skipif(not CONVERSATION_TRACE.exists(), reason="the shared conversation trace is not here")
 def test_conversation_trace_with_a_disk_tier_reaches_the_infinite_bound() -> None:
-    result = replay(load_trace(str(CONVERSATION_TRACE)), cpu_pages=5000, policy="lfuda", disk_pages=50_000)
-    infinite = bounds(load_trace(str(CONVERSATION_TRACE)), 5000).infinite
-    assert result.tier_hit_blocks["disk"] > 0
-    assert abs(result.hit_ratio - infinite) <= 0.01
+    # The trace's first 2,000 requests (54,559 blocks, 38,788 distinct): a disk tier with room for
+    # every block keeps all that 1,000 CPU pages drop, so every reuse hits. The whole trace (5,000
+    # CPU pages, 50,000 disk pages: 35.66% against the infinite 36.64%) is `kvctl replay
+    # --disk-pages`, half a minute on a 2-core machine.
+    trace = load_trace(CONVERSATION_TRACE)
+    head = Trace("head", trace.requests[:2000])
+    result = replay(head, cpu_pages=1000, policy="lfuda", disk_pages=50_000)
+    assert result.tier_hit_blocks["disk"] > result.tier_hit_blocks["cpu"] > 0
+    assert result.hit_blocks == infinite_hits(head.requests) == 15_771
+    assert replay(head, cpu_pages=1000, policy="lfuda").hit_ratio < result.hit_ratio / 5  # without it
