@@ -186,13 +186,14 @@ class Handlers:
             tiers = store.lookup_each(request.namespace, unpack_keys(request.keys))
             leading = next((i for i, tier in enumerate(tiers) if not tier), len(tiers))
             return pb.LookupResponse(hit_chunks=leading, tiers=tiers)
+        lease = request.lease
         result = store.lookup(
             request.namespace,
             unpack_keys(request.keys),
-            request.lease,
+            lease,
             _ttl(request.lease_ttl_ms),
-            touch=request.lease,  # a query is not a use: the load's leased lookup is
-            gpu_pools=request.gpu_pools,
+            touch=lease,  # a query is not a use: the load's leased lookup is
+            gpu_pools=request.gpu_pools if lease else (),  # read for a lease's reader only
         )
         reply = pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=result.tiers, lease_id=result.lease_id)
         if request.acquire and result.lease_id:  # the Acquire too, when it needs no waiting

@@ -114,6 +114,11 @@ class LocalChannelServer:
         self._poll_until = 0.0
         self._polling = False
         self.polls = 0  # turns of the loop spent polling (stats, tests)
+        # Each method by its wire index: its name, request type and handler, looked up once here
+        # rather than by name for every frame.
+        self._methods = tuple(
+            (name, request_type, getattr(handlers, name)) for name, (request_type, _) in UNARY_METHODS.items()
+        )
 
     def _tenant_of(self, session: _Session) -> str | None:
         """The tenant a connection counts against (None: none, without tenants or for an admin
@@ -245,11 +250,10 @@ class LocalChannelServer:
         """The reply frame, or an awaitable of it where the handler must wait (Acquire)."""
         if method >= len(METHOD_NAMES):
             return frame(_INVALID_ARGUMENT, f"unknown local-channel method {method}".encode())
-        name = METHOD_NAMES[method]
+        name, request_type, handle = self._methods[method]
         started = time.perf_counter()
         try:
-            request = parse_request(name, UNARY_METHODS[name][0], payload)
-            reply = getattr(self.handlers, name)(request, caller)
+            reply = handle(parse_request(name, request_type, payload), caller)
         except Exception as exc:
             answer = _error_frame(name, exc)
         else:
@@ -359,30 +363,23 @@ class _Session(asyncio.Protocol):
                 self._transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
-        if (
-            not self._buffer
-            and self._waiting is None
-            and self._transport is not None
-            and len(data) >= HEADER.size
-        ):
-            length, _ = HEADER.unpack_from(data)
-            if len(data) == HEADER.size + length:  # one whole frame, as a worker's call sends it
-                self._answer_frame(data)
+        transport = self._transport
+        if not self._buffer and self._waiting is None and transport is not None and len(data) >= HEADER.size:
+            length, method = HEADER.unpack_from(data)
+            # One whole frame, as a worker's call sends it: answered from the bytes received, not
+            # copied through the buffer (one over MAX_REQUEST_BYTES is refused by `_answer`).
+            if len(data) == HEADER.size + length and length <= MAX_REQUEST_BYTES:
+                server = self._server
+                reply = server.respond(method, data[HEADER.size :], self.caller)
+                server.keep_polling()
+                if type(reply) is bytes:  # the usual reply: no descriptor, nothing to await
+                    transport.write(reply)
+                else:
+                    self._send(reply)
                 return
         self._buffer += data
         if self._waiting is None:
             self._answer()
-
-    def _answer_frame(self, data: bytes) -> None:
-        """`_answer` for one whole frame received alone: no copy through the buffer."""
-        length, method = HEADER.unpack_from(data)
-        if length > MAX_REQUEST_BYTES:
-            self._buffer += data  # refused by `_answer`
-            self._answer()
-            return
-        reply = self._server.respond(method, data[HEADER.size :], self.caller)
-        self._server.keep_polling()
-        self._send(reply)
 
     def _answer(self) -> None:
         buffer = self._buffer
