@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     expected = {}
     for where, buffer in buffers.items():
         buffer.fill_(0xA5)
+        torch.cuda.synchronize(buffer.device)  # the poison lands before the kernel on GPU 0 writes
         kvstore_kernels.gather(spec, cache, table, range(chunks), buffer, offsets)
-        torch.cuda.synchronize(buffer.device)
+        torch.cuda.synchronize(zero)  # the kernel ran on the cache's GPU
         expected[where] = buffer.cpu()
     rows = []
     for (tile, segments, warps, programs), where, to_page in itertools.product(
@@ -116,8 +117,9 @@ def main(argv: list[str] | None = None) -> None:
         ok = True
         if to_page:
             buffer.fill_(0x5A)
-            run()
             torch.cuda.synchronize(buffer.device)
+            run()
+            torch.cuda.synchronize(zero)
             ok = torch.equal(buffer.cpu(), expected[where])
         rows.append(
             {

@@ -73,6 +73,7 @@ def test_pages_on_a_peer_gpu(layout: str, dtype: str, cache_on: str, buffer_on: 
     expected = expected_buffer(spec, caches, table, chunks, offsets, size)
     for poison in POISONS:
         buffer = torch.full((size,), poison, dtype=torch.uint8, device=buffer_on)
+        torch.cuda.synchronize(buffer_on)  # the poison is there before the other GPU's kernel writes
         kvstore_kernels.gather(spec, caches, table, chunks, buffer, offsets, options=options)
         torch.cuda.synchronize(cache_on)
         assert torch.equal(buffer.cpu(), torch.where(expected < 0, poison, expected).to(torch.uint8))
@@ -80,7 +81,9 @@ def test_pages_on_a_peer_gpu(layout: str, dtype: str, cache_on: str, buffer_on: 
     for poison in POISONS:
         bases, restored = build(spec, cache_on, num_blocks=40, fill=poison)
         want_bases, want = build(spec, "cpu", num_blocks=40, fill=poison)
-        kvstore_kernels.scatter(spec, restored, table, chunks, pages.to(buffer_on), offsets, options=options)
+        peer_pages = pages.to(buffer_on)
+        torch.cuda.synchronize(buffer_on)
+        kvstore_kernels.scatter(spec, restored, table, chunks, peer_pages, offsets, options=options)
         torch.cuda.synchronize(cache_on)
         write_expected(spec, want, table, chunks, pages, offsets)
         for got, wanted in zip(as_bytes(bases), as_bytes(want_bases), strict=True):
@@ -100,6 +103,7 @@ def test_prepared_transfer_to_a_peer_gpu(to_page: bool) -> None:
     for poison in POISONS:
         if to_page:
             buffer = torch.full((size,), poison, dtype=torch.uint8, device="cuda:1")
+            torch.cuda.synchronize("cuda:1")
             prepared = kvstore_kernels.prepare(spec, registered, table, chunks, buffer, to_page=True)
             prepared.run([2, 0, 3, 1], [offsets[2], offsets[0], offsets[3], offsets[1]])
             torch.cuda.synchronize("cuda:0")
@@ -109,7 +113,9 @@ def test_prepared_transfer_to_a_peer_gpu(to_page: bool) -> None:
             bases, restored = build(spec, "cuda:0", num_blocks=40, fill=poison)
             want_bases, want = build(spec, "cpu", num_blocks=40, fill=poison)
             target = kvstore_kernels.register(spec, restored)
-            prepared = kvstore_kernels.prepare(spec, target, table, chunks, pages.to("cuda:1"), to_page=False)
+            peer_pages = pages.to("cuda:1")
+            torch.cuda.synchronize("cuda:1")
+            prepared = kvstore_kernels.prepare(spec, target, table, chunks, peer_pages, to_page=False)
             prepared.run([1, 3], [offsets[1], offsets[3]])
             torch.cuda.synchronize("cuda:0")
             write_expected(spec, want, table, [chunks[1], chunks[3]], pages, [offsets[1], offsets[3]])
