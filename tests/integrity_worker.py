@@ -1,13 +1,15 @@
 """A worker process for the integrity tests: stores and loads prompts through one client object
 until told to stop, checking every loaded byte, and reports what it saw as JSON.
 
-    python -m tests.integrity_worker ADDRESS STOP_FILE REPORT_FILE --seed N [--prompts P]
+    python -m tests.integrity_worker ADDRESS STOP_FILE REPORT_FILE --seed N [--prompts P] [--gpu]
 
 Every prompt's KV is a function of the prompt alone (`cache_for`), so any worker can check a
 page another worker stored. A third of the calls use the prompt less its last 5 tokens, stored
 and loaded with its tail page (`tail=True`). A load goes into a poisoned cache: the loaded tokens' blocks must
 equal the prompt's KV and every other block must still hold the poison. Any exception out of a
 public call is recorded, with its traceback, and the loop goes on.
+
+With `--gpu` the caches are on the GPU and stores ask for the daemon's GPU tier.
 
 Report: {"ops", "loads", "hit_tokens", "stored", "wrong": [...], "exceptions": [...],
 "served": [wall-clock times of calls the daemon served, one per 50 ms at most]}. Each served
@@ -90,6 +92,9 @@ def main() -> None:
     parser.add_argument(
         "--commit-parts", action="store_true", help="stores commit page by page as each is written"
     )
+    parser.add_argument(
+        "--gpu", action="store_true", help="caches on the GPU, stores into the daemon's GPU tier"
+    )
     args = parser.parse_args()
     if args.commit_parts:  # parts of one page, the last part one page: every early Commit is taken
         from kvstore_client import stores
@@ -97,6 +102,8 @@ def main() -> None:
         stores.EARLY_COMMIT_PART_BYTES = stores.EARLY_COMMIT_TAIL_BYTES = 1
     rng = random.Random(args.seed)
     caches = {i: cache_for(i) for i in range(args.prompts)}
+    if args.gpu:
+        caches = {i: [t.cuda() for t in cache] for i, cache in caches.items()}
     counts = {"ops": 0, "loads": 0, "hit_tokens": 0, "stored": 0}
     wrong: list[dict[str, object]] = []
     exceptions: list[str] = []
@@ -112,6 +119,7 @@ def main() -> None:
             served_file.flush()
 
     client = KVStoreClient.connect(args.address, SPEC, timeout_s=5.0)
+    client.store_to_gpu = args.gpu
     print("connected", flush=True)
     blocks = torch.arange(BLOCKS)
     while not args.stop_file.exists():

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -410,3 +411,40 @@ def test_cuda_a_daemon_restarted_after_a_hand_over_loses_only_the_pool(
             wait_for(lambda: producer.store(tokens, source, list(range(8))) == 8, timeout_s=30)
             assert load_into(consumer, tokens, source, "cuda:0") == len(tokens)
             assert gpu_stats(consumer)[0]["stored_chunks"] == 8
+
+
+@needs_cuda
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_cuda_workers_storing_into_the_pool_see_no_error_and_no_wrong_byte_through_restarts(
+    tmp_path: Path, sig: int
+) -> None:
+    """Workers store into the GPU tier (a small pool: its pages are evicted and its slots reused
+    all the time) and load, while the daemon is stopped and started again three times: no
+    exception out of a public call, no loaded byte that is not the prompt's."""
+    from tests.harness import start_daemon
+    from tests.test_integrity import SERVE_AGAIN_S, STARTUP_TIMEOUT_S, Workers
+
+    config = {
+        "tiers__cpu__bytes": "1MiB",
+        "tiers__cpu__slab_bytes": "256KiB",
+        "tiers__gpu": {"enabled": True, "bytes": "512KiB", "slab_bytes": "256KiB"},
+    }
+    daemon = start_daemon(tmp_path, "restart", **config)
+    workers = Workers(tmp_path, daemon.address, 3, "--gpu")
+    try:
+        workers.wait_served(time.time(), STARTUP_TIMEOUT_S)
+        for _ in range(3):
+            daemon.stop(sig)
+            daemon = start_daemon(tmp_path, "restart", **config)
+            workers.wait_served(time.time(), SERVE_AGAIN_S + 5)
+        reports = workers.finish()
+        stats = daemon.stub().Stats(pb.StatsRequest())
+    finally:
+        workers.kill()
+        if daemon.process.poll() is None:
+            assert daemon.stop() == 0, daemon.log()
+    for n, report in enumerate(reports):
+        assert report["exceptions"] == [], f"worker {n}: {report['exceptions'][:2]}"
+        assert report["wrong"] == [], f"worker {n}: {report['wrong'][:3]}"
+        assert report["loads"] > 10 and report["hit_tokens"] > 0 and report["stored"] > 0
+    assert dict(stats.counters).get("gpu_stored_chunks", 0) > 0  # the last daemon's pool was used
