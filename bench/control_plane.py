@@ -1132,6 +1132,7 @@ def report_storm(storm: dict[str, Any]) -> None:
                     round(run["p50_us"]),
                     round(run["p99_us"]),
                     round(run["daemon_cpu_us_per_call"], 1),
+                    round(run["daemon_user_us_per_call"], 1),
                 ]
             )
     print(f"\n64-key Lookups from {storm['runs'][next(iter(storm['runs']))][0]['processes']} processes")
@@ -1142,6 +1143,7 @@ def report_storm(storm: dict[str, Any]) -> None:
             "p50 µs",
             f"p99 µs (<= {TARGET_STORM_P99_US:.0f})",
             "daemon CPU µs/call",
+            "of which user",
         ],
         rows,
     )

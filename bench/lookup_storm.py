@@ -126,9 +126,11 @@ def storm(
             w.stdin.flush()
         while time.time() < start:
             time.sleep(0.005)
-        cpu_before = _cpu_seconds(ready["pid"])
+        user_before, system_before = _cpu_seconds(ready["pid"])
         time.sleep(seconds)
-        daemon_cpu_s = _cpu_seconds(ready["pid"]) - cpu_before
+        user_after, system_after = _cpu_seconds(ready["pid"])
+        user_s, system_s = user_after - user_before, system_after - system_before
+        daemon_cpu_s = user_s + system_s
         outputs = [json.loads(w.communicate(timeout=WORKER_START_S + seconds + 60)[0]) for w in workers]
         if any(w.returncode for w in workers):
             raise RuntimeError(f"a worker of {tree} failed")
@@ -150,6 +152,10 @@ def storm(
         "p99_us": _percentile(times, 0.99),
         "max_us": times[-1],
         "daemon_cpu_us_per_call": daemon_cpu_s / max(1, len(times)) * 1e6,
+        # Of which in the daemon's own code (user) and in the kernel (system: its socket reads and
+        # writes, the wake-ups of the workers, epoll).
+        "daemon_user_us_per_call": user_s / max(1, len(times)) * 1e6,
+        "daemon_system_us_per_call": system_s / max(1, len(times)) * 1e6,
         "daemon_cpu_share": daemon_cpu_s / seconds,
         "per_worker_calls": [len(out["times_us"]) for out in outputs],
     }
@@ -168,6 +174,9 @@ def setup(work_dir: Path, num_keys: int) -> None:
     from latency_probe import start_daemon
 
     daemon, address = start_daemon(work_dir)
+    # The SIGTERM that ends the round stops the daemon too (the finally below). Waited for with
+    # sigwait and not blocked, it took its default action: the process died and its daemon ran on.
+    signal.signal(signal.SIGTERM, _exit)
     try:
         spec = storm_spec()
         tokens = torch.randint(0, 128_000, (num_keys * 256,), generator=torch.Generator().manual_seed(5))
@@ -178,15 +187,22 @@ def setup(work_dir: Path, num_keys: int) -> None:
                 raise RuntimeError("the setup did not store every chunk")
             keys = ",".join(key.hex() for key in client.keys(tokens))
         print(json.dumps({"address": address, "keys": keys, "pid": daemon.pid}), flush=True)
-        signal.sigwait({signal.SIGTERM})
+        while True:
+            signal.pause()
     finally:
         daemon.terminate()
         daemon.wait(60)
 
 
-def _cpu_seconds(pid: int) -> float:
+def _exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """The process's CPU time so far: (user, system) seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick  # utime, stime
 
 
 def _percentile(ordered: list[float], q: float) -> float:
@@ -216,7 +232,9 @@ def compare(
                     f"{result['calls_per_s']:,.0f} Lookups/s, p50 {result['p50_us']:.0f} µs, "
                     f"p99 {result['p99_us']:.0f} µs, max {result['max_us']:.0f} µs, daemon "
                     f"{result['daemon_cpu_us_per_call']:.1f} CPU µs/call "
-                    f"({result['daemon_cpu_share']:.2f} of a core)"
+                    f"({result['daemon_user_us_per_call']:.1f} user, "
+                    f"{result['daemon_system_us_per_call']:.1f} system; "
+                    f"{result['daemon_cpu_share']:.2f} of a core)"
                 )
                 print(
                     f"round {round_} {name}: {figures}",
