@@ -28,6 +28,7 @@ from tests.harness import Daemon, launch_daemon, python_env
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 TOUR = "## A five-minute tour"
+README_TITLE = "# kvstore"
 MARK = "@@readme-tour@@"
 PRINTED = re.compile(r"^\s*print\(.*\)\s*#\s*([^:\s]+)")  # `print(x)  # 4: what x is` -> "4"
 SAYS = re.compile(r"^\s*print\(.*\)\s*#\s*(.+?):\s")  # `print(x.shape)  # torch.Size([1, 2]): ...`
@@ -325,6 +326,14 @@ def test_the_replay_example_runs_as_printed(tour_env: dict[str, str]) -> None:
             if bound in said:
                 assert rows[bound] == number_text(rf"{bound} ([\d.]+%)", said), (said, run.stdout)
         assert run.stdout.startswith("examples/conversation_trace_2k.jsonl: 2000 requests, 22977 blocks")
+
+
+def test_the_readme_test_command_is_what_ci_runs() -> None:
+    """The README's test command is `.ci/run`'s, word for word: what a newcomer runs is what CI
+    times and passes."""
+    (block,) = [block for block in section_blocks(README_TITLE) if "-m pytest" in "\n".join(block.lines)]
+    ci_run = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert block.lines == [ci_run[-1]]
 
 
 def number_text(pattern: str, text: str) -> str:
