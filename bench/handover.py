@@ -151,23 +151,9 @@ def run_tokens(tokens: int, producer: torch.device, consumer: torch.device, reps
             consuming = KVStoreClient.connect(daemon.address, spec)
         try:
             wait_reserved(producing)
-            source_r = producing.register_kv_caches(source)
-            target_r = consuming.register_kv_caches(target)
-            keys = producing.keys(list(range(tokens)))
-            results: list[tuple[int, int]] = []
-
-            def hand_over() -> None:
-                stored = producing.store(None, source_r, table, keys=keys)
-                loaded = consuming.load(None, target_r, table, keys=keys)
-                results.append((stored, loaded))
-
-            def poison() -> None:
-                producing.clear()
-                for layer in target:
-                    layer.view(torch.uint8).fill_(0xA5)
-
-            walls["hand-over through the arena"] = timed(hand_over, devices, reps, before=poison)
-            row["ok"] = all(r == (chunks, tokens) for r in results) and same_bytes(target, source)
+            walls["hand-over through the arena"], row["ok"] = handed_over(
+                producing, consuming, source, target, table, tokens, devices, reps
+            )
         finally:
             consuming.close()
     if producer.type == "cuda":
@@ -185,6 +171,41 @@ def run_tokens(tokens: int, producer: torch.device, consumer: torch.device, reps
 
 
 POOL_ROW = "hand-over through the GPU tier (read over the link)"
+
+
+def handed_over(
+    producing: Any,
+    consuming: Any,
+    source: list[torch.Tensor],
+    target: list[torch.Tensor],
+    table: list[int],
+    tokens: int,
+    devices: tuple[torch.device, torch.device],
+    reps: int,
+) -> tuple[list[float], bool]:
+    """The wall ms of `reps` hand-overs (the producer's store, then the consumer's load, each on
+    its own device; the namespace cleared and the consumer's cache poisoned before each), and
+    whether every round stored and loaded the whole prompt, the producer's bytes."""
+    producer, consumer = devices
+    source_r, target_r = producing.register_kv_caches(source), consuming.register_kv_caches(target)
+    keys = producing.keys(list(range(tokens)))
+    chunks = len(keys)
+    results: list[tuple[int, int]] = []
+
+    def hand_over() -> None:
+        with torch.cuda.device(producer) if producer.type == "cuda" else _nothing():
+            stored = producing.store(None, source_r, table, keys=keys)
+        with torch.cuda.device(consumer) if consumer.type == "cuda" else _nothing():
+            loaded = consuming.load(None, target_r, table, keys=keys)
+        results.append((stored, loaded))
+
+    def poison() -> None:
+        producing.clear()
+        for layer in target:
+            layer.view(torch.uint8).fill_(0xA5)
+
+    walls = timed(hand_over, devices, reps, before=poison)
+    return walls, all(r == (chunks, tokens) for r in results) and same_bytes(target, source)
 
 
 def pool_handover(
@@ -213,7 +234,6 @@ def pool_handover(
         "bytes": pool_bytes,
         "slab_bytes": 256 << 20,
     }
-    results: list[tuple[int, int]] = []
     with running_daemon(config) as daemon:
         with torch.cuda.device(producer):
             producing = KVStoreClient.connect(daemon.address, spec)
@@ -221,27 +241,12 @@ def pool_handover(
             consuming = KVStoreClient.connect(daemon.address, spec)
         try:
             producing.store_to_gpu = True
-            source_r = producing.register_kv_caches(source)
-            target_r = consuming.register_kv_caches(target)
-            keys = producing.keys(list(range(tokens)))
-
-            def hand_over() -> None:
-                with torch.cuda.device(producer):
-                    stored = producing.store(None, source_r, table, keys=keys)
-                with torch.cuda.device(consumer):
-                    loaded = consuming.load(None, target_r, table, keys=keys)
-                results.append((stored, loaded))
-
-            def poison() -> None:
-                producing.clear()
-                for layer in target:
-                    layer.view(torch.uint8).fill_(0xA5)
-
-            walls[POOL_ROW] = timed(hand_over, devices, reps, before=poison)
+            walls[POOL_ROW], ok = handed_over(
+                producing, consuming, source, target, table, tokens, devices, reps
+            )
             stats = consuming.stats()
             in_pool = stats["counters"].get("gpu_reserves_to_arena", 0) == 0
-            in_pool = in_pool and stats["counters"].get("gpu_copied_down_chunks", 0) == 0
-            return in_pool and all(r == (chunks, tokens) for r in results) and same_bytes(target, source)
+            return ok and in_pool and stats["counters"].get("gpu_copied_down_chunks", 0) == 0
         finally:
             consuming.close()
             producing.close()

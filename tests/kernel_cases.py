@@ -395,3 +395,27 @@ def expected_with_skipped(
             at = offsets[page] + start + block * segment
             expected[at : at + segment] = -2
     return expected
+
+
+def model_call(
+    layout: str, dtype: str, device: str = "cuda"
+) -> tuple[KVSpec, Any, torch.Tensor, list[int], list[int], int]:
+    """vLLM-sized caches of the newer page kinds on `device`: vllm_rows or flash_attn (8 KV heads,
+    head dim 128, blocks of 16) and DeepSeek's MLA latent (576 wide, blocks of 64); layer 3 shares
+    layer 1's KV. (spec, caches, block table, chunks, offsets, buffer size)."""
+    mla = layout == "mla"
+    spec = KVSpec(
+        model="m",
+        num_layers=4,
+        num_kv_heads=1 if mla else 8,
+        head_dim=576 if mla else 128,
+        dtype=dtype,
+        block_size=64 if mla else 16,
+        layout=layout,
+        chunk_tokens=256 if mla else 64,
+        kv_sharing={3: 1},
+    )
+    _, caches = build(spec, device, num_blocks=40)
+    page_bytes = spec.page.page_bytes
+    chunks, offsets = [5, 1, 7, 0], [0, 3 * page_bytes + 16, page_bytes, 6 * page_bytes + 8]
+    return spec, caches, block_table(40, 32), chunks, offsets, 7 * page_bytes + 32

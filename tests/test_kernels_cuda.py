@@ -25,6 +25,7 @@ from tests.kernel_cases import (
     expected_with_skipped,
     gpu,
     make_spec,
+    model_call,
     needs_cuda,
     scenario,
     small_call,
@@ -124,27 +125,6 @@ def test_cuda_many_calls_in_flight_reuse_the_table_slots() -> None:
     assert torch.equal(buffer, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
 
 
-def _model_call(layout: str, dtype: str) -> tuple[KVSpec, Any, torch.Tensor, list[int], list[int], int]:
-    """vLLM-sized caches of the newer page kinds: vllm_rows (8 KV heads, head dim 128, blocks of
-    16) and DeepSeek's MLA latent (576 wide, blocks of 64); layer 3 shares layer 1's KV."""
-    mla = layout == "mla"
-    spec = KVSpec(
-        model="m",
-        num_layers=4,
-        num_kv_heads=1 if mla else 8,
-        head_dim=576 if mla else 128,
-        dtype=dtype,
-        block_size=64 if mla else 16,
-        layout=layout,
-        chunk_tokens=256 if mla else 64,
-        kv_sharing={3: 1},
-    )
-    _, caches = build(spec, "cuda", num_blocks=40)
-    page_bytes = spec.page.page_bytes
-    chunks, offsets = [5, 1, 7, 0], [0, 3 * page_bytes + 16, page_bytes, 6 * page_bytes + 8]
-    return spec, caches, block_table(40, 32), chunks, offsets, 7 * page_bytes + 32
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(
@@ -166,7 +146,7 @@ def test_cuda_newer_page_kinds(layout: str, dtype: str, buffer_on: str, engine: 
     """vllm_rows caches, float8_e5m2 pages and DeepSeek's 576-wide MLA latent at vLLM's sizes, on
     each GPU path: gathered pages match the torch reference (every byte, poisoned first), and a
     scatter of random pages writes exactly what the reference writes."""
-    spec, caches, table, chunks, offsets, size = _model_call(layout, dtype)
+    spec, caches, table, chunks, offsets, size = model_call(layout, dtype)
     options = kvstore_kernels.TransferOptions(engine=engine)
     expected = expected_buffer(spec, caches, table, chunks, offsets, size)
 

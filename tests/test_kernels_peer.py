@@ -6,49 +6,25 @@ refused with the reason. Needs two CUDA devices with peer access (the multi-GPU 
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
 import kvstore_kernels
-from kvstore.spec import KVSpec
 from kvstore_kernels.routing import choose
 from kvstore_kernels.validate import plan_transfer
 from tests.kernel_cases import (
     CUDA,
     POISONS,
     as_bytes,
-    block_table,
     build,
     expected_buffer,
     gpu,
+    model_call,
     write_expected,
 )
 
 PEERS = CUDA and torch.cuda.device_count() >= 2 and torch.cuda.can_device_access_peer(0, 1)
 needs_peers = pytest.mark.skipif(not PEERS, reason="needs two CUDA devices with peer access")
-
-
-def _call(layout: str, dtype: str, device: str) -> tuple[KVSpec, Any, Any, list[int], list[int], int]:
-    """vLLM-sized caches on `device`: vllm_rows / flash_attn (8 KV heads of 128, blocks of 16) or
-    DeepSeek's MLA latent (576 wide, blocks of 64); layer 3 shares layer 1's KV."""
-    mla = layout == "mla"
-    spec = KVSpec(
-        model="m",
-        num_layers=4,
-        num_kv_heads=1 if mla else 8,
-        head_dim=576 if mla else 128,
-        dtype=dtype,
-        block_size=64 if mla else 16,
-        layout=layout,
-        chunk_tokens=256 if mla else 64,
-        kv_sharing={3: 1},
-    )
-    bases, caches = build(spec, device, num_blocks=40)
-    page_bytes = spec.page.page_bytes
-    chunks, offsets = [5, 1, 7, 0], [0, 3 * page_bytes + 16, page_bytes, 6 * page_bytes + 8]
-    return spec, bases, caches, chunks, offsets, 7 * page_bytes + 32
 
 
 CASES = [
@@ -67,8 +43,7 @@ CASES = [
 def test_pages_on_a_peer_gpu(layout: str, dtype: str, cache_on: str, buffer_on: str, engine: str) -> None:
     """Gathered into a peer GPU's buffer: every byte the reference writes, the poison elsewhere;
     scattered from it: the cache holds exactly what the reference writes."""
-    spec, _, caches, chunks, offsets, size = _call(layout, dtype, cache_on)
-    table = block_table(40, 32)
+    spec, caches, table, chunks, offsets, size = model_call(layout, dtype, cache_on)
     options = kvstore_kernels.TransferOptions(engine=engine)
     expected = expected_buffer(spec, caches, table, chunks, offsets, size)
     for poison in POISONS:
@@ -96,9 +71,8 @@ def test_pages_on_a_peer_gpu(layout: str, dtype: str, cache_on: str, buffer_on: 
 def test_prepared_transfer_to_a_peer_gpu(to_page: bool) -> None:
     """`prepare` then `run` (the client's store and load), registered caches, the pages' offsets
     known only at `run`: the bytes the reference moves."""
-    spec, _, caches, chunks, offsets, size = _call("mla", "bfloat16", "cuda:0")
+    spec, caches, table, chunks, offsets, size = model_call("mla", "bfloat16", "cuda:0")
     registered = kvstore_kernels.register(spec, caches)
-    table = block_table(40, 32)
     pages = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
     for poison in POISONS:
         if to_page:
@@ -126,10 +100,8 @@ def test_prepared_transfer_to_a_peer_gpu(to_page: bool) -> None:
 @gpu
 @needs_peers
 def test_the_auto_rule_names_the_peer_buffer() -> None:
-    spec, _, caches, chunks, offsets, size = _call("vllm_rows", "bfloat16", "cuda:0")
+    spec, caches, table, chunks, offsets, size = model_call("vllm_rows", "bfloat16", "cuda:0")
     buffer = torch.zeros(size, dtype=torch.uint8, device="cuda:1")
-    plan = plan_transfer(
-        spec, caches, block_table(40, 32), chunks, buffer, offsets, None, 0, writes_cache=False
-    )
+    plan = plan_transfer(spec, caches, table, chunks, buffer, offsets, None, 0, writes_cache=False)
     route = choose(spec, plan, kvstore_kernels.TransferOptions(), to_page=True)
     assert (route.engine, route.reason) == ("kernel", "a buffer on another GPU, over peer access")
