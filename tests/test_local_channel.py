@@ -275,9 +275,10 @@ def cpu_seconds(pid: int) -> float:
 
 def test_the_daemon_polls_after_a_call_only_when_asked(daemon_factory: Callable[..., Daemon]) -> None:
     """`server.local_poll_ms`: after a local-channel call the daemon's loop keeps turning for that
-    long (CPU time spent), and answers as it does without it; by default it sleeps."""
+    long (CPU time spent), and answers as it does without it; by default it sleeps. A window of
+    a second: on a machine busy with other work the polling loop gets a fraction of a core."""
     spent = {}
-    for poll_ms in (0, 300):
+    for poll_ms in (0, 1000):
         daemon = daemon_factory(f"poll-{poll_ms}", server__local_poll_ms=poll_ms)
         with KVStoreClient.connect(daemon.address, SPEC) as client:
             tokens = list(range(512))
@@ -288,10 +289,10 @@ def test_the_daemon_polls_after_a_call_only_when_asked(daemon_factory: Callable[
             target = [torch.zeros_like(t) for t in cache]
             assert client.load(tokens, target, torch.arange(32)) == 512
             assert all(torch.equal(a, b) for a, b in zip(target, cache, strict=True))
-            time.sleep(0.5)
+            time.sleep(1.2)
             spent[poll_ms] = cpu_seconds(daemon.process.pid) - before
     assert spent[0] < 0.08, spent  # a load's few calls
-    assert spent[300] >= 0.15, spent  # ~0.3 s of polling, less whatever the machine's load takes
+    assert spent[1000] >= 0.15, spent  # ~1 s of polling, less whatever the machine's load takes
 
 
 def test_connections_past_the_caps_are_closed_and_clients_still_work(
