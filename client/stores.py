@@ -78,8 +78,8 @@ class StorePath(Session):
         if reply is None or not chunks:
             return StoreHandle(None, lambda: 0, ignore, 0)
         lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
-        if reply.in_gpu_pool and reply.gpu_pool not in self._gpu_pools.tensors:
-            # Only where the daemon's pools changed since this client opened them (a restart).
+        if reply.in_gpu_pool and (pool is None or reply.gpu_pool != pool[0]):
+            # Not the pool asked for: the daemon's pools changed since this client opened them.
             log.warning(
                 "store lease %d: its pages are in a GPU pool this client has not opened", lease.lease_id
             )

@@ -158,21 +158,18 @@ class Writes(StoreState):
         for entry in part:
             entry.state |= COMMITTED
         ns.pages += len(part)
-        landed = [entry for entry in part if entry.offset < 0]  # written into a GPU pool
-        if landed:
+        in_pool = bool(part) and part[0].offset < 0  # a lease's new pages: all in one pool, or in the arena
+        if in_pool:
             assert self.gpu_placement is not None
-            self.gpu_placement.landed(landed)
+            self.gpu_placement.landed(part)
         chain = self.eviction.link(ns, lease.keys, lease.linked, stop)
         lease.linked = stop
         self.eviction.tell_stored(self.eviction.policy_pages(chain))
-        for tier, entries in ((Tier.CPU, [e for e in part if e.offset >= 0]), (Tier.GPU, landed)):
-            if entries:
-                pages = [(e.key, e.parent.key if e.parent is not None else b"") for e in entries]
-                self.events.add_many(EventKind.STORED, tier, ns_id, pages, "committed")
+        pages = [(entry.key, entry.parent.key if entry.parent is not None else b"") for entry in part]
+        self.events.add_many(EventKind.STORED, Tier.GPU if in_pool else Tier.CPU, ns_id, pages, "committed")
         self.counters["stored_chunks"] += len(part)
-        if self.lower is not None and len(landed) < len(part):
-            # A page in a pool only reaches the write-through tiers once it moves down.
-            self.lower.committed(ns, [e for e in part if e.offset >= 0] if landed else part)
+        if self.lower is not None and not in_pool:  # a page in a pool reaches them once it moves down
+            self.lower.committed(ns, part)
         return len(part)
 
     def _next_part(self, lease: Lease, count: int) -> tuple[list[Entry], int]:
