@@ -1,7 +1,8 @@
 """KVStoreClient: a worker's connection to kvstored.
 
 - `lookup(tokens)`: tokens in the longest stored prefix.
-- `store(tokens, kv_caches, block_ids)`: Reserve -> gather pages -> Commit.
+- `store(tokens, kv_caches, block_ids)`: Reserve -> gather pages -> Commit (into the arena, or
+  with `store_to_gpu` into the daemon's GPU-tier pool on the cache's GPU, device to device).
 - `load(tokens, kv_caches, block_ids)`: Lookup(lease) -> Acquire -> scatter -> Release (on the
   daemon's host the Lookup also answers the Acquire when no page must be waited for).
 
