@@ -272,7 +272,7 @@ def _staged(
 def _without_references(plan: Transfer) -> Transfer:
     """`plan` as kept: without the buffer (a weak reference decides) or the caches (kept on them:
     a reference back would keep the tensors alive until a garbage collection finds the cycle)."""
-    return plan._replace(buffer=None, kv_caches=None)
+    return plan._replace(buffer=None, kv_caches=None)  # type: ignore[arg-type]  # filled in by `prepare`
 
 
 class _Kept:

@@ -153,7 +153,7 @@ class Launch:
         host_blocks = plan_blocks if isinstance(plan_blocks, np.ndarray) else None
         values, starts = self._geometry.table_values(host_blocks)
         self.tables = staging.to_device(values, self._device)
-        blocks = self.tables[starts[0] :] if host_blocks is not None else plan_blocks
+        blocks = self.tables[starts[0] :] if isinstance(plan_blocks, np.ndarray) else plan_blocks
         self._args = (self.tables, blocks, *starts[1:])
         self._pointers: tuple[int, ...] = ()
         if self._device.type == "cuda":
