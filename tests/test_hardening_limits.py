@@ -330,8 +330,10 @@ def test_streams_following_another_namespace_cost_nothing_when_pages_are_stored(
             assert channel.call("Lookup", pb.LookupRequest(namespace=victim.ns, keys=keys)).hit_chunks == 1
         return daemon.cpu_seconds() - before
 
+    # The least of three turns of each: on a busy 2-core machine another process's burst can
+    # slow one turn (a test worker beside this one); the wake-ups this test catches cost every turn.
     victim_work(0, 100)  # warm up
-    baseline = victim_work(100)
+    baseline = min(victim_work(100 + 1000 * turn, 1000) for turn in range(3))
     first = chunk_keys(quiet.ns, np.arange(16), 16)
     store(quiet, first, pages)
     grpc_channel = grpc.insecure_channel(daemon.address)
@@ -342,9 +344,9 @@ def test_streams_following_another_namespace_cost_nothing_when_pages_are_stored(
     ]
     for stream in idle:  # each has read the namespace's one event: now they wait
         assert [e.key for e in next(stream).events] == first
-    loaded = victim_work(3000)
+    loaded = min(victim_work(4000 + 1000 * turn, 1000) for turn in range(3))
     print(f"daemon CPU for the victim's work: {baseline:.3f} s alone, {loaded:.3f} s beside the streams")
-    assert loaded < 1.8 * baseline + 0.05, (loaded, baseline)  # main: each Commit woke each stream (x3)
+    assert loaded < 1.5 * baseline + 0.02, (loaded, baseline)  # waking each stream at each Commit: x1.9
     keys = chunk_keys(quiet.ns, np.arange(16, 32), 16)
     store(quiet, keys, pages)
     for stream in idle:
