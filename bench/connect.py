@@ -25,7 +25,8 @@ rate over the steady rate. Each row says which pages the arena got: the daemon's
 stats`' line) and log, the huge page bytes taken in /proc/meminfo (ShmemHugePages,
 HugePages_Free) and those of the worker's mapping (smaps). `--append` adds the rows to those
 already in the results file (a script that sets up each kind of page in turn); `--until` skips
-the rows not expected to end by then.
+the rows not expected to end by then; `--modes bounce wait` runs each row with the client's bounce
+ring (stores into slabs not registered yet go through it) and without (they wait for them).
 
     python bench/connect.py --parts fill --sizes 64 100 --pages small thp --thp-dir /mnt/kvstore-thp
 """
@@ -124,6 +125,13 @@ def main() -> None:
     parser.add_argument("--hugetlbfs-dir", default="/mnt/kvstore-hugetlbfs", help="fill: a hugetlbfs mount")
     parser.add_argument("--append", action="store_true", help="fill: keep the rows in the results file")
     parser.add_argument("--until", type=float, default=None, help="fill: skip rows not done by (Unix time)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["bounce", "wait"],
+        default=["bounce"],
+        help="fill: stores into slabs not registered yet go through the bounce ring, or wait (each a row)",
+    )
     args = parser.parse_args()
     if args.parts == "fill":
         main_fill(args)

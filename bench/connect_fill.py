@@ -1,8 +1,11 @@
 """Issue 31's warm-up: a worker fills the arena from connect on, on each kind of page
 (`bench/connect.py --parts fill`, whose docstring says what is measured).
 
-- `measure_fill(size_gib, kind, shm_dir, tokens, pause_s)`: one row: a kvstored whose arena is all
-  reserved, the filling worker, then the worker that pauses first; which pages the arena got.
+- `measure_fill(size_gib, kind, shm_dir, tokens, pause_s, mode)`: one row: a kvstored whose arena
+  is all reserved, the filling worker, then the worker that pauses first; which pages the arena
+  got. `mode`: "bounce" (stores into slabs not registered yet go through the client's bounce
+  ring) or "wait" (they wait for the registration, as before the ring). A row first waits for
+  the host to take back the memory of the row before it (`settle_memory`).
 - `fill_summary(run)`: the figures the issue asks for, from one worker's run.
 - `main_fill(args)`: every size on every kind of page asked for, in that order, as time allows;
   the table, and `bench/results/<name>.json` after each row.
@@ -30,14 +33,32 @@ ARENA_LOG = re.compile(r"arena .*(MiB of|slabs reserved)")  # kvstore.tiers.cpu,
 ROW_S_PER_GIB = 1.1
 
 
-def measure_fill(size_gib: int, kind: str, shm_dir: str, tokens: int, pause_s: float) -> dict[str, Any]:
+def settle_memory(limit_s: float = 60.0) -> float:
+    """Waits until the host's available memory stops growing (the last row's arena and workers
+    freed: the H100 host was still freeing 64-100 GiB when the next row's stores dipped, NOTES);
+    returns the seconds waited."""
+    started = time.perf_counter()
+    last = meminfo().get("MemAvailable", 0)
+    while time.perf_counter() - started < limit_s:
+        time.sleep(1.0)
+        now = meminfo().get("MemAvailable", 0)
+        if now - last < 256 << 20:
+            break
+        last = now
+    return time.perf_counter() - started
+
+
+def measure_fill(
+    size_gib: int, kind: str, shm_dir: str, tokens: int, pause_s: float, mode: str = "bounce"
+) -> dict[str, Any]:
     """One row of the fill: the daemon's arena of `size_gib` on pages of `kind` in `shm_dir`."""
+    settled_s = settle_memory()
     config = {
         "log_level": "info",  # the arena's line: which pages it got
         "tiers": {"cpu": {"bytes": f"{size_gib}GiB", "slab_bytes": "256MiB", "shm_dir": shm_dir}},
     }
     prompts = (size_gib << 30) // (tokens * 128 * 1024)  # 8B geometry: 128 KiB a token
-    common = ["--tokens", str(tokens), "--fill", str(prompts)]
+    common = ["--tokens", str(tokens), "--fill", str(prompts), *(["--no-bounce"] if mode == "wait" else [])]
     memory = {"before": meminfo()}
     started = time.perf_counter()
     with running_daemon(config) as daemon:
@@ -52,6 +73,8 @@ def measure_fill(size_gib: int, kind: str, shm_dir: str, tokens: int, pause_s: f
     return {
         "gib": size_gib,
         "pages": kind,
+        "mode": mode,
+        "settled_s": settled_s,
         "shm_dir": shm_dir,
         "prompts": prompts,
         "reserved_s": reserved_s,
@@ -84,6 +107,7 @@ def fill_summary(run: dict[str, Any]) -> dict[str, Any]:
         "min_rate_ratio": min(ratios),
         "stores_below_0.8": sum(r < 0.8 for r in ratios),
         "unpinned": sum(store["unpinned"] for store in stores),
+        "bounced": sum(store.get("bounced", 0) for store in stores),
         "register_all_s": run["register_all_s"],
         "faulted_at_start": run["at_start"].get("slabs_faulted"),
         "registered_at_start": run["at_start"].get("slabs_registered"),
@@ -109,6 +133,7 @@ def fill_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
             [
                 r["gib"],
                 r["pages"],
+                r.get("mode", "wait"),
                 huge_share(r),
                 f"{r['reserved_s']:.1f}" if r["reserved_s"] is not None else "not yet",
                 r["prompts"],
@@ -116,6 +141,7 @@ def fill_rows(results: list[dict[str, Any]]) -> list[list[Any]]:
                 f"{one['fill_s']:.2f}",
                 f"{one['lost_s']:.2f} ({100 * one['lost_fraction']:.0f}%)",
                 f"{one['waited_s']:.2f}",
+                f"{one['bounced']}",
                 f"{one['first_store_s']:.3f} ({one['gap_s']:.2f})",
                 f"{one['register_all_s']:.1f}" if one["register_all_s"] is not None else "not yet",
                 f"{after['min_rate_ratio']:.2f} ({after['stores_below_0.8']} below 0.8)",
@@ -167,31 +193,34 @@ def main_fill(args: argparse.Namespace) -> None:
         results = json.loads(previous.read_text())["results"]
     payload: dict[str, Any] = {"label": args.label, "cpus": len(os.sched_getaffinity(0)), "results": results}
     plan = fill_plan(args)
-    for size in args.sizes:
-        for kind, directory in plan.items():
-            row = f"{kind} {size} GiB"
-            free = free_bytes(directory)
-            if size << 30 > free - (1 << 30):
-                print(f"{row}: skipped, {directory} has {free >> 30} GiB free", flush=True)
-                continue
-            left_s = args.until - time.time() if args.until else None
-            if left_s is not None and row_estimate_s(results, size) > left_s:
-                needed_s = row_estimate_s(results, size)
-                print(f"{row}: skipped, ~{needed_s:.0f} s needed, {left_s:.0f} s left", flush=True)
-                continue
-            print(f"{row}: starting", flush=True)
-            try:
-                results.append(measure_fill(size, kind, directory, args.tokens, args.pause))
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                print(f"{row}: failed: {exc}", flush=True)
-                continue
-            print(f"{row}: {row_line(results[-1])}", flush=True)
-            write_results(args.name, payload)
+    rows = [
+        (size, kind, path, mode) for size in args.sizes for kind, path in plan.items() for mode in args.modes
+    ]
+    for size, kind, directory, mode in rows:
+        row = f"{kind} {size} GiB {mode}"
+        free = free_bytes(directory)
+        if size << 30 > free - (1 << 30):
+            print(f"{row}: skipped, {directory} has {free >> 30} GiB free", flush=True)
+            continue
+        left_s = args.until - time.time() if args.until else None
+        if left_s is not None and row_estimate_s(results, size) > left_s:
+            needed_s = row_estimate_s(results, size)
+            print(f"{row}: skipped, ~{needed_s:.0f} s needed, {left_s:.0f} s left", flush=True)
+            continue
+        print(f"{row}: starting", flush=True)
+        try:
+            results.append(measure_fill(size, kind, directory, args.tokens, args.pause, mode))
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"{row}: failed: {exc}", flush=True)
+            continue
+        print(f"{row}: {row_line(results[-1])}", flush=True)
+        write_results(args.name, payload)
     print(f"\n{args.label}: filling the arena from connect on ({args.tokens}-token prompts)")
     print_table(
         [
             "GiB",
             "pages",
+            "stores into slabs not registered",
             "huge: reserved / worker's mapping",
             "reserved (s)",
             "prompts",
@@ -199,6 +228,7 @@ def main_fill(args: argparse.Namespace) -> None:
             "fill (s)",
             "lost to slabs (s, share of fill)",
             "waited for slabs (s)",
+            "stores bounced",
             "first store (s; connect to it)",
             "all slabs (s)",
             f"after {args.pause:.0f} s pause: slowest store / steady",

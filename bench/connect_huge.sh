@@ -9,7 +9,9 @@
 # are skipped, and the bench is stopped at BUDGET_S + 40 s whatever it is doing. A kind of page
 # that cannot be set up is skipped with its reason. The JSON, and this output, go to $OUT if set.
 # Settings (environment): SIZES ("64 100"), BUDGET_S (420), TOKENS (8192), PAUSE (10),
-# HEADROOM_GIB (20: memory left to the workers beside the largest arena).
+# HEADROOM_GIB (20: memory left to the workers beside the largest arena), KINDS ("hugetlbfs thp
+# small": the kinds of page, in that order), MODES ("bounce": each row with the client's bounce
+# ring; "bounce wait": also without it, stores waiting for their slabs).
 set -u
 NAME=${1:-connect-fill-huge}
 SIZES=${SIZES:-64 100}
@@ -17,6 +19,9 @@ BUDGET_S=${BUDGET_S:-420}
 TOKENS=${TOKENS:-8192}
 PAUSE=${PAUSE:-10}
 HEADROOM_GIB=${HEADROOM_GIB:-20}
+KINDS=${KINDS:-hugetlbfs thp small}
+MODES=${MODES:-bounce}
+wants() { case " $KINDS " in *" $1 "*) return 0 ;; esac; return 1; }
 THP_DIR=/mnt/kvstore-thp
 HUGE_DIR=/mnt/kvstore-hugetlbfs
 RESULT=bench/results/$NAME.json
@@ -55,7 +60,7 @@ bench() {
   fi
   timeout -k 15 "$left" python3 bench/connect.py --parts fill --sizes $FITS --tokens "$TOKENS" \
     --pause "$PAUSE" --thp-dir "$THP_DIR" --hugetlbfs-dir "$HUGE_DIR" --name "$NAME" --append \
-    --until "$UNTIL" --label "$NAME" --pages "$@"
+    --until "$UNTIL" --label "$NAME" --modes $MODES --pages "$@"
   local code=$?
   if [ "$code" -ne 0 ]; then
     say "bench/connect.py --pages $* ended with $code (124/137: stopped at the time limit)"
@@ -90,7 +95,9 @@ rm -f "$RESULT"
 
 # hugetlbfs: a pool for the largest arena plus a GiB (bench/connect.py keeps a GiB free), then
 # the mount. Pages set aside late may not all be found: the rows that fit what was got run.
-if [ "$(id -u)" -eq 0 ] && grep -qw hugetlbfs /proc/filesystems; then
+if ! wants hugetlbfs; then
+  say "hugetlbfs: not asked for (KINDS)"
+elif [ "$(id -u)" -eq 0 ] && grep -qw hugetlbfs /proc/filesystems; then
   want=$(((LARGEST + 1) * 512 + 64))
   say "hugetlbfs: setting aside $want pages of 2 MiB"
   echo "$want" >/proc/sys/vm/nr_hugepages
@@ -120,8 +127,9 @@ else
 fi
 
 # THP: a tmpfs of its own mounted huge=always (the daemon's fallocate gets 2 MiB pages there).
-PAGES="small"
-if [ "$(id -u)" -eq 0 ]; then
+PAGES=""
+wants small && PAGES="small"
+if [ "$(id -u)" -eq 0 ] && wants thp; then
   mkdir -p "$THP_DIR"
   if ! mount -t tmpfs -o "size=$((LARGEST + 2))G,huge=always,mode=1777" tmpfs "$THP_DIR"; then
     say "thp: skipped, the mount failed"
@@ -129,10 +137,10 @@ if [ "$(id -u)" -eq 0 ]; then
     say "thp: skipped, the mount does not say huge=always: $(grep " $THP_DIR " /proc/mounts)"
   else
     say "thp: $THP_DIR mounted ($(grep " $THP_DIR " /proc/mounts | cut -d' ' -f4))"
-    PAGES="thp small"
+    PAGES="thp $PAGES"
   fi
 fi
-bench $PAGES
+if [ -n "$PAGES" ]; then bench $PAGES; fi
 unmount "$THP_DIR"
 
 if [ -f "$RESULT" ]; then

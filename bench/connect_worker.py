@@ -127,6 +127,7 @@ def timed(client: KVStoreClient, on: torch.device, move: Any) -> dict[str, Any]:
         "gbps": moved / seconds / 1e9 if seconds and moved else 0.0,
         "waited_s": after.get("wait_s", 0.0) - before.get("wait_s", 0.0),
         "unpinned": after.get("transfers_unpinned", 0) - before.get("transfers_unpinned", 0),
+        "bounced": after.get("transfers_bounced", 0) - before.get("transfers_bounced", 0),
     }
 
 
@@ -244,6 +245,9 @@ def main() -> None:
     parser.add_argument("--second-connect", action="store_true", help="then connect a second client here")
     parser.add_argument("--fill", type=int, default=0, help="store this many prompts back to back")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between connect and the fill")
+    parser.add_argument(
+        "--no-bounce", action="store_true", help="stores wait for their slabs' registration (no bounce ring)"
+    )
     args = parser.parse_args()
     on = device()
     kernels_s = warm_kernels(on, args.tokens)
@@ -252,6 +256,8 @@ def main() -> None:
     started = time.perf_counter()
     client = KVStoreClient.connect(args.address, SPEC)
     connect_s = time.perf_counter() - started
+    if args.no_bounce:
+        client._mapped.bounce = False
     at_connect = client._mapped.stats()
     result: dict[str, Any] = {
         "connect_s": connect_s,

@@ -10,6 +10,11 @@ mapping as uint8 (None when nothing is mapped); `epoch` is the mapped arena's (0
 `transfer_options(offsets)`: what a transfer of the pages at `offsets` must pass the kernels:
 None (their auto rule) once the slabs holding them are registered, waiting up to `wait_s` for
 them; else the torch reference, which needs no registration (counted in `stats()`).
+`bounce_for(offsets, page_bytes, on_cuda)`: for a store of whole pages, the process's
+`bounce.BounceRing` where their slabs are not registered yet (the store goes through it at once
+instead of waiting), else None. `bounce` decides where it applies: None (the default) for KV
+caches on CUDA, True for any (tests with CPU caches), False never. The ring is made in the
+background when the registration starts, and freed once every slab is registered.
 
 One mapping per process: every client of this process that maps the same arena (path, file,
 size and epoch) shares one mapping and one registration (`SharedMapping`, counted by its users).
@@ -34,6 +39,7 @@ from kvstore.cudart import CudaUnavailable
 from kvstore.hugepages import advise_huge, thp_advised
 from kvstore.peers import boot_id
 from kvstore.wire import MEMFD_PREFIX
+from kvstore_client.bounce import BounceRing
 from kvstore_client.registrar import CudaRegistrar, HostRegistrar, SlabRegistrar
 from kvstore_client.transfers import Streams
 from kvstore_kernels import TransferOptions
@@ -64,6 +70,46 @@ class SharedMapping:
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
         self.registrar: SlabRegistrar | None = None
         self.users = 1
+        self._ring: BounceRing | None = None
+        self._ring_made = threading.Event()
+        self._ring_lock = threading.Lock()
+
+    def make_ring(self, device: int | None) -> None:
+        """Makes the bounce ring in the background (pinned on `device`; None: not pinned)."""
+
+        def make() -> None:
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)  # the pinned allocation makes no context on GPU 0
+                ring = BounceRing(pin=device is not None)
+            except Exception as exc:  # stores then wait for their slabs, as without the ring
+                log.warning("the arena's bounce ring could not be made (%s): stores wait for slabs", exc)
+                ring = None
+            with self._ring_lock:
+                self._ring = ring
+            self._ring_made.set()
+
+        threading.Thread(target=make, name="kvstore-bounce-ring", daemon=True).start()
+
+    def ring(self) -> BounceRing | None:
+        """The bounce ring (waiting for it to be made); None once every slab is registered: the
+        ring is then freed as soon as no copy uses it."""
+        if not self._ring_made.wait(30.0):
+            return None
+        registrar = self.registrar
+        with self._ring_lock:
+            ring = self._ring
+            if ring is not None and registrar is not None and registrar.all_registered and ring.idle:
+                self._ring = None
+                ring.close()
+                return None
+            return ring
+
+    def drop_ring(self) -> None:
+        with self._ring_lock:
+            ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
 
 
 _mappings: dict[MappingKey, SharedMapping] = {}
@@ -86,6 +132,7 @@ class MappedArena:
         self.slab_bytes = 0
         self.epoch = 0
         self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the daemon's arena file
+        self.bounce: bool | None = None  # stores around the registration: None for CUDA caches
 
     @property
     def registrar(self) -> SlabRegistrar | None:
@@ -175,7 +222,8 @@ class MappedArena:
 
     def start_registrar(self, host: HostRegistrar, **options: Any) -> None:
         """Registers the mapped arena's slabs with `host` in the background (`options`: the
-        `SlabRegistrar`'s), for every client sharing the mapping (unless it is registered)."""
+        `SlabRegistrar`'s), for every client sharing the mapping (unless it is registered), and
+        makes the bounce ring for stores meanwhile."""
         shared = self._shared
         if shared is None or self.tensor is None:
             return
@@ -184,6 +232,8 @@ class MappedArena:
                 shared.registrar = SlabRegistrar(
                     host, self.tensor.data_ptr(), self.tensor.numel(), self.slab_bytes, **options
                 )
+                device = getattr(host, "device", None)
+                shared.make_ring(device if isinstance(device, int) else None)
 
     @property
     def registered(self) -> bool:
@@ -199,6 +249,20 @@ class MappedArena:
         # Slab 0 too: the kernels tell pinned from pageable memory at the buffer's first byte.
         slabs = registrar.slabs_of(offsets) | {0}
         return None if registrar.ready(slabs, self.wait_s) else UNPINNED
+
+    def bounce_for(self, offsets: list[int], page_bytes: int, on_cuda: bool) -> BounceRing | None:
+        """The ring a store of whole pages at `offsets` goes through, where their slabs are not
+        all registered yet (counted as bounced); None: the store takes `transfer_options`'s way."""
+        shared, registrar = self._shared, self.registrar
+        if shared is None or registrar is None or not offsets or self.bounce is False:
+            return None
+        if not on_cuda and self.bounce is None:
+            return None
+        ring = shared.ring()  # None once every slab is registered (the ring then freed)
+        if ring is None or not ring.fits(page_bytes):
+            return None
+        # Slab 0 too, as transfer_options asks: once it is registered the kernels see a pinned arena.
+        return None if registrar.registered_now(registrar.slabs_of(offsets) | {0}) else ring
 
     def stats(self) -> dict[str, Any]:
         """The registration's progress and the transfers that waited for it or went unpinned."""
@@ -225,5 +289,6 @@ class MappedArena:
                 streams.synchronize()
             for device in range(torch.cuda.device_count()):  # transfers on the caller's streams too
                 torch.cuda.synchronize(device)
+            shared.drop_ring()  # its copies finish first
             shared.registrar.stop()
             shared.registrar = None

@@ -1,10 +1,11 @@
 """Handles of transfers in flight: what `store_async` and `load_async` return.
 
 A handle holds the daemon lease and a completion event recorded after the
-transfer was enqueued on its stream. `wait()` blocks until the bytes moved,
-then finishes the protocol (Commit for a store, Release for a load) and returns
-the result; an error raised by the transfer, or by that last RPC, surfaces
-there. `done()` asks without blocking.
+transfer was enqueued on its stream (or, for a store through the bounce ring,
+`bounce.HostCompletion`, which answers the same two questions on the host).
+`wait()` blocks until the bytes moved, then finishes the protocol (Commit for a
+store, Release for a load) and returns the result; an error raised by the
+transfer, or by that last RPC, surfaces there. `done()` asks without blocking.
 
 A layer-wise load (`load_async(..., layerwise=True)`) records an event after each run of
 layers it moves (1, 1, 2, 4, ... layers): `wait_layer(i)` makes the current stream wait
@@ -52,8 +53,10 @@ class TransferHandle:
 
         The protocol still needs `wait()` (Commit or Release) once the caller is done.
         """
-        if self.event is not None:
+        if isinstance(self.event, torch.cuda.Event):
             stream.wait_event(self.event)
+        elif self.event is not None:  # a store through the bounce ring ends on the host
+            self.event.synchronize()
 
 
 class StoreHandle(TransferHandle):

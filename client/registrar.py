@@ -16,6 +16,9 @@ are faulted in as they are pinned), so a connect only starts a `SlabRegistrar` a
 - `ready(slabs, wait_s)`: whether every slab in `slabs` is registered, waiting at most `wait_s`
   for those still pending (moved to the front of both queues). False: one failed, or the wait
   ran out; the caller then moves its pages on a path that needs no registration.
+- `registered_now(slabs)`: the same question without waiting or moving them ahead (a store that
+  can go around the registration, `bounce.BounceRing`); it still counts as a transfer for the
+  pause rule, and a miss as a transfer bounced.
 - `stop()`: ends the faulting and the registrations (after those in progress); the registration
   thread unregisters every slab before it exits, so every CUDA call is made on it, with the
   worker's device current.
@@ -157,7 +160,7 @@ class SlabRegistrar:
         self._fault = fault or Faulter()
         self._cond = threading.Condition()
         self.num_registered = self.num_failed = self.num_faulted = self.num_fault_failures = 0
-        self.transfers_waited = self.transfers_unpinned = 0
+        self.transfers_waited = self.transfers_unpinned = self.transfers_bounced = 0
         self.transfers_waiting = 0  # now
         self.wait_s = 0.0
         self.started = time.perf_counter()
@@ -331,6 +334,19 @@ class SlabRegistrar:
             self.transfers_unpinned += 1
             return False
 
+    def registered_now(self, slabs: Iterable[int]) -> bool:
+        """Whether every slab in `slabs` is registered, without waiting for any."""
+        with self._cond:
+            self._quiet_until = time.perf_counter() + self._quiet_s
+            if all(self._state[slab] == REGISTERED for slab in slabs):
+                return True
+            self.transfers_bounced += 1
+            return False
+
+    @property
+    def all_registered(self) -> bool:
+        return self.num_registered == self.num_slabs
+
     def stop(self) -> None:
         """Ends the registrations (after the one in progress) and unregisters every slab; the
         caller first makes sure no transfer still uses them."""
@@ -355,4 +371,5 @@ class SlabRegistrar:
                 "transfers_waited": self.transfers_waited,
                 "wait_s": round(self.wait_s, 6),
                 "transfers_unpinned": self.transfers_unpinned,
+                "transfers_bounced": self.transfers_bounced,
             }

@@ -155,6 +155,25 @@ class StorePath(Session):
             ), None
         if self.arena is not None:
             offsets = [reply.offsets[i] for i in chunks]
+            device = cache_device(kv_caches)
+            on_cuda = device.type == "cuda"
+            ring = self._mapped.bounce_for(offsets, self.page_bytes, on_cuda) if layers is None else None
+            if ring is not None:  # slabs not registered yet: through the pinned ring, no wait
+                stream = ahead.stream if device.type == "cuda" else None
+                if device.type == "cuda" and stream is None:
+                    stream = self._streams.ordered_side(device)
+                completion = ring.gather(
+                    kvstore_kernels.gather,
+                    self.spec,
+                    kv_caches,
+                    block_ids,
+                    chunks,
+                    self.arena,
+                    offsets,
+                    stream,
+                    self.page_bytes,
+                )
+                return completion, None  # type: ignore[return-value]  # waited for as an event is
             options = self._mapped.transfer_options(offsets)  # None: their slabs are registered
             enqueue = functools.partial(self._streams.enqueue, kvstore_kernels.gather)
             prepared = ahead.prepared_in(self.arena) if options is None else None

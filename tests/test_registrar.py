@@ -97,6 +97,7 @@ def test_slabs_are_registered_in_order_and_a_waiter_goes_first() -> None:
         "transfers_waited": 1,
         "wait_s": 0,
         "transfers_unpinned": 0,
+        "transfers_bounced": 0,
     }
     assert registrar.stats()["wait_s"] > 0
     assert registrar.ready({5}, wait_s=0.0)  # registered: no wait counted
