@@ -11,8 +11,11 @@ are faulted in as they are pinned), so a connect only starts a `SlabRegistrar` a
   - registering it (`host.register`, `cudaHostRegister` of pages already present: ~13 ms a
     256 MiB slab on the H100 host, against ~110 ms where it faults them in itself), on one
     thread. The driver serialises a registration with the worker's own CUDA calls, so the
-    slabs no transfer asked for wait until no transfer has asked for `quiet_s` (a transfer then
-    waits for one registration in progress at most).
+    slabs no transfer asked for are registered at full speed only once no transfer has asked
+    for `quiet_s`; while transfers keep coming they go on at a `duty` share of the time at most
+    (after a registration of d seconds, the next waits d * (1 - duty) / duty), so a worker that
+    never pauses still gets its arena registered (its stores meanwhile go through the bounce
+    ring, `bounce.py`), and a transfer waits for one registration in progress at most.
 - `ready(slabs, wait_s)`: whether every slab in `slabs` is registered, waiting at most `wait_s`
   for those still pending (moved to the front of both queues). False: one failed, or the wait
   ran out; the caller then moves its pages on a path that needs no registration.
@@ -47,6 +50,10 @@ log = logging.getLogger(__name__)
 
 PENDING, REGISTERED, FAILED = 0, 1, 2
 QUIET_S = 0.25  # slabs no transfer asked for are registered once transfers have paused this long
+# ... and, while transfers keep coming, for at most this share of the time: the driver holds the
+# worker's CUDA calls while it registers, ~13-16 ms a 256 MiB slab on the H100 host. Not measured
+# on a GPU yet beside bounced stores (bench/NOTES-connect.md).
+REGISTER_DUTY = 0.1
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 FAULT_PIECE = 16 << 20  # faulted in per call (see Faulter)
 TOUCH_STRIDE = 4096  # where the kernel cannot populate: one read per small page faults them in
@@ -142,7 +149,10 @@ class SlabRegistrar:
         quiet_s: float = QUIET_S,
         faulters: int | None = None,
         fault: Callable[[int, int], object] | None = None,
+        duty: float = REGISTER_DUTY,
     ) -> None:
+        if not 0 <= duty <= 1:
+            raise ValueError(f"duty: expected a share of the time in [0, 1], got {duty}")
         self.host = host
         self.base = base
         self.size = size
@@ -156,7 +166,9 @@ class SlabRegistrar:
         self._urgent: deque[int] = deque()  # slabs a transfer waits for
         self._stopping = False
         self._quiet_s = quiet_s
-        self._quiet_until = 0.0  # slabs no transfer asked for wait until then
+        self._quiet_until = 0.0  # slabs no transfer asked for wait until then, at full speed
+        self._duty = duty
+        self._duty_until = 0.0  # ... and until then while transfers keep coming
         self._fault = fault or Faulter()
         self._cond = threading.Condition()
         self.num_registered = self.num_failed = self.num_faulted = self.num_fault_failures = 0
@@ -242,7 +254,12 @@ class SlabRegistrar:
                 if self._faulted[slab] or not self._faulting[slab]:
                     return slab, not self._faulted[slab]
                 waiting_for_faulter = True
-            pause = self._quiet_until - time.perf_counter()
+            now = time.perf_counter()
+            pause = self._quiet_until - now
+            if pause > 0 and self._duty and now >= self._duty_until:
+                pause = 0.0  # transfers keep coming, but this slab's turn within the duty has come
+            elif pause > 0 and self._duty:
+                pause = min(pause, self._duty_until - now)
             if pause <= 0 and not waiting_for_faulter:
                 while self._next < self.num_slabs and self._state[self._next] != PENDING:
                     self._next += 1
@@ -268,6 +285,7 @@ class SlabRegistrar:
             with self._cond:
                 self._state[slab] = -1  # in progress
             address, length = self._extent(slab)
+            started = time.perf_counter()
             try:
                 self.host.register(address, length)
                 state = REGISTERED
@@ -281,6 +299,9 @@ class SlabRegistrar:
                         exc,
                     )
             with self._cond:
+                ended = time.perf_counter()
+                if self._duty:
+                    self._duty_until = ended + (ended - started) * (1 - self._duty) / self._duty
                 self._state[slab] = state
                 if state == REGISTERED:
                     self.num_registered += 1

@@ -131,9 +131,10 @@ def test_a_slab_not_ready_in_time_or_failed_sends_the_transfer_unpinned() -> Non
 
 def test_slabs_no_transfer_asked_for_wait_while_transfers_keep_coming() -> None:
     """The driver serialises registrations with the worker's transfers: while transfers come less
-    than quiet_s apart, only the slabs they need are registered; the rest follow once they pause."""
+    than quiet_s apart (and with no duty share), only the slabs they need are registered; the rest
+    follow once they pause."""
     host = GatedRegistrar(base=0, slab_bytes=SLAB)
-    registrar = SlabRegistrar(host, 0, 6 * SLAB, SLAB, quiet_s=0.3, fault=host.fault)
+    registrar = SlabRegistrar(host, 0, 6 * SLAB, SLAB, quiet_s=0.3, fault=host.fault, duty=0.0)
     until(lambda: host.taken == [0], "slab 0 was not taken first")
     thread, ready = in_thread(lambda: registrar.ready({0}, wait_s=30.0))  # slab 0 is in progress
     until_waiting(registrar)
@@ -150,6 +151,43 @@ def test_slabs_no_transfer_asked_for_wait_while_transfers_keep_coming() -> None:
     assert host.order == [0, 4]
     assert registrar.ready(range(6), wait_s=30.0)  # this one waits for the rest: they go now
     assert host.order == [0, 4, 1, 2, 3, 5]
+    registrar.stop()
+
+
+class TimedRegistrar:
+    """Registrations that take `seconds` each, with their start and end times."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.spans: list[tuple[float, float]] = []
+
+    def register(self, address: int, size: int) -> None:
+        started = time.perf_counter()
+        time.sleep(self.seconds)
+        self.spans.append((started, time.perf_counter()))
+
+    def unregister(self, address: int) -> None:
+        pass
+
+
+def test_while_transfers_keep_coming_slabs_are_registered_within_the_duty_share() -> None:
+    """A worker that never pauses still gets its arena registered: a slab no transfer asked for
+    at most every d * (1 - duty) / duty seconds after a registration of d seconds."""
+    host = TimedRegistrar(0.02)
+    registrar = SlabRegistrar(
+        host, 0, 64 * SLAB, SLAB, quiet_s=0.3, faulters=0, fault=lambda a, s: None, duty=0.25
+    )
+    registrar.registered_now({0})  # transfers from the start: no full-speed registration
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        registrar.registered_now({0})  # a bounced transfer every 10 ms
+        time.sleep(0.01)
+    spans = list(host.spans)  # the transfers' pause (quiet_s) has not begun yet
+    registered = registrar.stats()["slabs_registered"]
+    assert 2 <= registered < 64, registered
+    for (started, ended), (next_started, _) in zip(spans, spans[1:], strict=False):
+        assert next_started - ended >= 3 * (ended - started) * 0.99, (next_started - ended, ended - started)
+    assert registrar.ready(range(64), wait_s=30.0)  # they pause: the rest go at full speed
     registrar.stop()
 
 
@@ -290,7 +328,7 @@ class GatedFaults:
 def test_slabs_are_faulted_in_ahead_in_order_on_parallel_threads_while_transfers_keep_coming() -> None:
     host = GatedRegistrar(base=0, slab_bytes=SLAB)
     faults = GatedFaults(base=0, slab_bytes=SLAB)
-    registrar = SlabRegistrar(host, 0, 8 * SLAB, SLAB, quiet_s=0.3, faulters=3, fault=faults)
+    registrar = SlabRegistrar(host, 0, 8 * SLAB, SLAB, quiet_s=0.3, faulters=3, fault=faults, duty=0.0)
     faults.until_started(3)  # three threads at once, on the first three slabs handed out
     assert sorted(faults.started) == [0, 1, 2] and faults.most_at_once == 3
     # A transfer needs slabs 0 and 6: 0 is a faulter's already, 6 is faulted in by the registration
@@ -303,7 +341,7 @@ def test_slabs_are_faulted_in_ahead_in_order_on_parallel_threads_while_transfers
     thread.join(10)
     assert ready == [True] and host.order == [6, 0]
     # Transfers keep coming every 50 ms, less than quiet_s apart: the faulting goes on, in order,
-    # the registration of slabs no transfer asked for does not.
+    # the registration of slabs no transfer asked for does not (no duty share here).
     host.allow(6)
     faults.until_started(5)
     assert faults.started[4] == 3  # the thread that had slab 0 goes on with the next one
