@@ -130,6 +130,20 @@ class LoadPath(Session):
         reply = self._lookup_leased(keys, kv_caches, moved, targets) if keys else None
         if reply is None or reply.hit_chunks == 0:
             return LoadHandle(None, lambda: 0, ignore, 0, moved)
+        return self._read(reply, token_ids, kv_caches, targets, moved, layerwise, asked)
+
+    def _read(
+        self,
+        reply: Any,
+        token_ids: Any,
+        kv_caches: Any,
+        targets: _LoadTargets,
+        moved: range,
+        layerwise: bool,
+        asked: float,
+    ) -> LoadHandle:
+        """Holds the Lookup's lease and scatters its pages; the handle releases it (an empty
+        load where the daemon went away or the lease expired)."""
         lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
         self._renewer.hold(lease.lease_id, lease.namespace)
         try:

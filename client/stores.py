@@ -77,8 +77,22 @@ class StorePath(Session):
         chunks = [i for i, offset in enumerate(reply.offsets) if offset >= 0] if reply else []
         if reply is None or not chunks:
             return StoreHandle(None, lambda: 0, ignore, 0)
+        return self._write(reply, chunks, pool[0] if pool else None, kv_caches, block_ids, layers, ahead)
+
+    def _write(
+        self,
+        reply: Any,
+        chunks: list[int],
+        pool_id: int | None,
+        kv_caches: Any,
+        block_ids: Any,
+        layers: range | None,
+        ahead: _GatherAhead,
+    ) -> StoreHandle:
+        """Holds the Reserve's lease and writes its new `chunks` (into the GPU pool `pool_id`
+        asked for, or the arena); the handle commits them, or aborts where the write failed."""
         lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
-        if reply.in_gpu_pool and (pool is None or reply.gpu_pool != pool[0]):
+        if reply.in_gpu_pool and reply.gpu_pool != pool_id:
             # Not the pool asked for: the daemon's pools changed since this client opened them.
             log.warning(
                 "store lease %d: its pages are in a GPU pool this client has not opened", lease.lease_id
@@ -142,65 +156,79 @@ class StorePath(Session):
         block_ids: Any,
         layers: range | None,
         ahead: _GatherAhead,
-    ) -> tuple[torch.cuda.Event | None, _EarlyCommits | None]:
-        """Writes the reserved chunks' pages: into the arena's slots (enqueued: the event after
-        them, and where the first pages are committed early, the event after those), or inline
-        through Put (done)."""
-        stream = ahead.stream
+    ) -> tuple[Any, _EarlyCommits | None]:
+        """Writes the reserved chunks' pages: into the GPU pool or the arena's slots (enqueued:
+        what to wait for after them, and where the first pages are committed early, the event
+        after those), or inline through Put (done: None)."""
         if reply.in_gpu_pool:  # device to device, into the pool: one Commit once written
             pool, offsets = self._gpu_pools.tensors[reply.gpu_pool], [reply.offsets[i] for i in chunks]
             gather = kvstore_kernels.gather
             return self._streams.enqueue(
-                gather, self.spec, kv_caches, block_ids, chunks, pool, offsets, layers, stream
+                gather, self.spec, kv_caches, block_ids, chunks, pool, offsets, layers, ahead.stream
             ), None
-        if self.arena is not None:
-            offsets = [reply.offsets[i] for i in chunks]
-            device = cache_device(kv_caches)
-            on_cuda = device.type == "cuda"
-            ring = self._mapped.bounce_for(offsets, self.page_bytes, on_cuda) if layers is None else None
-            if ring is not None:  # slabs not registered yet: through the pinned ring, no wait
-                stream = ahead.stream if device.type == "cuda" else None
-                if device.type == "cuda" and stream is None:
-                    stream = self._streams.ordered_side(device)
-                completion = ring.gather(
-                    kvstore_kernels.gather,
-                    self.spec,
-                    kv_caches,
-                    block_ids,
-                    chunks,
-                    self.arena,
-                    offsets,
-                    stream,
-                    self.page_bytes,
-                )
-                return completion, None  # type: ignore[return-value]  # waited for as an event is
-            options = self._mapped.transfer_options(offsets)  # None: their slabs are registered
-            enqueue = functools.partial(self._streams.enqueue, kvstore_kernels.gather)
-            prepared = ahead.prepared_in(self.arena) if options is None else None
-            if prepared is not None:  # the store's chunk i is its prepared page i
-                enqueue = functools.partial(self._streams.enqueue, prepared.transfer)
-                parts = self._early_parts(len(chunks))
-                if parts:  # each part's pages are committed once they are written
-                    early, start = _EarlyCommits(), 0
-                    for stop in [*parts, len(chunks)]:
-                        event = enqueue(
-                            self.spec,
-                            kv_caches,
-                            block_ids,
-                            chunks[start:stop],
-                            self.arena,
-                            offsets[start:stop],
-                            layers,
-                            stream,
-                        )
-                        early.parts.append((event, stop - start))
-                        start = stop
-                    return early.parts.pop()[0], early
-            elif options is not None:
-                gather = functools.partial(kvstore_kernels.gather, options=options)
-                enqueue = functools.partial(self._streams.enqueue, gather)
-            event = enqueue(self.spec, kv_caches, block_ids, chunks, self.arena, offsets, layers, stream)
-            return event, None
+        if self.arena is None:
+            self._put_inline(reply, chunks, kv_caches, block_ids, layers)
+            return None, None
+        offsets = [reply.offsets[i] for i in chunks]
+        device = cache_device(kv_caches)
+        ring = (
+            self._mapped.bounce_for(offsets, self.page_bytes, device.type == "cuda")
+            if layers is None
+            else None
+        )
+        if ring is not None:  # slabs not registered yet: through the pinned ring, no wait
+            stream = ahead.stream
+            if device.type == "cuda" and stream is None:
+                stream = self._streams.ordered_side(device)
+            return ring.gather(
+                kvstore_kernels.gather,
+                self.spec,
+                kv_caches,
+                block_ids,
+                chunks,
+                self.arena,
+                offsets,
+                stream if device.type == "cuda" else None,
+                self.page_bytes,
+            ), None
+        return self._gather_to_arena(self.arena, chunks, offsets, kv_caches, block_ids, layers, ahead)
+
+    def _gather_to_arena(
+        self,
+        arena: torch.Tensor,
+        chunks: list[int],
+        offsets: list[int],
+        kv_caches: Any,
+        block_ids: Any,
+        layers: range | None,
+        ahead: _GatherAhead,
+    ) -> tuple[torch.cuda.Event | None, _EarlyCommits | None]:
+        """Enqueues the gather into the arena's slots at `offsets`: the setup prepared during the
+        Reserve where it applies (in parts committed early where the daemon takes them), the
+        torch reference where the slabs could not be registered."""
+        options = self._mapped.transfer_options(offsets)  # None: their slabs are registered
+        enqueue = functools.partial(self._streams.enqueue, kvstore_kernels.gather)
+        prepared = ahead.prepared_in(arena) if options is None else None
+        if prepared is not None:  # the store's chunk i is its prepared page i
+            enqueue = functools.partial(self._streams.enqueue, prepared.transfer)
+            parts = self._early_parts(len(chunks))
+            if parts:  # each part's pages are committed once they are written
+                early, start = _EarlyCommits(), 0
+                for stop in [*parts, len(chunks)]:
+                    part = chunks[start:stop], arena, offsets[start:stop], layers, ahead.stream
+                    early.parts.append((enqueue(self.spec, kv_caches, block_ids, *part), stop - start))
+                    start = stop
+                return early.parts.pop()[0], early
+        elif options is not None:
+            enqueue = functools.partial(
+                self._streams.enqueue, functools.partial(kvstore_kernels.gather, options=options)
+            )
+        return enqueue(self.spec, kv_caches, block_ids, chunks, arena, offsets, layers, ahead.stream), None
+
+    def _put_inline(
+        self, reply: Any, chunks: list[int], kv_caches: Any, block_ids: Any, layers: range | None
+    ) -> None:
+        """Gathers the pages into a staging buffer and sends them through Put (no mapped arena)."""
         staging = torch.empty(len(chunks) * self.page_bytes, dtype=torch.uint8)
         offsets = [i * self.page_bytes for i in range(len(chunks))]
         kvstore_kernels.gather(self.spec, kv_caches, block_ids, chunks, staging, offsets, layers)
@@ -214,7 +242,6 @@ class StorePath(Session):
             self._conn.metadata,
             is_outage,
         )
-        return None, None
 
     def _early_parts(self, pages: int) -> list[int]:
         """Where to cut a store's `pages` into parts committed as each is written: the ends of the
