@@ -73,41 +73,49 @@ class SharedMapping:
         self._ring: BounceRing | None = None
         self._ring_made = threading.Event()
         self._ring_lock = threading.Lock()
+        self._ring_dropped = False
 
     def make_ring(self, device: int | None) -> None:
-        """Makes the bounce ring in the background (pinned on `device`; None: not pinned)."""
+        """Makes the bounce ring in the background: pinned for every context, its CUDA calls on
+        `device` (None: not pinned, tests with CPU caches)."""
 
         def make() -> None:
             try:
-                if device is not None:
-                    torch.cuda.set_device(device)  # the pinned allocation makes no context on GPU 0
-                ring = BounceRing(pin=device is not None)
+                pinner = CudaRegistrar(device) if device is not None else None
+                ring: BounceRing | None = BounceRing(host=pinner, device=device)
             except Exception as exc:  # stores then wait for their slabs, as without the ring
                 log.warning("the arena's bounce ring could not be made (%s): stores wait for slabs", exc)
                 ring = None
             with self._ring_lock:
-                self._ring = ring
+                dropped = self._ring_dropped
+                if not dropped:
+                    self._ring = ring
+            if dropped and ring is not None:  # the mapping went while it was made
+                ring.close()
             self._ring_made.set()
 
         threading.Thread(target=make, name="kvstore-bounce-ring", daemon=True).start()
 
     def ring(self) -> BounceRing | None:
         """The bounce ring (waiting for it to be made); None once every slab is registered: the
-        ring is then freed as soon as no copy uses it."""
+        ring is then closed as soon as no store uses it (a store that had it already finds it
+        closed and takes the kernels' way)."""
         if not self._ring_made.wait(30.0):
             return None
         registrar = self.registrar
         with self._ring_lock:
             ring = self._ring
-            if ring is not None and registrar is not None and registrar.all_registered and ring.idle:
-                self._ring = None
-                ring.close()
-                return None
-            return ring
+            if ring is None or registrar is None or not registrar.all_registered or not ring.idle:
+                return ring
+            self._ring = None
+        ring.close()
+        return None
 
     def drop_ring(self) -> None:
+        """Closes the ring (after the stores inside it), or the one still being made once it is."""
         with self._ring_lock:
             ring, self._ring = self._ring, None
+            self._ring_dropped = True
         if ring is not None:
             ring.close()
 

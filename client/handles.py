@@ -49,14 +49,15 @@ class TransferHandle:
         return self._result
 
     def wait_stream(self, stream: Any) -> None:
-        """Makes `stream` wait for the transfer on the device, without blocking the host.
+        """Makes `stream` wait for the transfer on the device, without blocking the host (for a
+        store through the bounce ring: for its reads of the KV cache; its copies into the arena
+        end on the host, and `wait()` waits for them).
 
         The protocol still needs `wait()` (Commit or Release) once the caller is done.
         """
-        if isinstance(self.event, torch.cuda.Event):
-            stream.wait_event(self.event)
-        elif self.event is not None:  # a store through the bounce ring ends on the host
-            self.event.synchronize()
+        event = getattr(self.event, "gathered", self.event)  # a bounced store: its last gather
+        if event is not None:
+            stream.wait_event(event)
 
 
 class StoreHandle(TransferHandle):

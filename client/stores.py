@@ -180,7 +180,7 @@ class StorePath(Session):
             stream = ahead.stream
             if device.type == "cuda" and stream is None:
                 stream = self._streams.ordered_side(device)
-            return ring.gather(
+            completion = ring.gather(
                 kvstore_kernels.gather,
                 self.spec,
                 kv_caches,
@@ -190,7 +190,9 @@ class StorePath(Session):
                 offsets,
                 stream if device.type == "cuda" else None,
                 self.page_bytes,
-            ), None
+            )
+            if completion is not None:  # None: the ring closed meanwhile (every slab registered)
+                return completion, None
         return self._gather_to_arena(self.arena, chunks, offsets, kv_caches, block_ids, layers, ahead)
 
     def _gather_to_arena(

@@ -7,6 +7,7 @@ back."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,7 +113,7 @@ def fake_gather(pages: torch.Tensor, fail_on: int | None = None, log: list[list[
 def test_the_ring_moves_whole_batches_and_reuses_a_slot_only_once_it_is_copied_out() -> None:
     pages = torch.randint(0, 256, (40, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(61))
     arena = torch.zeros(64 * PAGE, dtype=torch.uint8)
-    ring = BounceRing(slot_bytes=3 * PAGE, num_slots=2, copiers=3, pin=False)
+    ring = BounceRing(slot_bytes=3 * PAGE, num_slots=2, copiers=3)
     batches: list[list[int]] = []
     # Three stores at once from three threads, to disjoint slots of the arena.
     plans = [
@@ -146,10 +147,10 @@ def test_the_ring_moves_whole_batches_and_reuses_a_slot_only_once_it_is_copied_o
 def test_a_failed_gather_gives_its_slots_back_and_the_ring_goes_on() -> None:
     pages = torch.randint(0, 256, (12, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(71))
     arena = torch.zeros(16 * PAGE, dtype=torch.uint8)
-    ring = BounceRing(slot_bytes=2 * PAGE, num_slots=2, copiers=2, pin=False)
+    ring = BounceRing(slot_bytes=2 * PAGE, num_slots=2, copiers=2)
     with pytest.raises(RuntimeError, match="the gather failed"):
         gather = fake_gather(pages, fail_on=4)
-        ring.gather(gather, None, None, None, list(range(6)), arena, [0] * 6, None, PAGE)
+        ring.gather(gather, None, None, None, list(range(6)), arena, [p * PAGE for p in range(6)], None, PAGE)
     until(lambda: ring.idle, "the batches before the failure were not copied out")
     done = threading.Event()
 
@@ -240,3 +241,77 @@ def test_cuda_stores_before_any_registration_go_through_the_pinned_ring(
             for layer in range(4):
                 got = target[layer][:, target_blocks.cuda()].view(torch.uint8)
                 assert torch.equal(got, source[layer][:, blocks[i].cuda()].view(torch.uint8)), (i, layer)
+
+
+def test_offsets_outside_the_arena_or_overlapping_are_refused_before_any_byte_moves() -> None:
+    pages = torch.randint(0, 256, (4, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(81))
+    arena = torch.zeros(8 * PAGE, dtype=torch.uint8)
+    ring = BounceRing(slot_bytes=2 * PAGE, num_slots=2, copiers=2)
+    with pytest.raises(ValueError, match="runs past the end"):
+        ring.gather(fake_gather(pages), None, None, None, [0, 1], arena, [0, 7 * PAGE + 1], None, PAGE)
+    with pytest.raises(ValueError, match="overlap"):
+        ring.gather(fake_gather(pages), None, None, None, [0, 1], arena, [PAGE, PAGE + 100], None, PAGE)
+    assert not arena.any()
+    ring.close()
+
+
+def test_a_failed_copy_is_raised_only_once_every_batch_of_the_store_has_ended() -> None:
+    """The lease is let go after a failure: no copy of the store may still land after that."""
+    pages = torch.randint(0, 256, (4, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(91))
+    arena = torch.zeros(8 * PAGE, dtype=torch.uint8)
+    ring = BounceRing(slot_bytes=PAGE, num_slots=4, copiers=2)
+    copy_out, landed = ring._copy_out, []
+
+    def failing_first(gathered: Any, slot: int, destinations: list[int], page_bytes: int) -> None:
+        if destinations[0] == arena.data_ptr():
+            ring._free.put(slot)
+            raise OSError("the copy failed")
+        time.sleep(0.2)
+        copy_out(gathered, slot, destinations, page_bytes)
+        landed.append(destinations[0])
+
+    ring._copy_out = failing_first  # type: ignore[method-assign]
+    completion = ring.gather(
+        fake_gather(pages), None, None, None, [0, 1, 2], arena, [0, PAGE, 2 * PAGE], None, PAGE
+    )
+    assert completion is not None
+    with pytest.raises(OSError, match="the copy failed"):
+        completion.synchronize()
+    assert len(landed) == 2  # the two later batches ended before the failure was raised
+    ring.close()
+
+
+def test_a_ring_closed_while_a_store_is_inside_waits_for_it_then_takes_no_more() -> None:
+    pages = torch.randint(0, 256, (2, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(101))
+    arena = torch.zeros(4 * PAGE, dtype=torch.uint8)
+    ring = BounceRing(slot_bytes=PAGE, num_slots=2, copiers=2)
+    inside, go = threading.Event(), threading.Event()
+    gather = fake_gather(pages)
+
+    def slow_gather(*args: Any) -> None:
+        inside.set()
+        go.wait(30)
+        gather(*args)
+
+    results: list[Any] = []
+    store = threading.Thread(
+        target=lambda: results.append(
+            ring.gather(slow_gather, None, None, None, [0, 1], arena, [0, 2 * PAGE], None, PAGE)
+        )
+    )
+    store.start()
+    assert inside.wait(30)
+    closing = threading.Thread(target=ring.close)
+    closing.start()
+    until(lambda: ring.closed, "close() did not begin")
+    assert closing.is_alive()  # it waits for the store inside
+    go.set()
+    store.join(30)
+    closing.join(30)
+    assert not closing.is_alive()
+    assert results[0] is not None
+    assert torch.equal(arena[:PAGE], pages[0]) and torch.equal(arena[2 * PAGE : 3 * PAGE], pages[1])
+    assert (
+        ring.gather(gather, None, None, None, [0], arena, [PAGE], None, PAGE) is None
+    )  # closed: nothing done
+    assert not arena[PAGE : 2 * PAGE].any()
