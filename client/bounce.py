@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from kvstore.spec import KVSpec
+from kvstore_client.registrar import populate
 from kvstore_kernels.validate_args import check_buffer
 
 NUM_SLOTS = 4
@@ -105,7 +106,8 @@ class BounceRing:
         self.num_slots = num_slots
         self.buffer = torch.empty(num_slots * slot_bytes, dtype=torch.uint8)
         self._host = host
-        if host is not None:
+        if host is not None:  # faulted in first, so the registration holds the driver for the pinning alone
+            populate(self.buffer.data_ptr(), self.buffer.numel())
             host.register(self.buffer.data_ptr(), self.buffer.numel())
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slot in range(num_slots):
