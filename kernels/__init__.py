@@ -207,44 +207,57 @@ def prepare(
     options = options or TransferOptions()
     if not isinstance(options, TransferOptions):
         raise ValueError(f"options: expected a TransferOptions, got {type(options).__name__}")
-    writes_cache = not to_page
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
         kept = _Kept.of(spec, kv_caches, buffer, layers, batch_index, to_page, options)
-        if kept is not None and kept.plan is not None:
-            plan = replan(kept.plan, kept.facts, block_ids, chunks, writes_cache=writes_cache)
-            plan = plan._replace(buffer=buffer, kv_caches=kv_caches)
-        else:
-            plan = plan_transfer(
-                spec,
-                kv_caches,
-                block_ids,
-                chunks,
-                buffer,
-                None,
-                layers,
-                batch_index,
-                writes_cache=writes_cache,
-            )
-            if kept is not None:
-                kept.plan, kept.facts = (
-                    _without_references(plan),
-                    facts_of(spec, kv_caches, layers, batch_index),
-                )
+        plan = _prepared_plan(spec, kv_caches, block_ids, chunks, buffer, layers, batch_index, to_page, kept)
         if stream is not None and plan.device != stream.device:
             raise ValueError(f"stream: on {stream.device}, but the KV cache is on {plan.device}")
-        staged_path = None
-        if plan.layers and len(plan.blocks):
-            every = plan._replace(offsets=(0,) * len(plan.blocks))  # the staged path's view: no offsets
-            staged = kept.staged if kept is not None else None
-            if staged is None:
-                staged = choose(spec, every, options, to_page=to_page).engine == "staged"
-                if kept is not None and staged:  # a buffer not pinned yet may be later: asked again
-                    kept.staged = staged
-            if staged:
-                staged_path = _staged(spec, every, to_page, options, kept)
+        staged_path = _staged_path(spec, plan, options, to_page, kept)
     prepared = Prepared(spec, plan, options, to_page, stream, staged_path)
     prepared._chunks, prepared.layers = chunks, layers
     return prepared
+
+
+def _prepared_plan(
+    spec: KVSpec,
+    kv_caches: KVCaches,
+    block_ids: Any,
+    chunks: Sequence[int],
+    buffer: torch.Tensor,
+    layers: range | None,
+    batch_index: int,
+    to_page: bool,
+    kept: _Kept | None,
+) -> Transfer:
+    """The checked plan of every chunk, offsets not known yet: the kept plan with this call's
+    chunks and block table, or a new one (then kept, where `kept` is given)."""
+    writes_cache = not to_page
+    if kept is not None and kept.plan is not None:
+        plan = replan(kept.plan, kept.facts, block_ids, chunks, writes_cache=writes_cache)
+        return plan._replace(buffer=buffer, kv_caches=kv_caches)
+    plan = plan_transfer(
+        spec, kv_caches, block_ids, chunks, buffer, None, layers, batch_index, writes_cache=writes_cache
+    )
+    if kept is not None:
+        kept.plan, kept.facts = _without_references(plan), facts_of(spec, kv_caches, layers, batch_index)
+    return plan
+
+
+def _staged_path(
+    spec: KVSpec, plan: Transfer, options: TransferOptions, to_page: bool, kept: _Kept | None
+) -> Any:
+    """The staged path's setup of `plan` where the route takes the staged path, else None."""
+    if not (plan.layers and len(plan.blocks)):
+        return None
+    every = plan._replace(offsets=(0,) * len(plan.blocks))  # the staged path's view: no offsets
+    staged = kept.staged if kept is not None else None
+    if staged is None:
+        staged = choose(spec, every, options, to_page=to_page).engine == "staged"
+        if kept is not None and staged:  # a buffer not pinned yet may be later: asked again
+            kept.staged = staged
+    if staged:
+        return _staged(spec, every, to_page, options, kept)
+    return None
 
 
 def _staged(

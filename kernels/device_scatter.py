@@ -79,16 +79,10 @@ def scatter(
     chunk_array = _chunks(chunks, block_ids.chunks)
     if chunk_array is None:
         return False
-    try:
-        page_offsets = np.asarray(offsets, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
+    page_addrs = _page_addrs(route, offsets, chunk_array.size)
+    if page_addrs is None:
         return False
-    pages = page_offsets.size
-    if page_offsets.ndim != 1 or pages != chunk_array.size or not pages:
-        return False
-    if int(page_offsets.min()) < 0 or int(page_offsets.max()) + route.page_bytes > route.size:
-        return False
-    page_addrs = page_offsets + route.base
+    pages = page_addrs.size
     alignment = int(np.gcd.reduce(page_addrs))
     shape = route.shapes.get((pages, alignment))
     if shape is None:
@@ -100,8 +94,37 @@ def scatter(
             triton_copy.DEVICE_TUNING,
             False,
         )
+    if not _launch(route, shape, page_addrs, block_ids.blocks[chunk_array], stream):
+        return False
+    global taken
+    taken += 1
+    return True
+
+
+def _page_addrs(route: _Route, offsets: Any, chunks: int) -> np.ndarray | None:
+    """The pages' addresses: one offset per chunk, each page inside the buffer; else None."""
+    try:
+        page_offsets = np.asarray(offsets, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    pages = page_offsets.size
+    if page_offsets.ndim != 1 or pages != chunks or not pages:
+        return None
+    if int(page_offsets.min()) < 0 or int(page_offsets.max()) + route.page_bytes > route.size:
+        return None
+    return page_offsets + route.base
+
+
+def _launch(
+    route: _Route,
+    shape: triton_copy.Shape,
+    page_addrs: np.ndarray,
+    blocks: np.ndarray,
+    stream: torch.cuda.Stream | None,
+) -> bool:
+    """Upload the tables and launch the kernel compiled for `shape` already; False: nothing launched."""
+    pages = page_addrs.size
     geometry = route.geometry
-    blocks = block_ids.blocks[chunk_array]
     values = np.concatenate([page_addrs, blocks.ravel(), geometry.static_values])
     starts = list(itertools.accumulate((pages, blocks.size, *geometry.static_lengths)))[:-1]
     device = route.buffer.device
@@ -122,8 +145,6 @@ def scatter(
     triton_copy.run_compiled(
         compiled, grid, handle, (*pointers, *starts[1:]), 0, segments, 0, shape.constants
     )
-    global taken
-    taken += 1
     return True
 
 

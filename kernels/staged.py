@@ -8,8 +8,8 @@
   slot of a device staging ring (device to device, `max_programs` programs for a few tens
   of microseconds), then one `cudaMemcpyAsync` moves the slot to its place in the pinned
   buffer on a copy engine. Scatter: the reverse (copy into a slot, then unpack).
-- `StagingRing`, `ring_for(device, to_page)`: the per-device, per-direction ring of
-  `NUM_SLOTS` slots, allocated on first use and reused.
+- `StagingRing` (`staged_ring`), `ring_for(device, to_page)`: the per-device, per-direction
+  ring of `NUM_SLOTS` slots, allocated on first use and reused.
 
 Why: the kernel alone must issue PCIe reads and writes from the SMs, which holds SMs for
 the whole transfer and slows the model's kernels; the copy engines alone move 1-D copies
@@ -48,22 +48,19 @@ import torch
 from kvstore.spec import KVSpec, PageSpec
 
 from .geometry import Geometry
+from .staged_ring import NUM_SLOTS, StagingRing
 from .validate import Transfer
 
-# Chosen on the H100 with 8B-geometry pages of 32 MiB (bench/NOTES-transfer.md, item 8):
-# - 4 slots of a whole page each: as fast alone as half-page slots, and faster beside matrix
-#   products. The ring is sized by the largest piece, so small pages take 4 small slots
-#   whatever the cap.
+# Chosen on the H100 with 8B-geometry pages of 32 MiB (bench/NOTES-transfer.md, item 8), with
+# the ring's `NUM_SLOTS` (`staged_ring`):
 # - 32 pack programs: short wide bursts slow the model's products less than long narrow ones
 #   (8 or 16 programs); 64 slow them no less than 32.
 # - Overlap (packing the next piece during this piece's copy): faster alone, and it keeps the
 #   copy near the link's rate beside matrix products, where a serial pack and copy do not.
-NUM_SLOTS = 4
 DEFAULT_STAGING_BYTES = 128 << 20  # per direction and device: 4 slots of 32 MiB, one 8B page each
 DEFAULT_PROGRAMS = 32  # pack/unpack programs, so SMs, for the few tens of microseconds of a burst
 OVERLAP = True  # copies on a side stream, so packing the next piece overlaps the copy of this one
 COPY_STREAMS = 1
-_SLOT_ALIGN = 4096
 
 
 class Piece(NamedTuple):
@@ -147,59 +144,6 @@ def _staged_geometry(spec: KVSpec, plan: Transfer, ring: StagingRing) -> tuple[T
         while len(_geometries) > _KEPT_GEOMETRIES:
             del _geometries[next(iter(_geometries))]
     return staged_plan, geometry
-
-
-class StagingRing:
-    """`NUM_SLOTS` equal slots of device (or, for tests, CPU) memory, handed out in turn.
-
-    Each slot has a `free` event, recorded after the last use of its contents, and a `ready`
-    event that hands a filled slot from one stream to the other; `started` orders a scatter's
-    copies after the caller's earlier work. They are raw CUDA events (`cudart`): handles,
-    recorded and waited on through the runtime directly. The lock is held while a transfer is
-    issued, so slot uses of concurrent calls never interleave on the host.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.lock = threading.Lock()
-        self.memory = torch.empty(0, dtype=torch.uint8, device=device)
-        self.slot_bytes = 0
-        self._next = 0
-        self.free: list[int] = []
-        self.ready: list[int] = []
-        self.started = 0
-        if device.type == "cuda":
-            from . import cudart
-
-            runtime = cudart.runtime()
-            with torch.cuda.device(device):
-                self.free = [runtime.event_create() for _ in range(NUM_SLOTS)]
-                self.ready = [runtime.event_create() for _ in range(NUM_SLOTS)]
-                self.started = runtime.event_create()
-
-    def reserve(self, slot_bytes: int) -> None:
-        """Slots of at least `slot_bytes`; a larger ring replaces the old one once nothing uses it."""
-        if self.slot_bytes >= slot_bytes:
-            return
-        if self.free:
-            from . import cudart
-
-            runtime = cudart.runtime()
-            for event in self.free:
-                runtime.event_synchronize(event)  # the old slots' last uses have run (at once if never)
-        size = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
-        self.memory = torch.empty(0, dtype=torch.uint8, device=self.device)  # the old ring goes first
-        self.memory = torch.empty(NUM_SLOTS * size, dtype=torch.uint8, device=self.device)
-        self.slot_bytes = size
-
-    def take(self) -> int:
-        """The next slot's index."""
-        index = self._next
-        self._next = (index + 1) % NUM_SLOTS
-        return index
-
-    def address(self, slot: int) -> int:
-        return self.memory.data_ptr() + slot * self.slot_bytes
 
 
 _rings: dict[tuple[torch.device, bool], StagingRing] = {}

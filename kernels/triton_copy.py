@@ -278,11 +278,37 @@ def shape_of(
     if shape is not None:
         return shape
     _check_tuning(tuning)
+    kwargs = _kernel_kwargs(spec, plan, geometry, to_page, tuning, staged, segments)
+    # The launcher takes every kernel argument in order, constexprs included (it skips them),
+    # and pointers as plain addresses (a tensor costs it a driver call to check).
+    names = getattr(triton_kernel.copy_pages, "arg_names", [])
+    constants = tuple(kwargs[name] for name in names[8:])
+    # What Triton may specialise a launch on, beyond the pointers' alignment, the tables' offsets
+    # and the three unspecialised integers: the exact value of every other integer (Triton looks at
+    # divisibility by 16 and equality to 1 only: a superset), every constant and option.
+    shape = Shape(segments, kwargs, constants, tuple(kwargs.items()))
+    with _shapes_lock:
+        if len(_shapes) >= _SHAPES:
+            _shapes.clear()
+        _shapes[source] = shape
+    return shape
+
+
+def _kernel_kwargs(
+    spec: KVSpec,
+    plan: Transfer,
+    geometry: Geometry,
+    to_page: bool,
+    tuning: Tuning,
+    staged: bool,
+    segments: int,
+) -> dict[str, Any]:
+    """The kernel's keyword arguments after the tables', `segments` segments loaded together."""
     word_bytes = min(geometry.word_bytes, tuning.word_bytes)
     segment_words = geometry.segment_bytes // word_bytes
     tile = min(triton.next_power_of_2(segment_words), tuning.tile_bytes // word_bytes)
     step_bytes = segments * tile * word_bytes
-    kwargs = dict(
+    return dict(
         num_layer_kv=geometry.num_layer_kv,
         blocks_per_chunk=geometry.blocks_per_chunk,
         num_blocks=plan.num_blocks,
@@ -303,19 +329,6 @@ def shape_of(
         EVICTION=tuning.eviction,
         num_warps=tuning.num_warps or (8 if step_bytes >= 8192 else 4 if step_bytes >= 2048 else 1),
     )
-    # The launcher takes every kernel argument in order, constexprs included (it skips them),
-    # and pointers as plain addresses (a tensor costs it a driver call to check).
-    names = getattr(triton_kernel.copy_pages, "arg_names", [])
-    constants = tuple(kwargs[name] for name in names[8:])
-    # What Triton may specialise a launch on, beyond the pointers' alignment, the tables' offsets
-    # and the three unspecialised integers: the exact value of every other integer (Triton looks at
-    # divisibility by 16 and equality to 1 only: a superset), every constant and option.
-    shape = Shape(segments, kwargs, constants, tuple(kwargs.items()))
-    with _shapes_lock:
-        if len(_shapes) >= _SHAPES:
-            _shapes.clear()
-        _shapes[source] = shape
-    return shape
 
 
 _shapes: dict[tuple[Any, ...], Shape] = {}

@@ -6,7 +6,8 @@ canonical views lie (see `layouts`; the views themselves are made on demand), th
 ids of every page and the page offsets. Every problem is a `ValueError` that names the
 argument, the layer or the index at fault, and what was expected. What the checks learn
 about the cache tensors is remembered per tensor fingerprint (`cache_facts`); chunks,
-offsets, the buffer and the block table are checked on every call, with numpy.
+offsets, the buffer and the block table are checked on every call, with numpy (the checks of
+the arguments: `validate_args`; of the block table: `validate_blocks`).
 
 A block table on the host (list, numpy array, CPU tensor) is checked entry by entry. A
 block table on a CUDA device is not read back (that would wait for the stream): its
@@ -23,7 +24,6 @@ direction, the call checks the table it holds as it checks any table.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -34,6 +34,8 @@ from kvstore.spec import KVSpec, PageSpec
 
 from .cache_facts import CacheFacts, RegisteredCaches, ViewFacts, cache_facts
 from .layouts import KVCaches, kv_views
+from .validate_args import check_buffer, check_layers, int_array
+from .validate_blocks import block_table, check_unique, table_array
 
 
 class Transfer(NamedTuple):
@@ -97,16 +99,16 @@ def check_blocks(
     try:
         page = spec.page
         moved, facts = _moved_facts(spec, kv_caches, layers, batch_index)
-        table = _table_array(block_ids)
+        table = table_array(block_ids)
         assert isinstance(table, np.ndarray)  # a CPU table
         per_chunk = page.page_tokens // spec.block_size
         count = min(chunks, table.size // per_chunk)
-        blocks = _block_table(
+        blocks = block_table(
             spec, page, table, np.arange(count), facts.num_blocks, facts.smallest_layer, facts.device
         )
         assert isinstance(blocks, np.ndarray)
         if writes_cache:
-            _check_unique(blocks)
+            check_unique(blocks)
     except ValueError:
         return block_ids
     return CheckedBlocks(block_ids, blocks, facts.num_blocks, writes_cache)
@@ -129,15 +131,15 @@ def plan_transfer(
     page = spec.page
     position = page.stored_position
     moved, facts = _moved_facts(spec, kv_caches, layers, batch_index)
-    chunk_array = _int_array("chunks", chunks)
+    chunk_array = int_array("chunks", chunks)
     # None: not known yet (`kvstore_kernels.prepare`); `plan_pages` checks them when they are.
-    offset_array = np.empty(0, dtype=np.int64) if offsets is None else _int_array("offsets", offsets)
+    offset_array = np.empty(0, dtype=np.int64) if offsets is None else int_array("offsets", offsets)
     if offsets is not None and chunk_array.size != offset_array.size:
         raise ValueError(
             f"chunks and offsets: {chunk_array.size} chunks but {offset_array.size} offsets; "
             "give one page offset per chunk"
         )
-    _check_buffer(buffer, facts.device, offset_array, page.page_bytes, overlap_ok=writes_cache)
+    check_buffer(buffer, facts.device, offset_array, page.page_bytes, overlap_ok=writes_cache)
     blocks = _blocks_of(spec, facts, block_ids, chunk_array, writes_cache)
     return Transfer(
         page=page,
@@ -167,7 +169,7 @@ def replan(
     """`plan` (of the same cache, layers and buffer, offsets not known yet) for `chunks` of
     `block_ids`: the checks `plan_transfer` makes of a call's chunks and block table, the rest
     taken from `plan` (`facts`: the cache facts it was made with)."""
-    chunk_array = _int_array("chunks", chunks)
+    chunk_array = int_array("chunks", chunks)
     blocks = _blocks_of(plan.spec, facts, block_ids, chunk_array, writes_cache)
     return plan._replace(blocks=blocks, offsets=())
 
@@ -182,11 +184,11 @@ def _blocks_of(
     if blocks is None:
         if isinstance(block_ids, CheckedBlocks):
             block_ids = block_ids.table
-        blocks = _block_table(
+        blocks = block_table(
             spec, spec.page, block_ids, chunk_array, facts.num_blocks, facts.smallest_layer, facts.device
         )
         if writes_cache:
-            _check_unique(blocks)
+            check_unique(blocks)
         if facts.write_error is not None:
             raise ValueError(facts.write_error)
     return blocks
@@ -197,8 +199,8 @@ def plan_pages(
 ) -> Transfer:
     """The plan of pages `pages` of `plan` (indices into its chunks) at `offsets` in its buffer,
     checked as `plan_transfer` checks a call's chunks and offsets."""
-    page_array = _int_array("pages", pages)
-    offset_array = _int_array("offsets", offsets)
+    page_array = int_array("pages", pages)
+    offset_array = int_array("offsets", offsets)
     if page_array.size != offset_array.size:
         raise ValueError(
             f"pages and offsets: {page_array.size} pages but {offset_array.size} offsets; "
@@ -210,7 +212,7 @@ def plan_pages(
         raise ValueError(f"pages[{index}]: {int(page_array[index])} is not one of the plan's {count} chunks")
     if writes_cache and np.unique(page_array).size != page_array.size:
         raise ValueError("pages: a page appears twice; scatter would write its blocks twice")
-    _check_buffer(plan.buffer, plan.device, offset_array, plan.page.page_bytes, overlap_ok=writes_cache)
+    check_buffer(plan.buffer, plan.device, offset_array, plan.page.page_bytes, overlap_ok=writes_cache)
     blocks: np.ndarray | torch.Tensor = plan.blocks
     if isinstance(blocks, torch.Tensor):
         blocks = blocks[torch.as_tensor(page_array, device=blocks.device)]
@@ -250,7 +252,7 @@ def host_blocks(plan: Transfer, *, writes_cache: bool) -> np.ndarray:
             f"is outside 0..{plan.num_blocks - 1}"
         )
     if writes_cache:
-        _check_unique(blocks)
+        check_unique(blocks)
     return blocks
 
 
@@ -269,7 +271,7 @@ def _moved_facts(
             return found[1], found[2]
     page = spec.page
     position = page.stored_position
-    moved = tuple(layer for layer in _check_layers(spec, layers) if layer in position)
+    moved = tuple(layer for layer in check_layers(spec, layers) if layer in position)
     facts = cache_facts(spec, kv_caches, moved, moved or page.stored_layers, batch_index)
     if kept is not None:
         if len(kept) >= _MAX_KEPT:
@@ -279,184 +281,3 @@ def _moved_facts(
 
 
 _MAX_KEPT = 32  # layer subsets kept per registered cache
-
-
-def _check_layers(spec: KVSpec, layers: range | None) -> range:
-    if layers is None:
-        return range(spec.num_layers)
-    if not isinstance(layers, range) or layers.step != 1:
-        raise ValueError(f"layers: expected a range with step 1, got {layers!r}")
-    if not 0 <= layers.start <= layers.stop <= spec.num_layers:
-        raise ValueError(f"layers: {layers!r} is outside 0..{spec.num_layers} engine layers")
-    return layers
-
-
-def _int_array(name: str, values: Sequence[int]) -> np.ndarray:
-    """`values` as an int64 array, every entry an integer and not negative."""
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
-    array: np.ndarray | None = None
-    if isinstance(values, (list, tuple, range, np.ndarray)):
-        try:
-            array = np.asarray(values)
-        except (OverflowError, ValueError, TypeError):
-            array = None
-    if array is None or array.ndim != 1 or array.dtype.kind not in "iu" or _too_large(array):
-        array = np.asarray(_int_list(name, values), dtype=np.int64).reshape(-1)
-    negative = np.flatnonzero(array < 0)
-    if negative.size:
-        index = int(negative[0])
-        raise ValueError(f"{name}[{index}]: {int(array[index])} is negative")
-    return array.astype(np.int64, copy=False)
-
-
-_MAX_VALUE = 1 << 62  # page offsets and chunk numbers stay far below; int64 sums cannot overflow
-
-
-def _too_large(array: np.ndarray) -> bool:
-    return bool(array.size) and int(array.max()) >= _MAX_VALUE
-
-
-def _int_list(name: str, values: Sequence[int]) -> list[int]:
-    """The per-entry path (anything iterable, bools, numpy scalars), with its messages."""
-    try:
-        result = [operator.index(value) for value in values]
-    except TypeError:
-        raise ValueError(f"{name}: expected a sequence of integers, got {values!r}") from None
-    for index, value in enumerate(result):
-        if value >= _MAX_VALUE:
-            raise ValueError(f"{name}[{index}]: {value} is too large")
-    return result
-
-
-def _check_buffer(
-    buffer: torch.Tensor, device: torch.device, offsets: np.ndarray, page_bytes: int, *, overlap_ok: bool
-) -> None:
-    if not isinstance(buffer, torch.Tensor):
-        raise ValueError(f"buffer: expected a 1-D uint8 torch.Tensor, got {type(buffer).__name__}")
-    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
-        raise ValueError(
-            f"buffer: expected a 1-D uint8 tensor, got {str(buffer.dtype).removeprefix('torch.')} "
-            f"with shape {list(buffer.shape)}"
-        )
-    if buffer.stride(0) != 1 and buffer.numel() > 1:
-        raise ValueError(f"buffer: expected contiguous bytes, got stride {buffer.stride(0)}")
-    if buffer.device.type != "cpu" and buffer.device != device:
-        _check_peer(buffer.device, device)
-    size = buffer.numel()
-    if offsets.size and int(offsets.max()) + page_bytes > size:
-        past = np.flatnonzero(offsets + page_bytes > size)
-        index = int(past[0])
-        offset = int(offsets[index])
-        raise ValueError(
-            f"offsets[{index}]: page {offset}..{offset + page_bytes} ({page_bytes} bytes) "
-            f"runs past the end of the {size}-byte buffer"
-        )
-    if not overlap_ok and offsets.size > 1:
-        order = np.argsort(offsets, kind="stable")
-        starts = offsets[order]
-        clash = np.flatnonzero(starts[1:] < starts[:-1] + page_bytes)
-        if clash.size:
-            at = int(clash[0])
-            before, after = int(order[at]), int(order[at + 1])
-            raise ValueError(
-                f"offsets[{before}] and offsets[{after}]: pages at {int(starts[at])} and "
-                f"{int(starts[at + 1])} overlap ({page_bytes}-byte pages); gather needs one page per chunk"
-            )
-
-
-def _check_peer(buffer_device: torch.device, device: torch.device) -> None:
-    """A buffer on another GPU than the KV cache's: one its kernels reach over peer access."""
-    if buffer_device.type != "cuda" or device.type != "cuda":
-        raise ValueError(
-            f"buffer: on {buffer_device}; expected the CPU, the KV cache's device {device}, or another "
-            "GPU that device has peer access to"
-        )
-    from . import peer
-
-    reason = peer.why_not(device, buffer_device)
-    if reason is not None:
-        raise ValueError(f"buffer: on {buffer_device}, which the KV cache's {device} cannot reach: {reason}")
-
-
-def _block_table(
-    spec: KVSpec,
-    page: PageSpec,
-    block_ids: Any,
-    chunks: np.ndarray,
-    num_blocks: int,
-    layer: int,
-    device: torch.device,
-) -> np.ndarray | torch.Tensor:
-    per_chunk = page.page_tokens // spec.block_size
-    # numpy, not torch: these arrays are small and torch's per-op cost dominates a call.
-    slots = chunks.reshape(-1, 1) * per_chunk + np.arange(per_chunk)
-    if spec.layout == "hf":
-        if slots.size and int(slots.max()) >= num_blocks:
-            chunk = int(chunks[int(slots.max(axis=1).argmax())])
-            seq, chunk_tokens = spec.block_size * num_blocks, page.chunk_tokens
-            raise ValueError(
-                f"chunks: chunk {chunk} needs seq positions up to {(chunk + 1) * chunk_tokens - 1}, "
-                f"but layer {layer}'s cache holds {seq} (whole blocks of {spec.block_size})"
-            )
-        return slots
-    table = _table_array(block_ids)
-    entries = table.numel() if isinstance(table, torch.Tensor) else table.size
-    if slots.size and int(slots.max()) >= entries:
-        raise ValueError(
-            f"block_ids: the block table has {entries} entries; chunk {int(chunks.max())} needs "
-            f"{(int(chunks.max()) + 1) * per_chunk} ({per_chunk} blocks per chunk)"
-        )
-    if isinstance(table, torch.Tensor):  # on the device: looked up there, range-checked by the kernel
-        from . import staging
-
-        if table.device != device:
-            raise ValueError(
-                f"block_ids: on {table.device}; a device block table must be on the KV cache's device "
-                f"{device} (or pass it on the host)"
-            )
-        return table.to(torch.int64)[staging.to_device(slots.ravel(), table.device)].view(slots.shape)
-    blocks = table[slots]
-    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
-        row, column = (int(i) for i in np.argwhere((blocks < 0) | (blocks >= num_blocks))[0])
-        raise ValueError(
-            f"block_ids[{int(slots[row, column])}]: block {int(blocks[row, column])} "
-            f"(chunk {int(chunks[row])}) is outside 0..{num_blocks - 1}, the blocks of layer {layer}"
-        )
-    return blocks
-
-
-def _table_array(block_ids: Any) -> np.ndarray | torch.Tensor:
-    if block_ids is None:
-        return np.empty(0, dtype=np.int64)
-    if isinstance(block_ids, torch.Tensor):
-        dtype = block_ids.dtype
-        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-            raise ValueError(
-                f"block_ids: expected integer block ids, got {str(dtype).removeprefix('torch.')}"
-            )
-        if block_ids.dim() != 1:
-            raise ValueError(f"block_ids: expected a 1-D block table, got shape {list(block_ids.shape)}")
-        if block_ids.device.type == "cuda":
-            return block_ids.detach()
-        table = block_ids.detach().cpu().numpy()
-    else:
-        table = np.asarray(block_ids)
-    if table.dtype.kind not in "iu":
-        raise ValueError(f"block_ids: expected integer block ids, got {table.dtype.name}")
-    if table.ndim != 1:
-        raise ValueError(f"block_ids: expected a 1-D block table, got shape {list(table.shape)}")
-    return table.astype(np.int64, copy=False)
-
-
-def _check_unique(blocks: np.ndarray | torch.Tensor) -> None:
-    """Scatter writes each block once: refuse a block id that appears twice (host tables only;
-    a device table is not read back, see the module docstring)."""
-    if isinstance(blocks, np.ndarray) and blocks.size > 1:
-        ordered = np.sort(blocks, axis=None)
-        if (ordered[1:] == ordered[:-1]).any():
-            values, counts = np.unique(blocks, return_counts=True)
-            raise ValueError(
-                f"block_ids: block {int(values[counts > 1][0])} appears twice among the chunks' blocks; "
-                "scatter would write it twice"
-            )
