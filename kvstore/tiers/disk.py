@@ -5,7 +5,8 @@ every committed page (`through`); worker threads compress and write them, and re
 back when a lookup promotes them. No call waits on the disk: each takes the index lock
 for a few dict operations and queues the work. What the threads do: `disk_workers.py`;
 records: `records.py`; files and recovery: `disk_files.py`; the index: `disk_index.py`;
-why one file per page: bench/NOTES-disk.md.
+claiming the directory and reading it back at start: `disk_start.py`; why one file per page:
+bench/NOTES-disk.md.
 
 Primitives (any thread; the store calls them from its event loop):
 - `DiskTier(config)`: claims (`kvstore.claim.claim_private_directory`: created 0700, or a
@@ -40,7 +41,6 @@ tier off: an error log, `enabled` 0 in stats, queued work dropped; memory tiers 
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import logging
 import os
@@ -50,7 +50,6 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvstore.claim import claim_private_directory
 from kvstore.codec import CODECS, Buffer
 from kvstore.config import DiskTierConfig
 from kvstore.events import EventKind, EventLog
@@ -59,11 +58,10 @@ from kvstore.tiers import disk_files as files
 from kvstore.tiers.disk_files import Progress, RecordInfo
 from kvstore.tiers.disk_index import DiskIndex, Ident, Record
 from kvstore.tiers.disk_jobs import Read, ReadDone, Write, WriteDone
+from kvstore.tiers.disk_start import open_directory, read_records, warn_if_small
 from kvstore.tiers.disk_workers import DiskWorkers
 
 log = logging.getLogger(__name__)
-
-PATH_KEY = "tiers.disk.path"
 
 
 class DiskTier(DiskWorkers):
@@ -76,20 +74,8 @@ class DiskTier(DiskWorkers):
         self.capacity = config.bytes
         self.write_through = config.write == "through"
         self._codec = CODECS[config.codec]
-        self._root_fd = claim_private_directory(self.root, PATH_KEY)
+        self._root_fd = open_directory(self.root)
         self.base = Path(f"/proc/self/fd/{self._root_fd}")  # the claimed directory, whatever its path
-        try:
-            fcntl.flock(self._root_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._root_fd)
-            raise RuntimeError(
-                f"{PATH_KEY}: {self.root} is in use by another kvstored; give each daemon its own directory"
-            ) from None
-        try:
-            files.mark(self.base)  # marks the directory as a disk tier's
-        except OSError as exc:
-            os.close(self._root_fd)
-            raise OSError(exc.errno, f"{PATH_KEY}: cannot use {self.root}: {exc.strerror}") from exc
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._index = DiskIndex(config.bytes)
@@ -121,15 +107,7 @@ class DiskTier(DiskWorkers):
         self._started = True
         began = time.perf_counter()
         try:
-            records = files.load_index(self.base)
-            source = "clean-shutdown index"
-            if records is None:
-                source = "record scan"
-                result = files.scan(self.base, progress)
-                records = result.records
-                self.counters["torn_records"] += result.torn
-                self.counters["skipped_on_recovery"] += result.torn + result.corrupted
-                self.counters["corrupted_records"] += result.corrupted
+            records, source = read_records(self.base, progress, self.counters)
         except OSError as exc:
             self._turn_off(exc, f"recovering {self.root}")
             return []
@@ -140,7 +118,7 @@ class DiskTier(DiskWorkers):
             over = self._evict_for(0) or []  # tiers.disk.bytes was lowered since
         for ident in over:
             self._unlink(ident)
-        self._warn_if_small_filesystem()
+        warn_if_small(self.base, self.root, self.capacity, self._index.bytes_used)
         workers = [self._work] * self.config.threads
         if self.config.fsync == "batch":
             workers.append(self._sync_loop)
@@ -160,18 +138,6 @@ class DiskTier(DiskWorkers):
             self.counters["skipped_on_recovery"] - self.counters["torn_records"],
         )
         return [info for info in records if (info.namespace, info.key) in self._index]
-
-    def _warn_if_small_filesystem(self) -> None:
-        fs = os.statvfs(self.base)
-        room = fs.f_bavail * fs.f_frsize + self._index.bytes_used
-        if room < self.capacity:
-            log.warning(
-                "tiers.disk.bytes is %d MiB but %s has room for %d MiB of records; the disk tier turns "
-                "off when the filesystem fills up",
-                self.capacity >> 20,
-                self.root,
-                room >> 20,
-            )
 
     # -- the store's calls --------------------------------------------------
 

@@ -42,7 +42,8 @@ bytes a daemon of the fleet did not store. Without it, the server is trusted as 
 
 Eviction in the remote tier is the server's: run it with a `maxmemory` and an
 `allkeys-lru` (or `-lfu`) policy, or set `ttl_s`. The tier speaks RESP itself (`remote_resp`);
-the `redis` package parses its URLs, imported only when it is enabled.
+the `redis` package parses its URLs, imported only when it is enabled. Each worker's
+connections, the redirects they follow and a node's outages are `remote_routing`'s.
 """
 
 from __future__ import annotations
@@ -62,21 +63,13 @@ from kvstore.tiers import Tier
 from kvstore.tiers.records import FLAG_MAC, CorruptRecord, ForgedRecord, RecordKey, pack_header
 from kvstore.tiers.remote_lookups import Lookups
 from kvstore.tiers.remote_nodes import Node, Nodes
-from kvstore.tiers.remote_resp import Address, Endpoint, RecordConnection, Redirect, RespError
+from kvstore.tiers.remote_resp import Endpoint, RecordConnection
+from kvstore.tiers.remote_routing import NodeDown, Router, Work
 
 log = logging.getLogger(__name__)
 
-MAX_REDIRECTS = 3  # MOVED/ASK hops one read or write follows (a reshard moves a slot once)
-REFUSED_WARNING_S = 10.0  # at most one warning this often for redirects not followed
-
 ReadDone = Callable[[Buffer | None], None]
 WriteDone = Callable[[bool], None]
-Work = Callable[[RecordConnection, bool], Any]  # (connection, asking: after an ASK redirect)
-
-
-class NodeDown(Exception):
-    """A miss: the record's node is down (args[0] None: it was, or no node serves its slot yet),
-    or failed just now (args[0]: the error, already counted and warned of)."""
 
 
 def start_remote(config: RemoteTierConfig) -> RemoteTier:
@@ -106,7 +99,6 @@ class RemoteTier(Lookups):
         secret = config.record_key()
         self._record_key = None if secret is None else RecordKey(secret)
         self._clock = clock
-        self._refused_warned_at = -float("inf")
         # Reads (a load waits on them) never queue behind writes (write-through may queue many).
         self._read_workers = ThreadPoolExecutor(config.threads, thread_name_prefix="kvstore-remote-read")
         self._write_workers = ThreadPoolExecutor(config.threads, thread_name_prefix="kvstore-remote-write")
@@ -116,9 +108,8 @@ class RemoteTier(Lookups):
         self._idle = threading.Condition(self._lock)
         self._closed = False
         self._deadline = float("inf")  # close(): queued writes past this are dropped
-        self._local = threading.local()  # each thread's connections, by node address
-        self._connections: set[RecordConnection] = set()
         self.counters: Counter[str] = Counter()
+        self._router = Router(config, self.nodes, clock, self._count)  # connections, redirects, health
 
     def start(self) -> None:
         if self.config.cluster:
@@ -282,119 +273,20 @@ class RemoteTier(Lookups):
             done(page)
 
     def _routed(self, name: bytes, work: Work, what: str) -> Any:
-        """`work` on the connection to the node serving `name`, following MOVED and ASK. Raises
-        NodeDown(None) where that node is down, NodeDown(error) where it failed now (it is down
-        for retry_s from here, warned once)."""
-        node, asking = self._usable(name), False
-        for _ in range(MAX_REDIRECTS + 1):
-            if node is None:
-                raise NodeDown(None)
-            try:
-                result = self._on_node(node, work, asking)
-            except Redirect as redirect:
-                self._count("redirects")
-                target = self.nodes.follow(redirect)
-                if target is None:
-                    self._refused(node, redirect, what)
-                    raise NodeDown(redirect) from None
-                node, asking = target, redirect.ask
-                if not self.nodes.usable(node):
-                    node = None
-            except OSError as exc:
-                self._failed(node, what, exc)
-                raise NodeDown(exc) from exc
-            else:
-                self._recovered(node)
-                return result
-        error = RespError(f"more than {MAX_REDIRECTS} redirections for {name.decode()}")
-        self._failed(node, what, error)
-        raise NodeDown(error)
-
-    def _on_node(self, node: Node, work: Work, asking: bool = False) -> Any:
-        """`work(connection)` on this worker's connection to `node`. A connection that fails after
-        serving earlier calls (the server restarted, or closed it as idle) is replaced once and
-        `work` run again."""
-        connection = self._connection(node, self.config.timeout_s, opened_only=True)
-        if connection is not None:
-            try:
-                return work(connection, asking)
-            except Redirect:
-                raise
-            except (ConnectionError, EOFError):  # dropped by the server: try a fresh one, once
-                self._drop_connection(node, connection)
-            except BaseException:  # a timeout or an error reply: not tried again
-                self._drop_connection(node, connection)
-                raise
-        connection = self._connection(node, self.config.timeout_s)
-        try:
-            return work(connection, asking)
-        except Redirect:
-            raise
-        except BaseException:
-            self._drop_connection(node, connection)
-            raise
-
-    def _refused(self, node: Node | None, redirect: Redirect, what: str) -> None:
-        """A redirect not followed: one server's (an error: that server is down for retry_s), or a
-        cluster's to an address no slot map announced (a miss). Counted, warned of now and then."""
-        self._count("refused_redirects")
-        if not self.nodes.cluster:
-            self._failed(node, what, RespError(f"it answered {redirect}, and tiers.remote.cluster is false"))
-            return
-        with self._lock:
-            now = self._clock()
-            if now < self._refused_warned_at + REFUSED_WARNING_S:
-                return
-            self._refused_warned_at = now
-        log.warning(
-            "remote tier: node %s redirected %s to %s, which no CLUSTER SLOTS of the cluster announces; "
-            "not followed (a miss)",
-            node,
-            what,
-            redirect.address,
-        )
+        """`work` on the connection to the node serving `name` (`Router.routed`)."""
+        return self._router.routed(self._usable(name), name, work, what)
 
     def _connection(self, node: Node, timeout_s: float, opened_only: bool = False) -> Any:
-        """This thread's connection to `node` (opened now unless `opened_only`: then None if
-        there is none), with `timeout_s` for each send and receive."""
-        connections: dict[Address, RecordConnection] | None = getattr(self._local, "connections", None)
-        if connections is None:
-            connections = self._local.connections = {}
-        connection = connections.get(node.address)
-        if connection is None:
-            if opened_only:
-                return None
-            connection = connections[node.address] = RecordConnection.open(node.endpoint, timeout_s)
-            with self._lock:
-                self._connections.add(connection)
-        connection.settimeout(timeout_s)
-        return connection
+        return self._router.connection(node, timeout_s, opened_only)
 
     def _drop_connection(self, node: Node, connection: RecordConnection) -> None:
-        connection.close()
-        getattr(self._local, "connections", {}).pop(node.address, None)
-        with self._lock:
-            self._connections.discard(connection)
+        self._router.drop_connection(node, connection)
 
     def _recovered(self, node: Node) -> None:
-        if self.nodes.recovered(node):
-            log.info("remote tier %s: answering again", self._where(node))
-
-    def _where(self, node: Node) -> str:
-        return f"node {node} of cluster" if self.nodes.cluster else self.config.where
+        self._router.recovered(node)
 
     def _failed(self, node: Node | None, what: str, exc: BaseException) -> None:
-        self._count("errors")
-        if node is None or not self.nodes.failed(node):
-            return
-        self._count("outages")
-        log.warning(
-            "remote tier %s: %s failed (%s); its pages are misses for %.1f s, then it is tried again",
-            self._where(node),
-            what,
-            exc,
-            self.config.retry_s,
-        )
+        self._router.failed(node, what, exc)
 
     # -- figures and shutdown -----------------------------------------------
 
@@ -446,7 +338,4 @@ class RemoteTier(Lookups):
         self._read_workers.shutdown(wait=True, cancel_futures=False)
         self._write_workers.shutdown(wait=True, cancel_futures=False)
         self.nodes.close()
-        with self._lock:
-            connections, self._connections = self._connections, set()
-        for connection in connections:
-            connection.close()
+        self._router.close()

@@ -10,10 +10,11 @@ the GIL released while the kernel copies. The record's header and checksum are c
 the bytes in place. Compressed records, and replies of an unexpected size, are received
 whole and decoded.
 
-- `Endpoint.parse(url)`: where and how to reach a server (unix or TCP; AUTH with a user and a
-  password, SELECT, and TLS for `rediss://`: `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`,
-  `ssl_cert_reqs=none`, `ssl_check_hostname=false` in the query, as redis-py takes them);
-  `endpoint.at(host, port)`: the same credentials and TLS at another node of a cluster.
+- `Endpoint.parse(url)` (`remote_resp_endpoint`): where and how to reach a server (unix or
+  TCP; AUTH with a user and a password, SELECT, and TLS for `rediss://`: `ssl_ca_certs`,
+  `ssl_certfile`, `ssl_keyfile`, `ssl_cert_reqs=none`, `ssl_check_hostname=false` in the
+  query, as redis-py takes them); `endpoint.at(host, port)`: the same credentials and TLS at
+  another node of a cluster.
 - `RecordConnection.open(endpoint, timeout_s)`, then
   - `exists(name) -> bool`, `pexpire(name, ms)`, `put(name, header, payload, ttl_ms) -> bool`
     (SET NX [PX]: False when a record was already there);
@@ -31,7 +32,8 @@ whole and decoded.
     reply is returned among these (a `RespError`), raised by the other calls.
 - `Redirect`: a cluster's `-MOVED` or `-ASK` (the slot, the node that serves it, and whether it
   is only for this one request); the connection stays usable. Where to follow one, if anywhere,
-  is the tier's decision (`remote_nodes.Nodes.follow`): this module only parses it.
+  is the tier's decision (`remote_nodes.Nodes.follow`): this module only parses it. It, `RespError`
+  and `command` are RESP's pieces that need no connection (`remote_resp_protocol`).
 """
 
 from __future__ import annotations
@@ -39,9 +41,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import socket
-import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.codec import Buffer, Codec
@@ -50,118 +50,38 @@ from kvstore.tiers.records import (
     MAC_BYTES,
     CorruptRecord,
     ForgedRecord,
+    RecordHeader,
     RecordKey,
     unpack_header,
 )
+from kvstore.tiers.remote_resp_endpoint import (
+    DEFAULT_PORT,
+    Address,
+    Endpoint,
+    address_of,
+    format_address,
+    tls_context,
+)
+from kvstore.tiers.remote_resp_protocol import Redirect, RespError, command, error_of, line_reply
+
+__all__ = [
+    "Address",
+    "DEFAULT_PORT",
+    "Endpoint",
+    "RecordConnection",
+    "Redirect",
+    "RespError",
+    "address_of",
+    "command",
+    "error_of",
+    "format_address",
+    "tls_context",
+]
 
 FIRST_READ_BYTES = 1 << 16
-DEFAULT_PORT = 6379  # as redis-py takes a URL without a port
 # Replies other than records (INFO, CLUSTER SLOTS) past these are not ones the tier asked for.
 MAX_REPLY_ITEMS = 1 << 20
 MAX_REPLY_BYTES = 16 << 20
-
-Address = str | tuple[str, int]  # a unix socket path, or (host, port)
-
-
-def address_of(settings: dict[str, Any]) -> Address:
-    """A unix socket path, or (host, port) with redis-py's defaults for what the URL leaves out."""
-    if "path" in settings:
-        return str(settings["path"])
-    return str(settings.get("host", "localhost")), int(settings.get("port", DEFAULT_PORT))
-
-
-def format_address(address: Address) -> str:
-    return address if isinstance(address, str) else f"{address[0]}:{address[1]}"
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where and how to reach one server."""
-
-    address: Address
-    username: str | None = None
-    password: str | None = None
-    db: int = 0
-    tls: ssl.SSLContext | None = None
-
-    @classmethod
-    def parse(cls, url: str) -> Endpoint:
-        from redis.connection import parse_url
-
-        settings: dict[str, Any] = parse_url(url)
-        return cls(
-            address_of(settings),
-            settings.get("username"),
-            settings.get("password"),
-            int(settings.get("db") or 0),
-            tls_context(settings) if url.startswith("rediss://") else None,
-        )
-
-    def at(self, host: str, port: int) -> Endpoint:
-        return replace(self, address=(host, port))
-
-    def __str__(self) -> str:
-        return format_address(self.address)
-
-
-def tls_context(settings: dict[str, Any]) -> ssl.SSLContext:
-    context = ssl.create_default_context(cafile=settings.get("ssl_ca_certs"))
-    if settings.get("ssl_certfile"):
-        context.load_cert_chain(settings["ssl_certfile"], settings.get("ssl_keyfile"))
-    if str(settings.get("ssl_cert_reqs", "required")).lower() == "none":
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    elif settings.get("ssl_check_hostname") is False:
-        context.check_hostname = False
-    return context
-
-
-class RespError(OSError):
-    """The server answered with an error, or with something the tier did not ask for."""
-
-
-class Redirect(RespError):
-    """A cluster node's `MOVED slot host:port` (the slot lives there now) or `ASK slot host:port`
-    (this one request goes there, after ASKING)."""
-
-    def __init__(self, line: str) -> None:
-        super().__init__(line)
-        kind, slot, where = line.split()
-        host, _, port = where.rpartition(":")
-        self.ask = kind == "ASK"
-        self.slot = int(slot)
-        self.address: tuple[str, int] = (host.removeprefix("[").removesuffix("]"), int(port))
-        if not (0 <= self.slot < 16384 and 0 < self.address[1] < 65536 and host):
-            raise ValueError(f"not a redirect: {line[:64]!r}")
-
-
-def error_of(line: bytes) -> RespError:
-    """The exception for an error reply `line` (without its leading '-')."""
-    text = line.decode(errors="replace")
-    if text.startswith(("MOVED ", "ASK ")) and len(text.split()) == 3:
-        with contextlib.suppress(ValueError):  # a malformed one is an error like any other
-            return Redirect(text)
-    return RespError(text)
-
-
-def _line_reply(line: bytes) -> Any:
-    kind = line[:1]
-    if kind == b":":
-        if not line[1:].lstrip(b"-").isdigit():
-            raise RespError(f"an integer reply that is not a number: {line[:64]!r}")
-        return int(line[1:])
-    if kind == b"+":
-        return line[1:]
-    if kind == b"-":
-        return error_of(line[1:])
-    raise RespError(f"expected a one-line reply, got {line[:64]!r}")
-
-
-def command(*parts: bytes) -> bytes:
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
-    return b"".join(out)
 
 
 class RecordConnection:
@@ -264,7 +184,7 @@ class RecordConnection:
                 if len(replies) == count:  # else a line of another kind is among them
                     with contextlib.suppress(ValueError):
                         return list(map(int, replies))
-            return [_line_reply(line) for line in lines]
+            return [line_reply(line) for line in lines]
         except BaseException:
             self.close()
             raise
@@ -310,31 +230,14 @@ class RecordConnection:
     ) -> Buffer | None:
         request = command(b"GETEX", name, b"PX", b"%d" % ttl_ms) if ttl_ms else command(b"GET", name)
         self._sock.sendall(request)
-        line = self._line()
-        if line.startswith(b"-WRONGTYPE"):  # something else under a record's name
-            raise CorruptRecord(line[1:].decode(errors="replace"))
-        if line.startswith(b"-"):
-            raise error_of(line[1:])
-        if not line.startswith(b"$"):
-            raise RespError(f"expected a bulk string, got {line[:64]!r}")
-        length = int(line[1:])
-        if length < 0:
+        length = self._record_length()
+        if length is None:
             return None
-        if length < HEADER_BYTES:
-            raise CorruptRecord(f"record is {length} bytes, shorter than a header")
         head = self._exactly(HEADER_BYTES)
         header = unpack_header(head)
         if (header.namespace, header.key) != (namespace, key):
             raise CorruptRecord("the header names another page")
-        payload_length = length - HEADER_BYTES
-        mac = b""
-        if header.authenticated:
-            if payload_length < MAC_BYTES:
-                raise CorruptRecord(f"record is {length} bytes, shorter than a header and its MAC")
-            mac = self._exactly(MAC_BYTES)
-            payload_length -= MAC_BYTES
-        elif record_key is not None:
-            raise ForgedRecord("it carries no MAC, and this daemon has a record key")
+        payload_length, mac = self._mac(header, length, record_key)
         if header.payload_length != payload_length:
             raise CorruptRecord(f"payload is {payload_length} bytes, the header says {header.payload_length}")
         if header.raw_length != len(into) or payload_length > len(into):
@@ -362,6 +265,36 @@ class RecordConnection:
             raise CorruptRecord(f"record holds a {len(page)}-byte page, the slot is {len(into)} bytes")
         into[:] = page
         return into
+
+    def _record_length(self) -> int | None:
+        """The length of the record a GET answers (None: there is none), at least a header's."""
+        line = self._line()
+        if line.startswith(b"-WRONGTYPE"):  # something else under a record's name
+            raise CorruptRecord(line[1:].decode(errors="replace"))
+        if line.startswith(b"-"):
+            raise error_of(line[1:])
+        if not line.startswith(b"$"):
+            raise RespError(f"expected a bulk string, got {line[:64]!r}")
+        length = int(line[1:])
+        if length < 0:
+            return None
+        if length < HEADER_BYTES:
+            raise CorruptRecord(f"record is {length} bytes, shorter than a header")
+        return length
+
+    def _mac(self, header: RecordHeader, length: int, record_key: RecordKey | None) -> tuple[int, bytes]:
+        """(the payload's length, the record's MAC, read: empty without one) of a `length`-byte
+        record; `ForgedRecord` for one without a MAC where this daemon has a record key."""
+        payload_length = length - HEADER_BYTES
+        mac = b""
+        if header.authenticated:
+            if payload_length < MAC_BYTES:
+                raise CorruptRecord(f"record is {length} bytes, shorter than a header and its MAC")
+            mac = self._exactly(MAC_BYTES)
+            payload_length -= MAC_BYTES
+        elif record_key is not None:
+            raise ForgedRecord("it carries no MAC, and this daemon has a record key")
+        return payload_length, mac
 
     # -- RESP ---------------------------------------------------------------
 
