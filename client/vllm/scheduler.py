@@ -11,42 +11,34 @@
 - `events`: BlockStored / BlockRemoved for what the workers' commits stored and their loads
   found gone (medium CPU: kvstore's arena).
 
-Each request's chunk keys, and the memo of keys by vLLM's block hashes: `prompts.py`. A daemon
-that is down or slower than `lookup_timeout_s` makes a lookup a miss; every call is bounded by
-that deadline and never raises (`KVStoreClient`).
+Each request's chunk keys, and the memo of keys by vLLM's block hashes: `prompts.py`; the clients
+per group and TP rank: `scheduler_clients.py`; the load and save plans: `scheduler_loads.py` and
+`scheduler_saves.py`; the events: `scheduler_events.py`; the chunks whose loads failed lately:
+`scheduler_failures.py`. A daemon that is down or slower than `lookup_timeout_s` makes a lookup a
+miss; every call is bounded by that deadline and never raises (`KVStoreClient`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Sequence
 from typing import Any
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import KVCacheEvent
 
 from kvstore_client.vllm.config import ConnectorConfig, engine_specs
-from kvstore_client.vllm.connection import LazyClient
 from kvstore_client.vllm.groups import MAMBA, Group, is_quantized
-from kvstore_client.vllm.metadata import LoadSpec, SaveSpec, StepMetadata, StoredChunks
+from kvstore_client.vllm.metadata import LoadSpec, StepMetadata, StoredChunks
 from kvstore_client.vllm.prompts import KeyMemo, PromptKeys
+from kvstore_client.vllm.scheduler_clients import GroupClients, close_clients, connected, make_clients
+from kvstore_client.vllm.scheduler_events import chunk_events
+from kvstore_client.vllm.scheduler_failures import FailedChunks
+from kvstore_client.vllm.scheduler_loads import load_plans
+from kvstore_client.vllm.scheduler_saves import chunk_saves, extend_tables, state_saves
 
 log = logging.getLogger(__name__)
 
-MEDIUM = "CPU"  # where a committed page lands first: the daemon's shared-memory arena
 PROBE_TOKENS = 2048  # a lookup's first window (see `num_new_matched_tokens`)
 ANSWER_STEPS = 8  # steps a waiting request's lookup answer is reused for (it asks every step)
-FAILED_S = 30.0  # how long a chunk whose load failed is not offered to other requests
-MAX_FAILED = 4096  # such chunks remembered
-
-
-class _GroupClients:
-    """One KV-cache group's clients on the scheduler side: one per TP rank (one for a group every
-    rank holds alike), made once the namespaces are known (an fp8 cache's after the handshake)."""
-
-    def __init__(self, group: Group, ranks: list[LazyClient]) -> None:
-        self.group = group
-        self.ranks = ranks
 
 
 class SchedulerSide:
@@ -56,7 +48,7 @@ class SchedulerSide:
         self.vllm_config, self.kv_cache_config, self.config = vllm_config, kv_cache_config, config
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         engine_specs(vllm_config, kv_cache_config, config, 0)  # refuses what is not served, at start-up
-        self._groups: list[_GroupClients] = []
+        self._groups: list[GroupClients] = []
         if not is_quantized(vllm_config):  # else once the workers said their scales (`handshake`)
             self._make_clients("")
         self.block_size = vllm_config.cache_config.block_size
@@ -72,38 +64,15 @@ class SchedulerSide:
         # the prompts of requests with saves handed to the workers, until every rank reported
         # them done: a stored chunk's token ids for its BlockStored event
         self._prompts: dict[str, list[int]] = {}
-        # rank 0's key of the first group of chunks whose load failed -> when it may be offered again
-        self._failed: dict[bytes, float] = {}
+        self._failed = FailedChunks()
         self.chunk_tokens = 0  # the daemon's, once connected
         self.namespaces: dict[int, tuple[bytes, ...]] = {}  # per group, per TP rank, once connected
         self.steps = 0
 
     def _make_clients(self, scales: str) -> None:
-        for group_clients in reversed(self._groups):  # siblings before the clients they share
-            for rank in group_clients.ranks:
-                rank.close()
-        self._groups = []
-        ranks = range(self.tp_size)
-        per_rank = [
-            engine_specs(self.vllm_config, self.kv_cache_config, self.config, r, scales) for r in ranks
-        ]
-        for index, (group, _) in enumerate(per_rank[0]):
-            specs = [per_rank[0][index][1]] if group.replicated else [per_rank[r][index][1] for r in ranks]
-            # the first group's clients connect; the others' are their siblings (one connection)
-            parents = self._groups[0].ranks if self._groups else []
-            clients = [
-                LazyClient(
-                    self.config.address,
-                    spec,
-                    parent=parents[min(rank, len(parents) - 1)] if parents else None,
-                    timeout_s=self.config.lookup_timeout_s,
-                    token=self.config.token,
-                    pin_arena=False,  # the scheduler moves no bytes
-                    name=f"vllm-scheduler-g{group.index}-tp{spec.tp_rank}",
-                )
-                for rank, spec in enumerate(specs)
-            ]
-            self._groups.append(_GroupClients(group, clients))
+        close_clients(self._groups)
+        self._groups = []  # none while the new ones are made
+        self._groups = make_clients(self.vllm_config, self.kv_cache_config, self.config, scales)
 
     def handshake(self, scales: set[str]) -> None:
         """What the workers read at start-up: an fp8 cache's scales, which every rank must agree on."""
@@ -140,14 +109,9 @@ class SchedulerSide:
 
     def _clients(self) -> list[tuple[Group, list[Any]]] | None:
         """Each group and its connected clients, or None while any is not connected."""
-        if not self._groups:
+        groups = connected(self._groups)
+        if groups is None:
             return None
-        groups = []
-        for group_clients in self._groups:
-            clients = [rank.get() for rank in group_clients.ranks]
-            if any(client is None for client in clients):
-                return None
-            groups.append((group_clients.group, clients))
         self.chunk_tokens = groups[0][1][0].spec.page.chunk_tokens
         self.namespaces = {group.index: tuple(c.namespace for c in clients) for group, clients in groups}
         return groups
@@ -201,7 +165,7 @@ class SchedulerSide:
                     hit = reached
                 else:
                     hit = self._prefix_hit(state, client, first, hit)
-        cut = self._before_failures(state, groups, first, hit)
+        cut = self._failed.cut(state.keys.get(groups[0][1][0].namespace, []), first, hit)
         if stateful and cut < hit:
             return 0
         end = min(cut * chunk, request.num_tokens - 1)
@@ -246,87 +210,25 @@ class SchedulerSide:
             return stop
         return self._prefix_hit(state, client, first, stop)
 
-    def _before_failures(
-        self, state: PromptKeys, groups: list[tuple[Group, list[Any]]], first: int, hit: int
-    ) -> int:
-        """`hit` cut before any chunk whose load failed lately (for any request)."""
-        if not self._failed or hit <= first:
-            return hit
-        now = time.monotonic()
-        for key, until in list(self._failed.items()):
-            if until <= now:
-                del self._failed[key]
-        keys = state.keys.get(groups[0][1][0].namespace, [])
-        for index in range(first, min(hit, len(keys))):
-            if keys[index] in self._failed:
-                return index
-        return hit
-
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
         if num_external_tokens <= 0 or state is None or not self.chunk_tokens:
             return
         chunk, local = self.chunk_tokens, state.local
         first, stop = local // chunk, -(-(local + num_external_tokens) // chunk)
-        per_chunk = chunk // self.block_size
-        block_ids = blocks.get_block_ids()
-        for group_clients in self._groups:
-            group = group_clients.group
-            namespaces = self.namespaces.get(group.index, ())
-            table = list(block_ids[group.index]) if group.index < len(block_ids) else []
-            if group.kind == MAMBA:
-                self._load_state(request.request_id, state, group, namespaces, table, stop)
-                continue
-            # blocks the load must not write: vLLM's own (its prefix cache), a window's skipped ones
-            writable = max(local // self.block_size, _null_head(table, self.null_block))
-            group_first = max(first, writable // per_chunk)
-            if group_first >= stop:
-                continue
-            # the lookup made every rank's keys as far as the hit: a rank without them loads nothing
-            # and its blocks are recomputed (`WorkerSide`)
-            keys = [state.keys.get(namespace, [])[group_first:stop] for namespace in namespaces]
-            self._pending_loads.append(
-                LoadSpec(
-                    req_id=request.request_id,
-                    keys=tuple(map(tuple, keys)),
-                    parent=state.keys[namespaces[0]][group_first - 1] if group_first else None,
-                    chunk_tokens=chunk,
-                    first=group_first,
-                    stop=stop,
-                    skip=writable - group_first * per_chunk,
-                    block_ids=tuple(table[group_first * per_chunk : stop * per_chunk]),
-                    group=group.index,
-                )
-            )
-        state.loading = (first, stop)
-
-    def _load_state(
-        self,
-        req_id: str,
-        state: PromptKeys,
-        group: Group,
-        namespaces: Sequence[bytes],
-        table: list[int],
-        stop: int,
-    ) -> None:
-        """The load of the state after chunk `stop - 1` into the block vLLM gave that boundary (the
-        last of the hit: a Mamba group's block table holds a state per block, at its end)."""
-        index = stop * self.chunk_tokens // group.block_size - 1
-        if index >= len(table) or table[index] == self.null_block:
-            return  # no block to load into: the other groups' loads fail the request whole
-        keys = tuple((state.keys.get(namespace, [])[stop - 1 : stop]) for namespace in namespaces)
-        self._pending_loads.append(
-            LoadSpec(
-                req_id=req_id,
-                keys=keys,
-                parent=None,
-                chunk_tokens=self.chunk_tokens,
-                first=stop - 1,
-                stop=stop,
-                block_ids=(table[index],),
-                group=group.index,
-            )
+        self._pending_loads += load_plans(
+            request.request_id,
+            state,
+            [group_clients.group for group_clients in self._groups],
+            self.namespaces,
+            blocks.get_block_ids(),
+            first,
+            stop,
+            chunk_tokens=chunk,
+            block_size=self.block_size,
+            null_block=self.null_block,
         )
+        state.loading = (first, stop)
 
     def build_metadata(self, scheduler_output: Any) -> StepMetadata:
         self.steps += 1
@@ -352,14 +254,7 @@ class SchedulerSide:
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            new_block_ids = cached.new_block_ids[index]
-            if req_id in cached.resumed_req_ids:  # a resumed request gets its whole block table anew
-                state.block_ids = [list(ids) for ids in new_block_ids] if new_block_ids else []
-            elif new_block_ids:
-                if not state.block_ids:
-                    state.block_ids = [[] for _ in new_block_ids]
-                for table, ids in zip(state.block_ids, new_block_ids, strict=False):
-                    table.extend(ids)
+            extend_tables(state, cached.new_block_ids[index], req_id in cached.resumed_req_ids)
             computed = cached.num_computed_tokens[index] + scheduled.get(req_id, 0)
             self._plan_save(meta, groups, req_id, state, computed)
         self._plan_state_saves(meta, groups, getattr(scheduler_output, "kv_connector_block_state", None))
@@ -368,39 +263,14 @@ class SchedulerSide:
     def _plan_state_saves(
         self, meta: StepMetadata, groups: list[tuple[Group, list[Any]]], block_state: Any
     ) -> None:
-        """Saves of the boundary states this step commits, in the blocks vLLM names (a Mamba
-        group's block table is not a list of positions to read from: vLLM frees and moves its
-        blocks), each under the key of the chunk the boundary ends."""
+        """Saves of the boundary states this step commits (`scheduler_saves.state_saves`)."""
         offers = getattr(block_state, "boundary_state_offloads", None)
         if not offers:
             return
-        chunk = self.chunk_tokens
-        stateful = {group.index: (group, clients) for group, clients in groups if group.kind == MAMBA}
-        for req_id, entries in offers.items():
-            state = self._requests.get(req_id)
-            if state is None:
-                continue
-            for group_id, block_id, boundary in entries:
-                entry = stateful.get(group_id)
-                if entry is None or boundary <= 0 or boundary % chunk or boundary > state.num_prompt:
-                    continue  # not a chunk of the prompt's: no key names it
-                group, clients = entry
-                stop = boundary // chunk
-                keys = [state.chunk_keys(client, stop, self._memo(client)) for client in clients]
-                meta.saves.append(
-                    SaveSpec(
-                        req_id=req_id,
-                        keys=tuple((rank_keys[stop - 1],) for rank_keys in keys),
-                        parent=None,
-                        chunk_tokens=chunk,
-                        first=stop - 1,
-                        stop=stop,
-                        block_ids=(int(block_id),),
-                        group=group.index,
-                    )
-                )
-                self._prompts[req_id] = state.prompt
-                state.saving = True
+        for state, spec in state_saves(offers, self._requests, groups, self.chunk_tokens, self._memo):
+            meta.saves.append(spec)
+            self._prompts[spec.req_id] = state.prompt
+            state.saving = True
 
     def _plan_save(
         self,
@@ -410,40 +280,24 @@ class SchedulerSide:
         state: PromptKeys,
         computed: int,
     ) -> None:
-        chunk = self.chunk_tokens
-        per_chunk = chunk // self.block_size
         loaded_from, _ = state.loading
         first = state.saved if loaded_from != 0 else max(state.saved, state.loading[1])
-        stop = min(computed, state.num_prompt) // chunk
+        stop = min(computed, state.num_prompt) // self.chunk_tokens
         if stop <= first:
             return
-        planned = []
-        for group, clients in groups:
-            if group.kind == MAMBA:  # its states: as vLLM offers them (`_plan_state_saves`)
-                continue
-            table = state.block_ids[group.index] if group.index < len(state.block_ids) else []
-            if len(table) < stop * per_chunk:
-                return
-            blocks = list(table[first * per_chunk : stop * per_chunk])
-            if group.windowed:  # positions outside each chunk's own window: the null block's zeros
-                for offset in range(len(blocks)):
-                    block_end = (first * per_chunk + offset + 1) * self.block_size
-                    chunk_end = (first + offset // per_chunk + 1) * chunk
-                    if block_end <= group.window_start(chunk_end):
-                        blocks[offset] = self.null_block
-            keys = [state.chunk_keys(client, stop, self._memo(client)) for client in clients]
-            planned.append(
-                SaveSpec(
-                    req_id=req_id,
-                    keys=tuple(tuple(rank_keys[first:stop]) for rank_keys in keys),
-                    parent=keys[0][first - 1] if first else None,
-                    chunk_tokens=chunk,
-                    first=first,
-                    stop=stop,
-                    block_ids=tuple(blocks),
-                    group=group.index,
-                )
-            )
+        planned = chunk_saves(
+            groups,
+            req_id,
+            state,
+            first,
+            stop,
+            chunk_tokens=self.chunk_tokens,
+            block_size=self.block_size,
+            null_block=self.null_block,
+            memo=self._memo,
+        )
+        if planned is None:  # a block table does not reach `stop` yet
+            return
         meta.saves.extend(planned)
         self._prompts[req_id] = state.prompt
         state.saved, state.saving = stop, True
@@ -460,18 +314,18 @@ class SchedulerSide:
         """Events for what the workers stored and found gone, and the loads that failed;
         `finished_sending`: the requests whose saves every rank has ended."""
         if isinstance(worker_meta, StoredChunks):
-            self._record(worker_meta)
+            self._events += chunk_events(worker_meta, self._prompts, self.chunk_tokens)
             self._record_failures(worker_meta.failed)
         for req_id in finished_sending or ():
             self._prompts.pop(req_id, None)
 
     def _record_failures(self, failed: list[tuple[str, int, int]]) -> None:
         """A chunk whose load failed is not offered again to its request (which recomputes it and
-        saves it anew), nor for FAILED_S to any other."""
+        saves it anew), nor for a while to any other (`FailedChunks`)."""
         if not failed or not self._groups:
             return
         namespace = self.namespaces.get(self._groups[0].group.index, (b"",))[0]
-        until = time.monotonic() + FAILED_S
+        lost = []
         for req_id, _group, index in failed:
             state = self._requests.get(req_id)
             if state is None:
@@ -482,36 +336,15 @@ class SchedulerSide:
             state.answer = None
             keys = state.keys.get(namespace, [])
             if index < len(keys):
-                self._failed[keys[index]] = until
-        while len(self._failed) > MAX_FAILED:
-            del self._failed[next(iter(self._failed))]
-
-    def _record(self, worker_meta: StoredChunks) -> None:
-        chunk = self.chunk_tokens
-        for req_id, index, key, parent in worker_meta.stored:
-            prompt = self._prompts.get(req_id, ())
-            self._events.append(
-                BlockStored(
-                    block_hashes=[key],
-                    parent_block_hash=parent,
-                    token_ids=list(prompt[index * chunk : (index + 1) * chunk]),
-                    block_size=chunk,
-                    lora_id=None,
-                    medium=MEDIUM,
-                    lora_name=None,
-                )
-            )
-        if worker_meta.removed:
-            self._events.append(BlockRemoved(block_hashes=list(worker_meta.removed), medium=MEDIUM))
+                lost.append(keys[index])
+        self._failed.add(lost)
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events
 
     def close(self) -> None:
-        for group_clients in reversed(self._groups):
-            for rank in group_clients.ranks:
-                rank.close()
+        close_clients(self._groups)
 
 
 def _lookup_order(group: Group) -> int:
@@ -519,13 +352,3 @@ def _lookup_order(group: Group) -> int:
     if group.kind == MAMBA:
         return 1
     return 2 if group.windowed else 0
-
-
-def _null_head(table: Sequence[int], null_block: int) -> int:
-    """How many leading entries of a block table are vLLM's null block."""
-    count = 0
-    for block in table:
-        if block != null_block:
-            break
-        count += 1
-    return count

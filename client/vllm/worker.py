@@ -18,90 +18,29 @@
   Commits follow as gathers finish; a finished request's blocks are reported free
   (`finished_saves`) only after its commits, and a preempted request's saves end before its
   blocks can be reused (`settle`).
+
+Each KV-cache group's client and caches: `worker_groups.py`; one request's load: `worker_loads.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-import kvstore_kernels
 from kvstore.spec import KVSpec
 from kvstore_client.client import KVStoreClient
-from kvstore_client.handles import LoadHandle, StoreHandle
+from kvstore_client.handles import StoreHandle
 from kvstore_client.vllm.config import ConnectorConfig
 from kvstore_client.vllm.connection import LazyClient
 from kvstore_client.vllm.groups import MAMBA, Group, is_quantized, scales_text
-from kvstore_client.vllm.layouts import GroupCache, group_cache, layer_scales
+from kvstore_client.vllm.layouts import layer_scales
 from kvstore_client.vllm.metadata import Handshake, LoadSpec, SaveSpec, StepMetadata, StoredChunks
+from kvstore_client.vllm.worker_groups import GroupSide
+from kvstore_client.vllm.worker_loads import Load, queue_parts, record_event
 
 log = logging.getLogger(__name__)
-
-
-class _Load:
-    """One request's load: its parts (a handle and the chunks it covers), the event after its
-    scratch copy (every layer of the first chunk, queued before the other chunks) and the event
-    after all of it (None on the CPU, where both are done when the load starts)."""
-
-    def __init__(
-        self,
-        spec: LoadSpec,
-        parts: list[tuple[LoadHandle, int, int]],
-        copied: Any = None,
-        event: Any = None,
-    ) -> None:
-        self.spec = spec
-        self.parts = parts
-        self.copied = copied
-        self.event = event
-
-    def done(self) -> bool:
-        return (self.event is None or self.event.query()) and all(
-            handle.done() for handle, _, _ in self.parts
-        )
-
-
-class _GroupSide:
-    """One KV-cache group on this worker: its client (its own namespace) and, once vLLM registered
-    the caches, its tensors as the kernels take them."""
-
-    def __init__(self, group: Group, spec: KVSpec, config: ConnectorConfig, tp_rank: int) -> None:
-        self.group = group
-        self.spec = spec
-        self.layer_index = {name: index for index, name in enumerate(group.layer_names)}
-        self.conn = LazyClient(
-            config.address,
-            spec,
-            timeout_s=config.timeout_s,
-            token=config.token,
-            name=f"vllm-tp{tp_rank}-g{group.index}",
-        )
-        self.cache: GroupCache | None = None
-        self.registered: Any = None  # kvstore_kernels.register's view of cache.tensors
-        self.scratch: list[torch.Tensor] | None = None
-
-    def register(
-        self, vllm_config: Any, kv_caches: dict[str, torch.Tensor], scales: str, parent: LazyClient | None
-    ) -> None:
-        self.spec = replace(self.spec, scales=scales)
-        self.cache = group_cache(vllm_config, self.group, self.spec, kv_caches)
-        # the client moves pages with the layout and (kernel) block size the tensors hold
-        self.conn = self.conn.with_spec(self.cache.spec, parent)
-        kernel = self.cache.spec
-        self.registered = kvstore_kernels.register(
-            kernel.with_chunk_tokens(kernel.block_size), list(self.cache.tensors)
-        )
-
-    def client(self, chunk_tokens: int) -> KVStoreClient | None:
-        """The client, where it is connected and the daemon's chunk size is the scheduler's."""
-        client = self.conn.get() if self.cache is not None else None
-        if client is None or client.spec.page.chunk_tokens != chunk_tokens:
-            return None
-        return client
 
 
 class WorkerSide:
@@ -119,7 +58,7 @@ class WorkerSide:
         self.vllm_config = vllm_config
         self.tp_rank = tp_rank
         self.groups = {
-            group.index: _GroupSide(group, spec, config, tp_rank)
+            group.index: GroupSide(group, spec, config, tp_rank)
             for group, spec in zip(groups, specs, strict=True)
         }
         self.layer_group = {name: side for side in self.groups.values() for name in side.group.layer_names}
@@ -130,8 +69,8 @@ class WorkerSide:
         self.handshake = Handshake()
         self._stream: Any = None
         self._namespaces: dict[int, tuple[bytes, ...]] = {}  # the step's, per group and TP rank
-        self._loading: dict[str, list[_Load]] = {}  # async loads in flight, one per group
-        self._step_loads: list[_Load] = []  # layer-wise loads of the current step
+        self._loading: dict[str, list[Load]] = {}  # async loads in flight, one per group
+        self._step_loads: list[Load] = []  # layer-wise loads of the current step
         self._saving: dict[str, list[tuple[StoreHandle, SaveSpec]]] = {}
         self._errors: set[int] = set()
         self._failed: set[str] = set()  # requests whose loads failed (several groups: see `_finish`)
@@ -161,7 +100,7 @@ class WorkerSide:
         for side in self.groups.values():
             side.conn.get()  # connect now where the daemon is up, not in the first step
 
-    def _keys_of(self, side: _GroupSide, client: KVStoreClient, spec: SaveSpec) -> tuple[bytes, ...] | None:
+    def _keys_of(self, side: GroupSide, client: KVStoreClient, spec: SaveSpec) -> tuple[bytes, ...] | None:
         """This rank's keys of chunks `[spec.first, spec.stop)` of the spec's group; None where the
         scheduler made none for it or made them under another namespace than this rank's client has."""
         rank = 0 if side.group.replicated else self.tp_rank
@@ -188,64 +127,22 @@ class WorkerSide:
             else:
                 self._loading.setdefault(spec.req_id, []).append(load)
 
-    def _start_load(self, spec: LoadSpec) -> _Load:
+    def _start_load(self, spec: LoadSpec) -> Load:
         side = self.groups.get(spec.group)
         client = side.client(spec.chunk_tokens) if side is not None else None
         if side is None or client is None or side.cache is None:
-            return _Load(spec, [])
+            return Load(spec, [])
         keys = self._keys_of(side, client, spec)
         if keys is None:
-            return _Load(spec, [])
-        cache = side.cache
-        ratio, per_chunk = cache.ratio, spec.chunk_tokens // cache.spec.block_size
+            return Load(spec, [])
         stream = self._ordered_stream()
-        parts: list[tuple[LoadHandle, int, int]] = []
-        first, copied = spec.first, None
+        load = Load(spec, [])
         try:
-            if spec.skip:  # the chunk's first blocks are vLLM's (or none): through the scratch cache
-                scratch = self._scratch_cache(side, per_chunk)
-                handle = client.load_async(
-                    None, scratch, list(range(per_chunk)), keys=keys[:1], stream=stream
-                )
-                parts.append((handle, first, first + 1))
-                if handle.tokens:
-                    target = cache.kernel_blocks(spec.block_ids[spec.skip : per_chunk // ratio])
-                    self._copy_blocks(cache, scratch, spec.skip * ratio, target, stream)
-                    copied = _record(stream)
-                first += 1
-            if first < spec.stop and all(handle.tokens for handle, _, _ in parts):
-                handle = client.load_async(
-                    None,
-                    side.registered,
-                    cache.kernel_blocks(spec.block_ids[(first - spec.first) * (per_chunk // ratio) :]),
-                    keys=keys[first - spec.first :],
-                    stream=stream,
-                    layerwise=self.layerwise,
-                )
-                parts.append((handle, first, spec.stop))
+            queue_parts(load, side, side.cache, client, keys, stream, layerwise=self.layerwise)
         except Exception:  # a bad block table or cache: recompute rather than fail the engine
             log.exception("loading %s failed; its tokens are recomputed", spec.req_id)
-        return _Load(spec, parts, copied, _record(stream))
-
-    def _scratch_cache(self, side: _GroupSide, blocks: int) -> list[torch.Tensor]:
-        """One chunk's blocks of every layer of a group, shaped like vLLM's (made once per size)."""
-        assert side.cache is not None
-        if side.scratch is None or side.scratch[0].shape[0] != blocks:
-            like = side.cache.tensors[0]
-            shape = (blocks, *like.shape[1:])
-            side.scratch = [
-                torch.empty(shape, dtype=like.dtype, device=like.device) for _ in side.cache.tensors
-            ]
-        return side.scratch
-
-    def _copy_blocks(
-        self, cache: GroupCache, scratch: list[torch.Tensor], skip: int, block_ids: list[int], stream: Any
-    ) -> None:
-        """Scratch blocks `skip..` -> `block_ids` of the group, every layer, on `stream` after the scatter."""
-        target = torch.tensor(block_ids, dtype=torch.int64, device=cache.tensors[0].device)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for tensor, source in zip(cache.tensors, scratch, strict=True):
-                tensor.index_copy_(0, target, source[skip : skip + len(block_ids)])
+        load.event = record_event(stream)
+        return load
 
     def wait_layer(self, layer_name: str) -> None:
         side = self.layer_group.get(layer_name)
@@ -275,7 +172,7 @@ class WorkerSide:
                 self._forget(req_id)
         return done
 
-    def _finish(self, load: _Load) -> None:
+    def _finish(self, load: Load) -> None:
         """Ends a load's leases; the blocks of every chunk not known valid become load errors."""
         spec = load.spec
         valid = spec.first
@@ -396,12 +293,3 @@ class WorkerSide:
         self._loading, self._step_loads = {}, []
         for side in reversed(list(self.groups.values())):  # siblings before the first
             side.conn.close()
-
-
-def _record(stream: Any) -> Any:
-    """An event recorded on `stream` now (None without a stream: the CPU's work is done)."""
-    if stream is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
