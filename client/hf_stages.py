@@ -30,27 +30,24 @@ restored, down to a plain forward: never other logits. `save(..., tail=True)` (t
 also keeps each trailing partial chunk, so a prompt of any length is covered to its last token.
 
 The stage runner computes outside the decoder layers only what the model class's own forward
-does there, step for step: the classes of `MODEL_STEPS` (Llama, Mistral, Qwen2, Qwen3; Granite
-with its embedding multiplier and `logits_scaling`), batch size 1, full attention in every layer.
-Any other class (Gemma2's logit soft-capping, Cohere's `logit_scale`, ...) or a sliding window is
-refused at `connect`, by name.
+does there, step for step: the classes of `hf_stages_models.MODEL_STEPS` (Llama, Mistral, Qwen2,
+Qwen3; Granite with its embedding multiplier and `logits_scaling`), batch size 1, full attention in
+every layer. Any other class (Gemma2's logit soft-capping, Cohere's `logit_scale`, ...) or a
+sliding window is refused at `connect`, by name.
 
-`weights_ids(model, [b, L])` derives the ids from the weights themselves: equal ids promise equal
-weights (and configuration) up to the range's end, so pages are shared only where they are equal.
+`weights_ids(model, [b, L])` (`kvstore_client.hf_stages_weights`) derives the ids from the weights
+themselves: equal ids promise equal weights (and configuration) up to the range's end, so pages are
+shared only where they are equal.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from kvstore.spec import KVSpec
 from kvstore_client.client import KVStoreClient
@@ -63,6 +60,10 @@ from kvstore_client.hf import (
     store_cache,
     token_list,
 )
+from kvstore_client.hf_stages_models import config_int, model_steps
+from kvstore_client.hf_stages_weights import weights_ids
+
+__all__ = ["Prefill", "StagedPrefixCache", "weights_ids"]
 
 
 @dataclass
@@ -74,64 +75,6 @@ class Prefill:
     hidden_states: torch.Tensor | None  # [1, seq, hidden] entering the boundary layer (None: not known)
     path: str  # "whole", "partial" or "none"
     restored: int  # prompt tokens whose KV came from the store (layers [0, b) for "partial")
-
-
-class ModelSteps(NamedTuple):
-    """What a model class's own forward does outside its decoder layers."""
-
-    embed: Callable[[Any, torch.Tensor], torch.Tensor]  # (model, input ids) -> the stream entering layer 0
-    head: Callable[[Any, torch.Tensor], torch.Tensor]  # (model, the last layer's output) -> logits
-
-
-def _embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    return model.model.embed_tokens(ids)
-
-
-def _head(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    return model.lm_head(model.model.norm(hidden))
-
-
-def _granite_embed(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    return model.model.embed_tokens(ids) * model.model.embedding_multiplier
-
-
-def _granite_head(model: Any, hidden: torch.Tensor) -> torch.Tensor:
-    return model.lm_head(model.model.norm(hidden)) / model.config.logits_scaling
-
-
-# Each entry was read off that class's `forward` in transformers 5 (`GraniteModel.forward` and
-# `GraniteForCausalLM.forward` for Granite); a class not listed is refused, never guessed.
-MODEL_STEPS: MappingProxyType[str, ModelSteps] = MappingProxyType(
-    {
-        "LlamaForCausalLM": ModelSteps(_embed, _head),
-        "MistralForCausalLM": ModelSteps(_embed, _head),
-        "Qwen2ForCausalLM": ModelSteps(_embed, _head),
-        "Qwen3ForCausalLM": ModelSteps(_embed, _head),
-        "GraniteForCausalLM": ModelSteps(_granite_embed, _granite_head),
-    }
-)
-
-
-def model_steps(model: Any) -> ModelSteps:
-    """`model`'s steps outside its decoder layers; a ValueError naming its class if the stage
-    runner cannot reproduce them exactly."""
-    cls = type(model)
-    steps = MODEL_STEPS.get(cls.__name__) if cls.__module__.startswith("transformers.models.") else None
-    if steps is None:
-        raise ValueError(
-            f"model: {cls.__module__}.{cls.__name__} is not one the stage runner reproduces exactly "
-            f"(its embedding and final steps are known for {', '.join(MODEL_STEPS)}); serve it "
-            "with kvstore_client.hf.HFPrefixCache, which runs the model's own forward"
-        )
-    config = model.config
-    windowed = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
-    if windowed or getattr(config, "sliding_window", None) is not None:
-        raise ValueError(
-            f"model: {cls.__name__} with layer types {windowed} and sliding_window="
-            f"{getattr(config, 'sliding_window', None)}: the stage runner masks every layer with "
-            "full causal attention; set sliding_window=None or use HFPrefixCache"
-        )
-    return steps
 
 
 class StagedPrefixCache:
@@ -164,7 +107,7 @@ class StagedPrefixCache:
         if not spec.weights:
             raise ValueError("spec: needs weights=[(boundary, id of layers before it), (num_layers, id)]")
         model_steps(model)  # refused before anything connects
-        hidden_size = _config_int(model.config, "hidden_size")
+        hidden_size = config_int(model.config, "hidden_size")
         specs = (
             spec.layer_range(0, boundary),
             spec.layer_range(boundary, spec.num_layers),
@@ -358,131 +301,3 @@ def _hidden_buffer(spec: KVSpec, positions: int, device: Any) -> torch.Tensor:
 
 def _ids(tokens: np.ndarray, device: Any) -> torch.Tensor:
     return torch.as_tensor(tokens, dtype=torch.long, device=device).unsqueeze(0)
-
-
-def _text_config(config: Any) -> Any:
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
-def _config_int(config: Any, name: str) -> int:
-    value = getattr(_text_config(config), name, None)
-    if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"config.{name}: expected a positive integer, got {value!r}")
-    return value
-
-
-# -- weights ids ----------------------------------------------------------------
-
-# Config fields that name, label or bookkeep a model but compute nothing in its layers; every other
-# field (rope, norms' eps, Granite's multipliers, ...) goes into each id: a change is a miss, never
-# a wrong hit. `num_hidden_layers` differs between stages; `layer_types` goes in cut to the range.
-_NOT_COMPUTING = frozenset(
-    {
-        "_name_or_path",
-        "architectures",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "num_hidden_layers",
-        "layer_types",
-        "use_cache",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-        "id2label",
-        "label2id",
-        "problem_type",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "initializer_range",
-    }
-)
-_PIECE_BYTES = 64 << 20  # a GPU tensor crosses to the host in pieces of at most this, through pinned memory
-
-
-def weights_ids(model: Any, stops: Sequence[int]) -> list[tuple[int, str]]:
-    """`weights` for `KVSpec.from_hf_config`: `(stop, id)` for each layer range `[previous stop,
-    stop)`, the id an xxh3-128 digest of what computes that range's KV.
-
-    It covers, for each range: the model's configuration (less `_NOT_COMPUTING`), and every
-    tensor of the state dict of its decoder layers (and of the embedding for the first range),
-    each by name, dtype, shape and bytes. Tensors are hashed where they are, streaming: a CPU
-    tensor in place, a GPU tensor 64 MiB at a time through two pinned buffers (no copy of the
-    model anywhere). The cost is one read of the covered bytes at xxh3's rate on one host core:
-    a Llama of 1.24 B parameters in bf16 (2.3 GiB) took 0.33 s on an H200 and 0.33 s from its
-    host's memory, the same ids on both. The final norm and the head are not covered (no KV
-    depends on them). A checksum, not a signature: someone who can choose the weights could make
-    two sets collide; labels chosen by hand promise even less.
-    """
-    num_layers = _config_int(model.config, "num_hidden_layers")
-    if not stops or list(stops) != sorted(set(stops)) or stops[0] <= 0 or stops[-1] > num_layers:
-        raise ValueError(f"stops: expected increasing layers in 1..{num_layers}, got {list(stops)}")
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    layers = decoder_layers(model, num_layers)
-    config = _text_config(model.config)
-    settings = {key: value for key, value in config.to_dict().items() if key not in _NOT_COMPUTING}
-    layer_types = list(getattr(config, "layer_types", None) or ())
-    ids, first, reader = [], 0, _HostReader()
-    for stop in stops:
-        digest = xxhash.xxh3_128()
-        settings["layer_types"] = layer_types[first:stop]
-        _update(digest, type(model).__name__.encode())
-        _update(digest, json.dumps(settings, sort_keys=True, default=str).encode())
-        parts = [("embed_tokens.", decoder.embed_tokens)] if first == 0 else []
-        parts += [(f"layers.{index}.", layers[index]) for index in range(first, stop)]
-        for prefix, module in parts:
-            for name, tensor in module.state_dict(prefix=prefix).items():
-                _update_tensor(digest, name, tensor, reader)
-        ids.append((stop, f"xxh3:{digest.hexdigest()}"))
-        first = stop
-    return ids
-
-
-def _update(digest: Any, data: bytes) -> None:
-    digest.update(len(data).to_bytes(8, "little"))  # length-prefixed: no field runs into the next
-    digest.update(data)
-
-
-def _update_tensor(digest: Any, name: str, tensor: torch.Tensor, reader: _HostReader) -> None:
-    if tensor.device.type == "meta":
-        raise ValueError(f"model: {name} has no data (meta device); load the weights before hashing them")
-    _update(digest, f"{name}|{tensor.dtype}|{list(tensor.shape)}".encode())
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    digest.update(data.numel().to_bytes(8, "little"))
-    for piece in reader.pieces(data):
-        digest.update(piece)
-
-
-class _HostReader:
-    """A tensor's bytes on the host, piece by piece: a CPU tensor in place; a GPU tensor through two
-    pinned buffers, the next piece crossing while the caller hashes this one."""
-
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
-
-    def pieces(self, data: torch.Tensor) -> Iterator[np.ndarray]:
-        starts = range(0, data.numel(), _PIECE_BYTES)
-        if data.device.type != "cuda":
-            for start in starts:
-                yield data[start : start + _PIECE_BYTES].cpu().numpy()  # in place on the CPU
-            return
-        if not starts:
-            return
-        if not self.buffers:
-            self.buffers = [torch.empty(_PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        stream = torch.cuda.current_stream(data.device)  # after whatever wrote the weights
-
-        def send(index: int) -> tuple[torch.Tensor, Any]:
-            piece = data[starts[index] : starts[index] + _PIECE_BYTES]
-            host = self.buffers[index % 2][: piece.numel()]
-            host.copy_(piece, non_blocking=True)
-            return host, stream.record_event()
-
-        sent = send(0)
-        for index in range(len(starts)):
-            host, copied = sent
-            if index + 1 < len(starts):  # into the buffer the caller hashed before asking for this one
-                sent = send(index + 1)
-            copied.synchronize()
-            yield host.numpy()

@@ -508,7 +508,7 @@ def test_a_daemon_refuses_a_spec_with_bad_ranges_with_a_message(daemon: Daemon) 
 def test_weights_ids_do_not_depend_on_where_the_weights_are_or_how_they_are_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kvstore_client.hf_stages as hf_stages
+    import kvstore_client.hf_stages_weights as hf_stages  # where weights_ids reads _PIECE_BYTES
 
     one = stage_one()
     whole = weights_ids(one, [BOUNDARY, LAYERS])
