@@ -19,18 +19,22 @@ With `remote_pages=0` it is the same fleet without a shared tier.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvstore.config import EvictionConfig
 from kvstore.errors import ResourceExhausted
 from kvstore.replay import REPLAY_SPEC, replay_store, request_keys
 from kvstore.trace import Trace
+
+if TYPE_CHECKING:
+    from kvstore.store import Store
 
 ASSIGNMENTS = ("round-robin", "random", "affinity")
 LOAD_WEIGHT = 0.5  # affinity: a request served beyond the least loaded host's, in mean requests
@@ -126,6 +130,29 @@ def fleet_replay(
 ) -> FleetResult:
     """Replays `trace` over `hosts` hosts of `cpu_pages` pages each, sharing a remote tier of
     `remote_pages` pages (0: none); calls `progress(requests done)` now and then."""
+    _check_fleet(hosts, cpu_pages, remote_pages, assign)
+    host_of = assigner(assign, hosts) if assign != "affinity" else None
+    shared = SharedTier(remote_pages)
+    load = LOAD_WEIGHT * trace.num_blocks / len(trace.requests)
+    every = max(1, len(trace.requests) // 200)
+    tally = _Tally(hosts)
+    with _host_stores(hosts, cpu_pages, policy) as stores:
+        started = time.perf_counter()
+        namespaces = [store.connect(REPLAY_SPEC).id for store in stores]
+        for index, (blocks, keys) in enumerate(zip(trace.requests, request_keys(trace), strict=True)):
+            if host_of is not None:
+                host = host_of(index)
+            else:
+                host = _affinity_host(stores, namespaces, keys, tally.served, load)
+            local, remote = _serve(stores[host], namespaces[host], blocks, keys, shared)
+            tally.add(host, len(blocks), local, remote)
+            if progress is not None and (index + 1) % every == 0:
+                progress(index + 1)
+        elapsed = time.perf_counter() - started
+    return tally.result(assign, cpu_pages, remote_pages, elapsed)
+
+
+def _check_fleet(hosts: int, cpu_pages: int, remote_pages: int, assign: str) -> None:
     if hosts <= 0 or cpu_pages <= 0 or remote_pages < 0:
         raise ValueError(
             f"hosts, cpu_pages, remote_pages: expected positive counts (remote_pages may be 0), "
@@ -133,64 +160,81 @@ def fleet_replay(
         )
     if assign not in ASSIGNMENTS:
         raise ValueError(f"assign: expected one of {', '.join(ASSIGNMENTS)}, got {assign!r}")
-    host_of = assigner(assign, hosts) if assign != "affinity" else None
-    shared = SharedTier(remote_pages)
-    load = LOAD_WEIGHT * trace.num_blocks / len(trace.requests)
-    every = max(1, len(trace.requests) // 200)
+
+
+@contextlib.contextmanager
+def _host_stores(hosts: int, cpu_pages: int, policy: str) -> Iterator[list[Store]]:
+    """One replay store per host, each in its own folder of a temporary directory; closed after."""
     with tempfile.TemporaryDirectory(prefix="kvstore-fleet-") as run_dir:
         stores = []
         for host in range(hosts):
             (Path(run_dir) / f"host{host}").mkdir()
             stores.append(replay_store(Path(run_dir) / f"host{host}", cpu_pages, policy))
         try:
-            started = time.perf_counter()
-            namespaces = [store.connect(REPLAY_SPEC).id for store in stores]
-            host_blocks, host_hits, served = [0] * hosts, [0] * hosts, [0] * hosts
-            remote_hits = 0
-            for index, (blocks, keys) in enumerate(zip(trace.requests, request_keys(trace), strict=True)):
-                if host_of is not None:
-                    host = host_of(index)
-                else:  # the blocks to compute, plus the load beyond the least loaded host's
-                    least = min(served)
-                    host = min(
-                        range(hosts),
-                        key=lambda h: (
-                            len(keys)
-                            - stores[h].lookup(namespaces[h], keys, touch=False).hit_chunks
-                            + (served[h] - least) * load,
-                            h,
-                        ),
-                    )
-                served[host] += 1
-                store, ns = stores[host], namespaces[host]
-                local = store.lookup(ns, keys).hit_chunks
-                remote = shared.leading(blocks[local:])
-                host_blocks[host] += len(blocks)
-                host_hits[host] += local + remote
-                remote_hits += remote
-                try:
-                    reserved = store.reserve(ns, list(dict.fromkeys(keys)))
-                except ResourceExhausted:
-                    pass  # no room in this host's tier for the whole request: it stores none of it
-                else:
-                    if reserved.lease_id:
-                        store.commit(ns, reserved.lease_id)
-                shared.write(blocks)
-                if progress is not None and (index + 1) % every == 0:
-                    progress(index + 1)
-            elapsed = time.perf_counter() - started
+            yield stores
         finally:
             for store in stores:
                 store.cpu.close()
-    return FleetResult(
-        hosts,
-        assign,
-        cpu_pages,
-        remote_pages,
-        sum(host_blocks),
-        sum(host_hits),
-        remote_hits,
-        host_blocks,
-        host_hits,
-        elapsed,
+
+
+def _affinity_host(
+    stores: list[Store], namespaces: list[bytes], keys: list[bytes], served: list[int], load: float
+) -> int:
+    """The host with the least work: the blocks to compute, plus the load beyond the least loaded
+    host's (a lookup that is not a use)."""
+    least = min(served)
+    return min(
+        range(len(stores)),
+        key=lambda h: (
+            len(keys)
+            - stores[h].lookup(namespaces[h], keys, touch=False).hit_chunks
+            + (served[h] - least) * load,
+            h,
+        ),
     )
+
+
+def _serve(
+    store: Store, ns: bytes, blocks: list[int], keys: list[bytes], shared: SharedTier
+) -> tuple[int, int]:
+    """One request on its host: the hit in its CPU tier, then in the shared tier after it; the
+    whole request stored on the host and written through. Returns (local hits, shared hits)."""
+    local = store.lookup(ns, keys).hit_chunks
+    remote = shared.leading(blocks[local:])
+    try:
+        reserved = store.reserve(ns, list(dict.fromkeys(keys)))
+    except ResourceExhausted:
+        pass  # no room in this host's tier for the whole request: it stores none of it
+    else:
+        if reserved.lease_id:
+            store.commit(ns, reserved.lease_id)
+    shared.write(blocks)
+    return local, remote
+
+
+class _Tally:
+    """What the fleet served so far: each host's requests, blocks and hits, and the shared tier's."""
+
+    def __init__(self, hosts: int) -> None:
+        self.served, self.host_blocks, self.host_hits = [0] * hosts, [0] * hosts, [0] * hosts
+        self.remote_hits = 0
+
+    def add(self, host: int, blocks: int, local: int, remote: int) -> None:
+        self.served[host] += 1
+        self.host_blocks[host] += blocks
+        self.host_hits[host] += local + remote
+        self.remote_hits += remote
+
+    def result(self, assign: str, cpu_pages: int, remote_pages: int, elapsed_s: float) -> FleetResult:
+        return FleetResult(
+            len(self.served),
+            assign,
+            cpu_pages,
+            remote_pages,
+            sum(self.host_blocks),
+            sum(self.host_hits),
+            self.remote_hits,
+            self.host_blocks,
+            self.host_hits,
+            elapsed_s,
+        )
