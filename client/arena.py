@@ -41,6 +41,7 @@ from kvstore.peers import boot_id
 from kvstore.wire import MEMFD_PREFIX
 from kvstore_client.bounce import BounceRing
 from kvstore_client.registrar import CudaRegistrar, HostRegistrar, SlabRegistrar
+from kvstore_client.routes import UNPINNED
 from kvstore_client.transfers import Streams
 from kvstore_kernels import TransferOptions
 
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 # a 256 MiB slab), 7.8 s where registering faulted them in (0.12 s a slab): far less than moving
 # a prompt's pages at pageable speed.
 REGISTER_WAIT_S = 10.0
-UNPINNED = TransferOptions(engine="torch")  # moves pages from and to pageable memory
 
 
 class MappingKey(NamedTuple):

@@ -46,17 +46,13 @@ from kvstore.wire import page_spec_message, stats_to_dict
 from kvstore_client.connection import ClientTls, default_address
 from kvstore_client.gpu_pools import device_bus_id
 from kvstore_client.loads import LoadPath
+from kvstore_client.routes import LAYERWISE_TRANSFER
 from kvstore_client.session import Link
 from kvstore_client.stores import StorePath
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
-# How a layer-wise load moves each run of layers: the auto rule (its staged path). The Triton
-# kernel reading the arena issues faster (one launch per run, against a copy and a launch per
-# page) but moves the hf layout's 4 KiB rows at a fraction of the link's rate: about as soon
-# to the first token at 8k tokens, far later at 32k (bench/NOTES-ttft.md).
-LAYERWISE_TRANSFER = kvstore_kernels.TransferOptions()
 # Runs of a layer-wise load: the first layer, then the rest. Each run is a call whose host
 # time the forward waits for where the forward is host-bound (HF eager), so few runs are best
 # there; more runs pay only where the copy outlasts the forward (32k tokens).

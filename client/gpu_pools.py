@@ -14,8 +14,7 @@
 - `pieces(acquired, arena)`: an Acquire reply cut by buffer: `(buffer, chunks, offsets)` for
   the arena and for each pool, so one load scatters chunks of both tiers.
 - `scatter_for(buffer, arena_scatter)`: the scatter that reads `buffer`: `arena_scatter` for the
-  arena, for a pool one with `max_programs` kernel programs when set (None: the kernels'
-  default for a device buffer).
+  arena, for a pool `routes.pool_scatter` with `max_programs` kernel programs when set.
 - `close()`: waits for this process's work on those devices, then closes the mappings.
 - `device_bus_id()`: the PCI bus id of this process's current CUDA device ("" without one),
   which Connect sends so that the namespace's pages go to the pool on that device.
@@ -26,17 +25,16 @@ library that torch already loaded.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-import kvstore_kernels
 from kvstore.cudart import CudaError, CudaRuntime, CudaUnavailable, load_runtime
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.wire import Tier
+from kvstore_client.routes import pool_scatter
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +150,7 @@ class GpuPools:
         ]
 
     def scatter_for(self, buffer: torch.Tensor, arena_scatter: Callable[..., None]) -> Callable[..., None]:
-        if buffer.device.type != "cuda":
-            return arena_scatter
-        if self.max_programs is None:
-            return kvstore_kernels.scatter
-        options = kvstore_kernels.TransferOptions(max_programs=self.max_programs)
-        return functools.partial(kvstore_kernels.scatter, options=options)
+        return arena_scatter if buffer.device.type != "cuda" else pool_scatter(self.max_programs)
 
     def close(self) -> None:
         runtime, tensors = self._runtime, self.tensors

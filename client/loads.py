@@ -20,6 +20,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore_client.connection import is_outage
 from kvstore_client.handles import LoadHandle
 from kvstore_client.inline import get_pages
+from kvstore_client.routes import arena_scatter
 from kvstore_client.session import Session, ignore, log
 from kvstore_client.transfers import Streams, cache_device, layer_groups
 
@@ -231,15 +232,13 @@ class LoadPath(Session):
         acquired = reply.acquired if reply.HasField("acquired") else self._conn.rpc("Acquire", lease)
         pieces = self._gpu_pools.pieces(acquired, self.arena)  # the arena's chunks, each pool's
         groups = layer_groups(layers, self.layerwise_runs) if layerwise and layers else [layers]
-        scatter = kvstore_kernels.scatter
         arena_offsets = [offset for buf, _, offsets in pieces if buf is self.arena for offset in offsets]
-        options = self._mapped.transfer_options(arena_offsets)  # None: their slabs are registered
-        if options is not None:
-            scatter = functools.partial(scatter, options=options)
-        elif layerwise and self._mapped.registered and cache_device(kv_caches).type == "cuda":
-            scatter = functools.partial(scatter, options=self.layerwise_options)
-        elif len(groups) == 1:
-            scatter = targets.arena_scatter(self.arena, groups[0]) or scatter
+        on_gpu = layerwise and self._mapped.registered and cache_device(kv_caches).type == "cuda"
+        scatter = arena_scatter(
+            self._mapped.transfer_options(arena_offsets),  # None: their slabs are registered
+            self.layerwise_options if on_gpu else None,
+            targets.arena_scatter(self.arena, groups[0]) if len(groups) == 1 else None,
+        )
         events = [
             [
                 self._streams.enqueue(

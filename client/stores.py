@@ -16,6 +16,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore_client.connection import is_outage
 from kvstore_client.handles import StoreHandle
 from kvstore_client.inline import put_pages
+from kvstore_client.routes import arena_route, store_route, with_options
 from kvstore_client.session import Session, ignore, log
 from kvstore_client.transfers import Streams, cache_device
 
@@ -160,27 +161,25 @@ class StorePath(Session):
         """Writes the reserved chunks' pages: into the GPU pool or the arena's slots (enqueued:
         what to wait for after them, and where the first pages are committed early, the event
         after those), or inline through Put (done: None)."""
-        if reply.in_gpu_pool:  # device to device, into the pool: one Commit once written
-            pool, offsets = self._gpu_pools.tensors[reply.gpu_pool], [reply.offsets[i] for i in chunks]
-            gather = kvstore_kernels.gather
+        offsets = [reply.offsets[i] for i in chunks]
+        device = cache_device(kv_caches)
+        mapped = self._mapped if self.arena is not None else None
+        route = store_route(
+            reply.in_gpu_pool, mapped, offsets, self.page_bytes, device.type == "cuda", layers is None
+        )
+        if route.way == "pool":  # device to device, into the pool: one Commit once written
+            pool, gather = self._gpu_pools.tensors[reply.gpu_pool], kvstore_kernels.gather
             return self._streams.enqueue(
                 gather, self.spec, kv_caches, block_ids, chunks, pool, offsets, layers, ahead.stream
             ), None
-        if self.arena is None:
+        if route.way == "inline" or self.arena is None:
             self._put_inline(reply, chunks, kv_caches, block_ids, layers)
             return None, None
-        offsets = [reply.offsets[i] for i in chunks]
-        device = cache_device(kv_caches)
-        ring = (
-            self._mapped.bounce_for(offsets, self.page_bytes, device.type == "cuda")
-            if layers is None
-            else None
-        )
-        if ring is not None:  # slabs not registered yet: through the pinned ring, no wait
+        if route.way == "bounce":  # slabs not registered yet: through the pinned ring, no wait
             stream = ahead.stream
             if device.type == "cuda" and stream is None:
                 stream = self._streams.ordered_side(device)
-            completion = ring.gather(
+            completion = route.ring.gather(
                 kvstore_kernels.gather,
                 self.spec,
                 kv_caches,
@@ -191,13 +190,17 @@ class StorePath(Session):
                 stream if device.type == "cuda" else None,
                 self.page_bytes,
             )
-            if completion is not None:  # None: the ring closed meanwhile (every slab registered)
+            if completion is not None:
                 return completion, None
-        return self._gather_to_arena(self.arena, chunks, offsets, kv_caches, block_ids, layers, ahead)
+            route = arena_route(self._mapped, offsets)  # the ring closed meanwhile: every slab registered
+        return self._gather_to_arena(
+            self.arena, route.options, chunks, offsets, kv_caches, block_ids, layers, ahead
+        )
 
     def _gather_to_arena(
         self,
         arena: torch.Tensor,
+        options: kvstore_kernels.TransferOptions | None,
         chunks: list[int],
         offsets: list[int],
         kv_caches: Any,
@@ -205,11 +208,10 @@ class StorePath(Session):
         layers: range | None,
         ahead: _GatherAhead,
     ) -> tuple[torch.cuda.Event | None, _EarlyCommits | None]:
-        """Enqueues the gather into the arena's slots at `offsets`: the setup prepared during the
-        Reserve where it applies (in parts committed early where the daemon takes them), the
-        torch reference where the slabs could not be registered."""
-        options = self._mapped.transfer_options(offsets)  # None: their slabs are registered
-        enqueue = functools.partial(self._streams.enqueue, kvstore_kernels.gather)
+        """Enqueues the gather into the arena's slots at `offsets` with `options` (None: their
+        slabs are registered): the setup prepared during the Reserve where it applies (in parts
+        committed early where the daemon takes them)."""
+        enqueue = functools.partial(self._streams.enqueue, with_options(kvstore_kernels.gather, options))
         prepared = ahead.prepared_in(arena) if options is None else None
         if prepared is not None:  # the store's chunk i is its prepared page i
             enqueue = functools.partial(self._streams.enqueue, prepared.transfer)
@@ -221,10 +223,6 @@ class StorePath(Session):
                     early.parts.append((enqueue(self.spec, kv_caches, block_ids, *part), stop - start))
                     start = stop
                 return early.parts.pop()[0], early
-        elif options is not None:
-            enqueue = functools.partial(
-                self._streams.enqueue, functools.partial(kvstore_kernels.gather, options=options)
-            )
         return enqueue(self.spec, kv_caches, block_ids, chunks, arena, offsets, layers, ahead.stream), None
 
     def _put_inline(
