@@ -53,15 +53,16 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvstore.codec import CODECS, Buffer, compress
 from kvstore.config import ConfigError, RemoteTierConfig
+from kvstore.index import NodeUsage
 from kvstore.tiers import Tier
 from kvstore.tiers.records import FLAG_MAC, CorruptRecord, ForgedRecord, RecordKey, pack_header
-from kvstore.tiers.remote_lookups import Lookups
+from kvstore.tiers.remote_lookups import RemoteLookups
 from kvstore.tiers.remote_nodes import Node, Nodes
 from kvstore.tiers.remote_resp import Endpoint, RecordConnection
 from kvstore.tiers.remote_routing import NodeDown, Router, Work
@@ -86,7 +87,7 @@ def start_remote(config: RemoteTierConfig) -> RemoteTier:
     return tier
 
 
-class RemoteTier(Lookups):
+class RemoteTier:
     name = "remote"
     medium = Tier.REMOTE
 
@@ -110,6 +111,7 @@ class RemoteTier(Lookups):
         self._deadline = float("inf")  # close(): queued writes past this are dropped
         self.counters: Counter[str] = Counter()
         self._router = Router(config, self.nodes, clock, self._count)  # connections, redirects, health
+        self._lookups = RemoteLookups(config, self.nodes, self._router, clock, self._count, self)
 
     def start(self) -> None:
         if self.config.cluster:
@@ -144,6 +146,22 @@ class RemoteTier(Lookups):
     def up(self) -> bool:
         """Not closed, and the server (a cluster: any master) is not down."""
         return not self._closed and self.nodes.any_usable()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def present(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` have a record; 0 while the tier is down (`RemoteLookups`)."""
+        return self._lookups.present(namespace, keys)
+
+    def node_usage(self) -> list[NodeUsage]:
+        """Each node's role, health, memory, keys and errors (`RemoteLookups`)."""
+        return self._lookups.node_usage()
+
+    def server_usage(self) -> tuple[int, int, int]:
+        """The server's (used memory, maxmemory (0: no limit), keys)."""
+        return self._lookups.server_usage()
 
     def _usable(self, name: bytes) -> Node | None:
         node = self.nodes.node_for(name)
@@ -275,18 +293,6 @@ class RemoteTier(Lookups):
     def _routed(self, name: bytes, work: Work, what: str) -> Any:
         """`work` on the connection to the node serving `name` (`Router.routed`)."""
         return self._router.routed(self._usable(name), name, work, what)
-
-    def _connection(self, node: Node, timeout_s: float, opened_only: bool = False) -> Any:
-        return self._router.connection(node, timeout_s, opened_only)
-
-    def _drop_connection(self, node: Node, connection: RecordConnection) -> None:
-        self._router.drop_connection(node, connection)
-
-    def _recovered(self, node: Node) -> None:
-        self._router.recovered(node)
-
-    def _failed(self, node: Node | None, what: str, exc: BaseException) -> None:
-        self._router.failed(node, what, exc)
 
     # -- figures and shutdown -----------------------------------------------
 

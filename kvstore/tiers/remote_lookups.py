@@ -1,60 +1,67 @@
 """The remote tier's Lookups and figures: what it asks of every node at once, on the daemon's event
 loop (a Lookup) or for `kvctl stats` (each node's memory and keys), within `lookup_timeout_s`.
 
-`RemoteTier` (`remote`) inherits these and owns the parts they use: its config, its `Nodes`, each
-thread's connections, and its counters and health (`_failed`, `_recovered`).
+- `RemoteLookups(config, nodes, router, clock, count, tier)`: owned by the `RemoteTier`
+  (`remote`), which gives it its config, its `Nodes`, the `Router` that holds each thread's
+  connections and each node's health, its clock and counters, and itself as what it asks whether
+  the tier is up and how a record is named (`TierState`).
+- `present(namespace, keys)`: how many leading keys have a record (EXISTS pipelined to each node,
+  all nodes at once, redirects followed once).
+- `node_usage()`, `server_usage()`: each node's figures, and the server's totals.
 """
 
 from __future__ import annotations
 
 from binascii import hexlify
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.config import RemoteTierConfig
 from kvstore.index import NodeUsage, server_totals
 from kvstore.tiers.remote_nodes import Node, Nodes
 from kvstore.tiers.remote_resp import RecordConnection, Redirect, command
+from kvstore.tiers.remote_routing import Router
 
 EXISTS_HEAD = b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s"  # a Lookup's command, % (len(name), prefix): + key hex
 ASKING = command(b"ASKING")
 
 
-class Lookups:
-    config: RemoteTierConfig
-    nodes: Nodes
-    _clock: Callable[[], float]
-    _closed: bool
+class TierState(Protocol):
+    """What Lookups ask of the tier that owns them."""
 
     @property
-    def up(self) -> bool:
-        raise NotImplementedError
+    def up(self) -> bool: ...
 
-    def record_key(self, namespace: bytes, key: bytes) -> bytes:
-        raise NotImplementedError
+    @property
+    def closed(self) -> bool: ...
 
-    def _count(self, name: str, n: int = 1) -> None:
-        raise NotImplementedError
+    def record_key(self, namespace: bytes, key: bytes) -> bytes: ...
 
-    def _connection(self, node: Node, timeout_s: float, opened_only: bool = False) -> Any:
-        raise NotImplementedError
 
-    def _drop_connection(self, node: Node, connection: RecordConnection) -> None:
-        raise NotImplementedError
-
-    def _recovered(self, node: Node) -> None:
-        raise NotImplementedError
-
-    def _failed(self, node: Node | None, what: str, exc: BaseException) -> None:
-        raise NotImplementedError
+class RemoteLookups:
+    def __init__(
+        self,
+        config: RemoteTierConfig,
+        nodes: Nodes,
+        router: Router,
+        clock: Callable[[], float],
+        count: Callable[..., None],
+        tier: TierState,
+    ) -> None:
+        self.config = config
+        self.nodes = nodes
+        self._router = router
+        self._clock = clock
+        self._count = count
+        self._tier = tier
 
     def present(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         """How many leading `keys` have a record; 0 while the tier is down."""
-        if not keys or not self.up:
+        if not keys or not self._tier.up:
             return 0
         self._count("lookups")
         deadline = self._clock() + self.config.lookup_timeout_s
-        prefix = self.record_key(namespace, b"")  # a record's name is prefix + its key in hex
+        prefix = self._tier.record_key(namespace, b"")  # a record's name is prefix + its key in hex
         suffixes = [hexlify(key) for key in keys]
         nodes = self.nodes.route(prefix, suffixes)
         usable = {node for node in set(nodes) if node is not None and self.nodes.usable(node)}
@@ -132,12 +139,12 @@ class Lookups:
         for node, commands in requests.items():
             connection = None
             try:
-                connection = self._connection(node, max(deadline - self._clock(), 1e-3))
+                connection = self._router.connection(node, max(deadline - self._clock(), 1e-3))
                 connection.send(commands)
                 sent[node] = connection
             except OSError as exc:
                 if connection is not None:
-                    self._drop_connection(node, connection)
+                    self._router.drop_connection(node, connection)
                 self._node_failed(node, exc, deadline, lookup)
         replies: dict[Node, list[Any]] = {}
         for node, connection in sent.items():
@@ -146,9 +153,9 @@ class Lookups:
                 count = counts[node]
                 replies[node] = connection.line_replies(count) if lookup else connection.replies(count)
                 node.slow_lookups = 0
-                self._recovered(node)
+                self._router.recovered(node)
             except (OSError, ValueError) as exc:
-                self._drop_connection(node, connection)  # its replies may be half read
+                self._router.drop_connection(node, connection)  # its replies may be half read
                 self._node_failed(node, exc, deadline, lookup)
         return replies
 
@@ -160,15 +167,15 @@ class Lookups:
             # Only a run of them takes the node out of Lookups for retry_s.
             self._count("lookup_timeouts")
             if self.nodes.slow(node):
-                self._failed(node, f"{node.slow_lookups} lookups in a row", exc)
+                self._router.failed(node, f"{node.slow_lookups} lookups in a row", exc)
         else:
-            self._failed(node, "a lookup", exc)
+            self._router.failed(node, "a lookup", exc)
 
     def node_usage(self) -> list[NodeUsage]:
         """Each node's figures (INFO memory, DBSIZE), asked of all at once within lookup_timeout_s;
         a node that does not answer shows zeros. These count everything in that database."""
         nodes = [node for node in self.nodes.nodes() if node.role != "absent"]
-        usable = [node for node in nodes if self.nodes.usable(node)] if not self._closed else []
+        usable = [node for node in nodes if self.nodes.usable(node)] if not self._tier.closed else []
         requests = {node: [command(b"INFO", b"memory"), command(b"DBSIZE")] for node in usable}
         counts = {node: 2 for node in usable}
         replies = self._fan_out(requests, counts, self._clock() + self.config.lookup_timeout_s, lookup=False)
