@@ -20,6 +20,10 @@ While the daemon stops (`stopping`), calls that start work (Connect, Lookup,
 Reserve, Pin, Clear) are refused as Unavailable, which clients treat as a miss;
 calls that finish work in flight (Commit, Abort, Acquire, Release, Renew) are
 served, so stores and loads under way complete.
+
+Beside this module: the reply messages built from the store's answers (`handlers_replies`),
+a Put's page bytes written into its lease (`handlers_pages`), an Events stream's start and
+its messages (`handlers_events`).
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, S
 
 from kvstore import __version__
 from kvstore.errors import DAEMON_STOPPING, ArenaWarmingUp, InvalidArgument, StaleEpoch, Unavailable
-from kvstore.events import MAX_STREAMS, MAX_STREAMS_PER_TENANT, Consumers, Event
-from kvstore.index import AcquireResult, ReserveResult
+from kvstore.events import MAX_STREAMS, MAX_STREAMS_PER_TENANT, Consumers
+from kvstore.handlers_events import EVENTS_PER_BATCH, event_message, start_of
+from kvstore.handlers_pages import put_pages
+from kvstore.handlers_replies import acquire_reply, arena_message, gpu_pools, reserve_reply
 from kvstore.keys import unpack_keys
-from kvstore.leases import Lease
 from kvstore.peers import Peer, boot_id
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.stats import RpcTimings, combined, stats_message
@@ -42,33 +47,12 @@ from kvstore.store import Store
 from kvstore.tenants import Caller, Tenancy
 from kvstore.wire import page_spec_of
 
-EVENTS_PER_BATCH = 512
 WARMUP_WAIT_S = 10.0  # how long a Reserve waits for the arena's reservation to make room
 WARMUP_POLL_S = 0.005
 
 
 def _ttl(ms: int) -> float | None:
     return ms / 1000 if ms else None
-
-
-def _reserved(result: ReserveResult) -> pb.ReserveResponse:
-    """A Reserve's reply: the slots, in the arena or in one GPU pool."""
-    if result.pool < 0:
-        return pb.ReserveResponse(lease_id=result.lease_id, offsets=result.offsets)
-    return pb.ReserveResponse(
-        lease_id=result.lease_id, offsets=result.offsets, in_gpu_pool=True, gpu_pool=result.pool
-    )
-
-
-def _resync_reason(request: pb.EventsRequest, epoch: int) -> str:
-    """Why a `since` cannot be trusted (empty: it can). Sequence numbers restart with each daemon
-    start, so a `since` means something only with the epoch of the event it names; one without
-    an epoch (a consumer older than epochs) may be from a start before this one."""
-    if not request.since or request.epoch == epoch:
-        return ""
-    if not request.epoch:
-        return "since names no epoch: it may be from before the daemon restarted"
-    return "since is from another epoch: the daemon restarted"
 
 
 class Handlers:
@@ -137,21 +121,13 @@ class Handlers:
         ns = store.connect(page_spec_of(request.spec, self.chunk_tokens), request.device_pci_bus_id)
         self.events.name(ns.id, store.tenant, ns.spec.model)
         self.events.prune(store.tenant, store.namespaces)  # those the store forgot to make room
-        arena = store.cpu.arena
         return pb.ConnectResponse(
-            gpu_pools=self._gpu_pools(store),
+            gpu_pools=gpu_pools(store),
             namespace=ns.id,
             chunk_tokens=ns.spec.chunk_tokens,
             page_bytes=ns.spec.page_bytes,
-            arena=pb.Arena(
-                shm_path=str(arena.path),
-                size=arena.size,
-                device=arena.identity[0],
-                inode=arena.identity[1],
-                boot_id=self.boot_id,
-                slab_bytes=store.cpu.slots.slab_bytes,
-            ),
-            epoch=arena.epoch,
+            arena=arena_message(store, self.boot_id),
+            epoch=store.cpu.arena.epoch,
             lease_ttl_ms=int(store.lease_ttl_s * 1000),
             max_message_bytes=self.max_message_bytes,
             local_socket=self.local_socket,
@@ -165,16 +141,6 @@ class Handlers:
         """The descriptor of the caller's tenant's sealed arena, which the local channel hands to
         it with its Connect reply (-1: the arena has a path the worker opens itself)."""
         return self._store(caller).cpu.arena.fd
-
-    @staticmethod
-    def _gpu_pools(store: Store) -> list[pb.GpuPool]:
-        placement = store.gpu_placement
-        if placement is None:
-            return []
-        return [
-            pb.GpuPool(device=p.device, pci_bus_id=p.pci_bus_id, ipc_handle=p.ipc_handle, size=p.size)
-            for p in placement.gpu.pools
-        ]
 
     def Lookup(self, request: pb.LookupRequest, caller: Caller | None = None) -> pb.LookupResponse:
         self._check_serving()
@@ -199,7 +165,7 @@ class Handlers:
         if request.acquire and result.lease_id:  # the Acquire too, when it needs no waiting
             ready = store.acquire_now(request.namespace, result.lease_id)
             if ready is not None:
-                reply.acquired.CopyFrom(self._acquired(ready))
+                reply.acquired.CopyFrom(acquire_reply(ready))
         return reply
 
     def Reserve(
@@ -219,7 +185,7 @@ class Handlers:
             )
         except ArenaWarmingUp as exc:  # a daemon just started: the reply waits for its arena
             return self._reserved_later(store, request, keys, writer, exc)
-        return _reserved(result)
+        return reserve_reply(result)
 
     async def _reserved_later(
         self,
@@ -248,7 +214,7 @@ class Handlers:
             except ArenaWarmingUp as exc:
                 error = exc
                 continue
-            return _reserved(result)
+            return reserve_reply(result)
 
     def _declared_writer(self, pid: int, start_time: int) -> Peer:
         """The gRPC writer `pid` says it is, checked against /proc once per (pid, start time)."""
@@ -275,21 +241,11 @@ class Handlers:
         self._check_epoch(store, request.epoch)
         ready = store.acquire_now(request.namespace, request.lease_id)
         if ready is not None:
-            return self._acquired(ready)
+            return acquire_reply(ready)
         return self._acquired_later(store, request)  # pages still read in from disk: the reply waits
 
     async def _acquired_later(self, store: Store, request: pb.LeaseRequest) -> pb.AcquireResponse:
-        return self._acquired(await store.acquire(request.namespace, request.lease_id))
-
-    @staticmethod
-    def _acquired(result: AcquireResult) -> pb.AcquireResponse:
-        return pb.AcquireResponse(
-            ready_chunks=len(result.offsets),
-            offsets=result.offsets,
-            page_bytes=result.page_bytes,
-            tiers=result.tiers,
-            pools=result.pools,
-        )
+        return acquire_reply(await store.acquire(request.namespace, request.lease_id))
 
     # -- inline page bytes (clients that cannot map the arena) -------------------------------
 
@@ -302,45 +258,7 @@ class Handlers:
         first = await anext(aiter(messages), None)
         if first is None or first.WhichOneof("part") != "header":
             raise InvalidArgument("Put: the first message must be a PutHeader naming the store lease")
-        store = self._store(caller)
-        lease, slots = store.begin_put(first.header.namespace, first.header.lease_id)
-        try:
-            position = await self._write_pages(store, lease, slots.offsets, slots.page_bytes, messages)
-        except BaseException as exc:
-            store.end_put(lease, f"its Put failed part-way ({exc})")
-            raise
-        store.end_put(lease)
-        return pb.PutResponse(bytes_written=position)
-
-    async def _write_pages(
-        self,
-        store: Store,
-        lease: Lease,
-        offsets: list[int],
-        page_bytes: int,
-        messages: AsyncIterator[pb.PutRequest],
-    ) -> int:
-        total, position = len(offsets) * page_bytes, 0
-        async for message in messages:
-            if message.WhichOneof("part") != "data":
-                raise InvalidArgument("Put: only the first message may be a PutHeader; the rest carry data")
-            data = memoryview(message.data)
-            if position + len(data) > total:
-                raise InvalidArgument(
-                    f"Put: more than the {total} bytes of the lease's "
-                    f"{len(offsets)} pages of {page_bytes} bytes"
-                )
-            while data:
-                page, within = divmod(position, page_bytes)
-                n = min(page_bytes - within, len(data))
-                store.write_leased(lease, offsets[page], data[:n], within)
-                data, position = data[n:], position + n
-        if position != total:
-            raise InvalidArgument(
-                f"Put: received {position} bytes; the lease's {len(offsets)} pages "
-                f"of {page_bytes} bytes need exactly {total}"
-            )
-        return position
+        return await put_pages(self._store(caller), first.header, messages)
 
     async def get(
         self, request: pb.LeaseRequest, message_bytes: int, caller: Caller | None = None
@@ -400,34 +318,16 @@ class Handlers:
         try:
             log, only = self.events, request.namespace
             keep = (lambda event: event.namespace == only) if only else None
-            if request.from_now:
-                cursor, resync = log.last(tenant), ""
-            else:
-                cursor, resync = request.since, _resync_reason(request, log.epoch)
+            cursor, resync = start_of(log, request, tenant)
             while not log.closed:
                 batch, cursor = log.read(cursor, EVENTS_PER_BATCH, keep, tenant, resync)
                 resync = ""
                 if batch:
-                    yield pb.EventBatch(events=[self._event(event) for event in batch])
+                    yield pb.EventBatch(events=[event_message(log, event) for event in batch])
                 else:
                     await log.wait(cursor, tenant, only)
         finally:
             self.consumers.close(owner)
-
-    def _event(self, event: Event) -> pb.KVEvent:
-        _, model = self.events.names(event.namespace)
-        return pb.KVEvent(
-            sequence=event.sequence,
-            kind=pb.KVEvent.Kind.Value(event.kind.name),
-            tier=pb.Tier.Value(f"TIER_{event.tier.name}"),
-            namespace=event.namespace,
-            model=model,
-            tenant=event.tenant,
-            key=event.key,
-            parent=event.parent,
-            reason=event.reason,
-            epoch=self.events.epoch,
-        )
 
     def Clear(self, request: pb.ClearRequest, caller: Caller | None = None) -> pb.ClearResponse:
         """One namespace (the caller's tenant's; any, for an admin), or every one (admins only)."""
