@@ -38,18 +38,16 @@ With `poll_s` (`server.local_poll_ms`), the event loop does not sleep for that l
 frame: a callback that queues itself again keeps the loop's select at a zero timeout, so the
 daemon's thread stays on its core and a worker's next call is read as soon as it arrives,
 where a loop that slept may first wait for its core to wake (slowest on virtual machines).
+
+Here: `LocalChannelServer` (listen, answer, poll, stop) and each connection's protocol. The caps
+and the refusals live in `local_caps` (ADMIN_RESERVE, LOCAL_CHANNEL_FULL: importable from here
+too), the status codes, error replies and descriptor passing in `local_frames`.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
-import contextlib
-import logging
-import os
-import socket
 import time
-from collections import Counter
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
@@ -57,10 +55,10 @@ from typing import Any
 from google.protobuf.message import Message
 
 from kvstore.claim import remove_stale_socket
-from kvstore.errors import status_of
 from kvstore.handlers import Handlers
+from kvstore.local_caps import ADMIN_RESERVE, LOCAL_CHANNEL_FULL, ConnectionCaps
+from kvstore.local_frames import INVALID_ARGUMENT, OK, WithFd, error_frame, send_with_fd
 from kvstore.peers import Peer
-from kvstore.proto import kvstore_pb2 as pb
 from kvstore.tenants import Caller
 from kvstore.wire import (
     HEADER,
@@ -72,19 +70,7 @@ from kvstore.wire import (
     parse_request,
 )
 
-log = logging.getLogger(__name__)
-
-REFUSAL_WARNING_S = 10.0  # at most one warning this often about connections refused at the caps
-MAX_OUTSIDERS = 16  # with tenants: connections of processes in no tenant open at once, at most
-ADMIN_RESERVE = 16  # connections of admins past the caps, at most
-# In a refusal's message: clients tell it from a call's own RESOURCE_EXHAUSTED by it
-# (kvstore_client.connection, kvctl).
-LOCAL_CHANNEL_FULL = "local channel is full"
-
-_OK = 0
-_INTERNAL = 13
-_INVALID_ARGUMENT = 3
-_RESOURCE_EXHAUSTED = 8
+__all__ = ["ADMIN_RESERVE", "LOCAL_CHANNEL_FULL", "METHOD_NAMES", "LocalChannelServer", "WithFd"]
 
 
 class LocalChannelServer:
@@ -99,18 +85,10 @@ class LocalChannelServer:
         self.handlers = handlers
         self.path = path
         self.poll_s = poll_s
-        self.max_connections = max_connections
-        self.max_connections_per_uid = max_connections_per_uid
+        self.caps: ConnectionCaps[_Session] = ConnectionCaps(
+            handlers.tenancy, handlers.counters, max_connections, max_connections_per_uid
+        )
         self._server: asyncio.Server | None = None
-        self._sessions: set[_Session] = set()  # within the caps
-        self._outsiders: set[_Session] = set()  # connections of processes in no tenant
-        self._admins: set[_Session] = set()  # admins' connections past the caps
-        self._per_uid: Counter[int] = Counter()
-        self._per_tenant: Counter[str] = Counter()
-        tenancy = handlers.tenancy
-        self.max_connections_per_tenant = max(1, max_connections // len(tenancy.names))
-        self._refused = 0  # connections closed at the caps since the last warning
-        self._warned_at = -REFUSAL_WARNING_S
         self._poll_until = 0.0
         self._polling = False
         self.polls = 0  # turns of the loop spent polling (stats, tests)
@@ -119,93 +97,6 @@ class LocalChannelServer:
         self._methods = tuple(
             (name, request_type, getattr(handlers, name)) for name, (request_type, _) in UNARY_METHODS.items()
         )
-
-    def _tenant_of(self, session: _Session) -> str | None:
-        """The tenant a connection counts against (None: none, without tenants or for an admin
-        in no tenant)."""
-        if not self.handlers.tenancy.enabled or session.caller is None:
-            return None
-        return session.caller.tenant
-
-    def _cap_reached(self, session: _Session) -> str:
-        """The cap a new connection of `session`'s peer would pass, in words ("": none)."""
-        uid, tenant = session.peer.uid, self._tenant_of(session)
-        if len(self._sessions) >= self.max_connections:
-            return f"{len(self._sessions)} connections are open (server.max_local_connections)"
-        if self._per_uid[uid] >= self.max_connections_per_uid:
-            return f"uid {uid} has {self._per_uid[uid]} open (server.max_local_connections_per_uid)"
-        if tenant is not None and self._per_tenant[tenant] >= self.max_connections_per_tenant:
-            return (
-                f"tenant {tenant!r} has {self._per_tenant[tenant]} open, its share of "
-                f"server.max_local_connections ({self.max_connections} over "
-                f"{len(self.handlers.tenancy.names)} tenants)"
-            )
-        return ""
-
-    def admit(self, session: _Session) -> bool:
-        """Whether a new connection is within the caps (or an admin's, within ADMIN_RESERVE); one
-        that is not is counted, `session.refused` says why, and a warning says so at most every
-        REFUSAL_WARNING_S."""
-        reached = self._cap_reached(session)
-        if not reached:
-            self._sessions.add(session)
-            self._per_uid[session.peer.uid] += 1
-            tenant = self._tenant_of(session)
-            if tenant is not None:
-                self._per_tenant[tenant] += 1
-            return True
-        if session.caller is not None and session.caller.admin and len(self._admins) < ADMIN_RESERVE:
-            self._admins.add(session)
-            return True
-        session.refused = reached
-        self._refused += 1
-        self.handlers.counters["refused_local_connections"] += 1
-        now = time.monotonic()
-        if now - self._warned_at >= REFUSAL_WARNING_S:
-            log.warning(
-                "local channel: %d connection(s) refused in %.0f s at the caps (the last: %s); their "
-                "calls go over gRPC",
-                self._refused,
-                min(now - self._warned_at, REFUSAL_WARNING_S),
-                reached,
-            )
-            self._warned_at, self._refused = now, 0
-        return False
-
-    def refusal(self, session: _Session) -> bytes:
-        """What a connection refused at the caps reads before it is closed: why, then the gRPC
-        credential of the caller's tenant (it calls as itself there; none for an admin in no
-        tenant, or without tenants, where gRPC needs none)."""
-        message = (
-            f"kvstored's {LOCAL_CHANNEL_FULL}: {session.refused}; this connection is refused: calls "
-            f"go over gRPC"
-        )
-        frames = frame(_RESOURCE_EXHAUSTED, message.encode())
-        caller = session.caller
-        credential = self.handlers.tenancy.credential(caller) if caller is not None else ""
-        if credential and caller is not None:
-            reply = pb.ConnectResponse(tenant=caller.tenant, credential=credential)
-            frames += frame(_OK, reply.SerializeToString())
-        return frames
-
-    def admit_outsider(self, session: _Session) -> bool:
-        """A connection from a process in no tenant: kept (its calls are refused with the reason)
-        while fewer than MAX_OUTSIDERS are open, else closed at once, counted."""
-        if len(self._outsiders) < MAX_OUTSIDERS:
-            self._outsiders.add(session)
-            return True
-        self.handlers.counters["refused_outsider_connections"] += 1
-        return False
-
-    def forget(self, session: _Session) -> None:
-        self._outsiders.discard(session)
-        self._admins.discard(session)
-        if session in self._sessions:
-            self._sessions.discard(session)
-            _uncount(self._per_uid, session.peer.uid)
-            tenant = self._tenant_of(session)
-            if tenant is not None:
-                _uncount(self._per_tenant, tenant)
 
     def keep_polling(self) -> None:
         """The loop polls, not sleeps, until `poll_s` after now (a frame just came)."""
@@ -239,27 +130,27 @@ class LocalChannelServer:
         if self._server is not None:
             self._server.close()
             self._server = None  # ends a polling window
-        waiting = [s._waiting for s in (*self._sessions, *self._admins) if s._waiting is not None]
+        waiting = [s._waiting for s in self.caps.served() if s._waiting is not None]
         if waiting:
             await asyncio.wait(waiting, timeout=grace_s)
-        for session in [*self._sessions, *self._outsiders, *self._admins]:
+        for session in self.caps.every():
             session.close()
         self.path.unlink(missing_ok=True)
 
     def respond(self, method: int, payload: bytes, caller: Caller | None = None) -> bytes | Awaitable[bytes]:
         """The reply frame, or an awaitable of it where the handler must wait (Acquire)."""
         if method >= len(METHOD_NAMES):
-            return frame(_INVALID_ARGUMENT, f"unknown local-channel method {method}".encode())
+            return frame(INVALID_ARGUMENT, f"unknown local-channel method {method}".encode())
         name, request_type, handle = self._methods[method]
         started = time.perf_counter()
         try:
             reply = handle(parse_request(name, request_type, payload), caller)
         except Exception as exc:
-            answer = _error_frame(name, exc)
+            answer = error_frame(name, exc)
         else:
             if not isinstance(reply, Message):  # an awaitable (isinstance is a tenth of isawaitable's cost)
                 return self._later(name, reply, started)
-            answer = frame(_OK, reply.SerializeToString())
+            answer = frame(OK, reply.SerializeToString())
             if name == "Connect" and reply.arena.shm_path.startswith(MEMFD_PREFIX):
                 answer = WithFd(answer)
                 answer.fd = self.handlers.arena_fd(caller)
@@ -270,32 +161,11 @@ class LocalChannelServer:
         try:
             reply = await pending
         except Exception as exc:
-            answer = _error_frame(name, exc)
+            answer = error_frame(name, exc)
         else:
-            answer = frame(_OK, reply.SerializeToString())
+            answer = frame(OK, reply.SerializeToString())
         self.handlers.timings.observe("local", name, time.perf_counter() - started)
         return answer
-
-
-def _uncount(counts: Counter[Any], key: Any) -> None:
-    counts[key] -= 1
-    if not counts[key]:
-        del counts[key]
-
-
-class WithFd(bytes):
-    """A reply frame sent with a descriptor (SCM_RIGHTS): a Connect's, with the sealed arena."""
-
-    fd = -1
-
-
-def _error_frame(name: str, exc: Exception) -> bytes:
-    status = status_of(exc)
-    if status is None:
-        log.error("internal error in %s", name, exc_info=exc)
-        return frame(_INTERNAL, f"internal error in kvstored: {exc!r} (see the daemon's log)".encode())
-    code, message = status
-    return frame(int(code), message.encode())
 
 
 class _Session(asyncio.Protocol):
@@ -321,23 +191,23 @@ class _Session(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self.peer = Peer.of_socket(sock)
-        tenancy = self._server.handlers.tenancy
+        tenancy, caps = self._server.handlers.tenancy, self._server.caps
         self.caller = tenancy.of_peer(self.peer)
         # With tenants, a process in none (and no admin) takes no room under the caps from the
         # members: a few such connections at most, each answered with why it may do nothing.
         outsider = tenancy.enabled and self.caller.tenant is None and not self.caller.admin
         if outsider:
-            admitted = self._server.admit_outsider(self)
+            admitted = caps.admit_outsider(self)
         else:
-            admitted = self._server.admit(self)
+            admitted = caps.admit(self)
             if not admitted:  # told why, and how to call as itself over gRPC, before it is closed
-                transport.write(self._server.refusal(self))  # type: ignore[attr-defined]
+                transport.write(caps.refusal(self))  # type: ignore[attr-defined]
         if not admitted:
             transport.close()
             self._transport = None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server.forget(self)
+        self._server.caps.forget(self)
         self._transport = None
         self.peer.connected = False
 
@@ -387,7 +257,7 @@ class _Session(asyncio.Protocol):
             length, method = HEADER.unpack_from(buffer)
             if length > MAX_REQUEST_BYTES:  # refused before its bytes are read: the stream cannot go on
                 message = f"a request frame of {length} bytes; at most {MAX_REQUEST_BYTES}: split it"
-                self._transport.write(frame(_INVALID_ARGUMENT, message.encode()))
+                self._transport.write(frame(INVALID_ARGUMENT, message.encode()))
                 self._transport.close()
                 self._buffer = bytearray()
                 return
@@ -412,28 +282,10 @@ class _Session(asyncio.Protocol):
             self._read_when_free()
             return False
         if isinstance(reply, WithFd):
-            self._send_with_fd(reply, reply.fd)
+            send_with_fd(self._transport, reply, reply.fd)
         else:
             self._transport.write(reply)
         return True
-
-    def _send_with_fd(self, data: bytes, fd: int) -> None:
-        """Sends `data` with `fd` attached, on a duplicate of the connection's socket (transports
-        cannot send descriptors) while nothing is queued before it; else without it (the worker
-        then sends page bytes inline)."""
-        transport = self._transport
-        assert transport is not None
-        sock = transport.get_extra_info("socket")
-        sent = 0
-        if fd >= 0 and sock is not None and not transport.get_write_buffer_size():
-            rights = array.array("i", [fd])
-            with (
-                socket.socket(fileno=os.dup(sock.fileno())) as dup,
-                contextlib.suppress(BlockingIOError, InterruptedError),
-            ):
-                sent = dup.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
-        if sent < len(data):
-            transport.write(data[sent:])
 
     async def _send_later(self, pending: Awaitable[bytes]) -> None:
         try:
