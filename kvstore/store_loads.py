@@ -49,16 +49,7 @@ class Loads(StoreState):
         ns = self.namespaces.registered(ns_id)
         self._check_keys(keys)
         ttl_s = self._ttl(ttl_s)
-        present = _present(ns.entries, keys)
-        # The usual hits are committed and have no `Tiering` (in the arena alone, no copy in
-        # flight): their tiers, and which of them the policy hears of, need no look at each one.
-        for entry in present:
-            if not entry.state & COMMITTED or entry.tiering is not None:
-                hits = _hit_prefix(present)
-                plain = not any(map(_TIERING, hits))
-                break
-        else:
-            hits, plain = list(present), True
+        hits, plain = _hits(_present(ns.entries, keys))
         lower = self.lower
         runs = lower.find(ns, keys[len(hits) :]) if lower is not None and len(hits) < len(keys) else []
         if lease and runs and lower is not None:
@@ -80,19 +71,26 @@ class Loads(StoreState):
         tiers = _CPU_TIER * len(hits) if plain else bytes(e.hit_tier for e in hits)
         if runs:
             tiers += b"".join(bytes([s.medium]) * len(run) for s, run in runs)
-        lease_id = 0
-        placement = self.gpu_placement
-        if lease and hits and placement is not None:
-            hits = placement.readable(hits, gpu_pools)
-        if lease and hits:
-            for entry in hits:
-                entry.state += PIN
-            load = self.leases.add(ns_id, LeaseKind.LOAD, hits, self.clock() + ttl_s, ttl_s)
-            load.gpu_pools = frozenset(gpu_pools)
-            lease_id = load.id
-            if touch and placement is not None:
-                placement.hit(hits)
+        lease_id = self._lease_hits(ns_id, hits, ttl_s, touch, gpu_pools) if lease and hits else 0
         return LookupResult(found, tiers, lease_id)
+
+    def _lease_hits(
+        self, ns_id: bytes, hits: list[Entry], ttl_s: float, touch: bool, gpu_pools: Sequence[int]
+    ) -> int:
+        """A load lease on the hit pages its reader can read (those in GPU pools it has not
+        opened are copied into the arena for it), pinning them; 0 where none is left."""
+        placement = self.gpu_placement
+        if placement is not None:
+            hits = placement.readable(hits, gpu_pools)
+        if not hits:
+            return 0
+        for entry in hits:
+            entry.state += PIN
+        load = self.leases.add(ns_id, LeaseKind.LOAD, hits, self.clock() + ttl_s, ttl_s)
+        load.gpu_pools = frozenset(gpu_pools)
+        if touch and placement is not None:
+            placement.hit(hits)
+        return load.id
 
     def lookup_each(self, ns_id: bytes, keys: Sequence[bytes]) -> bytes:
         """The tier of each of `keys` on its own (`Tier.NONE` where it is not stored): a query, not
@@ -186,6 +184,17 @@ def _present(entries: dict[bytes, Entry], keys: Sequence[bytes]) -> Sequence[Ent
             keys = keys[: keys.index(missing.args[0])]
     entry = entries.get(keys[0]) if keys else None  # (itemgetter of one key is not a tuple)
     return () if entry is None else (entry,)
+
+
+def _hits(present: Sequence[Entry]) -> tuple[list[Entry], bool]:
+    """The pages a Lookup hits (`_hit_prefix`), and whether they are all plain: committed, with no
+    `Tiering` (in the arena alone, no copy in flight). The usual hits are: their tiers, and which
+    of them the policy hears of, then need no look at each one."""
+    for entry in present:
+        if not entry.state & COMMITTED or entry.tiering is not None:
+            hits = _hit_prefix(present)
+            return hits, not any(map(_TIERING, hits))
+    return list(present), True
 
 
 def _hit_prefix(present: Sequence[Entry]) -> list[Entry]:
