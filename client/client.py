@@ -26,7 +26,8 @@ The parts: `connection` (gRPC, the local channel, outages), `arena` (the mapped 
 `transfers` (streams and the gather/scatter calls), `inline` (Put/Get bytes), `gpu_pools` (the
 GPU tier's pools, read in place), and the two paths over them, `stores` and `loads` (`session`
 holds the parts a worker's clients share, and names what the paths use). `KVStoreClient` is the
-façade: it connects, and answers lookups, stats and clears itself.
+façade: it connects, owns its two paths (`StorePath`, `LoadPath`, each given the client), and
+answers lookups, stats and clears itself.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ from kvstore.spec import KVSpec
 from kvstore.wire import page_spec_message, stats_to_dict
 from kvstore_client.connection import ClientTls, default_address
 from kvstore_client.gpu_pools import device_bus_id
+from kvstore_client.handles import LoadHandle, StoreHandle
 from kvstore_client.loads import LoadPath
 from kvstore_client.routes import LAYERWISE_TRANSFER
-from kvstore_client.session import Link
+from kvstore_client.session import Link, Session
 from kvstore_client.stores import StorePath
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ DEFAULT_TIMEOUT_S = 30.0
 LAYERWISE_RUNS = 2
 
 
-class KVStoreClient(StorePath, LoadPath):
+class KVStoreClient(Session):
     def __init__(self, link: Link, spec: KVSpec, name: str) -> None:
         """A client of `spec`'s namespace on `link` (made by `connect`, or shared: `sibling`)."""
         self._link = link
@@ -73,6 +75,8 @@ class KVStoreClient(StorePath, LoadPath):
         # into how many runs it cuts the layers (`layer_groups`).
         self.layerwise_options = LAYERWISE_TRANSFER
         self.layerwise_runs = LAYERWISE_RUNS
+        self._stores = StorePath(self)
+        self._loads = LoadPath(self)
         link.join(self)
 
     @classmethod
@@ -205,6 +209,94 @@ class KVStoreClient(StorePath, LoadPath):
         layer's tensors (`kvstore_kernels.register`). A bad tensor is a ValueError here.
         """
         return kvstore_kernels.register(self.spec, kv_caches)
+
+    # -- stores and loads (`stores.StorePath`, `loads.LoadPath`) ----------------
+
+    def store(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        layers: range | None = None,
+        *,
+        keys: Sequence[bytes] | None = None,
+        tail: bool = False,
+    ) -> int:
+        """Store the whole chunks of `token_ids` from the KV cache; returns how many were new."""
+        return self._stores.store(token_ids, kv_caches, block_ids, layers, keys=keys, tail=tail)
+
+    def store_async(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        *,
+        stream: Any = None,
+        layers: range | None = None,
+        keys: Sequence[bytes] | None = None,
+        tail: bool = False,
+    ) -> StoreHandle:
+        """Reserve the new chunks and enqueue their gather; `wait()` commits them.
+
+        On CUDA the gather runs on `stream` (default: this client's side stream, which first
+        waits for the caller's current stream), so the caller's stream is never blocked.
+        With `tail`, the trailing partial chunk of `token_ids` is stored too, as a page of its
+        own (keyed by exactly its tokens): the KV cache and block table must then reach to the
+        end of that chunk (the positions past the prompt are stored but never served).
+        """
+        return self._stores.store_async(
+            token_ids, kv_caches, block_ids, stream=stream, layers=layers, keys=keys, tail=tail
+        )
+
+    def load(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        layers: range | None = None,
+        *,
+        keys: Sequence[bytes] | None = None,
+        tail: bool = False,
+    ) -> int:
+        """Load the longest stored prefix of `token_ids` into the KV cache; returns tokens loaded."""
+        return self._loads.load(token_ids, kv_caches, block_ids, layers, keys=keys, tail=tail)
+
+    def load_async(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        *,
+        stream: Any = None,
+        layers: range | None = None,
+        layerwise: bool = False,
+        keys: Sequence[bytes] | None = None,
+        tail: bool = False,
+    ) -> LoadHandle:
+        """Pin the longest stored prefix and enqueue its scatter; `wait()` releases it.
+
+        `handle.tokens` is what is being loaded: whole chunks, as many as the daemon could
+        deliver (a chunk that could not be read back from disk ends the prefix). `wait()`
+        returns the number of leading tokens that are valid in the KV cache: that, or 0 if the
+        lease lapsed while the pages were read (their slots may have been reused meanwhile).
+        With `layerwise`, runs of layers (`layer_groups`: 1, 1, 2, 4, ... layers, at most
+        `layerwise_runs` of them) are moved and signalled on their own (`wait_layer(i)`), so a
+        forward can start on layer 0 while later layers are still in flight. A daemon that
+        cannot be reached gives an empty load (0 tokens, logged), never an exception.
+        With `tail`, a stored trailing partial chunk of `token_ids` is loaded too (its whole
+        page: the KV cache and block table must reach to the end of that chunk), and the
+        tokens count only up to the end of `token_ids`.
+        """
+        return self._loads.load_async(
+            token_ids,
+            kv_caches,
+            block_ids,
+            stream=stream,
+            layers=layers,
+            layerwise=layerwise,
+            keys=keys,
+            tail=tail,
+        )
 
     def lookup(self, token_ids: Any, *, keys: Sequence[bytes] | None = None, tail: bool = False) -> int:
         """Number of leading tokens whose KV is stored: a multiple of chunk_tokens, or with

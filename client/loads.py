@@ -84,7 +84,12 @@ class _LoadTargets:
         return prepared.transfer  # the load's chunk i is its prepared page i
 
 
-class LoadPath(Session):
+class LoadPath:
+    """A client's loads (`KVStoreClient.load`, `load_async`): leased Lookup, scatter, Release."""
+
+    def __init__(self, session: Session) -> None:
+        self._s = session  # the client: its namespace, spec and link
+
     def load(
         self,
         token_ids: Any,
@@ -110,22 +115,9 @@ class LoadPath(Session):
         keys: Sequence[bytes] | None = None,
         tail: bool = False,
     ) -> LoadHandle:
-        """Pin the longest stored prefix and enqueue its scatter; `wait()` releases it.
-
-        `handle.tokens` is what is being loaded: whole chunks, as many as the daemon could
-        deliver (a chunk that could not be read back from disk ends the prefix). `wait()`
-        returns the number of leading tokens that are valid in the KV cache: that, or 0 if the
-        lease lapsed while the pages were read (their slots may have been reused meanwhile).
-        With `layerwise`, runs of layers (`layer_groups`: 1, 1, 2, 4, ... layers, at most
-        `layerwise_runs` of them) are moved and signalled on their own (`wait_layer(i)`), so a
-        forward can start on layer 0 while later layers are still in flight. A daemon that
-        cannot be reached gives an empty load (0 tokens, logged), never an exception.
-        With `tail`, a stored trailing partial chunk of `token_ids` is loaded too (its whole
-        page: the KV cache and block table must reach to the end of that chunk), and the
-        tokens count only up to the end of `token_ids`.
-        """
-        moved = self._layer_range(layers)
-        keys = self._keys_of(token_ids, keys, tail)
+        """`KVStoreClient.load_async`."""
+        moved = self._s._layer_range(layers)
+        keys = self._s._keys_of(token_ids, keys, tail)
         asked = time.monotonic()  # the daemon's lease deadline is at least this + lease_ttl_s
         targets = _LoadTargets(block_ids, stream, layerwise)
         reply = self._lookup_leased(keys, kv_caches, moved, targets) if keys else None
@@ -145,25 +137,25 @@ class LoadPath(Session):
     ) -> LoadHandle:
         """Holds the Lookup's lease and scatters its pages; the handle releases it (an empty
         load where the daemon went away or the lease expired)."""
-        lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
-        self._renewer.hold(lease.lease_id, lease.namespace)
+        lease = pb.LeaseRequest(namespace=self._s.namespace, lease_id=reply.lease_id, epoch=self._s.epoch)
+        self._s._renewer.hold(lease.lease_id, lease.namespace)
         try:
             ready, event, layer_events = self._scatter(reply, lease, kv_caches, targets, moved, layerwise)
         except KVStoreError as exc:
             if is_outage(exc):
-                self._conn.lost(exc)  # the lease went with the daemon
+                self._s._conn.lost(exc)  # the lease went with the daemon
             elif isinstance(exc, NotFound):  # it expired (pages read back too slowly), or was reaped
                 log.warning("load lease %d: %s; loading nothing", lease.lease_id, exc)
             else:
-                self._end_quietly("Release", lease)
+                self._s._end_quietly("Release", lease)
                 raise
-            self._renewer.drop(lease.lease_id)
+            self._s._renewer.drop(lease.lease_id)
             return LoadHandle(None, lambda: 0, ignore, 0, moved)
         except BaseException:
             Streams.settle(kv_caches)
-            self._end_quietly("Release", lease)
+            self._s._end_quietly("Release", lease)
             raise
-        tokens = self._covered(token_ids, ready)
+        tokens = self._s._covered(token_ids, ready)
         release = functools.partial(
             self._release,
             lease,
@@ -172,9 +164,9 @@ class LoadPath(Session):
             LocalChannel.frame("Release", lease),  # made while the copy runs
         )
         handle = LoadHandle(
-            event, release, lambda exc: self._end_quietly("Release", lease), tokens, moved, layer_events
+            event, release, lambda exc: self._s._end_quietly("Release", lease), tokens, moved, layer_events
         )
-        self._renewer.owned_by(lease.lease_id, handle)
+        self._s._renewer.owned_by(lease.lease_id, handle)
         return handle
 
     def _lookup_leased(
@@ -186,17 +178,17 @@ class LoadPath(Session):
 
         def request() -> pb.LookupRequest:
             return pb.LookupRequest(
-                namespace=self.namespace,
+                namespace=self._s.namespace,
                 keys=pack_keys(keys),
                 lease=True,
-                gpu_pools=self._gpu_pools.readable(device),  # pools read in place
-                acquire=self.arena is not None,
-                epoch=self.epoch,
+                gpu_pools=self._s._gpu_pools.readable(device),  # pools read in place
+                acquire=self._s.arena is not None,
+                epoch=self._s.epoch,
             )
 
-        meanwhile = functools.partial(targets.ready, self, kv_caches, len(keys), layers)
+        meanwhile = functools.partial(targets.ready, self._s, kv_caches, len(keys), layers)
         try:
-            return self._conn.call("Lookup", request, meanwhile if self.arena is not None else None)
+            return self._s._conn.call("Lookup", request, meanwhile if self._s.arena is not None else None)
         except Unavailable:
             return None
 
@@ -212,38 +204,38 @@ class LoadPath(Session):
         """Moves the leased pages into the KV cache: from the arena and the GPU pools (enqueued,
         per run of layers where `layerwise`), or inline through Get. Returns the chunks that
         are coming, the event after all of them and each layer's event (arena loads only)."""
-        if self.arena is None:
+        if self._s.arena is None:
             staging = get_pages(
-                self._conn.stub,
+                self._s._conn.stub,
                 lease,
                 reply.hit_chunks,
-                self.page_bytes,
-                self.timeout_s,
-                self._conn.metadata,
+                self._s.page_bytes,
+                self._s.timeout_s,
+                self._s._conn.metadata,
                 is_outage,
             )
-            ready = len(staging) // self.page_bytes
-            offsets = [i * self.page_bytes for i in range(ready)]
+            ready = len(staging) // self._s.page_bytes
+            offsets = [i * self._s.page_bytes for i in range(ready)]
             kvstore_kernels.scatter(
-                self.spec, kv_caches, targets.block_ids, range(ready), staging, offsets, layers
+                self._s.spec, kv_caches, targets.block_ids, range(ready), staging, offsets, layers
             )
             return ready, None, None
         # A daemon that answered the Acquire with the Lookup saves a round trip (older ones never do).
-        acquired = reply.acquired if reply.HasField("acquired") else self._conn.rpc("Acquire", lease)
-        pieces = self._gpu_pools.pieces(acquired, self.arena)  # the arena's chunks, each pool's
-        groups = layer_groups(layers, self.layerwise_runs) if layerwise and layers else [layers]
-        arena_offsets = [offset for buf, _, offsets in pieces if buf is self.arena for offset in offsets]
-        on_gpu = layerwise and self._mapped.registered and cache_device(kv_caches).type == "cuda"
+        acquired = reply.acquired if reply.HasField("acquired") else self._s._conn.rpc("Acquire", lease)
+        pieces = self._s._gpu_pools.pieces(acquired, self._s.arena)  # the arena's chunks, each pool's
+        groups = layer_groups(layers, self._s.layerwise_runs) if layerwise and layers else [layers]
+        arena_offsets = [offset for buf, _, offsets in pieces if buf is self._s.arena for offset in offsets]
+        on_gpu = layerwise and self._s._mapped.registered and cache_device(kv_caches).type == "cuda"
         scatter = arena_scatter(
-            self._mapped.transfer_options(arena_offsets),  # None: their slabs are registered
-            self.layerwise_options if on_gpu else None,
-            targets.arena_scatter(self.arena, groups[0]) if len(groups) == 1 else None,
+            self._s._mapped.transfer_options(arena_offsets),  # None: their slabs are registered
+            self._s.layerwise_options if on_gpu else None,
+            targets.arena_scatter(self._s.arena, groups[0]) if len(groups) == 1 else None,
         )
         events = [
             [
-                self._streams.enqueue(
-                    self._gpu_pools.scatter_for(buf, arena_scatter=scatter),
-                    self.spec,
+                self._s._streams.enqueue(
+                    self._s._gpu_pools.scatter_for(buf, arena_scatter=scatter),
+                    self._s.spec,
                     kv_caches,
                     targets.block_ids,
                     chunks,
@@ -262,12 +254,12 @@ class LoadPath(Session):
     def _release(self, lease: pb.LeaseRequest, tokens: int, asked: float, release_frame: bytes) -> int:
         """Ends a load once its copy is done: the tokens it made valid (0 where the lease may have
         lapsed during the copy, or the daemon restarted)."""
-        self._renewer.drop(lease.lease_id)
-        if self.epoch != lease.epoch:  # the daemon restarted since the Lookup: trust nothing read
+        self._s._renewer.drop(lease.lease_id)
+        if self._s.epoch != lease.epoch:  # the daemon restarted since the Lookup: trust nothing read
             log.debug("load lease %d: the daemon restarted during the copy; no tokens", lease.lease_id)
             return 0
-        local = self._conn.local
-        if local is not None and time.monotonic() < asked + self.lease_ttl_s:
+        local = self._s._conn.local
+        if local is not None and time.monotonic() < asked + self._s.lease_ttl_s:
             # The copy ended while the lease held its pages (same host, same monotonic clock):
             # the tokens are valid whatever the Release answers, so it is sent without waiting.
             try:
@@ -275,7 +267,7 @@ class LoadPath(Session):
             except Unavailable as exc:  # the lease expires on its own
                 log.debug("release of lease %d failed: %s", lease.lease_id, exc)
             return tokens
-        if self._end_quietly("Release", lease):
+        if self._s._end_quietly("Release", lease):
             return tokens
         log.warning("load lease %d expired during the copy; reporting no tokens loaded", lease.lease_id)
         return 0

@@ -209,6 +209,12 @@ class Session:
     timeout_s: float
     layerwise_options: Any
     layerwise_runs: int
+    # Whether a store asks to land its new pages in the daemon's GPU pool on the KV cache's
+    # device (written there device to device, read in place by workers on that GPU or, over
+    # peer access, on another GPU of the host: a prefill instance handing a prompt to a decode
+    # instance). The daemon answers with the arena where the pool has no room; a client
+    # without that pool open (no GPU tier, or a device it cannot see) always stores to the arena.
+    store_to_gpu: bool = False
     _link: Link
 
     # -- the link's parts ----------------------------------------------------

@@ -26,13 +26,11 @@ EARLY_COMMIT_PART_BYTES = 64 << 20
 EARLY_COMMIT_TAIL_BYTES = 24 << 20
 
 
-class StorePath(Session):
-    # Whether a store asks to land its new pages in the daemon's GPU pool on the KV cache's
-    # device (written there device to device, read in place by workers on that GPU or, over
-    # peer access, on another GPU of the host: a prefill instance handing a prompt to a decode
-    # instance). The daemon answers with the arena where the pool has no room; a client
-    # without that pool open (no GPU tier, or a device it cannot see) always stores to the arena.
-    store_to_gpu: bool = False
+class StorePath:
+    """A client's stores (`KVStoreClient.store`, `store_async`): Reserve, gather, Commit."""
+
+    def __init__(self, session: Session) -> None:
+        self._s = session  # the client: its namespace, spec and link
 
     def store(
         self,
@@ -58,22 +56,15 @@ class StorePath(Session):
         keys: Sequence[bytes] | None = None,
         tail: bool = False,
     ) -> StoreHandle:
-        """Reserve the new chunks and enqueue their gather; `wait()` commits them.
-
-        On CUDA the gather runs on `stream` (default: this client's side stream, which first
-        waits for the caller's current stream), so the caller's stream is never blocked.
-        With `tail`, the trailing partial chunk of `token_ids` is stored too, as a page of its
-        own (keyed by exactly its tokens): the KV cache and block table must then reach to the
-        end of that chunk (the positions past the prompt are stored but never served).
-        """
-        keys = self._keys_of(token_ids, keys, tail)
+        """`KVStoreClient.store_async`."""
+        keys = self._s._keys_of(token_ids, keys, tail)
         ahead = _GatherAhead(kv_caches, block_ids, layers, stream)
         pool = (
-            self._gpu_pools.on(cache_device(kv_caches))
-            if self.store_to_gpu and self.arena is not None
+            self._s._gpu_pools.on(cache_device(kv_caches))
+            if self._s.store_to_gpu and self._s.arena is not None
             else None
         )
-        meanwhile = ahead.meanwhile(self, len(keys)) if pool is None else None  # an arena gather's setup
+        meanwhile = ahead.meanwhile(self._s, len(keys)) if pool is None else None  # an arena gather's setup
         reply = self._reserve(keys, meanwhile, pool[1] if pool else "") if keys else None
         chunks = [i for i, offset in enumerate(reply.offsets) if offset >= 0] if reply else []
         if reply is None or not chunks:
@@ -92,37 +83,37 @@ class StorePath(Session):
     ) -> StoreHandle:
         """Holds the Reserve's lease and writes its new `chunks` (into the GPU pool `pool_id`
         asked for, or the arena); the handle commits them, or aborts where the write failed."""
-        lease = pb.LeaseRequest(namespace=self.namespace, lease_id=reply.lease_id, epoch=self.epoch)
+        lease = pb.LeaseRequest(namespace=self._s.namespace, lease_id=reply.lease_id, epoch=self._s.epoch)
         if reply.in_gpu_pool and reply.gpu_pool != pool_id:
             # Not the pool asked for: the daemon's pools changed since this client opened them.
             log.warning(
                 "store lease %d: its pages are in a GPU pool this client has not opened", lease.lease_id
             )
-            self._end_quietly("Abort", lease)
+            self._s._end_quietly("Abort", lease)
             return StoreHandle(None, lambda: 0, ignore, 0)
-        self._renewer.hold(lease.lease_id, lease.namespace)
+        self._s._renewer.hold(lease.lease_id, lease.namespace)
         try:
             event, early = self._gather(reply, chunks, kv_caches, block_ids, layers, ahead)
         except (Unavailable, NotFound) as exc:  # an inline Put the daemon did not take
             if isinstance(exc, Unavailable):
-                self._conn.lost(exc)
+                self._s._conn.lost(exc)
             else:  # the lease expired while the bytes were sent, or the daemon restarted
                 log.warning("store lease %d: %s; nothing stored", lease.lease_id, exc)
-            self._renewer.drop(lease.lease_id)
+            self._s._renewer.drop(lease.lease_id)
             return StoreHandle(None, lambda: 0, ignore, 0)
         except BaseException:
             Streams.settle(kv_caches)
-            self._end_quietly("Abort", lease)
+            self._s._end_quietly("Abort", lease)
             raise
         handle = StoreHandle(
             event,
             functools.partial(self._commit, lease, early),
-            lambda exc: self._end_quietly("Abort", lease),
+            lambda exc: self._s._end_quietly("Abort", lease),
             len(chunks),
             chunks,
             early=functools.partial(self._commit_early, lease, early) if early is not None else None,
         )
-        self._renewer.owned_by(lease.lease_id, handle)  # a handle dropped unwaited: no more renewals
+        self._s._renewer.owned_by(lease.lease_id, handle)  # a handle dropped unwaited: no more renewals
         return handle
 
     def _reserve(
@@ -131,21 +122,21 @@ class StorePath(Session):
         """The Reserve reply for `keys` (slots for the new ones, in the GPU pool on `gpu_bus_id`
         where the daemon has room there), or None in an outage; `meanwhile()` runs while the
         daemon answers."""
-        pid, start_time = self._writer
+        pid, start_time = self._s._writer
 
         def request() -> pb.ReserveRequest:
             # The epoch says the pages are written in place (and fenced if the lease expires).
             return pb.ReserveRequest(
-                namespace=self.namespace,
+                namespace=self._s.namespace,
                 keys=pack_keys(keys),
-                epoch=self.epoch,
-                writer_pid=pid if self.epoch else 0,
-                writer_start_time=start_time if self.epoch else 0,
+                epoch=self._s.epoch,
+                writer_pid=pid if self._s.epoch else 0,
+                writer_start_time=start_time if self._s.epoch else 0,
                 gpu_bus_id=gpu_bus_id,
             )
 
         try:
-            return self._conn.call("Reserve", request, meanwhile)
+            return self._s._conn.call("Reserve", request, meanwhile)
         except Unavailable:
             return None
 
@@ -163,38 +154,38 @@ class StorePath(Session):
         after those), or inline through Put (done: None)."""
         offsets = [reply.offsets[i] for i in chunks]
         device = cache_device(kv_caches)
-        mapped = self._mapped if self.arena is not None else None
+        mapped = self._s._mapped if self._s.arena is not None else None
         route = store_route(
-            reply.in_gpu_pool, mapped, offsets, self.page_bytes, device.type == "cuda", layers is None
+            reply.in_gpu_pool, mapped, offsets, self._s.page_bytes, device.type == "cuda", layers is None
         )
         if route.way == "pool":  # device to device, into the pool: one Commit once written
-            pool, gather = self._gpu_pools.tensors[reply.gpu_pool], kvstore_kernels.gather
-            return self._streams.enqueue(
-                gather, self.spec, kv_caches, block_ids, chunks, pool, offsets, layers, ahead.stream
+            pool, gather = self._s._gpu_pools.tensors[reply.gpu_pool], kvstore_kernels.gather
+            return self._s._streams.enqueue(
+                gather, self._s.spec, kv_caches, block_ids, chunks, pool, offsets, layers, ahead.stream
             ), None
-        if route.way == "inline" or self.arena is None:
+        if route.way == "inline" or self._s.arena is None:
             self._put_inline(reply, chunks, kv_caches, block_ids, layers)
             return None, None
         if route.way == "bounce":  # slabs not registered yet: through the pinned ring, no wait
             stream = ahead.stream
             if device.type == "cuda" and stream is None:
-                stream = self._streams.ordered_side(device)
+                stream = self._s._streams.ordered_side(device)
             completion = route.ring.gather(
                 kvstore_kernels.gather,
-                self.spec,
+                self._s.spec,
                 kv_caches,
                 block_ids,
                 chunks,
-                self.arena,
+                self._s.arena,
                 offsets,
                 stream if device.type == "cuda" else None,
-                self.page_bytes,
+                self._s.page_bytes,
             )
             if completion is not None:
                 return completion, None
-            route = arena_route(self._mapped, offsets)  # the ring closed meanwhile: every slab registered
+            route = arena_route(self._s._mapped, offsets)  # the ring closed meanwhile: every slab registered
         return self._gather_to_arena(
-            self.arena, route.options, chunks, offsets, kv_caches, block_ids, layers, ahead
+            self._s.arena, route.options, chunks, offsets, kv_caches, block_ids, layers, ahead
         )
 
     def _gather_to_arena(
@@ -211,35 +202,35 @@ class StorePath(Session):
         """Enqueues the gather into the arena's slots at `offsets` with `options` (None: their
         slabs are registered): the setup prepared during the Reserve where it applies (in parts
         committed early where the daemon takes them)."""
-        enqueue = functools.partial(self._streams.enqueue, with_options(kvstore_kernels.gather, options))
+        enqueue = functools.partial(self._s._streams.enqueue, with_options(kvstore_kernels.gather, options))
         prepared = ahead.prepared_in(arena) if options is None else None
         if prepared is not None:  # the store's chunk i is its prepared page i
-            enqueue = functools.partial(self._streams.enqueue, prepared.transfer)
+            enqueue = functools.partial(self._s._streams.enqueue, prepared.transfer)
             parts = self._early_parts(len(chunks))
             if parts:  # each part's pages are committed once they are written
                 early, start = _EarlyCommits(), 0
                 for stop in [*parts, len(chunks)]:
                     part = chunks[start:stop], arena, offsets[start:stop], layers, ahead.stream
-                    early.parts.append((enqueue(self.spec, kv_caches, block_ids, *part), stop - start))
+                    early.parts.append((enqueue(self._s.spec, kv_caches, block_ids, *part), stop - start))
                     start = stop
                 return early.parts.pop()[0], early
-        return enqueue(self.spec, kv_caches, block_ids, chunks, arena, offsets, layers, ahead.stream), None
+        return enqueue(self._s.spec, kv_caches, block_ids, chunks, arena, offsets, layers, ahead.stream), None
 
     def _put_inline(
         self, reply: Any, chunks: list[int], kv_caches: Any, block_ids: Any, layers: range | None
     ) -> None:
         """Gathers the pages into a staging buffer and sends them through Put (no mapped arena)."""
-        staging = torch.empty(len(chunks) * self.page_bytes, dtype=torch.uint8)
-        offsets = [i * self.page_bytes for i in range(len(chunks))]
-        kvstore_kernels.gather(self.spec, kv_caches, block_ids, chunks, staging, offsets, layers)
+        staging = torch.empty(len(chunks) * self._s.page_bytes, dtype=torch.uint8)
+        offsets = [i * self._s.page_bytes for i in range(len(chunks))]
+        kvstore_kernels.gather(self._s.spec, kv_caches, block_ids, chunks, staging, offsets, layers)
         put_pages(
-            self._conn.stub,
-            self.namespace,
+            self._s._conn.stub,
+            self._s.namespace,
             reply.lease_id,
             staging,
-            self.max_message_bytes,
-            self.timeout_s,
-            self._conn.metadata,
+            self._s.max_message_bytes,
+            self._s.timeout_s,
+            self._s._conn.metadata,
             is_outage,
         )
 
@@ -254,10 +245,10 @@ class StorePath(Session):
         so the daemon does that work in the copy's shadow and stays awake; the last part, at
         least `EARLY_COMMIT_TAIL_BYTES` (and a page), is what the final Commit carries
         (bench/NOTES-transfer.md)."""
-        if not self.commits_in_parts or self._conn.local is None or pages < 2:
+        if not self._s.commits_in_parts or self._s._conn.local is None or pages < 2:
             return []
-        tail = max(1, -(-EARLY_COMMIT_TAIL_BYTES // self.page_bytes))
-        part = max(1, EARLY_COMMIT_PART_BYTES // self.page_bytes)
+        tail = max(1, -(-EARLY_COMMIT_TAIL_BYTES // self._s.page_bytes))
+        part = max(1, EARLY_COMMIT_PART_BYTES // self._s.page_bytes)
         return list(range(part, pages - tail + 1, part)) if pages > tail else []
 
     def _commit_early(self, lease: pb.LeaseRequest, early: _EarlyCommits) -> None:
@@ -268,8 +259,8 @@ class StorePath(Session):
             for event, pages in early.parts:
                 if event is not None:  # None: written already (a CPU cache)
                     event.synchronize()
-                local = self._conn.local
-                if local is None or lease.epoch != self.epoch:
+                local = self._s._conn.local
+                if local is None or lease.epoch != self._s.epoch:
                     return
                 request = pb.LeaseRequest(
                     namespace=lease.namespace, lease_id=lease.lease_id, epoch=lease.epoch, commit_count=pages
@@ -283,19 +274,19 @@ class StorePath(Session):
         """Commits a store lease whose pages are written (the rest of it, after an early Commit of
         its first pages); 0 where nothing could be stored (the daemon restarted, stopped, or the
         lease expired), with a warning."""
-        self._renewer.drop(lease.lease_id)
-        if lease.epoch != self.epoch:
+        self._s._renewer.drop(lease.lease_id)
+        if lease.epoch != self._s.epoch:
             log.debug(
                 "store lease %d: the daemon restarted before its Commit; nothing stored", lease.lease_id
             )
             return 0
         try:
-            committed: int = self._conn.rpc("Commit", lease).committed
+            committed: int = self._s._conn.rpc("Commit", lease).committed
             if early is not None:
                 committed += early.sent  # the lease still held them: the early Commits took them
         except KVStoreError as exc:
             if is_outage(exc):
-                self._conn.lost(exc)
+                self._s._conn.lost(exc)
             elif isinstance(exc, NotFound | FailedPrecondition):
                 log.warning("store lease %d: %s; nothing stored", lease.lease_id, exc)
             else:

@@ -65,7 +65,7 @@ def page_of(cache: list[torch.Tensor], chunk: int) -> torch.Tensor:
 
 def reserve_and_write(client: KVStoreClient, keys: Sequence[bytes], cache: list[torch.Tensor]) -> Any:
     """Reserves `keys` (the chunks of `cache`, in order) and writes each new page into its slot."""
-    reply = client._reserve(keys)
+    reply = client._stores._reserve(keys)
     assert reply is not None and len(reply.offsets) == len(keys)
     assert client.arena is not None
     for chunk, offset in enumerate(reply.offsets):
@@ -271,7 +271,7 @@ def test_a_store_with_keys_already_present_commits_its_new_pages_in_parts(
     cache = cache_for(7)
     keys = writer.keys(prompt(7))
     for present in ([2, 3], [6]):
-        reply = writer._reserve([keys[i] for i in present])
+        reply = writer._stores._reserve([keys[i] for i in present])
         for chunk, offset in zip(present, reply.offsets, strict=True):
             writer.arena[offset : offset + PAGE] = page_of(cache, chunk)
         assert commit(writer, reply.lease_id) == len(present)
