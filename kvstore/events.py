@@ -82,8 +82,9 @@ class _Stream:
     def can_wake(self, namespace: bytes) -> bool:
         return bool(self.waiting) or namespace in self.watching
 
-    def release(self, namespace: bytes | None) -> None:
-        """Wakes the consumers of every event, and those of `namespace` (None: of any)."""
+    def release(self, namespace: bytes | None) -> int:
+        """Wakes the consumers of every event, and those of `namespace` (None: of any); returns
+        how many it woke."""
         woken = [self.waiting]
         self.waiting = set()
         if namespace is None:
@@ -91,10 +92,13 @@ class _Stream:
             self.watching = {}
         elif namespace in self.watching:
             woken.append(self.watching.pop(namespace))
+        count = 0
         for futures in woken:
             for future in futures:
                 if not future.done():
                     future.set_result(None)
+                    count += 1
+        return count
 
     def append(
         self,
@@ -151,6 +155,7 @@ class EventLog:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self.closed = False
+        self.num_woken = 0  # consumers' waits ended by an event (Stats: event_wakeups)
 
     @property
     def sequence(self) -> int:
@@ -240,9 +245,9 @@ class EventLog:
                 self._loop.call_soon_threadsafe(self._release, own, namespace)
 
     def _release(self, own: _Stream | None, namespace: bytes | None) -> None:
-        self._all.release(namespace)
+        self.num_woken += self._all.release(namespace)
         if own is not None:
-            own.release(namespace)
+            self.num_woken += own.release(namespace)
 
     def read(
         self,

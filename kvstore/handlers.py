@@ -293,6 +293,7 @@ class Handlers:
             stats.counters["event_streams"] = len(self.consumers)
             stats.counters["refused_event_streams"] = self.consumers.refused
             stats.counters["event_names"] = self.events.num_names
+            stats.counters["event_wakeups"] = self.events.num_woken
         else:  # a member: its tenant's figures, not the shared remote server's totals
             stats = self._store(caller).stats(server_usage=False)
         stats.counters["event_sequence"] = self.events.last(self._event_stream(caller))
