@@ -38,6 +38,8 @@ SHARED = {
     "kvstore.proto.kvstore_pb2",
     "kvstore.proto.kvstore_pb2_grpc",
     "kvstore.spec",
+    "kvstore.spec_fields",
+    "kvstore.spec_page",
     "kvstore.wire",
 }
 
@@ -130,3 +132,31 @@ def test_importing_the_client_loads_none_of_the_daemon() -> None:
     daemon = {name for name in MODULES if name.split(".")[0] == "kvstore" and name not in SHARED}
     assert not loaded & daemon, sorted(loaded & daemon)
     assert "yaml" not in loaded and "kvstore.paths" not in loaded
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A `@triton.jit` function: its body is the kernel, one unit the limits do not cut."""
+    return any(ast.unparse(decorator).startswith(("triton.jit", "jit")) for decorator in node.decorator_list)
+
+
+def test_no_module_or_function_is_over_the_size_limits() -> None:
+    """Modules of at most MAX_MODULE_LINES lines (the generated protobuf modules aside) and
+    functions of at most MAX_FUNCTION_LINES, def line to last line (the Triton kernels' bodies
+    aside): a longer one is a sequence of named steps, or two ideas, waiting to be split."""
+    over = []
+    for name, path in MODULES.items():
+        if ".proto" in name:
+            continue
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES:
+            over.append(f"{path.relative_to(ROOT)}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source, str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not is_triton_kernel(node):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    over.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}(): {lines} lines")
+    assert not over, over
