@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 import torch
 
 from kvstore.cudart import CudaUnavailable
+from kvstore.domain import MEMFD_PREFIX
 from kvstore.hugepages import advise_huge, thp_advised
 from kvstore.peers import boot_id
-from kvstore.wire import MEMFD_PREFIX
 from kvstore_client.bounce import BounceRing
 from kvstore_client.registrar import CudaRegistrar, HostRegistrar, SlabRegistrar
 from kvstore_client.routes import UNPINNED

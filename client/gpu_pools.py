@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from kvstore.cudart import CudaError, CudaRuntime, CudaUnavailable, load_runtime
+from kvstore.domain import Tier
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import Tier
 from kvstore_client.routes import pool_scatter
 
 log = logging.getLogger(__name__)

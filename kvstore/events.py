@@ -43,8 +43,8 @@ from collections.abc import Callable, Collection, Sequence
 from enum import IntEnum
 from typing import NamedTuple
 
+from kvstore.domain import Tier
 from kvstore.errors import ResourceExhausted
-from kvstore.tiers import Tier
 
 MAX_SCAN = 8192  # events looked at per read
 MAX_EPOCH = (1 << 53) - 1  # exact as a double: JSON consumers (a router in JavaScript) read it whole

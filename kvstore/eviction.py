@@ -24,12 +24,12 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, cast
 
+from kvstore.domain import Tier
 from kvstore.errors import ArenaWarmingUp, ResourceExhausted
 from kvstore.events import EventKind, EventLog
 from kvstore.index import CHILD, CHILDREN, COMMITTED, PIN, REMOVED, Entry, Namespace
 from kvstore.pins import PinTable
 from kvstore.policy import EvictionPolicy
-from kvstore.tiers import Tier
 from kvstore.tiers.cpu import CpuTier
 
 if TYPE_CHECKING:

@@ -29,12 +29,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, cast
 
+from kvstore.domain import Tier
 from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.events import EventKind, EventLog
 from kvstore.index import COMMITTED, PIN, Entry, TierUsage
 from kvstore.pins import PinTable
 from kvstore.policy import EvictionPolicy
-from kvstore.tiers import Tier
 from kvstore.tiers.cpu import CpuTier
 from kvstore.tiers.gpu import Copy, GpuPool, GpuTier
 

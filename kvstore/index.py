@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
+from kvstore.domain import Tier
 from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvstore.keys import KEY_BYTES
 from kvstore.spec import PageSpec
-from kvstore.tiers import Tier
 
 _GPU, _CPU = Tier.GPU, Tier.CPU
 

@@ -55,6 +55,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from kvstore.claim import remove_stale_socket
+from kvstore.domain import MEMFD_PREFIX
 from kvstore.handlers import Handlers
 from kvstore.local_caps import ADMIN_RESERVE, LOCAL_CHANNEL_FULL, ConnectionCaps
 from kvstore.local_frames import INVALID_ARGUMENT, OK, WithFd, error_frame, send_with_fd
@@ -63,7 +64,6 @@ from kvstore.tenants import Caller
 from kvstore.wire import (
     HEADER,
     MAX_REQUEST_BYTES,
-    MEMFD_PREFIX,
     METHOD_NAMES,
     UNARY_METHODS,
     frame,

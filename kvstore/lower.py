@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kvstore.codec import Buffer
+from kvstore.domain import Tier
 from kvstore.errors import ResourceExhausted
 from kvstore.events import EventKind
 from kvstore.eviction import Eviction
 from kvstore.index import Entry, Namespace, TierUsage, server_totals
-from kvstore.tiers import Tier
 from kvstore.tiers.cpu import CpuTier
 
 if TYPE_CHECKING:

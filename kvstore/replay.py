@@ -26,11 +26,11 @@ import xxhash
 
 from kvstore.belady import belady_hits, infinite_hits
 from kvstore.config import DiskTierConfig
+from kvstore.domain import Tier
 from kvstore.errors import ResourceExhausted
 from kvstore.policy import make_policy
 from kvstore.spec import PageSpec
 from kvstore.store import Store
-from kvstore.tiers import Tier
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.records import HEADER_BYTES

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvstore.domain import MAX_KEYS_PER_REQUEST, Tier
 from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.index import Entry, Namespace, NamespaceUsage, PinResult, StoreStats, TierUsage
 from kvstore.keys import chunk_keys
@@ -29,9 +30,7 @@ from kvstore.leases import LeaseKind
 from kvstore.pins import PinLimitExceeded
 from kvstore.spec import PageSpec
 from kvstore.store_loads import Loads
-from kvstore.store_state import MAX_KEYS_PER_REQUEST
 from kvstore.store_writes import Writes
-from kvstore.tiers import Tier
 
 
 class Store(Loads, Writes):

@@ -17,11 +17,11 @@ import asyncio
 from collections.abc import Sequence
 from operator import attrgetter, itemgetter
 
+from kvstore.domain import Tier
 from kvstore.errors import NotFound
 from kvstore.index import COMMITTED, PIN, AcquireResult, Entry, LookupResult
 from kvstore.leases import Lease, LeaseKind
 from kvstore.store_state import StoreState
-from kvstore.tiers import Tier
 
 PROMOTION_TIMEOUT_S = 10.0
 _TIERING = attrgetter("tiering")

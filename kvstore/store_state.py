@@ -21,8 +21,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kvstore.domain import MAX_KEYS_PER_REQUEST, Tier
 from kvstore.errors import InvalidArgument
-from kvstore.events import EventLog
+from kvstore.events import EventKind, EventLog
 from kvstore.eviction import Eviction
 from kvstore.index import Entry, Namespaces
 from kvstore.leases import Lease, LeaseKind, LeaseTable, Quarantines
@@ -30,7 +31,6 @@ from kvstore.lower import LowerTiers
 from kvstore.pins import PinTable
 from kvstore.policy import EvictionPolicy
 from kvstore.tiers.cpu import CpuTier
-from kvstore.wire import MAX_KEYS_PER_REQUEST
 
 if TYPE_CHECKING:
     from kvstore.gpu_placement import GpuPlacement
@@ -78,7 +78,7 @@ class StoreState:
         self.eviction = Eviction(cpu, policy, self.pins, self.counters, events=self.events)
         self.lower: LowerTiers | None = None
         if disk is not None:
-            disk.listen(self.events)
+            disk.listen(self._disk_told)
         if disk is not None or remote is not None:
             self.lower = LowerTiers(cpu, disk, remote, self.eviction)
             self.eviction.demote = self.lower.evicted
@@ -89,6 +89,11 @@ class StoreState:
             gpu_policy = gpu_policy or type(policy)()
             self.gpu_placement = GpuPlacement(self.eviction, gpu, gpu_policy, promote_after_hits)
             self.eviction.placement = self.gpu_placement
+
+    def _disk_told(self, stored: bool, ident: tuple[bytes, bytes], reason: str) -> None:
+        """A disk record indexed or dropped, as a KV event."""
+        kind = EventKind.STORED if stored else EventKind.REMOVED
+        self.events.add(kind, Tier.DISK, ident[0], ident[1], b"", reason)
 
     def _check_keys(self, keys: Sequence[bytes]) -> None:
         if len(keys) > MAX_KEYS_PER_REQUEST:

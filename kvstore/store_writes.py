@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvstore.domain import Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.events import EventKind
 from kvstore.index import COMMITTED, AcquireResult, Entry, ReserveResult
 from kvstore.leases import Lease, LeaseKind
 from kvstore.peers import Peer
 from kvstore.store_state import StoreState
-from kvstore.tiers import Tier
 
 
 class Writes(StoreState):

@@ -7,7 +7,6 @@
 - `MAX_REQUEST_BYTES`: the largest unary request the daemon reads (65,536 keys and room for
   the rest), on either channel; `parse_request(name, payload)`: the message, or InvalidArgument
   for one too large or undecodable, before anything else is allocated for it.
-- `Tier`: the wire's tier numbers; a Lookup reports one per hit chunk, packed as bytes.
 - `page_spec_message(page)` / `page_spec_of(message, default_chunk_tokens)`: a `PageSpec` and
   its `kvstore.v1.PageSpec`, field by field from the dataclass (one field list, `kvstore.spec`).
 - `stats_to_dict(reply)`: a Stats reply as the plain dict `KVStoreClient.stats()` returns and
@@ -19,11 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from enum import IntEnum
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from kvstore.domain import MAX_KEYS_PER_REQUEST
 from kvstore.errors import InvalidArgument
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import PageSpec
@@ -46,7 +45,6 @@ METHOD_IDS = {name: index for index, name in enumerate(METHOD_NAMES)}
 
 HEADER = struct.Struct("<IB")  # request: length, method index; reply: length, grpc.StatusCode value
 MAX_FRAME_BYTES = 16 << 20
-MAX_KEYS_PER_REQUEST = 1 << 16
 KEY_BYTES = 16  # kvstore.keys.KEY_BYTES (not imported: that module loads numpy)
 MAX_REQUEST_BYTES = MAX_KEYS_PER_REQUEST * KEY_BYTES + (64 << 10)
 
@@ -67,17 +65,6 @@ def parse_request(name: str, request_type: Any, payload: bytes) -> Any:
 
 def frame(code: int, body: bytes) -> bytes:
     return HEADER.pack(len(body), code) + body
-
-
-MEMFD_PREFIX = "memfd:"  # the shm_path of a sealed arena (a tenant's): no path; its members get its fd
-
-
-class Tier(IntEnum):
-    NONE = 0
-    GPU = 1
-    CPU = 2
-    DISK = 3
-    REMOTE = 4
 
 
 _PAGE_FIELDS = tuple(field.name for field in dataclasses.fields(PageSpec))

@@ -28,12 +28,12 @@ import torch
 
 from kvstore.config import ConfigError, parse_config
 from kvstore.cudart import CudaError
+from kvstore.domain import Tier
 from kvstore.keys import chunk_keys, pack_keys
 from kvstore.policy import make_policy
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import PageSpec
 from kvstore.store import Store
-from kvstore.tiers import Tier
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.gpu import GpuPool, GpuTier, _address
 from kvstore.tiers.slab import SlabAllocator

@@ -169,7 +169,7 @@ def test_pack_and_unpack() -> None:
 def test_the_wire_bounds_requests_by_the_keys_own_size() -> None:
     """kvstore.wire states the key size itself (importing kvstore.keys would load numpy into
     every kvctl call): it must be the keys' size, or the request bound is wrong."""
-    from kvstore import keys, wire
+    from kvstore import domain, keys, wire
 
     assert wire.KEY_BYTES == keys.KEY_BYTES == 16
-    assert wire.MAX_REQUEST_BYTES == wire.MAX_KEYS_PER_REQUEST * keys.KEY_BYTES + (64 << 10)
+    assert wire.MAX_REQUEST_BYTES == domain.MAX_KEYS_PER_REQUEST * keys.KEY_BYTES + (64 << 10)

@@ -29,6 +29,7 @@ SHARED = {
     "kvstore",  # the package itself: __version__
     "kvstore.channel",
     "kvstore.cudart",
+    "kvstore.domain",
     "kvstore.errors",
     "kvstore.hugepages",
     "kvstore.keys",

@@ -12,9 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvstore.domain import MAX_KEYS_PER_REQUEST
 from kvstore.keys import chunk_keys, pack_keys
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import MAX_KEYS_PER_REQUEST, MAX_REQUEST_BYTES, METHOD_IDS
+from kvstore.wire import MAX_REQUEST_BYTES, METHOD_IDS
 from tests.harness import Daemon
 
 SPEC = pb.PageSpec(

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from kvstore.channel import LocalChannel
+from kvstore.domain import Tier
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import pack_keys
 from kvstore.local import ADMIN_RESERVE, METHOD_NAMES
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.tiers import Tier
 from kvstore_client import KVSpec, KVStoreClient
 from tests.harness import Daemon, start_daemon
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from kvstore.domain import Tier
 from kvstore.index import COMMITTED
 from kvstore.keys import chunk_keys
 from kvstore.policy import make_policy
 from kvstore.spec import PageSpec
 from kvstore.store import Store
-from kvstore.tiers import Tier
 from kvstore.tiers.cpu import Arena, CpuTier
 
 SPEC = PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import torch
 
+from kvstore.domain import Tier
 from kvstore.errors import FailedPrecondition, NotFound
 from kvstore.keys import chunk_keys
 from kvstore.policy import make_policy
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store import Store
-from kvstore.tiers import Tier
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore_client import KVSpec, KVStoreClient
 from tests.harness import Daemon, wait_flushed

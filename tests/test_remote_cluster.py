@@ -24,7 +24,7 @@ pytest.importorskip("redis", reason="the remote tier needs the redis package (a 
 from redis.crc import key_slot  # noqa: E402
 
 from kvstore.config import RemoteTierConfig  # noqa: E402
-from kvstore.tiers import Tier  # noqa: E402
+from kvstore.domain import Tier  # noqa: E402
 from kvstore.tiers.remote import RemoteTier  # noqa: E402
 from kvstore_client import KVStoreClient  # noqa: E402
 from tests.harness import Daemon  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("redis", reason="the remote tier needs the redis package (a kvstore dependency)")
 
 from kvstore.config import ConfigError, RemoteTierConfig, parse_config  # noqa: E402
-from kvstore.tiers import Tier  # noqa: E402
+from kvstore.domain import Tier  # noqa: E402
 from kvstore.tiers.records import HEADER_BYTES  # noqa: E402
 from kvstore.tiers.remote import RemoteTier  # noqa: E402
 from kvstore.tiers.remote_resp import Endpoint, RecordConnection  # noqa: E402

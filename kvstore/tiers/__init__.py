@@ -1,9 +1,9 @@
 """Storage tiers: each knows bytes and slots, never policy.
 
-`Tier` numbers match the wire's `kvstore.v1.Tier` enum; a Lookup reports one
-per hit chunk, packed as bytes.
+`Tier` (`kvstore.domain`, importable from here too) numbers the tiers as the wire's
+`kvstore.v1.Tier` enum does; a Lookup reports one per hit chunk, packed as bytes.
 """
 
-from kvstore.wire import Tier
+from kvstore.domain import Tier
 
 __all__ = ["Tier"]

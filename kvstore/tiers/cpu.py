@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from kvstore.claim import check_shared_directory, create_private_file, remove_stale_file
+from kvstore.domain import MEMFD_PREFIX
 from kvstore.hugepages import (
     advise_huge,
     arena_pages,
@@ -36,7 +37,6 @@ from kvstore.hugepages import (
     thp_advised,
 )
 from kvstore.tiers.slab import SlabAllocator
-from kvstore.wire import MEMFD_PREFIX
 
 log = logging.getLogger(__name__)
 

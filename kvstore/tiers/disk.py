@@ -52,8 +52,7 @@ from pathlib import Path
 
 from kvstore.codec import CODECS, Buffer
 from kvstore.config import DiskTierConfig
-from kvstore.events import EventKind, EventLog
-from kvstore.tiers import Tier
+from kvstore.domain import Tier
 from kvstore.tiers import disk_files as files
 from kvstore.tiers.disk_files import Progress, RecordInfo
 from kvstore.tiers.disk_index import DiskIndex, Ident, Record
@@ -246,14 +245,10 @@ class DiskTier(DiskWorkers):
         page = result[0]
         return None if page is None else bytes(page)
 
-    def listen(self, events: EventLog) -> None:
-        """Every record indexed or dropped becomes a KV event: those recovered at start now, as
-        STORED ("recovered"), then each as it comes or goes."""
-
-        def told(stored: bool, ident: tuple[bytes, bytes], reason: str) -> None:
-            kind = EventKind.STORED if stored else EventKind.REMOVED
-            events.add(kind, Tier.DISK, ident[0], ident[1], b"", reason)
-
+    def listen(self, told: Callable[[bool, tuple[bytes, bytes], str], None]) -> None:
+        """`told(stored, (namespace, key), reason)` for every record indexed (True) or dropped
+        (False): those recovered at start now ("recovered"), then each as it comes or goes (the
+        store makes them KV events)."""
         with self._lock:
             for ident in self._index.idents():
                 told(True, ident, "recovered")

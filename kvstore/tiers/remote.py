@@ -59,8 +59,8 @@ from typing import Any
 
 from kvstore.codec import CODECS, Buffer, compress
 from kvstore.config import ConfigError, RemoteTierConfig
+from kvstore.domain import Tier
 from kvstore.index import NodeUsage
-from kvstore.tiers import Tier
 from kvstore.tiers.records import FLAG_MAC, CorruptRecord, ForgedRecord, RecordKey, pack_header
 from kvstore.tiers.remote_lookups import RemoteLookups
 from kvstore.tiers.remote_nodes import Node, Nodes
