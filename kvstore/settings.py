@@ -26,7 +26,12 @@ from fractions import Fraction
 from types import NoneType, UnionType
 from typing import Annotated, Any, Union, get_args, get_origin, get_type_hints
 
-import yaml
+try:
+    import yaml
+except ImportError as exc:  # a worker's install: the daemon's packages are the `daemon` extra
+    raise ImportError(
+        "PyYAML is missing: kvstored and kvctl need the daemon's packages (pip install 'kvstore[daemon]')"
+    ) from exc
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}

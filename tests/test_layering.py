@@ -161,3 +161,53 @@ def test_no_module_or_function_is_over_the_size_limits() -> None:
                 if lines > MAX_FUNCTION_LINES:
                     over.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}(): {lines} lines")
     assert not over, over
+
+
+DAEMON_PACKAGES = (
+    "yaml",
+    "redis",
+    "prometheus_client",
+    "rich",
+    "lz4",
+    "uvloop",
+    "grpc_health",
+    "grpc_reflection",
+)
+
+
+def test_a_worker_needs_none_of_the_daemons_packages() -> None:
+    """`kvstore[client]` leaves the `daemon` extra out: the client and the kernels import with
+    every daemon package missing, and pyproject's own dependencies name none of them."""
+    import tomllib
+
+    probe = (
+        f"import sys\nfor name in {DAEMON_PACKAGES!r}:\n    sys.modules[name] = None\n"
+        "import kvstore_client, kvstore_kernels\n"
+        "from kvstore_client import KVSpec, KVStoreClient\n"
+        "import kvstore_client.hf, kvstore_client.routes, kvstore_client.bounce\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True, env=python_env())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = " ".join(project["dependencies"]).lower().replace("-", "_")
+    daemon = " ".join(project["optional-dependencies"]["daemon"]).lower().replace("-", "_")
+    for package in (
+        "pyyaml",
+        "redis",
+        "prometheus_client",
+        "rich",
+        "lz4",
+        "uvloop",
+        "grpcio_health",
+        "grpcio_reflection",
+    ):
+        assert package not in base and package in daemon, package
+
+
+def test_the_daemon_without_its_packages_says_which_extra_to_install() -> None:
+    probe = "import sys\nsys.modules['yaml'] = None\nimport kvstore.daemon\n"
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=python_env())
+    assert ran.returncode != 0
+    assert ran.stderr.strip().splitlines()[-1] == (
+        "ImportError: PyYAML is missing: kvstored and kvctl need the daemon's packages "
+        "(pip install 'kvstore[daemon]')"
+    )
