@@ -3,7 +3,7 @@
     PYTHONPATH=<a tree's import names> python bench/control_plane_host.py CALLS INDEX_PAGES
 
 Imports `kvstore` from whatever PYTHONPATH names (`lookup_storm.Tree` points it at one tree), so
-`bench/control_plane.py --parts host --against TREE` times this tree and TREE alike, each in a
+`bench/control_plane.py --parts host --baseline TREE` times this tree and TREE alike, each in a
 process of its own. It builds a real `Store` (default policy, `lfuda`), commits one chain of 512
 keys, and prints one JSON line of p50s (µs) over CALLS calls each:
 
@@ -32,14 +32,11 @@ from typing import Any
 
 
 def p50_us(call: Callable[[], object], calls: int) -> float:
-    for _ in range(max(10, calls // 10)):
-        call()
-    samples = []
-    for _ in range(calls):
-        started = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples) * 1e6
+    # The probe runs as a script: bench/, its folder, is the first entry of its path.
+    from common_timing import median_us, time_calls
+
+    time_calls(call, max(10, calls // 10))  # warm-up
+    return float(median_us(call, calls))
 
 
 def measure(calls: int) -> dict[str, float]:
