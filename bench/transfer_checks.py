@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,19 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
 from bench.common import print_table, write_results  # noqa: E402
-from bench.gpu_tier import BLOCK, CHUNK, HEAD_DIM, HEADS, LAYERS, SPEC  # noqa: E402  (one geometry)
+from bench.common_timing import median_us  # noqa: E402
+from bench.gpu_tier_setup import BLOCK, CHUNK, HEAD_DIM, HEADS, LAYERS, SPEC  # noqa: E402  (one geometry)
 from kvstore_kernels import cache_facts, register  # noqa: E402
 from kvstore_kernels.validate import plan_transfer  # noqa: E402
-
-
-def per_call_us(call: Callable[[], Any], calls: int) -> float:
-    """Median microseconds of `calls` calls, one at a time."""
-    samples = []
-    for _ in range(calls):
-        started = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples) * 1e6
 
 
 def main() -> None:
@@ -56,8 +46,47 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=200, help="timed calls per variant and round")
     args = parser.parse_args()
-    chunks = args.tokens // CHUNK
-    blocks = args.tokens // BLOCK
+    variants = checked_calls(args.tokens)
+    for call in variants.values():
+        call()  # warm: imports, the first allocations
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in variants}
+    for _ in range(args.rounds):
+        for key, call in variants.items():
+            samples[key].append(median_us(call, args.calls))
+    rows, results = [], {}
+    for (cache, table), values in samples.items():
+        baseline = samples[("remembered", table)]
+        ratio = statistics.median(v / b for v, b in zip(values, baseline, strict=True))
+        median = statistics.median(values)
+        rows.append([cache, table, median, ratio])
+        results[f"{cache}, {table} table"] = {"us": median, "x_remembered": ratio, "rounds_us": values}
+    chunks, blocks = args.tokens // CHUNK, args.tokens // BLOCK
+    print(f"{args.tokens} tokens, {LAYERS} layers ({chunks} pages, {blocks} blocks): host us per call")
+    print_table(("cache", "block table", "us (median)", "x remembered"), rows)
+    geometry = {
+        "layers": LAYERS,
+        "kv_heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "block": BLOCK,
+        "chunk_tokens": CHUNK,
+    }
+    path = write_results(
+        "transfer_checks",
+        {
+            "geometry": {**geometry, "tokens": args.tokens},
+            "rounds": args.rounds,
+            "calls": args.calls,
+            "results": results,
+        },
+    )
+    print(f"wrote {path}")
+
+
+def checked_calls(tokens: int) -> dict[tuple[str, str], Callable[[], Any]]:
+    """The checks of a scatter of `tokens` into an 8B cache, by (cache, block table): the cache
+    checked on the first call, remembered, or registered; the table a list, an array, a tensor."""
+    chunks = tokens // CHUNK
+    blocks = tokens // BLOCK
     page_bytes = SPEC.page.page_bytes
     # Untouched CPU memory: the checks read addresses, shapes and strides, never the bytes.
     caches = [torch.empty(2, blocks, BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS)]
@@ -86,38 +115,7 @@ def main() -> None:
         variants[("first call", name)] = first_call(table)
         variants[("remembered", name)] = plan(caches, table)
         variants[("registered", name)] = plan(registered, table)
-    for call in variants.values():
-        call()  # warm: imports, the first allocations
-    samples: dict[tuple[str, str], list[float]] = {key: [] for key in variants}
-    for _ in range(args.rounds):
-        for key, call in variants.items():
-            samples[key].append(per_call_us(call, args.calls))
-    rows, results = [], {}
-    for (cache, table), values in samples.items():
-        baseline = samples[("remembered", table)]
-        ratio = statistics.median(v / b for v, b in zip(values, baseline, strict=True))
-        median = statistics.median(values)
-        rows.append([cache, table, median, ratio])
-        results[f"{cache}, {table} table"] = {"us": median, "x_remembered": ratio, "rounds_us": values}
-    print(f"{args.tokens} tokens, {LAYERS} layers ({chunks} pages, {blocks} blocks): host us per call")
-    print_table(("cache", "block table", "us (median)", "x remembered"), rows)
-    path = write_results(
-        "transfer_checks",
-        {
-            "geometry": {
-                "layers": LAYERS,
-                "kv_heads": HEADS,
-                "head_dim": HEAD_DIM,
-                "block": BLOCK,
-                "chunk_tokens": CHUNK,
-                "tokens": args.tokens,
-            },
-            "rounds": args.rounds,
-            "calls": args.calls,
-            "results": results,
-        },
-    )
-    print(f"wrote {path}")
+    return variants
 
 
 if __name__ == "__main__":
