@@ -15,7 +15,7 @@ these fields; nothing here calls either.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
@@ -23,6 +23,7 @@ from kvstore.domain import Tier
 from kvstore.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvstore.keys import KEY_BYTES
 from kvstore.spec import PageSpec
+from kvstore.tiers.remote_nodes import NodeUsage, server_totals  # noqa: F401 (the store and metrics take it from here)
 
 _GPU, _CPU = Tier.GPU, Tier.CPU
 
@@ -338,31 +339,6 @@ class PinResult(NamedTuple):
     pinned_chunks: int  # the stored prefix of the keys, now pinned
     pinned_pages: int  # every page pinned in the tier
     pinned_bytes: int
-
-
-class NodeUsage(NamedTuple):
-    """One server of the remote tier (a cluster's node): its role in the slot map (master,
-    replica, absent), whether the tier uses it now, the server's own figures (zeros where it
-    did not answer) and the tier's errors with it."""
-
-    address: str
-    role: str
-    up: bool
-    bytes_used: int
-    bytes_capacity: int  # maxmemory; 0: no limit
-    keys: int
-    errors: int
-
-
-def server_totals(nodes: Sequence[NodeUsage]) -> tuple[int, int, int]:
-    """(used memory, maxmemory (0: no limit), keys) summed over the masters: a cluster's data
-    counted once, not again for its replicas. These count every key, not only page records."""
-    masters = [node for node in nodes if node.role == "master"]
-    return (
-        sum(node.bytes_used for node in masters),
-        sum(node.bytes_capacity for node in masters),
-        sum(node.keys for node in masters),
-    )
 
 
 class TierUsage(NamedTuple):

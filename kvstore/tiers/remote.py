@@ -60,10 +60,9 @@ from typing import Any
 from kvstore.codec import CODECS, Buffer, compress
 from kvstore.config import ConfigError, RemoteTierConfig
 from kvstore.domain import Tier
-from kvstore.index import NodeUsage
 from kvstore.tiers.records import FLAG_MAC, CorruptRecord, ForgedRecord, RecordKey, pack_header
 from kvstore.tiers.remote_lookups import RemoteLookups
-from kvstore.tiers.remote_nodes import Node, Nodes
+from kvstore.tiers.remote_nodes import Node, Nodes, NodeUsage
 from kvstore.tiers.remote_resp import Endpoint, RecordConnection
 from kvstore.tiers.remote_routing import NodeDown, Router, Work
 

@@ -17,8 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvstore.config import RemoteTierConfig
-from kvstore.index import NodeUsage, server_totals
-from kvstore.tiers.remote_nodes import Node, Nodes
+from kvstore.tiers.remote_nodes import Node, Nodes, NodeUsage, server_totals
 from kvstore.tiers.remote_resp import RecordConnection, Redirect, command
 from kvstore.tiers.remote_routing import Router
 

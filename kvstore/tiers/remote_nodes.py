@@ -26,6 +26,8 @@ and `CLUSTER SLOTS`, asked of any node, says which master serves each slot.
   answer: the caller warns once); `slow(node) -> bool`
   counts a lookup past its deadline (True when `SLOW_LOOKUPS_DOWN` in a row took it down).
 - `nodes()`: every node seen, with its role in the current map and its errors, for stats.
+- `NodeUsage`: one node as stats show it (role, health, memory, keys, errors);
+  `server_totals(nodes)`: the server's (used memory, maxmemory, keys), its masters summed.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import time
 from binascii import crc_hqx
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstore.tiers.remote_resp import Address, Endpoint, RecordConnection, Redirect, format_address
 
@@ -311,3 +313,28 @@ class Nodes:
     def nodes(self) -> list[Node]:
         with self._lock:
             return sorted(self._nodes.values(), key=lambda node: format_address(node.address))
+
+
+class NodeUsage(NamedTuple):
+    """One server of the remote tier (a cluster's node): its role in the slot map (master,
+    replica, absent), whether the tier uses it now, the server's own figures (zeros where it
+    did not answer) and the tier's errors with it."""
+
+    address: str
+    role: str
+    up: bool
+    bytes_used: int
+    bytes_capacity: int  # maxmemory; 0: no limit
+    keys: int
+    errors: int
+
+
+def server_totals(nodes: Sequence[NodeUsage]) -> tuple[int, int, int]:
+    """(used memory, maxmemory (0: no limit), keys) summed over the masters: a cluster's data
+    counted once, not again for its replicas. These count every key, not only page records."""
+    masters = [node for node in nodes if node.role == "master"]
+    return (
+        sum(node.bytes_used for node in masters),
+        sum(node.bytes_capacity for node in masters),
+        sum(node.keys for node in masters),
+    )
