@@ -22,7 +22,10 @@ import torch
 
 class TransferHandle:
     def __init__(
-        self, event: torch.cuda.Event | None, finish: Callable[[], int], fail: Callable[[BaseException], None]
+        self,
+        event: torch.cuda.Event | None,
+        finish: Callable[[], int],
+        fail: Callable[[BaseException], object],
     ) -> None:
         self.event = event  # None: the transfer already completed on the CPU
         self._finish = finish
@@ -67,7 +70,7 @@ class StoreHandle(TransferHandle):
         self,
         event: torch.cuda.Event | None,
         finish: Callable[[], int],
-        fail: Callable[[BaseException], None],
+        fail: Callable[[BaseException], object],
         chunks: int,
         positions: Sequence[int] = (),
         early: Callable[[], None] | None = None,
@@ -99,7 +102,7 @@ class LoadHandle(TransferHandle):
         self,
         event: torch.cuda.Event | None,
         finish: Callable[[], int],
-        fail: Callable[[BaseException], None],
+        fail: Callable[[BaseException], object],
         tokens: int,
         layers: range = range(0),
         layer_events: dict[int, torch.cuda.Event | None] | None = None,

@@ -61,13 +61,16 @@ class _LoadTargets:
         self, client: Session, kv_caches: Any, table: Any, chunks: int, layers: range
     ) -> kvstore_kernels.Prepared | None:
         """The arena's scatter of every chunk, checked and set up; None where it cannot be."""
+        arena = client.arena
+        if arena is None:
+            return None
         try:
             return kvstore_kernels.prepare(
                 client.spec,
                 kv_caches,
                 table,
                 range(chunks),
-                client.arena,
+                arena,
                 layers,
                 to_page=False,
                 stream=self.stream,

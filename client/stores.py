@@ -312,7 +312,9 @@ class _GatherAhead:
 
     def _prepare(self, session: Session, chunks: int) -> None:
         try:
-            device = cache_device(self.kv_caches)
+            device, arena = cache_device(self.kv_caches), session.arena
+            if arena is None:  # the daemon restarted meanwhile and nothing is mapped yet
+                return
             if self.stream is None and device.type == "cuda":
                 self.stream = session._streams.ordered_side(device)
             self.prepared = kvstore_kernels.prepare(
@@ -320,7 +322,7 @@ class _GatherAhead:
                 self.kv_caches,
                 self.block_ids,
                 range(chunks),
-                session.arena,
+                arena,
                 self.layers,
                 to_page=True,
                 stream=self.stream,

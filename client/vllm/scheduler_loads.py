@@ -78,7 +78,7 @@ def _state_load(
     index = stop * chunk_tokens // group.block_size - 1
     if index >= len(table) or table[index] == null_block:
         return []  # no block to load into: the other groups' loads fail the request whole
-    keys = tuple((state.keys.get(namespace, [])[stop - 1 : stop]) for namespace in namespaces)
+    keys = tuple(tuple(state.keys.get(namespace, [])[stop - 1 : stop]) for namespace in namespaces)
     return [
         LoadSpec(
             req_id=req_id,
