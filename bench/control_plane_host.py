@@ -48,13 +48,15 @@ def measure(calls: int) -> dict[str, float]:
     from kvstore.proto import kvstore_pb2 as pb
     from kvstore.replay import REPLAY_SPEC
     from kvstore.store import Store
+    from kvstore.store_settings import StoreSettings
     from kvstore.tiers.cpu import Arena, CpuTier
     from kvstore.wire import METHOD_IDS
 
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
         arena = Arena(Path(tmp) / "arena", 16 << 20, prefault=False)
         try:
-            store = Store(CpuTier(arena, 16 << 20), make_policy(EvictionConfig().policy), 60.0, 600.0)
+            settings = StoreSettings(60.0, 600.0)
+            store = Store(CpuTier(arena, 16 << 20), make_policy(EvictionConfig().policy), settings)
             ns = store.connect(REPLAY_SPEC).id
             keys = [index.to_bytes(16, "little") for index in range(512)]
             store.commit(ns, store.reserve(ns, keys).lease_id)

@@ -31,6 +31,7 @@ from kvstore.keys import pack_keys
 from kvstore.policy import make_policy
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store import Store
+from kvstore.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore_client import KVSpec, KVStoreClient
 
@@ -198,7 +199,9 @@ def in_process_stores(tenants: Sequence[str] = ("",)) -> Iterator[list[Store]]:
         try:
             yield [
                 Store(
-                    CpuTier(arena, 16 << 20), make_policy(EvictionConfig().policy), 60.0, 600.0, tenant=name
+                    CpuTier(arena, 16 << 20),
+                    make_policy(EvictionConfig().policy),
+                    StoreSettings(60.0, 600.0, tenant=name),
                 )
                 for arena, name in zip(arenas, tenants, strict=True)
             ]

@@ -34,6 +34,7 @@ from bench.common import print_table, write_results  # noqa: E402
 from kvstore.policy import POLICIES, EvictionPolicy, make_policy  # noqa: E402
 from kvstore.replay import REPLAY_SPEC, bounds, replay  # noqa: E402
 from kvstore.store import Store  # noqa: E402
+from kvstore.store_settings import StoreSettings  # noqa: E402
 from kvstore.tiers.cpu import Arena, CpuTier  # noqa: E402
 from kvstore.trace import Trace, load_trace  # noqa: E402
 
@@ -178,7 +179,8 @@ def store_bytes_per_page(name: str, pages: int) -> float:
         try:
 
             def filled_store() -> object:
-                store = Store(CpuTier(arena, size), make_policy(name, serving=False), 60.0, 60.0, lambda: 0.0)
+                policy, settings = make_policy(name, serving=False), StoreSettings(60.0, 60.0)
+                store = Store(CpuTier(arena, size), policy, settings, clock=lambda: 0.0)
                 ns = store.connect(REPLAY_SPEC).id
                 rng = random.Random(3)
                 chains = 2 * pages // 64  # 64-page chains, each followed by a lookup of an earlier one

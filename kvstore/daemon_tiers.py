@@ -1,6 +1,7 @@
 """What one store is built on: the daemon's tiers, or one tenant's.
 
 - `arena_name(socket_path)`: the arena's shm file name, one per socket.
+- `store_settings(config, tenant)`: the `StoreSettings` of the daemon's store, or a tenant's.
 - `Tiers(tenant, events)`: `open(config, socket_path, starting)` creates the arena (its first
   slab reserved, with prefault), recovers the disk tier, connects to the remote tier, allocates
   the GPU pools and builds the `Store` over them, then reserves the rest of the arena behind
@@ -25,6 +26,7 @@ from kvstore.events import EventLog
 from kvstore.policy import make_policy
 from kvstore.progress import progress_reporter
 from kvstore.store import Store
+from kvstore.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GpuTier
@@ -32,6 +34,20 @@ from kvstore.tiers.remote import RemoteTier, start_remote
 from kvstore.tiers.reserve import ArenaReserver
 
 log = logging.getLogger("kvstored")
+
+
+def store_settings(config: Config, tenant: TenantConfig | None) -> StoreSettings:
+    """The settings of the daemon's store (`tenant` None), or of one tenant's."""
+    return StoreSettings(
+        lease_ttl_s=config.leases.ttl_s,
+        max_lease_ttl_s=config.leases.max_ttl_s,
+        pin_fraction=config.eviction.pin_fraction,
+        max_pin_ttl_s=config.eviction.max_pin_ttl_s,
+        quarantine_s=config.leases.quarantine_s,
+        promote_after_hits=config.tiers.gpu.promote_after_hits,
+        tenant=tenant.name if tenant is not None else "",
+        max_namespaces=tenant.max_namespaces if tenant is not None else None,
+    )
 
 
 def arena_name(socket_path: Path) -> str:
@@ -111,22 +127,14 @@ class Tiers:
             starting()
 
     def _make_store(self, config: Config, cpu: CpuTier) -> Store:
-        tenant = self.tenant
         return Store(
             cpu,
             make_policy(config.eviction.policy),
-            config.leases.ttl_s,
-            config.leases.max_ttl_s,
-            pin_fraction=config.eviction.pin_fraction,
-            max_pin_ttl_s=config.eviction.max_pin_ttl_s,
+            store_settings(config, self.tenant),
             disk=self.disk,
+            remote=self.remote,
             gpu=self.gpu,
             gpu_policy=make_policy(config.eviction.policy),
-            promote_after_hits=config.tiers.gpu.promote_after_hits,
-            remote=self.remote,
-            quarantine_s=config.leases.quarantine_s,
-            tenant=tenant.name if tenant is not None else "",
-            max_namespaces=tenant.max_namespaces if tenant is not None else None,
             events=self.events,
         )
 

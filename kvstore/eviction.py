@@ -1,6 +1,10 @@
 """Room in the CPU tier: which pages leave it, and what becomes of a page that leaves the index.
 
-The store and the GPU placement call these on the daemon's event loop.
+The store, the lower tiers and the GPU placement call these on the daemon's event loop. What
+becomes of a leaving page is given at construction: `demote`, where an evicted page goes (the
+lower tiers' write-behind, `lower.WriteBehind.evicted`), and `gpu_pages`, the GPU tier's own
+pages (`gpu_placement.GpuPages`: their policy, a page leaving the tier, its slots). The store
+builds both before the eviction and neither holds it, so nothing is set on it afterwards.
 
 - `make_cpu_room(page_bytes, count, protected)`: evicts committed, unpinned pages in policy
   order until `count` slots of `page_bytes` are free; all or nothing. It never takes a page the
@@ -33,7 +37,7 @@ from kvstore.policy import EvictionPolicy
 from kvstore.tiers.cpu import CpuTier
 
 if TYPE_CHECKING:
-    from kvstore.gpu_placement import GpuPlacement
+    from kvstore.gpu_placement import GpuPages
 
 
 class Eviction:
@@ -43,17 +47,18 @@ class Eviction:
         policy: EvictionPolicy,
         pins: PinTable[Entry],
         counters: Counter[str],
+        events: EventLog,
         demote: Callable[[Entry], None] | None = None,
-        events: EventLog | None = None,
+        gpu_pages: GpuPages | None = None,
     ) -> None:
         self.cpu = cpu
         self.policy = policy  # the CPU tier's
         self.pins = pins
         self.counters = counters
-        self.demote = demote
-        self.events = events or EventLog()
+        self.events = events
+        self.demote = demote  # where an evicted page goes (None: no tier below the arena)
+        self.gpu_pages = gpu_pages  # the GPU tier's own pages (None: no GPU tier)
         self.guard_chains = policy.chain_safe
-        self.placement: GpuPlacement | None = None  # set by the store when it has a GPU tier
 
     # -- the policies -------------------------------------------------------
 
@@ -73,17 +78,17 @@ class Eviction:
             policy.stored(pages)
 
     def _by_tier(self, entries: list[Entry]) -> list[tuple[EvictionPolicy, list[Entry]]]:
-        placement = self.placement
-        if placement is None or not placement.pages:
+        gpu_pages = self.gpu_pages
+        if gpu_pages is None or not gpu_pages.count:
             return [(self.policy, entries)]
         return [
             (self.policy, [e for e in entries if not e.on_gpu]),
-            (placement.policy, [e for e in entries if e.on_gpu]),
+            (gpu_pages.policy, [e for e in entries if e.on_gpu]),
         ]
 
     def policy_of(self, entry: Entry) -> EvictionPolicy:
-        placement = self.placement
-        return placement.policy if placement is not None and entry.on_gpu else self.policy
+        gpu_pages = self.gpu_pages
+        return gpu_pages.policy if gpu_pages is not None and entry.on_gpu else self.policy
 
     def link(
         self, ns: Namespace, keys: Sequence[bytes], start: int = 0, stop: int | None = None
@@ -169,8 +174,8 @@ class Eviction:
         elif not self.pins.unpin(entry):
             self.policy_of(entry).remove(entry)
         entry.state |= REMOVED
-        if entry.on_gpu and self.placement is not None:
-            self.placement.left(entry)
+        if entry.on_gpu and self.gpu_pages is not None:
+            self.gpu_pages.left(entry)
         self.settle(entry)
 
     def settle(self, entry: Entry) -> None:
@@ -183,5 +188,5 @@ class Eviction:
         if arena_copy_unneeded and entry.offset >= 0:
             self.cpu.slots.free(entry.offset)
             entry.offset = -1
-        if state & REMOVED and tiering is not None and tiering.gpu >= 0 and self.placement is not None:
-            self.placement.free_slot(entry)
+        if state & REMOVED and tiering is not None and tiering.gpu >= 0 and self.gpu_pages is not None:
+            self.gpu_pages.free_slot(entry)

@@ -14,7 +14,11 @@ end here, on the loop again (`loop.call_soon_threadsafe`). Nothing here waits fo
 - `reserve(pool, page_bytes, count, protected)`: slots for a store that lands in a pool (a
   worker writes its pages there device to device: `ReserveRequest.gpu_bus_id`), or None where
   it goes to the arena; `landed(entries)` when such pages are committed.
-- `left(entry)`, `free_slot(entry)`: bookkeeping for a GPU-tier page leaving the index.
+- `usage()`: the GPU tier's figures.
+
+`GpuPages` holds the GPU tier's own pages: its policy, their count, and what becomes of one that
+leaves the tier (`left(entry)`, `free_slot(entry)`). The eviction is given it at construction (a
+page it drops may be in the GPU tier); the placement is given it and the eviction (`CpuSide`).
 
 While a page moves up it is read from the arena; once it is up, its arena slot is freed as
 soon as no lease holds it (`Eviction.settle`). A page moving down is read from the arena once
@@ -56,15 +60,39 @@ class CpuSide(Protocol):
     def settle(self, entry: Entry) -> None: ...
 
 
-class GpuPlacement:
-    def __init__(
-        self, eviction: CpuSide, gpu: GpuTier, policy: EvictionPolicy, promote_after_hits: int
-    ) -> None:
-        self.eviction = eviction
+class GpuPages:
+    """The pages that belong to the GPU tier: their policy and count, and the bookkeeping of one
+    that leaves the tier (demoted, or dropped from the index)."""
+
+    def __init__(self, gpu: GpuTier, policy: EvictionPolicy, events: EventLog) -> None:
         self.gpu = gpu
         self.policy = policy  # the GPU tier's own: it orders the pages in the GPU tier only
+        self.events = events
+        self.count = 0  # pages that belong to the GPU tier
+
+    def left(self, entry: Entry) -> None:
+        """A page leaves the GPU tier (demoted, or dropped from the index)."""
+        if entry.on_gpu:
+            entry.on_gpu = False
+            entry.hits = 0
+            self.count -= 1
+            if not entry.removed:  # demoted: it stays in the index, in the CPU tier
+                events, ns_id = self.events, entry.namespace.id
+                events.add(EventKind.REMOVED, Tier.GPU, ns_id, entry.key, b"", "moved")
+                events.add(EventKind.STORED, Tier.CPU, ns_id, entry.key, b"", "demoted")
+
+    def free_slot(self, entry: Entry) -> None:
+        self.gpu.pools[entry.pool].slots.free(entry.gpu)
+        entry.gpu = -1
+
+
+class GpuPlacement:
+    def __init__(self, eviction: CpuSide, gpu_pages: GpuPages, promote_after_hits: int) -> None:
+        self.eviction = eviction
+        self.gpu_pages = gpu_pages
+        self.gpu = gpu_pages.gpu
+        self.policy = gpu_pages.policy  # the GPU tier's own: it orders the pages in the GPU tier only
         self.promote_after_hits = promote_after_hits
-        self.pages = 0  # pages that belong to the GPU tier
         self.counters = eviction.counters
 
     # -- up -----------------------------------------------------------------
@@ -112,8 +140,8 @@ class GpuPlacement:
             victim.loaded = loop.create_future()
             copies.append((arena + victim.offset, pool.base + victim.gpu, size))
             self.policy.evicted(victim)
-            self.left(victim)
-            self.free_slot(victim)
+            self.gpu_pages.left(victim)
+            self.gpu_pages.free_slot(victim)
             if victim not in self.eviction.pins:
                 self.eviction.policy.stored([victim])
         for entry in batch:
@@ -162,7 +190,7 @@ class GpuPlacement:
             entry.gpu_pending = False
             if ok and not entry.removed:
                 entry.on_gpu = True
-                self.pages += 1
+                self.gpu_pages.count += 1
                 ns_id = entry.namespace.id
                 eviction.events.add(EventKind.REMOVED, Tier.CPU, ns_id, entry.key, b"", "moved")
                 eviction.events.add(EventKind.STORED, Tier.GPU, ns_id, entry.key, b"", "promoted")
@@ -172,7 +200,7 @@ class GpuPlacement:
                 self.counters["gpu_promoted_chunks"] += 1
             elif not ok:
                 self.counters["gpu_copy_failures"] += 1
-                self.free_slot(entry)
+                self.gpu_pages.free_slot(entry)
             eviction.settle(entry)
 
     # -- stores that land in a pool -----------------------------------------
@@ -212,7 +240,7 @@ class GpuPlacement:
         then tells the GPU tier's policy, as it tells the CPU tier's of the others)."""
         for entry in entries:
             entry.on_gpu = True
-        self.pages += len(entries)
+        self.gpu_pages.count += len(entries)
         self.counters["gpu_stored_chunks"] += len(entries)
 
     # -- down, for a reader without the pool --------------------------------
@@ -255,22 +283,7 @@ class GpuPlacement:
                 self.counters["gpu_copy_failures"] += 1
             self.eviction.settle(entry)
 
-    # -- bookkeeping --------------------------------------------------------
-
-    def left(self, entry: Entry) -> None:
-        """A page leaves the GPU tier (demoted, or dropped from the index)."""
-        if entry.on_gpu:
-            entry.on_gpu = False
-            entry.hits = 0
-            self.pages -= 1
-            if not entry.removed:  # demoted: it stays in the index, in the CPU tier
-                events, ns_id = self.eviction.events, entry.namespace.id
-                events.add(EventKind.REMOVED, Tier.GPU, ns_id, entry.key, b"", "moved")
-                events.add(EventKind.STORED, Tier.CPU, ns_id, entry.key, b"", "demoted")
-
-    def free_slot(self, entry: Entry) -> None:
-        self.gpu.pools[entry.pool].slots.free(entry.gpu)
-        entry.gpu = -1
+    # -- figures ------------------------------------------------------------
 
     def usage(self) -> TierUsage:
         extra: dict[str, float] = {
@@ -288,7 +301,8 @@ class GpuPlacement:
             "reserves_to_arena",
         ):
             extra[name] = self.counters[f"gpu_{name}"]
-        return TierUsage(Tier.GPU.name.lower(), self.gpu.bytes_used, self.gpu.capacity, self.pages, extra)
+        pages = self.gpu_pages.count
+        return TierUsage(Tier.GPU.name.lower(), self.gpu.bytes_used, self.gpu.capacity, pages, extra)
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:

@@ -128,7 +128,7 @@ class Handlers:
             page_bytes=ns.spec.page_bytes,
             arena=arena_message(store, self.boot_id),
             epoch=store.cpu.arena.epoch,
-            lease_ttl_ms=int(store.lease_ttl_s * 1000),
+            lease_ttl_ms=int(store.settings.lease_ttl_s * 1000),
             max_message_bytes=self.max_message_bytes,
             local_socket=self.local_socket,
             tenant=store.tenant,
@@ -153,19 +153,23 @@ class Handlers:
             leading = next((i for i, tier in enumerate(tiers) if not tier), len(tiers))
             return pb.LookupResponse(hit_chunks=leading, tiers=tiers)
         lease = request.lease
-        result = store.lookup(
-            request.namespace,
-            unpack_keys(request.keys),
-            lease,
-            _ttl(request.lease_ttl_ms),
-            touch=lease,  # a query is not a use: the load's leased lookup is
-            gpu_pools=request.gpu_pools if lease else (),  # read for a lease's reader only
-        )
+        if lease and request.acquire:  # the Acquire too, when it needs no waiting
+            result, ready = store.lookup_acquire(
+                request.namespace, unpack_keys(request.keys), _ttl(request.lease_ttl_ms), request.gpu_pools
+            )
+        else:
+            ready = None
+            result = store.lookup(
+                request.namespace,
+                unpack_keys(request.keys),
+                lease,
+                _ttl(request.lease_ttl_ms),
+                touch=lease,  # a query is not a use: the load's leased lookup is
+                gpu_pools=request.gpu_pools if lease else (),  # read for a lease's reader only
+            )
         reply = pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=result.tiers, lease_id=result.lease_id)
-        if request.acquire and result.lease_id:  # the Acquire too, when it needs no waiting
-            ready = store.acquire_now(request.namespace, result.lease_id)
-            if ready is not None:
-                reply.acquired.CopyFrom(acquire_reply(ready))
+        if ready is not None:
+            reply.acquired.CopyFrom(acquire_reply(ready))
         return reply
 
     def Reserve(

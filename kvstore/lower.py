@@ -12,15 +12,21 @@ written behind. Each tier moves its own bytes on its own threads; nothing here w
   run or none of it, as room allows); their entries join the lease and commit as they land.
 - `committed(ns, entries)`: write-through. The remote tier sends a page straight from its
   arena slot, pinned until sent, up to SENDING_FRACTION of the CPU tier; past that a copy.
-- `evicted(entry)`: write-behind, to each tier that does not hold the page yet.
 - `touch(ns, keys)`, `clear(ns)` (this daemon's disk; never the shared remote server),
   `usage()`, `figures()`.
+- The disk tier's notices (a record indexed or dropped, from its threads) become KV events.
+
+`WriteBehind(cpu, disk, remote, counters).evicted(entry)`: where the CPU tier's victims go, to
+each tier that does not hold the page yet. The store builds it first and gives it to the
+eviction (`Eviction.demote`), then gives `LowerTiers` the eviction: nothing is set on either
+afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -67,6 +73,13 @@ class LowerTiers:
         self.eviction = eviction
         self.counters = eviction.counters
         self._sending_bytes = 0  # pinned in the arena until the remote tier has sent them
+        if disk is not None:
+            disk.listen(self._disk_told)
+
+    def _disk_told(self, stored: bool, ident: tuple[bytes, bytes], reason: str) -> None:
+        """A disk record indexed or dropped, as a KV event."""
+        kind = EventKind.STORED if stored else EventKind.REMOVED
+        self.eviction.events.add(kind, Tier.DISK, ident[0], ident[1], b"", reason)
 
     def find(self, ns: Namespace, keys: Sequence[bytes]) -> list[Run]:
         known = ns.entries
@@ -191,26 +204,6 @@ class LowerTiers:
         entry.pins -= 1
         self.eviction.settle(entry)
 
-    def evicted(self, entry: Entry) -> None:
-        """Writes an evicted page behind to the disk tier, and to the remote tier unless it writes
-        through or the page came from there (dropped, counted, when they lag)."""
-        disk, remote, ns = self.disk, self.remote, entry.namespace
-        page_bytes = ns.spec.page_bytes
-        to_disk = disk is not None and not disk.contains(ns.id, entry.key)
-        to_remote = (
-            remote is not None
-            and not remote.write_through
-            and entry.source is not Tier.REMOTE
-            and remote.accepts(page_bytes)
-        )
-        if not (to_disk or to_remote):
-            return
-        page = bytes(self.cpu.read(entry.offset, page_bytes))
-        if to_disk and disk is not None and disk.submit_write(ns.id, entry.key, page):
-            self.counters["demoted_chunks"] += 1
-        if to_remote and remote is not None and remote.submit_write(ns.id, entry.key, page):
-            self.counters["demoted_remote_chunks"] += 1
-
     # -- housekeeping -------------------------------------------------------
 
     def clear(self, ns_id: bytes | None) -> int:
@@ -231,3 +224,35 @@ class LowerTiers:
 
     def figures(self) -> dict[str, float]:
         return {"remote_sending_bytes": self._sending_bytes} if self.remote is not None else {}
+
+
+class WriteBehind:
+    """The CPU tier's victims, written behind to the tiers below it; the eviction's `demote`."""
+
+    def __init__(
+        self, cpu: CpuTier, disk: DiskTier | None, remote: RemoteTier | None, counters: Counter[str]
+    ) -> None:
+        self.cpu = cpu
+        self.disk = disk
+        self.remote = remote
+        self.counters = counters
+
+    def evicted(self, entry: Entry) -> None:
+        """Writes an evicted page behind to the disk tier, and to the remote tier unless it writes
+        through or the page came from there (dropped, counted, when they lag)."""
+        disk, remote, ns = self.disk, self.remote, entry.namespace
+        page_bytes = ns.spec.page_bytes
+        to_disk = disk is not None and not disk.contains(ns.id, entry.key)
+        to_remote = (
+            remote is not None
+            and not remote.write_through
+            and entry.source is not Tier.REMOTE
+            and remote.accepts(page_bytes)
+        )
+        if not (to_disk or to_remote):
+            return
+        page = bytes(self.cpu.read(entry.offset, page_bytes))
+        if to_disk and disk is not None and disk.submit_write(ns.id, entry.key, page):
+            self.counters["demoted_chunks"] += 1
+        if to_remote and remote is not None and remote.submit_write(ns.id, entry.key, page):
+            self.counters["demoted_remote_chunks"] += 1

@@ -31,6 +31,7 @@ from kvstore.errors import ResourceExhausted
 from kvstore.policy import make_policy
 from kvstore.spec import PageSpec
 from kvstore.store import Store
+from kvstore.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.records import HEADER_BYTES
@@ -161,8 +162,7 @@ def replay_store(run_dir: Path, cpu_pages: int, policy: str, disk: DiskTier | No
     return Store(
         CpuTier(arena, size),
         make_policy(policy, serving=False),
-        lease_ttl_s=60.0,
-        max_lease_ttl_s=60.0,
+        StoreSettings(lease_ttl_s=60.0, max_lease_ttl_s=60.0),
         clock=lambda: 0.0,
         disk=disk,
     )

@@ -1,9 +1,22 @@
 """The store: the page index, two-phase stores and loads under leases, pins, housekeeping.
 
-Every call is a few dict operations on the daemon's event loop. The state: `store_state`;
-the load path (Lookup, Acquire, Release, Get): `store_loads`; the store path (Reserve, Put,
-Commit, Abort): `store_writes`; room in the CPU tier: `eviction`; the disk and remote tiers:
-`lower`; the GPU tier: `gpu_placement`. Here:
+Every call is a few dict operations on the daemon's event loop. `Store` is the one class the
+handlers talk to. It is built from a CPU tier, its policy and one `StoreSettings`
+(`store_settings`), with the tiers below and beside the arena where the daemon has them, and
+owns its parts, each given what it needs at construction:
+
+- `state` (`store_state.StoreState`): the index, leases, quarantines, pins, counters, events;
+- `eviction` (`kvstore.eviction`): room in the CPU tier. It hands the pages it evicts to the
+  lower tiers' write-behind (`lower.WriteBehind`), and a page that leaves the GPU tier to that
+  tier's own pages (`gpu_placement.GpuPages`): both built first and given to it;
+- `lower` (`kvstore.lower`, the disk and remote tiers) and `gpu_placement` (the GPU tier),
+  each given the eviction; None where the daemon has no such tier;
+- `loads` (`store_loads.Loads`: Lookup, Acquire, Release, Get) and `writes`
+  (`store_writes.Writes`: Reserve, Put, Commit, Abort), each given the state and the parts
+  above; the store's calls of those paths are theirs.
+
+The state's objects the handlers, the metrics and the daemon read are named on the store too
+(`cpu`, `policy`, `tenant`, `namespaces`, `leases`, `pins`, `counters`, `events`). Here:
 
 - `connect(spec)`: registers a page spec, returning its namespace.
 - `renew(ns, lease_ids)`: a live client's leases last another TTL.
@@ -12,6 +25,10 @@ Commit, Abort): `store_writes`; room in the CPU tier: `eviction`; the disk and r
 - `expire(now)`: leases past their deadline are released, dropped, or fenced (store leases
   written in place); pins and quarantines end.
 - `clear(ns)`, `stats()`.
+- The load path (`Loads`): `lookup`, `lookup_acquire` (a Lookup that answers the Acquire too),
+  `lookup_each`, `acquire`, `acquire_now`, `release`, `begin_get`, `read_leased`.
+- The store path (`Writes`): `reserve`, `begin_put`, `write_leased`, `end_put`, `commit`,
+  `abort`.
 
 A page has an arena slot (`offset`), a GPU slot (`gpu`), or both while it moves or while a
 lease that read one copy still holds it; `Eviction.settle` frees the copy it no longer needs
@@ -20,20 +37,84 @@ once no lease holds it and no copy is in flight.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvstore.domain import MAX_KEYS_PER_REQUEST, Tier
 from kvstore.errors import InvalidArgument, ResourceExhausted
-from kvstore.index import Entry, Namespace, NamespaceUsage, PinResult, StoreStats, TierUsage
+from kvstore.events import EventLog
+from kvstore.eviction import Eviction
+from kvstore.index import (
+    AcquireResult,
+    Entry,
+    LookupResult,
+    Namespace,
+    NamespaceUsage,
+    PinResult,
+    ReserveResult,
+    StoreStats,
+    TierUsage,
+)
 from kvstore.keys import chunk_keys
-from kvstore.leases import LeaseKind
+from kvstore.leases import Lease, LeaseKind
+from kvstore.lower import LowerTiers, WriteBehind
+from kvstore.peers import Peer
 from kvstore.pins import PinLimitExceeded
+from kvstore.policy import EvictionPolicy
 from kvstore.spec import PageSpec
 from kvstore.store_loads import Loads
+from kvstore.store_settings import StoreSettings
+from kvstore.store_state import StoreState
 from kvstore.store_writes import Writes
+from kvstore.tiers.cpu import CpuTier
+
+if TYPE_CHECKING:
+    from kvstore.gpu_placement import GpuPages, GpuPlacement
+    from kvstore.tiers.disk import DiskTier
+    from kvstore.tiers.gpu import GpuTier
+    from kvstore.tiers.remote import RemoteTier
 
 
-class Store(Loads, Writes):
+class Store:
+    def __init__(
+        self,
+        cpu: CpuTier,
+        policy: EvictionPolicy,
+        settings: StoreSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        disk: DiskTier | None = None,
+        remote: RemoteTier | None = None,
+        gpu: GpuTier | None = None,
+        gpu_policy: EvictionPolicy | None = None,
+        events: EventLog | None = None,
+    ) -> None:
+        """`policy` orders the CPU tier's pages, `gpu_policy` the GPU tier's (by default one of
+        the same kind); `events`: the log of the pages entering and leaving the tiers (a daemon's
+        tenants' stores share one)."""
+        self.settings = settings
+        self.state = state = StoreState(cpu, settings, clock, events or EventLog())
+        self.cpu, self.policy, self.tenant = cpu, policy, settings.tenant
+        self.namespaces, self.leases, self.pins = state.namespaces, state.leases, state.pins
+        self.counters, self.events = state.counters, state.events
+        gpu_pages: GpuPages | None = None
+        if gpu is not None:
+            from kvstore.gpu_placement import GpuPages
+
+            gpu_pages = GpuPages(gpu, gpu_policy or type(policy)(), state.events)
+        lower_tiers = disk is not None or remote is not None
+        demote = WriteBehind(cpu, disk, remote, state.counters).evicted if lower_tiers else None
+        self.eviction = Eviction(cpu, policy, state.pins, state.counters, state.events, demote, gpu_pages)
+        self.lower = LowerTiers(cpu, disk, remote, self.eviction) if lower_tiers else None
+        self.gpu_placement: GpuPlacement | None = None
+        if gpu_pages is not None:
+            from kvstore.gpu_placement import GpuPlacement
+
+            self.gpu_placement = GpuPlacement(self.eviction, gpu_pages, settings.promote_after_hits)
+        self.loads = Loads(state, self.eviction, self.lower, self.gpu_placement)
+        self.writes = Writes(state, self.eviction, self.lower, self.gpu_placement)
+
     def connect(self, spec: PageSpec, device_pci_bus_id: str = "") -> Namespace:
         if not self.cpu.slots.can_hold(spec.page_bytes):
             raise InvalidArgument(
@@ -53,7 +134,7 @@ class Store(Loads, Writes):
             raise InvalidArgument(
                 f"lease_ids: {len(lease_ids)} in one request; at most {MAX_KEYS_PER_REQUEST}"
             )
-        now = self.clock()
+        now = self.state.clock()
         renewed = []
         for lease_id in lease_ids:
             lease = self.leases.get(lease_id)
@@ -61,6 +142,81 @@ class Store(Loads, Writes):
                 renewed.append(lease_id)
         self.counters["renewed_leases"] += len(renewed)
         return renewed
+
+    # -- the load path (`store_loads`) ----------------------------------------
+
+    def lookup(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        lease: bool = False,
+        ttl_s: float | None = None,
+        touch: bool = True,
+        gpu_pools: Sequence[int] = (),
+    ) -> LookupResult:
+        """The longest stored prefix of `keys`; with `lease`, pins it (`Loads.lookup`)."""
+        return self.loads.lookup(ns_id, keys, lease, ttl_s, touch, gpu_pools)
+
+    def lookup_acquire(
+        self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float | None = None, gpu_pools: Sequence[int] = ()
+    ) -> tuple[LookupResult, AcquireResult | None]:
+        """A leased Lookup and, where nothing must be waited for, its Acquire's answer."""
+        return self.loads.lookup_acquire(ns_id, keys, ttl_s, gpu_pools)
+
+    def lookup_each(self, ns_id: bytes, keys: Sequence[bytes]) -> bytes:
+        """The tier of each of `keys` on its own (`Tier.NONE` where it is not stored)."""
+        return self.loads.lookup_each(ns_id, keys)
+
+    async def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult:
+        """The lease's ready pages, once those still read in have landed (or timed out)."""
+        return await self.loads.acquire(ns_id, lease_id)
+
+    def acquire_now(self, ns_id: bytes, lease_id: int) -> AcquireResult | None:
+        """`acquire`'s answer if it needs no waiting, else None."""
+        return self.loads.acquire_now(ns_id, lease_id)
+
+    def release(self, ns_id: bytes, lease_id: int) -> int:
+        return self.loads.release(ns_id, lease_id)
+
+    async def begin_get(self, ns_id: bytes, lease_id: int) -> tuple[Lease, AcquireResult]:
+        """A load lease and its pages (`acquire`), for one inline Get."""
+        return await self.loads.begin_get(ns_id, lease_id)
+
+    def read_leased(self, lease: Lease, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset` in the arena, while `lease` holds them."""
+        return self.loads.read_leased(lease, offset, length)
+
+    # -- the store path (`store_writes`) --------------------------------------
+
+    def reserve(
+        self,
+        ns_id: bytes,
+        keys: Sequence[bytes],
+        ttl_s: float | None = None,
+        writer: Peer | None = None,
+        gpu_bus_id: str = "",
+    ) -> ReserveResult:
+        """Slots for the keys not stored yet, under one store lease (`Writes.reserve`)."""
+        return self.writes.reserve(ns_id, keys, ttl_s, writer, gpu_bus_id)
+
+    def begin_put(self, ns_id: bytes, lease_id: int) -> tuple[Lease, AcquireResult]:
+        """Claims a store lease for one inline Put; a second concurrent Put is refused."""
+        return self.writes.begin_put(ns_id, lease_id)
+
+    def write_leased(self, lease: Lease, offset: int, data: memoryview, within: int) -> None:
+        """Writes `data` at `within` bytes into the page at `offset`, while `lease` holds it."""
+        self.writes.write_leased(lease, offset, data, within)
+
+    def end_put(self, lease: Lease, error: str = "") -> None:
+        self.writes.end_put(lease, error)
+
+    def commit(self, ns_id: bytes, lease_id: int, count: int = 0) -> int:
+        """Makes the lease's next `count` new pages visible (0: all it has left); returns how many."""
+        return self.writes.commit(ns_id, lease_id, count)
+
+    def abort(self, ns_id: bytes, lease_id: int) -> int:
+        """Frees the slots of the pages the lease has not committed; returns how many."""
+        return self.writes.abort(ns_id, lease_id)
 
     # -- pins ---------------------------------------------------------------
 
@@ -73,11 +229,11 @@ class Store(Loads, Writes):
         """Keeps the stored prefix of `keys` out of eviction for `ttl_s`; pinning again moves the
         end later, or (with `shorten`: an admin's pin) wherever it says."""
         ns = self.namespaces.registered(ns_id)
-        self._check_keys(keys)
-        if not 0 < ttl_s <= self.max_pin_ttl_s:
+        self.state.check_keys(keys)
+        max_ttl_s = self.settings.max_pin_ttl_s
+        if not 0 < ttl_s <= max_ttl_s:
             raise InvalidArgument(
-                f"ttl_ms: {ttl_s * 1000:.0f} ms is outside 1..{self.max_pin_ttl_s * 1000:.0f} "
-                f"(eviction.max_pin_ttl_s)"
+                f"ttl_ms: {ttl_s * 1000:.0f} ms is outside 1..{max_ttl_s * 1000:.0f} (eviction.max_pin_ttl_s)"
             )
         chain: list[Entry] = []
         for key in keys:
@@ -87,13 +243,15 @@ class Store(Loads, Writes):
             chain.append(entry)
         page_bytes = ns.spec.page_bytes
         try:
-            fresh = self.pins.pin([(entry, page_bytes) for entry in chain], self.clock() + ttl_s, shorten)
+            fresh = self.pins.pin(
+                [(entry, page_bytes) for entry in chain], self.state.clock() + ttl_s, shorten
+            )
         except PinLimitExceeded as exc:
             raise ResourceExhausted(
                 f"pinning {len(chain)} page(s) would pin {self.pins.bytes + exc.new_bytes} bytes, over "
-                f"eviction.pin_fraction ({self.pin_fraction:g}) of the CPU tier ({self.pins.limit_bytes} of "
-                f"{self.cpu.capacity} bytes); pin fewer chunks, let other pins expire, or raise "
-                f"eviction.pin_fraction"
+                f"eviction.pin_fraction ({self.settings.pin_fraction:g}) of the CPU tier "
+                f"({self.pins.limit_bytes} of {self.cpu.capacity} bytes); pin fewer chunks, let other "
+                f"pins expire, or raise eviction.pin_fraction"
             ) from None
         for entry in fresh:
             self.eviction.policy_of(entry).remove(entry)
@@ -106,18 +264,19 @@ class Store(Loads, Writes):
 
     def expire(self, now: float | None = None) -> int:
         """Ends leases and pins past their deadline; returns the number of leases."""
-        now = self.clock() if now is None else now
+        now = self.state.clock() if now is None else now
         expired = self.leases.pop_expired(now)
         for lease in expired:
             if lease.kind is LeaseKind.LOAD:
-                self._unpin(lease)
+                self.loads.unpin(lease)
             elif lease.writer is not None:
-                self._fence(lease, now)
+                self.writes.fence(lease, now)
             else:
-                self._drop_reservation(lease)
+                self.writes.drop_reservation(lease)
         self.counters["expired_leases"] += len(expired)
-        if self.quarantines:
-            self.counters["quarantines_ended"] += self.quarantines.end_due(now)
+        quarantines = self.state.quarantines
+        if quarantines:
+            self.counters["quarantines_ended"] += quarantines.end_due(now)
         unpinned = self.pins.pop_expired(now)
         if unpinned:
             self.eviction.tell_stored(unpinned)
@@ -143,7 +302,7 @@ class Store(Loads, Writes):
         tiers = []
         if self.gpu_placement is not None:
             tiers.append(self.gpu_placement.usage())
-            pages -= self.gpu_placement.pages
+            pages -= self.gpu_placement.gpu_pages.count
         tiers.append(TierUsage(Tier.CPU.name.lower(), self.cpu.bytes_used, self.cpu.capacity, pages))
         namespaces = [
             NamespaceUsage(ns.id, ns.spec.model, ns.pages, ns.spec.page_bytes, self.tenant, ns.spec.contents)
@@ -151,7 +310,7 @@ class Store(Loads, Writes):
         ]
         counters: dict[str, float] = dict(self.counters)
         counters.update(self.leases.figures())
-        counters.update(self.quarantines.figures())
+        counters.update(self.state.quarantines.figures())
         counters["pinned_pages"] = len(self.pins)
         counters["pinned_bytes"] = self.pins.bytes
         counters["namespaces"] = len(self.namespaces)

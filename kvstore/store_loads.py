@@ -5,10 +5,17 @@ reader copies them out and Releases the lease (or Get streams them inline).
 - `lookup(ns, keys, lease)`: the prefix in the arena (or the GPU tier), then in the disk tier,
   then in the remote tier; with `lease`, the pages found below the arena are read into it and
   the lease holds them all.
+- `lookup_acquire(ns, keys)`: a leased Lookup that answers the Acquire too, when none of its
+  pages must be waited for (a Lookup with `acquire`: one call).
+- `lookup_each(ns, keys)`: the tier of each key on its own (a query, not a use).
 - `acquire(ns, lease)`: waits (up to PROMOTION_TIMEOUT_S) for the pages still read into the
-  arena; `acquire_now` answers at once when none is, else None (a Lookup answers with it).
-- `release(ns, lease)`; `begin_get` / `read_leased`: a lease's bytes sent inline, each read
-  checked against the lease, so a lease that expired mid-stream never reads a reused slot.
+  arena; `acquire_now` answers at once when none is, else None.
+- `release(ns, lease)`; `unpin(lease)` (a load lease ends: released or expired); `begin_get` /
+  `read_leased`: a lease's bytes sent inline, each read checked against the lease, so a lease
+  that expired mid-stream never reads a reused slot.
+
+`Loads` is a part the store owns (`kvstore.store`), given the store's state, its eviction, and
+the lower tiers and GPU placement where it has them.
 """
 
 from __future__ import annotations
@@ -16,19 +23,33 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from operator import attrgetter, itemgetter
+from typing import TYPE_CHECKING
 
 from kvstore.domain import Tier
 from kvstore.errors import NotFound
+from kvstore.eviction import Eviction
 from kvstore.index import COMMITTED, PIN, AcquireResult, Entry, LookupResult
 from kvstore.leases import Lease, LeaseKind
+from kvstore.lower import LowerTiers
 from kvstore.store_state import StoreState
+
+if TYPE_CHECKING:
+    from kvstore.gpu_placement import GpuPlacement
 
 PROMOTION_TIMEOUT_S = 10.0
 _TIERING = attrgetter("tiering")
 _CPU_TIER = bytes([Tier.CPU])
 
 
-class Loads(StoreState):
+class Loads:
+    def __init__(
+        self, state: StoreState, eviction: Eviction, lower: LowerTiers | None, placement: GpuPlacement | None
+    ) -> None:
+        self.state = state
+        self.eviction = eviction
+        self.lower = lower
+        self.placement = placement
+
     def lookup(
         self,
         ns_id: bytes,
@@ -46,9 +67,10 @@ class Loads(StoreState):
         `gpu_pools`: the GPU pools the lease's reader has opened; its pages in other pools are
         copied into the arena for it.
         """
-        ns = self.namespaces.registered(ns_id)
-        self._check_keys(keys)
-        ttl_s = self._ttl(ttl_s)
+        state = self.state
+        ns = state.namespaces.registered(ns_id)
+        state.check_keys(keys)
+        ttl_s = state.ttl(ttl_s)
         hits, plain = _hits(_present(ns.entries, keys))
         lower = self.lower
         runs = lower.find(ns, keys[len(hits) :]) if lower is not None and len(hits) < len(keys) else []
@@ -59,7 +81,7 @@ class Loads(StoreState):
         found = len(hits)
         if runs:
             found += sum(len(run) for _, run in runs)
-        counters = self.counters
+        counters = state.counters
         counters["lookups"] += 1
         counters["hit_chunks"] += found
         counters["missed_chunks"] += len(keys) - found
@@ -74,19 +96,31 @@ class Loads(StoreState):
         lease_id = self._lease_hits(ns_id, hits, ttl_s, touch, gpu_pools) if lease and hits else 0
         return LookupResult(found, tiers, lease_id)
 
+    def lookup_acquire(
+        self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float | None = None, gpu_pools: Sequence[int] = ()
+    ) -> tuple[LookupResult, AcquireResult | None]:
+        """A leased Lookup (a use of its hits) and, where none of its pages must be waited for,
+        the Acquire's answer too (None: the reader calls `acquire`)."""
+        result = self.lookup(ns_id, keys, True, ttl_s, True, gpu_pools)
+        if not result.lease_id:
+            return result, None
+        lease = self.state.leases.held(ns_id, result.lease_id, LeaseKind.LOAD)
+        return result, None if _pending(lease) else self._ready(lease)
+
     def _lease_hits(
         self, ns_id: bytes, hits: list[Entry], ttl_s: float, touch: bool, gpu_pools: Sequence[int]
     ) -> int:
         """A load lease on the hit pages its reader can read (those in GPU pools it has not
         opened are copied into the arena for it), pinning them; 0 where none is left."""
-        placement = self.gpu_placement
+        placement = self.placement
         if placement is not None:
             hits = placement.readable(hits, gpu_pools)
         if not hits:
             return 0
         for entry in hits:
             entry.state += PIN
-        load = self.leases.add(ns_id, LeaseKind.LOAD, hits, self.clock() + ttl_s, ttl_s)
+        state = self.state
+        load = state.leases.add(ns_id, LeaseKind.LOAD, hits, state.clock() + ttl_s, ttl_s)
         load.gpu_pools = frozenset(gpu_pools)
         if touch and placement is not None:
             placement.hit(hits)
@@ -96,8 +130,9 @@ class Loads(StoreState):
         """The tier of each of `keys` on its own (`Tier.NONE` where it is not stored): a query, not
         a use (the load that follows counts). For chunk boundaries that need not be a prefix
         (those whose recurrent state is stored)."""
-        ns = self.namespaces.registered(ns_id)
-        self._check_keys(keys)
+        state = self.state
+        ns = state.namespaces.registered(ns_id)
+        state.check_keys(keys)
         tiers = bytearray(len(keys))
         lower = self.lower
         for index, key in enumerate(keys):
@@ -106,28 +141,29 @@ class Loads(StoreState):
                 tiers[index] = entry.hit_tier
             elif lower is not None and entry is None:
                 tiers[index] = lower.tier_of(ns, key)
-        self.counters["lookups"] += 1
+        counters = state.counters
+        counters["lookups"] += 1
         found = len(keys) - tiers.count(0)
-        self.counters["hit_chunks"] += found
-        self.counters["missed_chunks"] += len(keys) - found
+        counters["hit_chunks"] += found
+        counters["missed_chunks"] += len(keys) - found
         return bytes(tiers)
 
     async def acquire(self, ns_id: bytes, lease_id: int) -> AcquireResult:
         """Offsets of the lease's leading pages that are in the CPU tier (or a GPU pool its reader
         reads), once the pages still being promoted from disk are in (waited for up to
         PROMOTION_TIMEOUT_S); a page that could not be read ends the ready prefix."""
-        lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
+        lease = self.state.lease(ns_id, lease_id, LeaseKind.LOAD)
         pending = _pending(lease)
         if pending:
             await asyncio.wait(pending, timeout=PROMOTION_TIMEOUT_S)
-            if self.leases.get(lease.id) is not lease:
+            if self.state.leases.get(lease.id) is not lease:
                 raise NotFound(f"lease {lease.id} expired while its pages were read from disk")
         return self._ready(lease)
 
     def acquire_now(self, ns_id: bytes, lease_id: int) -> AcquireResult | None:
         """`acquire`'s answer if it needs no waiting (no page of the lease is still being read from
         disk or copied into the arena), else None: the reader then calls `acquire`."""
-        lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
+        lease = self.state.lease(ns_id, lease_id, LeaseKind.LOAD)
         return None if _pending(lease) else self._ready(lease)
 
     def _ready(self, lease: Lease) -> AcquireResult:
@@ -146,15 +182,16 @@ class Loads(StoreState):
                 pools.append(0)
             else:
                 break
-        page_bytes = self.namespaces[lease.namespace].spec.page_bytes
+        page_bytes = self.state.namespaces[lease.namespace].spec.page_bytes
         return AcquireResult(offsets, page_bytes, bytes(tiers), tuple(pools))
 
     def release(self, ns_id: bytes, lease_id: int) -> int:
-        lease = self._lease(ns_id, lease_id, LeaseKind.LOAD)
-        self.leases.pop(lease_id)
-        return self._unpin(lease)
+        lease = self.state.lease(ns_id, lease_id, LeaseKind.LOAD)
+        self.state.leases.pop(lease_id)
+        return self.unpin(lease)
 
-    def _unpin(self, lease: Lease) -> int:
+    def unpin(self, lease: Lease) -> int:
+        """A load lease ended (released, or expired): its pages are no longer held for it."""
         settle = self.eviction.settle
         for entry in lease.entries:
             entry.state -= PIN
@@ -164,13 +201,13 @@ class Loads(StoreState):
     async def begin_get(self, ns_id: bytes, lease_id: int) -> tuple[Lease, AcquireResult]:
         """A load lease and its pages (`acquire`), for one inline Get."""
         result = await self.acquire(ns_id, lease_id)
-        return self._lease(ns_id, lease_id, LeaseKind.LOAD), result
+        return self.state.lease(ns_id, lease_id, LeaseKind.LOAD), result
 
     def read_leased(self, lease: Lease, offset: int, length: int) -> bytes:
         """`length` bytes at `offset` in the arena, while `lease` holds them."""
-        if self.leases.get(lease.id) is not lease:
+        if self.state.leases.get(lease.id) is not lease:
             raise NotFound(f"lease {lease.id} expired while its pages were being read")
-        return bytes(self.cpu.read(offset, length))
+        return bytes(self.state.cpu.read(offset, length))
 
 
 def _present(entries: dict[bytes, Entry], keys: Sequence[bytes]) -> Sequence[Entry]:

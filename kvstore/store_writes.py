@@ -15,25 +15,43 @@ makes them visible to lookups at once, or Aborts. An entry being written is neve
   is the one a whole Commit builds. A Commit after the lease expired is refused: what it
   had not committed is not stored.
 - Expiry (`Store.expire`) and Abort end only what the lease has not committed: a committed
-  page is an ordinary page at once. Expired, a lease written inline only is dropped; one
-  written in place is fenced (`_fence`): those keys leave the index, their slots stay
-  quarantined until its writer is gone, its client ends it, or `leases.quarantine_s` passes.
+  page is an ordinary page at once. Expired, a lease written inline only is dropped
+  (`drop_reservation`); one written in place is fenced (`fence`): those keys leave the index,
+  their slots stay quarantined until its writer is gone, its client ends it, or
+  `leases.quarantine_s` passes.
+
+`Writes` is a part the store owns (`kvstore.store`), given the store's state, its eviction, and
+the lower tiers and GPU placement where it has them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvstore.domain import Tier
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.events import EventKind
-from kvstore.index import COMMITTED, AcquireResult, Entry, ReserveResult
+from kvstore.eviction import Eviction
+from kvstore.index import COMMITTED, AcquireResult, Entry, Namespace, ReserveResult
 from kvstore.leases import Lease, LeaseKind
+from kvstore.lower import LowerTiers
 from kvstore.peers import Peer
 from kvstore.store_state import StoreState
 
+if TYPE_CHECKING:
+    from kvstore.gpu_placement import GpuPlacement
 
-class Writes(StoreState):
+
+class Writes:
+    def __init__(
+        self, state: StoreState, eviction: Eviction, lower: LowerTiers | None, placement: GpuPlacement | None
+    ) -> None:
+        self.state = state
+        self.eviction = eviction
+        self.lower = lower
+        self.placement = placement
+
     def reserve(
         self,
         ns_id: bytes,
@@ -47,9 +65,10 @@ class Writes(StoreState):
         expires; None for a client that writes through Put only. `gpu_bus_id`: the writer's GPU;
         the new pages land in the GPU tier's pool there where it has room (`GpuPlacement.reserve`),
         else in the arena."""
-        ns = self.namespaces.registered(ns_id)
-        self._check_keys(keys)
-        ttl_s = self._ttl(ttl_s)
+        state = self.state
+        ns = state.namespaces.registered(ns_id)
+        state.check_keys(keys)
+        ttl_s = state.ttl(ttl_s)
         present: list[Entry] = []
         new_keys: list[bytes] = []
         seen: set[bytes] = set()
@@ -68,51 +87,58 @@ class Writes(StoreState):
         pool, slots = self._pool_slots(gpu_bus_id, writer, ns.spec.page_bytes, len(new_keys), present)
         if new_keys and slots is None:
             self.eviction.make_cpu_room(ns.spec.page_bytes, len(new_keys), protected=present)
-        self.counters["reserves"] += 1
-        self.counters["skipped_chunks"] += len(present)
+        state.counters["reserves"] += 1
+        state.counters["skipped_chunks"] += len(present)
         # Present pages stay recent while the new ones are written; the commit touches them again.
         self.eviction.tell_stored(self.eviction.policy_pages([e for e in present if e.committed]))
         if not new_keys:
             return ReserveResult(0, offsets)
         ns.make_room(len(new_keys))
+        entries = self._new_entries(ns, new_keys, pool, slots)
+        places = iter([entry.offset for entry in entries] if slots is None else slots)
+        offsets = [offset if offset < 0 else next(places) for offset in offsets]
+        lease = state.leases.add(
+            ns_id, LeaseKind.STORE, entries, state.clock() + ttl_s, ttl_s, list(keys), writer
+        )
+        return ReserveResult(lease.id, offsets, pool)
+
+    def _new_entries(
+        self, ns: Namespace, keys: list[bytes], pool: int, slots: list[int] | None
+    ) -> list[Entry]:
+        """The index entries of a Reserve's new keys: in new arena slots, or (`slots`) in pool
+        `pool` only, with no arena slot until the page moves down."""
         entries = []
         if slots is None:
-            for key in new_keys:
-                entry = ns.new_entry(key, self.cpu.slots.alloc(ns.spec.page_bytes))
+            for key in keys:
+                entry = ns.new_entry(key, self.state.cpu.slots.alloc(ns.spec.page_bytes))
                 ns.entries[key] = entry
                 entries.append(entry)
-            places = iter([entry.offset for entry in entries])
-        else:  # in a GPU pool only: no arena slot until the page moves down
-            for key, slot in zip(new_keys, slots, strict=True):
+        else:
+            for key, slot in zip(keys, slots, strict=True):
                 entry = ns.new_entry(key, -1)
                 entry.gpu, entry.pool = slot, pool
                 ns.entries[key] = entry
                 entries.append(entry)
-            places = iter(slots)
-        offsets = [offset if offset < 0 else next(places) for offset in offsets]
-        lease = self.leases.add(
-            ns_id, LeaseKind.STORE, entries, self.clock() + ttl_s, ttl_s, list(keys), writer
-        )
-        return ReserveResult(lease.id, offsets, pool)
+        return entries
 
     def _pool_slots(
         self, gpu_bus_id: str, writer: Peer | None, page_bytes: int, count: int, present: list[Entry]
     ) -> tuple[int, list[int] | None]:
         """The pool on the writer's GPU and slots there for `count` new pages; (-1, None): the
         arena's."""
-        placement = self.gpu_placement
+        placement = self.placement
         if not gpu_bus_id or not count or placement is None or writer is None:
             return -1, None
         pool = placement.gpu.pool_for(gpu_bus_id)
         if pool < 0:
-            self.counters["gpu_reserves_to_arena"] += 1
+            self.state.counters["gpu_reserves_to_arena"] += 1
             return -1, None
         slots = placement.reserve(pool, page_bytes, count, present)
         return (pool, slots) if slots is not None else (-1, None)
 
     def begin_put(self, ns_id: bytes, lease_id: int) -> tuple[Lease, AcquireResult]:
         """Claims a store lease for one inline Put; a second concurrent Put is refused."""
-        lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
+        lease = self.state.lease(ns_id, lease_id, LeaseKind.STORE)
         if lease.writer_active:
             raise FailedPrecondition(f"lease {lease_id}: another Put is already writing its pages")
         if lease.committed:  # a Put writes every page of the lease: it would rewrite visible pages
@@ -122,7 +148,7 @@ class Writes(StoreState):
             )
         lease.writer_active = True
         return lease, AcquireResult(
-            [entry.offset for entry in lease.entries], self.namespaces[ns_id].spec.page_bytes
+            [entry.offset for entry in lease.entries], self.state.namespaces[ns_id].spec.page_bytes
         )
 
     def end_put(self, lease: Lease, error: str = "") -> None:
@@ -132,14 +158,15 @@ class Writes(StoreState):
 
     def write_leased(self, lease: Lease, offset: int, data: memoryview, within: int) -> None:
         """Writes `data` at `within` bytes into the page at `offset`, while `lease` holds it."""
-        if self.leases.get(lease.id) is not lease:
+        if self.state.leases.get(lease.id) is not lease:
             raise NotFound(f"lease {lease.id} expired while its pages were being written")
-        self.cpu.write(offset, data, within)
+        self.state.cpu.write(offset, data, within)
 
     def commit(self, ns_id: bytes, lease_id: int, count: int = 0) -> int:
         """Makes the lease's next `count` new pages visible (0: all it has left); returns how many.
         The lease ends with its last page and stays open until then."""
-        fenced = self.quarantines.end(ns_id, lease_id)
+        state = self.state
+        fenced = state.quarantines.end(ns_id, lease_id)
         if fenced is not None:  # its writer has finished: it commits after writing
             kept = fenced.lease.committed
             stored = (
@@ -149,25 +176,25 @@ class Writes(StoreState):
                 f"lease {lease_id} expired before its Commit (the writer did not renew it within its "
                 f"TTL, leases.ttl_s): {stored}; store the pages again"
             )
-        lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
+        lease = state.lease(ns_id, lease_id, LeaseKind.STORE)
         if lease.broken or lease.writer_active:
             why = lease.broken or "a Put is still writing its pages"
             raise FailedPrecondition(f"lease {lease_id} cannot be committed: {why}; Abort it and store again")
         part, stop = self._next_part(lease, count)
-        ns = self.namespaces[ns_id]
+        ns = state.namespaces[ns_id]
         for entry in part:
             entry.state |= COMMITTED
         ns.pages += len(part)
         in_pool = bool(part) and part[0].offset < 0  # a lease's new pages: all in one pool, or in the arena
         if in_pool:
-            assert self.gpu_placement is not None
-            self.gpu_placement.landed(part)
+            assert self.placement is not None
+            self.placement.landed(part)
         chain = self.eviction.link(ns, lease.keys, lease.linked, stop)
         lease.linked = stop
         self.eviction.tell_stored(self.eviction.policy_pages(chain))
         pages = [(entry.key, entry.parent.key if entry.parent is not None else b"") for entry in part]
-        self.events.add_many(EventKind.STORED, Tier.GPU if in_pool else Tier.CPU, ns_id, pages, "committed")
-        self.counters["stored_chunks"] += len(part)
+        state.events.add_many(EventKind.STORED, Tier.GPU if in_pool else Tier.CPU, ns_id, pages, "committed")
+        state.counters["stored_chunks"] += len(part)
         if self.lower is not None and not in_pool:  # a page in a pool reaches them once it moves down
             self.lower.committed(ns, part)
         return len(part)
@@ -178,49 +205,51 @@ class Writes(StoreState):
         lease ends when they are the last it holds."""
         pending = lease.pending
         if count == 0 or count >= len(pending):
-            self.leases.pop(lease.id)
+            self.state.leases.pop(lease.id)
             return pending, len(lease.keys)
         part = pending[:count]
-        self.leases.commit_part(lease, count)
+        self.state.leases.commit_part(lease, count)
         return part, lease.keys.index(part[-1].key, lease.linked) + 1
 
     def abort(self, ns_id: bytes, lease_id: int) -> int:
         """Frees the slots of the pages the lease has not committed; returns how many."""
-        fenced = self.quarantines.end(ns_id, lease_id)
+        state = self.state
+        fenced = state.quarantines.end(ns_id, lease_id)
         if fenced is not None:
             return len(fenced.offsets)
-        lease = self._lease(ns_id, lease_id, LeaseKind.STORE)
-        self.leases.pop(lease_id)
-        dropped = self._drop_reservation(lease)
-        self.counters["aborted_chunks"] += dropped
+        lease = state.lease(ns_id, lease_id, LeaseKind.STORE)
+        state.leases.pop(lease_id)
+        dropped = self.drop_reservation(lease)
+        state.counters["aborted_chunks"] += dropped
         return dropped
 
-    def _drop_reservation(self, lease: Lease) -> int:
+    def drop_reservation(self, lease: Lease) -> int:
         """Drops the pages the lease has not committed from the index and frees their slots."""
-        ns = self.namespaces[lease.namespace]
+        ns = self.state.namespaces[lease.namespace]
         pending = lease.pending
         for entry in pending:
             del ns.entries[entry.key]
             if entry.offset >= 0:
-                self.cpu.slots.free(entry.offset)
+                self.state.cpu.slots.free(entry.offset)
             else:  # reserved in a GPU pool
-                assert self.gpu_placement is not None
-                self.gpu_placement.free_slot(entry)
+                assert self.placement is not None
+                self.placement.gpu_pages.free_slot(entry)
         return len(pending)
 
-    def _fence(self, lease: Lease, now: float) -> None:
+    def fence(self, lease: Lease, now: float) -> None:
         """An expired store lease written in place: its pages not committed leave the index (their
         keys can be stored again, into other slots) but their slots stay allocated until its writer
         is gone, its client ends the lease, or leases.quarantine_s passes. Those it committed stay."""
-        ns = self.namespaces[lease.namespace]
+        state = self.state
+        ns = state.namespaces[lease.namespace]
         pending = lease.pending
         for entry in pending:
             del ns.entries[entry.key]
         in_pool = [entry for entry in pending if entry.offset < 0]
         if in_pool:  # a lease's new pages are all in one pool, or all in the arena
-            assert self.gpu_placement is not None
-            slots = self.gpu_placement.gpu.pools[in_pool[0].pool].slots
-            self.quarantines.fence(lease, [e.gpu for e in in_pool], ns.spec.page_bytes, now, slots.free)
+            assert self.placement is not None
+            slots = self.placement.gpu.pools[in_pool[0].pool].slots
+            state.quarantines.fence(lease, [e.gpu for e in in_pool], ns.spec.page_bytes, now, slots.free)
         else:
-            self.quarantines.fence(lease, [e.offset for e in pending], ns.spec.page_bytes, now)
-        self.counters["fenced_leases"] += 1
+            state.quarantines.fence(lease, [e.offset for e in pending], ns.spec.page_bytes, now)
+        state.counters["fenced_leases"] += 1

@@ -20,6 +20,7 @@ from kvstore.keys import chunk_keys
 from kvstore.peers import Peer, process_start_time
 from kvstore.policy import make_policy
 from kvstore.store import Store
+from kvstore.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore_client.renewal import LeaseRenewer
 from tests.test_store import PAGE, SPEC, Clock, page_bytes
@@ -34,10 +35,8 @@ def make_store(tmp_path: Path, clock: Clock, pages: int) -> Store:
     return Store(
         CpuTier(arena, pages * PAGE),
         make_policy("lru"),
-        lease_ttl_s=TTL_S,
-        max_lease_ttl_s=MAX_TTL_S,
+        StoreSettings(lease_ttl_s=TTL_S, max_lease_ttl_s=MAX_TTL_S, quarantine_s=QUARANTINE_S),
         clock=clock,
-        quarantine_s=QUARANTINE_S,
     )
 
 

@@ -34,6 +34,7 @@ from kvstore.policy import make_policy
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import PageSpec
 from kvstore.store import Store
+from kvstore.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.gpu import GpuPool, GpuTier, _address
 from kvstore.tiers.slab import SlabAllocator
@@ -143,12 +144,10 @@ class Rig:
         self.store = Store(
             CpuTier(self.arena, cpu_pages * PAGE),
             make_policy("lru"),
-            lease_ttl_s=10.0,
-            max_lease_ttl_s=60.0,
+            StoreSettings(lease_ttl_s=10.0, max_lease_ttl_s=60.0, pin_fraction=1.0),
             clock=lambda: self.now,
             gpu=self.gpu,
             gpu_policy=make_policy("lru"),
-            pin_fraction=1.0,
         )
         self.ns = self.store.connect(SPEC).id
 

@@ -15,6 +15,7 @@ from kvstore.keys import chunk_keys
 from kvstore.policy import make_policy
 from kvstore.spec import PageSpec
 from kvstore.store import Store
+from kvstore.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 
 SPEC = PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
@@ -24,7 +25,8 @@ CHAIN = 12
 
 def make_store(tmp_path: Path) -> Store:
     arena = Arena(tmp_path / "arena", 64 * PAGE, prefault=False)
-    return Store(CpuTier(arena, 64 * PAGE), make_policy("lfuda"), lease_ttl_s=10.0, max_lease_ttl_s=60.0)
+    settings = StoreSettings(lease_ttl_s=10.0, max_lease_ttl_s=60.0)
+    return Store(CpuTier(arena, 64 * PAGE), make_policy("lfuda"), settings)
 
 
 def page_bytes(key: bytes) -> bytes:

@@ -26,6 +26,7 @@ from kvstore.keys import chunk_keys
 from kvstore.policy import make_policy
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store import Store
+from kvstore.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore_client import KVSpec, KVStoreClient
 from tests.harness import Daemon, wait_flushed
@@ -356,8 +357,7 @@ def unit_store(tmp_path: Path, name: str) -> Store:
     return Store(
         CpuTier(arena, pages * UNIT_PAGE),
         make_policy("lru"),
-        lease_ttl_s=10.0,
-        max_lease_ttl_s=60.0,
+        StoreSettings(lease_ttl_s=10.0, max_lease_ttl_s=60.0),
         clock=Clock(),
     )
 

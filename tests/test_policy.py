@@ -18,6 +18,7 @@ from kvstore.keys import chunk_keys, pack_keys
 from kvstore.policy import POLICIES, EvictionPolicy, make_policy, policy_names
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.store import Store
+from kvstore.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from tests.harness import Daemon
 from tests.test_store import PAGE, SPEC, load_chain, page_bytes, store_chain
@@ -210,11 +211,8 @@ def make_store(tmp_path: Path, pages: int, policy: str = "lfuda", clock: Clock |
     return Store(
         CpuTier(arena, pages * PAGE),
         make_policy(policy),
-        lease_ttl_s=10.0,
-        max_lease_ttl_s=60.0,
+        StoreSettings(lease_ttl_s=10.0, max_lease_ttl_s=60.0, pin_fraction=0.25, max_pin_ttl_s=100.0),
         clock=clock or Clock(),
-        pin_fraction=0.25,
-        max_pin_ttl_s=100.0,
     )
 
 

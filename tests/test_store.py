@@ -18,6 +18,7 @@ from kvstore.keys import chunk_keys
 from kvstore.policy import make_policy
 from kvstore.spec import PageSpec
 from kvstore.store import Store
+from kvstore.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 
 SPEC = PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
@@ -40,7 +41,10 @@ def clock() -> Clock:
 def make_store(tmp_path: Path, clock: Clock, pages: int) -> Store:
     arena = Arena(tmp_path / "arena", pages * PAGE, prefault=False)
     return Store(
-        CpuTier(arena, pages * PAGE), make_policy("lru"), lease_ttl_s=10.0, max_lease_ttl_s=60.0, clock=clock
+        CpuTier(arena, pages * PAGE),
+        make_policy("lru"),
+        StoreSettings(lease_ttl_s=10.0, max_lease_ttl_s=60.0),
+        clock=clock,
     )
 
 
@@ -264,7 +268,7 @@ def test_a_reserve_past_the_slabs_reserved_so_far_says_the_arena_is_warming_up(
 ) -> None:
     arena = Arena(tmp_path / "arena", 16 * PAGE, prefault=False)
     cpu = CpuTier(arena, 4 * PAGE, reserved_slabs=1)  # 4 slabs of 4 pages, one reserved so far
-    store = Store(cpu, make_policy("lru"), lease_ttl_s=10.0, max_lease_ttl_s=60.0, clock=clock)
+    store = Store(cpu, make_policy("lru"), StoreSettings(lease_ttl_s=10.0, max_lease_ttl_s=60.0), clock=clock)
     ns = store.connect(SPEC).id
     keys = chunk_keys(ns, list(range(16 * 8)), 16)  # 8 pages: more than the reserved slab holds
     with pytest.raises(ResourceExhausted, match=r"still being reserved \(16384 of 65536 bytes so far"):

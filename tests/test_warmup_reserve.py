@@ -19,6 +19,7 @@ from kvstore.policy import make_policy
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.spec import PageSpec
 from kvstore.store import Store
+from kvstore.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 
 SPEC = PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
@@ -29,7 +30,9 @@ def warming_daemon(tmp_path: Path) -> tuple[Handlers, Store, bytes]:
     """Handlers over a store whose arena has 1 of 4 slabs (4 pages each) reserved so far."""
     arena = Arena(tmp_path / "arena", 16 * PAGE, prefault=False)
     store = Store(
-        CpuTier(arena, 4 * PAGE, reserved_slabs=1), make_policy("lru"), lease_ttl_s=10.0, max_lease_ttl_s=60.0
+        CpuTier(arena, 4 * PAGE, reserved_slabs=1),
+        make_policy("lru"),
+        StoreSettings(lease_ttl_s=10.0, max_lease_ttl_s=60.0),
     )
     handlers = Handlers({"": store}, chunk_tokens=16, max_message_bytes=1 << 20)
     return handlers, store, store.connect(SPEC).id
