@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import print_table  # noqa: E402
-from kvstore.hugepages import advise_huge, thp_advised  # noqa: E402
+from kvstore.shared.hugepages import advise_huge, thp_advised  # noqa: E402
 from kvstore.tiers.cpu import MADV_POPULATE_WRITE, Arena  # noqa: E402
 
 SLAB = 256 << 20

@@ -24,7 +24,7 @@ from typing import Any
 from bench.common import RESULTS_DIR, print_table, running_daemon, write_results
 from bench.connect_pages import free_bytes, huge_bytes, kind_of, meminfo, unusable
 from bench.connect_processes import ReserveWatch, workers
-from kvstore.cli import arena_pages_line
+from kvstore.ctl.cli import arena_pages_line
 from kvstore.proto import kvstore_pb2 as pb
 
 ARENA_LOG = re.compile(r"arena .*(MiB of|slabs reserved)")  # kvstore.tiers.cpu, kvstore.tiers.reserve

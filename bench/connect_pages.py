@@ -2,7 +2,7 @@
 
 - `PAGE_KINDS`: the kinds `bench/connect.py --pages` puts an arena on (small: 4 KiB pages; thp: a
   tmpfs that gives transparent huge pages; hugetlbfs: its pool's pages), each with the
-  `kvstore.hugepages` kind the daemon reports for it.
+  `kvstore.shared.hugepages` kind the daemon reports for it.
 - `kind_of(directory)`: the kind an arena in `directory` gets; `unusable(kind, directory)`: why an
   arena there would not get `kind` (None: it would).
 - `free_bytes(directory)`: what an arena there may take (a hugetlbfs pool's free pages included).
@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 import shutil
 
-from kvstore.hugepages import arena_pages, hugetlbfs_free_bytes, hugetlbfs_page_bytes
+from kvstore.shared.hugepages import arena_pages, hugetlbfs_free_bytes, hugetlbfs_page_bytes
 
-PAGE_KINDS = {"small": "none", "thp": "thp", "hugetlbfs": "hugetlbfs"}  # to kvstore.hugepages.KINDS
+PAGE_KINDS = {"small": "none", "thp": "thp", "hugetlbfs": "hugetlbfs"}  # to kvstore.shared.hugepages.KINDS
 MEMINFO_KEYS = (
     "MemTotal",
     "MemAvailable",

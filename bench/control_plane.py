@@ -85,7 +85,7 @@ from bench.control_plane_trees import (  # noqa: E402
     run_host,
     run_storm,
 )
-from kvstore.config import parse_size  # noqa: E402
+from kvstore.config.root import parse_size  # noqa: E402
 
 FULL = {"tokens": 4096, "layers": 32, "arena": "2GiB", "repeats": 5, "lookup_calls": 3000, "warmup": 300}
 QUICK = {"tokens": 512, "layers": 2, "arena": "64MiB", "repeats": 2, "lookup_calls": 200, "warmup": 20}
@@ -228,7 +228,7 @@ def _check_kernels() -> None:
     if not hasattr(kvstore_kernels, "gather"):
         raise SystemExit(
             "kvstore_kernels has no gather(): the client cannot copy pages. If "
-            "kernels/__init__.py exists, reinstall the package (pip install -e .): an "
+            "kvstore_kernels/__init__.py exists, reinstall the package (pip install -e .): an "
             "editable install made before it existed maps kvstore_kernels to a namespace"
         )
 

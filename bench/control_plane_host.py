@@ -40,17 +40,17 @@ def p50_us(call: Callable[[], object], calls: int) -> float:
 
 
 def measure(calls: int) -> dict[str, float]:
-    from kvstore.config import EvictionConfig
-    from kvstore.handlers import Handlers
-    from kvstore.keys import pack_keys
-    from kvstore.local import LocalChannelServer
-    from kvstore.policy import make_policy
+    from kvstore.config.root import EvictionConfig
+    from kvstore.ctl.replay import REPLAY_SPEC
     from kvstore.proto import kvstore_pb2 as pb
-    from kvstore.replay import REPLAY_SPEC
-    from kvstore.store import Store
-    from kvstore.store_settings import StoreSettings
+    from kvstore.server.handlers import Handlers
+    from kvstore.server.local import LocalChannelServer
+    from kvstore.shared.keys import pack_keys
+    from kvstore.shared.wire import METHOD_IDS
+    from kvstore.store.policy import make_policy
+    from kvstore.store.store import Store
+    from kvstore.store.store_settings import StoreSettings
     from kvstore.tiers.cpu import Arena, CpuTier
-    from kvstore.wire import METHOD_IDS
 
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-") as tmp:
         arena = Arena(Path(tmp) / "arena", 16 << 20, prefault=False)

@@ -29,10 +29,10 @@ from bench.control_plane_setup import (
     measure,
     store_lookup_pages,
 )
-from kvstore.handlers import Handlers
-from kvstore.keys import pack_keys, unpack_keys
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.spec import PageSpec
+from kvstore.server.handlers import Handlers
+from kvstore.shared.keys import pack_keys, unpack_keys
+from kvstore.shared.spec import PageSpec
 from kvstore_client import KVStoreClient
 
 

@@ -37,8 +37,8 @@ from bench.control_plane_setup import (
 )
 from bench.control_plane_sides import free_port, on_off_rounds, on_over_off, open_side, side_calls, side_rows
 from bench.control_plane_tenants import TARGET_TENANTS_RATIO
-from kvstore.handlers import Handlers
-from kvstore.metrics import Snapshot
+from kvstore.server.handlers import Handlers
+from kvstore.server.metrics import Snapshot
 
 Windows = dict[str, dict[str, list[list[float]]]]  # per mode and series: durations per window
 

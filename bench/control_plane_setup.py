@@ -26,12 +26,12 @@ import torch
 
 from bench.common import Daemon, Latency
 from bench.common_timing import time_calls
-from kvstore.config import EvictionConfig, format_size
-from kvstore.keys import pack_keys
-from kvstore.policy import make_policy
+from kvstore.config.root import EvictionConfig, format_size
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.store import Store
-from kvstore.store_settings import StoreSettings
+from kvstore.shared.keys import pack_keys
+from kvstore.store.policy import make_policy
+from kvstore.store.store import Store
+from kvstore.store.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore_client import KVSpec, KVStoreClient
 

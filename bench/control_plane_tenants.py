@@ -31,10 +31,10 @@ from bench.control_plane_setup import (
     timed_in_turns,
 )
 from bench.control_plane_sides import on_off_rounds, side_rows
-from kvstore.handlers import Handlers
-from kvstore.keys import chunk_keys, pack_keys
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.spec import PageSpec
+from kvstore.server.handlers import Handlers
+from kvstore.shared.keys import chunk_keys, pack_keys
+from kvstore.shared.spec import PageSpec
 
 TARGET_TENANTS_RATIO = 1.05
 
@@ -78,9 +78,9 @@ def tenant_configs(tokens_file: Path) -> list[dict[str, Any]]:
 def handler_lookup_with_tenants(page: PageSpec, tokens: torch.Tensor, calls: int) -> dict[str, float]:
     """The daemon's own work for a Lookup of 512 keys (`Handlers.Lookup`: caller to store, the
     lookup, the reply) with tenants and without, in this process, timed in turns (p50 µs)."""
-    from kvstore.config import TenantConfig
-    from kvstore.peers import Peer
-    from kvstore.tenants import Tenancy
+    from kvstore.config.root import TenantConfig
+    from kvstore.server.tenants import Tenancy
+    from kvstore.shared.peers import Peer
 
     with in_process_stores(("", "bench", "other")) as stores:
         tenancy = Tenancy([TenantConfig("bench", uids=(os.geteuid(),)), TenantConfig("other", uids=(40001,))])

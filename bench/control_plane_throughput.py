@@ -17,7 +17,7 @@ import torch
 
 from bench.common import Daemon, print_table
 from bench.control_plane_setup import BLOCK_SIZE, CHUNK_TOKENS, kv_caches, throughput_spec
-from kvstore.config import format_size
+from kvstore.config.root import format_size
 from kvstore_client import KVStoreClient
 
 PATHS = (("shm", True), ("bytes", False))  # results key, shared_memory

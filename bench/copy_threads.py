@@ -1,4 +1,4 @@
-"""The host's CPU copy rate by thread count: what the client's bounce ring (`client/bounce.py`) can
+"""The host's CPU copy rate by thread count: what the client's bounce ring (`kvstore_client/bounce.py`) can
 move from its pinned slots into arena slabs not registered yet (`memmove` in 4 MiB pieces, the
 GIL released), into memory already faulted in, as the registrar's faulters leave it.
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` w
 
 from bench.common import print_table, write_results  # noqa: E402
 from bench.disk_layout import drop_cache  # noqa: E402
-from kvstore.config import DiskTierConfig  # noqa: E402
+from kvstore.config.root import DiskTierConfig  # noqa: E402
 from kvstore.tiers.disk import DiskTier  # noqa: E402
 
 NS = bytes(16)

@@ -6,7 +6,7 @@ cut into pages in the page layout (`[layer][k|v][token][kv_head][head_dim]`, 256
 4 MiB each). Each codec compresses and decompresses every page; MB/s are of page bytes
 (the best of `--repeats` passes), and each round trip is checked byte for byte.
 
-- lz4: `kvstore.codec` as the disk tier runs it (lz4 frame, 4 MiB blocks), and lz4 frame
+- lz4: `kvstore.tiers.codec` as the disk tier runs it (lz4 frame, 4 MiB blocks), and lz4 frame
   with its default 64 KiB blocks.
 - shuffle+lz4: the page's 16-bit values split into a low-byte plane and a high-byte plane
   (blosc's shuffle), then lz4 frame; undone after decompression.
@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
 from bench.common import print_table, write_results  # noqa: E402
-from kvstore.codec import Codec, compress, decompress  # noqa: E402
+from kvstore.tiers.codec import Codec, compress, decompress  # noqa: E402
 
 CHUNK_TOKENS = 256
 

@@ -1,7 +1,7 @@
 """What a shared remote tier is worth to a fleet: the conversation trace over 1 to 64 hosts.
 
 For each fleet size N, each way of sending requests to hosts (round-robin, random, affinity: a
-cache-aware router) and each shared tier (none, or `--remote-pages`): `kvstore.fleet` replays
+cache-aware router) and each shared tier (none, or `--remote-pages`): `kvstore.ctl.fleet` replays
 the trace (every host its own CPU tier of `--cpu-pages`, the real store and policy) and reports
 the fleet's prefix-hit ratio, the share the shared tier served, and the spread over hosts.
 Prints a table, writes `bench/results/fleet.json` and, where matplotlib is installed
@@ -22,8 +22,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
 from bench.common import RESULTS_DIR, print_table, write_results  # noqa: E402
-from kvstore.fleet import ASSIGNMENTS, fleet_replay  # noqa: E402
-from kvstore.trace import load_trace  # noqa: E402
+from kvstore.ctl.fleet import ASSIGNMENTS, fleet_replay  # noqa: E402
+from kvstore.ctl.trace import load_trace  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from bench.gpu_tier_setup import BLOCK, CHUNK, SPEC, cache, tiers_of
-from kvstore.keys import pack_keys
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.keys import pack_keys
 from kvstore.tiers import Tier
 from kvstore_client import KVStoreClient
 from kvstore_kernels import TransferOptions, scatter

@@ -27,8 +27,8 @@ from bench.common_timing import walls_in_turn
 from bench.gpu_tier_host_steps import HostSteps, host_steps
 from bench.gpu_tier_loads import TierLoads
 from bench.gpu_tier_setup import LAYERS, SPEC
-from kvstore.keys import pack_keys
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.keys import pack_keys
 from kvstore_client import KVStoreClient
 from kvstore_kernels import TransferOptions, scatter, triton_copy
 from kvstore_kernels.geometry import geometry_of

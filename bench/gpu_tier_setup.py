@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from bench.common_timing import medians_in_turn
-from kvstore.keys import pack_keys
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.keys import pack_keys
 from kvstore_client import KVSpec, KVStoreClient
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, CHUNK = 32, 8, 128, 16, 256

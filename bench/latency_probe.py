@@ -56,7 +56,7 @@ def start_daemon(run_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     }
     (run_dir / "kvstored.yaml").write_text(yaml.safe_dump(config))
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.daemon", "--config", str(run_dir / "kvstored.yaml")],
+        [sys.executable, "-m", "kvstore.server.daemon", "--config", str(run_dir / "kvstored.yaml")],
         stderr=subprocess.DEVNULL,
     )
     address = f"unix://{socket_path}"

@@ -1,6 +1,6 @@
 """Eviction-policy benchmark: prefix-hit ratios on a trace, policy operations per second, bytes per page.
 
-1. Hit ratios: every registered policy replayed through the real store (`kvstore.replay`) on a
+1. Hit ratios: every registered policy replayed through the real store (`kvstore.ctl.replay`) on a
    Mooncake-format trace at 1000..20000 CPU pages, beside Belady's optimum and the infinite bound,
    with the replay's time (lookup + reserve + commit of every request).
 2. Operations per second on the policy object holding `--pages` pages, one page per call, in a
@@ -31,12 +31,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.common` when run as a script
 
 from bench.common import print_table, write_results  # noqa: E402
-from kvstore.policy import POLICIES, EvictionPolicy, make_policy  # noqa: E402
-from kvstore.replay import REPLAY_SPEC, bounds, replay  # noqa: E402
-from kvstore.store import Store  # noqa: E402
-from kvstore.store_settings import StoreSettings  # noqa: E402
+from kvstore.ctl.replay import REPLAY_SPEC, bounds, replay  # noqa: E402
+from kvstore.ctl.trace import Trace, load_trace  # noqa: E402
+from kvstore.store.policy import POLICIES, EvictionPolicy, make_policy  # noqa: E402
+from kvstore.store.store import Store  # noqa: E402
+from kvstore.store.store_settings import StoreSettings  # noqa: E402
 from kvstore.tiers.cpu import Arena, CpuTier  # noqa: E402
-from kvstore.trace import Trace, load_trace  # noqa: E402
 
 TRACE = "/work/shared/traces/conversation_trace.jsonl"
 CAPACITIES = (1000, 2000, 5000, 10000, 20000)

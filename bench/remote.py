@@ -240,7 +240,7 @@ def transfer(args: argparse.Namespace) -> None:
 
 def record_macs(args: argparse.Namespace) -> None:
     """The remote tier's read rate with record MACs off and on, same server, same run."""
-    from kvstore.config import RemoteTierConfig
+    from kvstore.config.root import RemoteTierConfig
     from kvstore.tiers.remote import RemoteTier
 
     spec = KVSpec("bench/remote", args.layers, HEADS, HEAD_DIM, torch.bfloat16, block_size=BLOCK)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import print_table, write_results
-from kvstore.config import RemoteTierConfig
+from kvstore.config.root import RemoteTierConfig
 from kvstore.tiers.remote import RemoteTier
 from tests.redis_cluster import RedisCluster, cluster_tools, free_ports
 

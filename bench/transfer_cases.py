@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import kvstore_kernels
-from kvstore.spec import KVSpec
+from kvstore.shared.spec import KVSpec
 from kvstore_kernels import cache_facts
 from kvstore_kernels.validate import plan_transfer
 

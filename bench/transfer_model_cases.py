@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from bench.transfer_cases import CHUNK_TOKENS, PinnedBuffer
-from kvstore.spec import KVSpec
+from kvstore.shared.spec import KVSpec
 
 DEEPSEEK_V3_LAYERS, DEEPSEEK_V3_LATENT, MLA_BLOCK = 61, 576, 64  # 512 compressed KV + 64 rope
 GPT_OSS_LAYERS, GPT_OSS_WINDOW = 36, 128  # gpt-oss-120b: layers 0, 2, ... slide, 1, 3, ... attend to all

@@ -38,7 +38,7 @@ class StepClock:
 
     @contextlib.contextmanager
     def installed(self) -> Any:
-        from kvstore.channel import LocalChannel
+        from kvstore.shared.channel import LocalChannel
 
         clock, patched = self, []
 

@@ -21,7 +21,7 @@ chunk, so its bytes per token are the same and kvstore's CPU tier is the same si
 Four runs per pattern:
 
 - vLLM's prefix caching off, with kvstore: the share of prompt tokens kvstore serves, against
-  what `kvctl replay` (`kvstore.replay`, the same policy) predicts for the same capacity in
+  what `kvctl replay` (`kvstore.ctl.replay`, the same policy) predicts for the same capacity in
   chunks; and the bytes its loads move per served request, from the LoadSpecs of each step's
   metadata (a chunk moves one whole page of its group), against loading every layer of every
   chunk the request loads.
@@ -56,9 +56,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bench.common import Latency, print_table, running_daemon, write_results
-from kvstore.config import EvictionConfig
-from kvstore.replay import replay
-from kvstore.trace import Trace, load_trace
+from kvstore.config.root import EvictionConfig
+from kvstore.ctl.replay import replay
+from kvstore.ctl.trace import Trace, load_trace
 from kvstore_client.client import KVStoreClient
 
 if TYPE_CHECKING:

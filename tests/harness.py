@@ -5,7 +5,7 @@
   `tiers__cpu__bytes="1GiB"`), once it serves.
 - `running_daemon(config)`: a daemon on `config` (the YAML's shape) in a temporary directory,
   stopped with SIGTERM on exit (a non-zero exit status is an error) and its directory removed.
-- `launch_daemon(args, config_path, socket_path, log_path, **popen)`: `python -m kvstore.daemon
+- `launch_daemon(args, config_path, socket_path, log_path, **popen)`: `python -m kvstore.server.daemon
   ARGS` once it serves. A benchmark's daemon (`running_daemon`) gets SIGTERM when the process
   that started it dies (even by SIGKILL), so it still removes its socket and arena.
 - `Daemon`: `address`, `pid`, `arena_path`, `stub()`, `log()`, `cpu_seconds()`, `stop(sig)`.
@@ -35,9 +35,9 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.channel import LocalChannel
-from kvstore.daemon import arena_name
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.server.daemon import arena_name
+from kvstore.shared.channel import LocalChannel
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 60.0
@@ -180,7 +180,10 @@ def launch_daemon(
         popen["preexec_fn"] = _die_with_parent()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.daemon", *args], stdout=log, stderr=subprocess.STDOUT, **popen
+            [sys.executable, "-m", "kvstore.server.daemon", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            **popen,
         )
     daemon = Daemon(process, config_path, socket_path, log_path, run_dir)
     try:

@@ -31,7 +31,7 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 
 import kvstore_kernels  # noqa: E402
-from kvstore.spec import KVSpec  # noqa: E402
+from kvstore.shared.spec import KVSpec  # noqa: E402
 
 LAYOUTS = ["flash_attn", "flashinfer", "cross_layer", "mla", "hf", "vllm", "vllm_rows"]
 DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"]

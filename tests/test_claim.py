@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.daemon import arena_name
+from kvstore.server.daemon import arena_name
 from tests.harness import launch_daemon, python_env, start_daemon, write_config
 
 NOBODY = 65534
@@ -20,7 +20,7 @@ NOBODY = 65534
 def refused(config: Path) -> str:
     """Runs kvstored on `config`, which must refuse to start; its stderr."""
     result = subprocess.run(
-        [sys.executable, "-m", "kvstore.daemon", "--config", str(config)],
+        [sys.executable, "-m", "kvstore.server.daemon", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=60,

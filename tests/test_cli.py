@@ -19,7 +19,7 @@ from tests.harness import Daemon, RedisServer
 def kvctl(daemon: Daemon | None, *args: str, address: str | None = None) -> subprocess.CompletedProcess[str]:
     target = address or (daemon.address if daemon else "")
     return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "--address", target, *args],
+        [sys.executable, "-m", "kvstore.ctl.cli", "--address", target, *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -120,7 +120,7 @@ def imported_by(*args: str) -> tuple[subprocess.CompletedProcess[str], set[str]]
     the modules it had imported by the end (the last line of its stderr)."""
     code = (
         "import sys\n"
-        "from kvstore.cli import main\n"
+        "from kvstore.ctl.cli import main\n"
         "try:\n"
         f"    code = main({list(args)!r})\n"
         "except SystemExit as exit:\n"
@@ -142,17 +142,31 @@ def test_version_imports_neither_grpc_nor_numpy_nor_the_store() -> None:
     result, modules = imported_by("--version")
     assert result.returncode == 0 and result.stdout == f"kvctl {__version__}\n"
     assert loaded(modules, "grpc", "numpy", "torch", "google", "yaml", "rich") == set()
-    assert {m for m in modules if m.startswith("kvstore")} == {"kvstore", "kvstore.cli", "kvstore.paths"}
+    assert {m for m in modules if m.startswith("kvstore")} == {
+        "kvstore",
+        "kvstore.ctl",
+        "kvstore.ctl.cli",
+        "kvstore.shared",
+        "kvstore.shared.paths",
+    }
 
 
 def test_stats_imports_no_store_replay_config_or_rich(daemon: Daemon) -> None:
     result, modules = imported_by("--address", daemon.address, "stats", "--json")
     assert result.returncode == 0 and json.loads(result.stdout)["tiers"]["cpu"]["pages"] == 0
-    unwanted = ("torch", "yaml", "rich", "kvstore.store", "kvstore.replay", "kvstore.fleet", "kvstore.config")
+    unwanted = (
+        "torch",
+        "yaml",
+        "rich",
+        "kvstore.store.store",
+        "kvstore.ctl.replay",
+        "kvstore.ctl.fleet",
+        "kvstore.config.root",
+    )
     assert loaded(modules, *unwanted) == set()
-    assert loaded(modules, "kvstore.handlers", "kvstore.local", "kvstore.policy") == set()
+    assert loaded(modules, "kvstore.server.handlers", "kvstore.server.local", "kvstore.store.policy") == set()
     # Over the local channel: neither gRPC nor numpy (most of a call's start-up on a busy machine).
-    assert loaded(modules, "grpc", "numpy", "kvstore.keys") == set()
+    assert loaded(modules, "grpc", "numpy", "kvstore.shared.keys") == set()
 
 
 def test_top_without_a_terminal_prints_one_plain_frame(daemon: Daemon) -> None:
@@ -171,7 +185,7 @@ def test_top_without_a_terminal_prints_one_plain_frame(daemon: Daemon) -> None:
 
 
 def test_top_labels_the_interval_and_the_ratio_since_start() -> None:
-    from kvstore.top import activity, hit_ratio_line
+    from kvstore.ctl.top import activity, hit_ratio_line
 
     def stats(hits: int, misses: int, lookups: int) -> dict[str, Any]:
         return {"counters": {"hit_chunks": hits, "missed_chunks": misses, "lookups": lookups}}

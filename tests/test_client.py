@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvstore.errors import Unauthenticated
+from kvstore.shared.errors import Unauthenticated
 from kvstore_client import KVSpec, KVStoreClient, ResourceExhausted
 from tests.harness import Daemon, python_env
 
@@ -212,7 +212,7 @@ CHILD = textwrap.dedent("""
             torch.save(cache, sys.argv[3])
         else:
             from kvstore.proto import kvstore_pb2 as pb
-            from kvstore.keys import pack_keys
+            from kvstore.shared.keys import pack_keys
             client._rpc("Reserve", pb.ReserveRequest(namespace=client.namespace,
                                                      keys=pack_keys(client.keys(tokens))))
             print("reserved", flush=True)
@@ -295,8 +295,8 @@ def test_arena_full_of_leased_pages_is_resource_exhausted(daemon_factory: Callab
     with KVStoreClient.connect(daemon.address, spec) as client:
         held = tokens_of(2048, seed=300)
         client.store(held, random_cache(spec, 128, seed=301), torch.arange(128))
-        from kvstore.keys import pack_keys
         from kvstore.proto import kvstore_pb2 as pb
+        from kvstore.shared.keys import pack_keys
 
         client._rpc(
             "Lookup",

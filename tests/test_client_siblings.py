@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore.keys import pack_keys
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.keys import pack_keys
 from kvstore_client import KVSpec, KVStoreClient
 from kvstore_client.arena import MappedArena
 from kvstore_client.registrar import HostRegistrar

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.config import (
+from kvstore.config.root import (
     Config,
     ConfigError,
     CpuTierConfig,
@@ -25,7 +25,7 @@ from kvstore.config import (
     parse_config,
     parse_size,
 )
-from kvstore.paths import default_runtime_dir, default_socket_path
+from kvstore.shared.paths import default_runtime_dir, default_socket_path
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TOKEN_HINT = "(clients send it as 'authorization: Bearer <token>' metadata)"
@@ -389,7 +389,7 @@ def test_errors_from_a_file_are_prefixed_with_it(tmp_path: Path) -> None:
 
 
 def test_a_policy_error_names_the_file(tmp_path: Path) -> None:
-    from kvstore.policy import policy_names
+    from kvstore.store.policy import policy_names
 
     path = tmp_path / "policy.yaml"
     path.write_text("eviction:\n  policy: fifo\n")
@@ -408,7 +408,7 @@ def test_a_policy_error_names_the_file(tmp_path: Path) -> None:
 
 def kvstored(*args: str, stdout: int = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvstore.daemon", *args],
+        [sys.executable, "-m", "kvstore.server.daemon", *args],
         stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
@@ -614,7 +614,7 @@ def test_bad_tenants_name_the_key(data: dict[str, Any], message: str) -> None:
 
 
 def test_a_tokens_file_must_be_private_and_hold_one_tenants_tokens(tmp_path: Path) -> None:
-    from kvstore.daemon import tenancy
+    from kvstore.server.daemon import tenancy
 
     tokens = tmp_path / "tokens"
     tokens.write_text("# team a\n" + "t" * 32 + "\n")

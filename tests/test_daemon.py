@@ -14,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.keys import chunk_keys, pack_keys
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.keys import chunk_keys, pack_keys
 from tests.harness import Daemon, python_env, start_daemon, write_config
 
 SPEC = pb.PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
@@ -23,7 +23,7 @@ SPEC = pb.PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtyp
 
 def kvstored(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvstore.daemon", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvstore.server.daemon", *args], capture_output=True, text=True, timeout=60
     )
 
 
@@ -176,7 +176,7 @@ def test_tcp_listener_needs_a_token(tmp_path: Path, daemon_factory: Callable[...
 
 def kvctl(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, "-m", "kvstore.ctl.cli", *args], capture_output=True, text=True, timeout=60, env=env
     )
 
 

@@ -41,9 +41,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvstore.config import parse_config
-from kvstore.daemon import arena_name
-from kvstore.paths import default_runtime_dir
+from kvstore.config.root import parse_config
+from kvstore.server.daemon import arena_name
+from kvstore.shared.paths import default_runtime_dir
 from tests.harness import python_env, wait_flushed, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +189,7 @@ def sandboxed_daemon(
     command = [sys.executable, str(ROOT / "deploy" / "systemd" / "sandbox.py"), "--policy", str(policy), "--"]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [*command, sys.executable, "-m", "kvstore.daemon", "--config", str(config_path)],
+            [*command, sys.executable, "-m", "kvstore.server.daemon", "--config", str(config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=python_env(),

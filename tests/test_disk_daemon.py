@@ -194,7 +194,7 @@ def test_kvctl_stats_shows_the_disk_tier(tmp_path: Path, daemon_factory: Callabl
         wait_flushed(client)
         load_and_compare(client, 0, 10)
     result = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "--address", daemon.address, "stats"],
+        [sys.executable, "-m", "kvstore.ctl.cli", "--address", daemon.address, "stats"],
         capture_output=True,
         text=True,
         timeout=60,

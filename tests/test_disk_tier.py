@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
-from kvstore.codec import Codec, compress
-from kvstore.config import ConfigError, DiskTierConfig, parse_config
-from kvstore.progress import progress_reporter
+from kvstore.config.root import ConfigError, DiskTierConfig, parse_config
+from kvstore.server.progress import progress_reporter
 from kvstore.tiers import disk_io
+from kvstore.tiers.codec import Codec, compress
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_files import INDEX_NAME, record_path
 from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, pack_header, unpack_header
@@ -285,7 +285,7 @@ def test_after_kill_9_every_flushed_page_reads_back_and_no_bytes_are_wrong(tmp_p
     path = tmp_path / "disk"
     writer = textwrap.dedent(f"""
         import os, time
-        from kvstore.config import DiskTierConfig
+        from kvstore.config.root import DiskTierConfig
         from kvstore.tiers.disk import DiskTier
         from tests.test_disk_tier import NS, key, page
         tier = DiskTier(DiskTierConfig(enabled=True, path={str(path)!r}, fsync="never", threads=2))

@@ -13,9 +13,9 @@ from typing import Any
 import grpc
 import pytest
 
-from kvstore.domain import Tier
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.shared.domain import Tier
 from tests.harness import Daemon
 from tests.test_cli import kvctl
 from tests.test_protocol import SMALL_ARENA, Conn, chain, connect, random_pages, store

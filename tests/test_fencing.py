@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import FailedPrecondition, NotFound, ResourceExhausted
-from kvstore.keys import chunk_keys
-from kvstore.peers import Peer, process_start_time
-from kvstore.policy import make_policy
-from kvstore.store import Store
-from kvstore.store_settings import StoreSettings
+from kvstore.shared.errors import FailedPrecondition, NotFound, ResourceExhausted
+from kvstore.shared.keys import chunk_keys
+from kvstore.shared.peers import Peer, process_start_time
+from kvstore.store.policy import make_policy
+from kvstore.store.store import Store
+from kvstore.store.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore_client.renewal import LeaseRenewer
 from tests.test_store import PAGE, SPEC, Clock, page_bytes

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.fleet import SharedTier, fleet_replay
-from kvstore.trace import Trace
+from kvstore.ctl.fleet import SharedTier, fleet_replay
+from kvstore.ctl.trace import Trace
 from tests.test_replay import write_trace
 
 # Two hosts, round-robin (r0, r2, r4 on host 0; r1, r3 on host 1), room for everything:
@@ -77,7 +77,17 @@ def test_random_assignment_repeats_and_bad_arguments_are_errors() -> None:
 
 def test_kvctl_replay_of_a_fleet_prints_json_and_a_table(tmp_path: Path) -> None:
     path = write_trace(tmp_path / "fleet.jsonl", FLEET)
-    command = [sys.executable, "-m", "kvstore.cli", "replay", str(path), "--cpu-pages", "100", "--hosts", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "kvstore.ctl.cli",
+        "replay",
+        str(path),
+        "--cpu-pages",
+        "100",
+        "--hosts",
+        "2",
+    ]
     out = subprocess.run(
         [*command, "--remote-pages", "100", "--json"], capture_output=True, text=True, check=True
     )

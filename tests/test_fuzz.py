@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import METHOD_IDS
+from kvstore.shared.wire import METHOD_IDS
 from tests.harness import Daemon
 from tests.test_limits import load_page, rss_mib, store_page
 
@@ -127,7 +127,7 @@ def grpc_status(channel: grpc.Channel, method: str, payload: bytes) -> grpc.Stat
 
 def test_every_rpc_on_both_channels_survives_malformed_messages(target: Any) -> None:
     daemon, ns, keys, page, channel, line = target
-    from kvstore.keys import pack_keys
+    from kvstore.shared.keys import pack_keys
 
     bases = valid_requests(ns, pack_keys(keys))
     before = rss_mib(daemon)

@@ -31,10 +31,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore.domain import Tier
-from kvstore.keys import chunk_keys, pack_keys
-from kvstore.peers import Peer, process_start_time
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.domain import Tier
+from kvstore.shared.keys import chunk_keys, pack_keys
+from kvstore.shared.peers import Peer, process_start_time
 from kvstore_client import KVStoreClient
 from tests.harness import Daemon, python_env
 from tests.test_gpu_tier import (

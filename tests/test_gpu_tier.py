@@ -26,15 +26,15 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore.config import ConfigError, parse_config
-from kvstore.cudart import CudaError
-from kvstore.domain import Tier
-from kvstore.keys import chunk_keys, pack_keys
-from kvstore.policy import make_policy
+from kvstore.config.root import ConfigError, parse_config
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.spec import PageSpec
-from kvstore.store import Store
-from kvstore.store_settings import StoreSettings
+from kvstore.shared.cudart import CudaError
+from kvstore.shared.domain import Tier
+from kvstore.shared.keys import chunk_keys, pack_keys
+from kvstore.shared.spec import PageSpec
+from kvstore.store.policy import make_policy
+from kvstore.store.store import Store
+from kvstore.store.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.gpu import GpuPool, GpuTier, _address
 from kvstore.tiers.slab import SlabAllocator

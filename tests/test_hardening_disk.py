@@ -22,7 +22,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.codec import Codec, compress, decompress
+from kvstore.tiers.codec import Codec, compress, decompress
 from kvstore.tiers.disk_files import INDEX_NAME, TEMP_SUFFIX, record_path, temp_path
 from kvstore.tiers.disk_io import write_record
 from kvstore.tiers.records import CorruptRecord, pack_header, unpack_header
@@ -85,7 +85,7 @@ def shared_tmp() -> Iterator[Path]:
 def refused(config: Path) -> str:
     """Runs kvstored on `config`, which must refuse to start; its stderr."""
     result = subprocess.run(
-        [sys.executable, "-m", "kvstore.daemon", "--config", str(config)],
+        [sys.executable, "-m", "kvstore.server.daemon", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=60,

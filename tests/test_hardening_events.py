@@ -25,12 +25,12 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore.errors import KVStoreError
-from kvstore.keys import chunk_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.spec import KVSpec, PageSpec
-from kvstore.wire import page_spec_message
+from kvstore.shared.errors import KVStoreError
+from kvstore.shared.keys import chunk_keys
+from kvstore.shared.spec import KVSpec, PageSpec
+from kvstore.shared.wire import page_spec_message
 from tests import test_tenants
 from tests.harness import Daemon
 from tests.test_cli import kvctl

@@ -28,13 +28,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.channel import LocalChannel
-from kvstore.events import MAX_STREAMS_PER_TENANT
-from kvstore.keys import chunk_keys, pack_keys
-from kvstore.local import ADMIN_RESERVE
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import HEADER, page_spec_message
+from kvstore.server.local import ADMIN_RESERVE
+from kvstore.shared.channel import LocalChannel
+from kvstore.shared.keys import chunk_keys, pack_keys
+from kvstore.shared.wire import HEADER, page_spec_message
+from kvstore.store.events import MAX_STREAMS_PER_TENANT
 from kvstore_client import KVStoreClient
 from kvstore_client.connection import credential_of_refusal
 from tests import test_tenants
@@ -214,7 +214,7 @@ def test_kvctl_whose_output_is_cut_short_exits_quietly(daemon: Daemon) -> None:
     os.close(read_end)  # nobody reads: the first write fails
     with os.fdopen(write_end, "wb") as stdout:
         done = subprocess.run(
-            [sys.executable, "-m", "kvstore.cli", "--address", daemon.address, "stats"],
+            [sys.executable, "-m", "kvstore.ctl.cli", "--address", daemon.address, "stats"],
             stdout=stdout,
             stderr=subprocess.PIPE,
             text=True,

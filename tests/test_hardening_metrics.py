@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvstore.metrics import HttpLimits
+from kvstore.server.metrics import HttpLimits
 from tests.harness import Daemon
 from tests.test_metrics import free_port, get, scrape, value
 

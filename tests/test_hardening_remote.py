@@ -26,8 +26,8 @@ import torch
 
 pytest.importorskip("redis", reason="the remote tier needs the redis package (a kvstore dependency)")
 
-from kvstore.codec import Codec  # noqa: E402
-from kvstore.config import RemoteTierConfig  # noqa: E402
+from kvstore.config.root import RemoteTierConfig  # noqa: E402
+from kvstore.tiers.codec import Codec  # noqa: E402
 from kvstore.tiers.records import FLAG_MAC, HEADER_BYTES, MAC_BYTES, pack_header  # noqa: E402
 from kvstore.tiers.remote import RemoteTier  # noqa: E402
 from kvstore_client import KVStoreClient  # noqa: E402

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import hugepages
-from kvstore.cli import arena_pages_line
-from kvstore.config import ConfigError, parse_config
+from kvstore.config.root import ConfigError, parse_config
+from kvstore.ctl.cli import arena_pages_line
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared import hugepages
+from kvstore.shared.wire import stats_to_dict
 from kvstore.tiers.cpu import Arena
-from kvstore.wire import stats_to_dict
 from kvstore_client import KVStoreClient
 from tests.harness import Daemon
 from tests.test_client import assert_blocks_equal, empty_cache, make_spec, random_cache, tokens_of

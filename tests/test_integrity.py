@@ -33,9 +33,9 @@ import grpc
 import pytest
 import torch
 
-from kvstore.keys import chunk_keys, pack_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.shared.keys import chunk_keys, pack_keys
 from kvstore_client import KVStoreClient
 from kvstore_client.connection import RECONNECT_INTERVAL_S, open_channel
 from tests.harness import STARTUP_TIMEOUT_S, Daemon, python_env, start_daemon, write_config
@@ -486,7 +486,7 @@ def test_sigterm_at_any_moment_of_start_up_leaves_nothing_behind(tmp_path: Path,
     )
     daemon = Daemon(
         subprocess.Popen(
-            [sys.executable, "-m", "kvstore.daemon", "--config", str(config)],
+            [sys.executable, "-m", "kvstore.server.daemon", "--config", str(config)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         ),

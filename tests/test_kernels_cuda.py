@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvstore_kernels
-from kvstore.spec import KVSpec
+from kvstore.shared.spec import KVSpec
 from tests.kernel_cases import (
     POISONS,
     as_bytes,

@@ -12,8 +12,8 @@ import pytest
 import torch
 import xxhash
 
-from kvstore.keys import chunk_keys, pack_keys, unpack_keys
-from kvstore.spec import KVSpec, PageSpec
+from kvstore.shared.keys import chunk_keys, pack_keys, unpack_keys
+from kvstore.shared.spec import KVSpec, PageSpec
 
 LLAMA_8B = PageSpec(
     model="llama-3.1-8b", num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", chunk_tokens=256
@@ -167,9 +167,9 @@ def test_pack_and_unpack() -> None:
 
 
 def test_the_wire_bounds_requests_by_the_keys_own_size() -> None:
-    """kvstore.wire states the key size itself (importing kvstore.keys would load numpy into
+    """kvstore.shared.wire states the key size itself (importing kvstore.shared.keys would load numpy into
     every kvctl call): it must be the keys' size, or the request bound is wrong."""
-    from kvstore import domain, keys, wire
+    from kvstore.shared import domain, keys, wire
 
     assert wire.KEY_BYTES == keys.KEY_BYTES == 16
     assert wire.MAX_REQUEST_BYTES == domain.MAX_KEYS_PER_REQUEST * keys.KEY_BYTES + (64 << 10)

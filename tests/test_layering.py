@@ -1,13 +1,18 @@
 """The import rules of the repository, read from the source.
 
-- The client (`client/`, `kvstore_client`) and the kernels (`kernels/`, `kvstore_kernels`) import
-  from the `kvstore` package only the modules both sides share (`SHARED`): the wire format,
-  keys, specs, errors, the CUDA runtime binding, default paths and process identity.
+- The folders are layers (`LAYERS`), each importing at module level only the layers below it:
+  `kvstore/shared/` (what the daemon and its clients share) and `kvstore/proto/`, then
+  `config/`, `tiers/`, `store/`, `server/` (kvstored) and `ctl/` (kvctl); the client
+  (`kvstore_client/`) and the kernels (`kvstore_kernels/`) sit on the shared layer alone.
+- The client and the kernels import from the `kvstore` package only the shared modules
+  (`SHARED`: everything in `kvstore/shared/` and `kvstore/proto/`), at any level, and the
+  kernels never import the client.
 - The shared modules import only each other; the daemon never imports the client or the kernels.
 - No two modules of the repository import each other, directly or through others, at module
   level: imports under `if TYPE_CHECKING:` count (a type is a dependency too); imports inside
-  a function do not.
+  a function do not. Relative imports count as the modules they name.
 - `import kvstore_client` loads none of the daemon's modules (checked in a fresh interpreter).
+- No module over MAX_MODULE_LINES lines, no function over MAX_FUNCTION_LINES.
 """
 
 from __future__ import annotations
@@ -22,27 +27,31 @@ from tests.harness import python_env
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "kvstore": ROOT / "kvstore",
-    "kvstore_client": ROOT / "client",
-    "kvstore_kernels": ROOT / "kernels",
+    "kvstore_client": ROOT / "kvstore_client",
+    "kvstore_kernels": ROOT / "kvstore_kernels",
 }
-SHARED = {
-    "kvstore",  # the package itself: __version__
-    "kvstore.channel",
-    "kvstore.cudart",
-    "kvstore.domain",
-    "kvstore.errors",
-    "kvstore.hugepages",
-    "kvstore.keys",
-    "kvstore.paths",
-    "kvstore.peers",
-    "kvstore.proto",
-    "kvstore.proto.kvstore_pb2",
-    "kvstore.proto.kvstore_pb2_grpc",
-    "kvstore.spec",
-    "kvstore.spec_fields",
-    "kvstore.spec_page",
-    "kvstore.wire",
+# Each folder's layer: a module imports (at module level) only from its own layer and those below.
+LAYERS = {
+    "kvstore": 0,  # the package itself: __version__
+    "kvstore.shared": 0,
+    "kvstore.proto": 0,
+    "kvstore.config": 1,
+    "kvstore.tiers": 2,
+    "kvstore.store": 3,
+    "kvstore.server": 4,
+    "kvstore.ctl": 5,
+    "kvstore_kernels": 1,
+    "kvstore_client": 2,
 }
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    """The folder `module` lies in and its layer."""
+    for depth in (2, 1):
+        folder = ".".join(module.split(".")[:depth])
+        if folder in LAYERS and (depth == 1 or folder != module or folder in ("kvstore.shared",)):
+            return folder, LAYERS[folder]
+    raise KeyError(module)
 
 
 def modules() -> dict[str, Path]:
@@ -57,10 +66,20 @@ def modules() -> dict[str, Path]:
 
 
 MODULES = modules()
+SHARED = {"kvstore", *(name for name in MODULES if name.startswith(("kvstore.shared", "kvstore.proto")))}
+
+
+def package_of(path: Path) -> str:
+    """The dotted package a module file lies in (its own name for a package's __init__)."""
+    for package, folder in PACKAGES.items():
+        if path.is_relative_to(folder):
+            return ".".join((package, *path.parent.relative_to(folder).parts))
+    raise ValueError(path)
 
 
 def imports(path: Path, *, top_level_only: bool) -> set[str]:
-    """The repository's modules `path` imports (at module level only, with `top_level_only`)."""
+    """The repository's modules `path` imports (at module level only, with `top_level_only`),
+    relative imports (`from . import x`, `from .x import y`) resolved to absolute names."""
     tree = ast.parse(path.read_text(), str(path))
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     found: set[str] = set()
@@ -69,8 +88,14 @@ def imports(path: Path, *, top_level_only: bool) -> set[str]:
             nodes.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt))
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package_of(path).split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, module] if module else base)
+            named = [f"{module}.{alias.name}" for alias in node.names]
+            names = named if node.level and not node.module else [module, *named]  # `from . import x`: x
         else:
             continue
         found.update(name for name in names if name in MODULES)
@@ -132,7 +157,7 @@ def test_importing_the_client_loads_none_of_the_daemon() -> None:
     )
     daemon = {name for name in MODULES if name.split(".")[0] == "kvstore" and name not in SHARED}
     assert not loaded & daemon, sorted(loaded & daemon)
-    assert "yaml" not in loaded and "kvstore.paths" not in loaded
+    assert "yaml" not in loaded and "kvstore.shared.paths" not in loaded
 
 
 MAX_MODULE_LINES = 400
@@ -204,10 +229,44 @@ def test_a_worker_needs_none_of_the_daemons_packages() -> None:
 
 
 def test_the_daemon_without_its_packages_says_which_extra_to_install() -> None:
-    probe = "import sys\nsys.modules['yaml'] = None\nimport kvstore.daemon\n"
+    probe = "import sys\nsys.modules['yaml'] = None\nimport kvstore.server.daemon\n"
     ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=python_env())
     assert ran.returncode != 0
     assert ran.stderr.strip().splitlines()[-1] == (
         "ImportError: PyYAML is missing: kvstored and kvctl need the daemon's packages "
         "(pip install 'kvstore[daemon]')"
+    )
+
+
+def test_each_folder_imports_only_its_layer_and_those_below() -> None:
+    """The client and the kernels stand beside the daemon's folders, not on them: they are
+    checked against the shared layer alone (the test above)."""
+    wrong = set()
+    for name, path in MODULES.items():
+        if not name.startswith("kvstore."):
+            continue
+        folder, layer = layer_of(name)
+        for target in imports(path, top_level_only=True):
+            if not target.startswith("kvstore."):
+                continue
+            other, other_layer = layer_of(target)
+            if other_layer > layer:
+                wrong.add(f"{name} ({folder}) imports {target} ({other})")
+    assert not wrong, sorted(wrong)
+    flat = sorted(path.name for path in (ROOT / "kvstore").glob("*.py") if path.name != "__init__.py")
+    assert not flat, f"modules outside the layer folders: {flat}"
+
+
+def test_relative_imports_stay_within_their_package() -> None:
+    """A relative import (the kernels use them) is read as the module it names, for every rule
+    above; it never reaches out of its own top-level package."""
+    outside = {
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level and node.level > len(package_of(path).split("."))
+    }
+    assert not outside, sorted(outside)
+    assert "kvstore_kernels.triton_copy" in imports(
+        PACKAGES["kvstore_kernels"] / "__init__.py", top_level_only=False
     )

@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvstore.domain import MAX_KEYS_PER_REQUEST
-from kvstore.keys import chunk_keys, pack_keys
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.wire import MAX_REQUEST_BYTES, METHOD_IDS
+from kvstore.shared.domain import MAX_KEYS_PER_REQUEST
+from kvstore.shared.keys import chunk_keys, pack_keys
+from kvstore.shared.wire import MAX_REQUEST_BYTES, METHOD_IDS
 from tests.harness import Daemon
 
 SPEC = pb.PageSpec(
@@ -163,7 +163,7 @@ def test_a_connect_that_names_too_much_is_refused(
 def test_leases_naming_one_page_over_and_over_are_capped(daemon: Daemon) -> None:
     """A Lookup may name a stored page 65,536 times; its lease then holds as many entries. All
     leases together hold at most MAX_LEASED_ENTRIES: past it RESOURCE_EXHAUSTED, not memory."""
-    from kvstore.leases import MAX_LEASED_ENTRIES
+    from kvstore.store.leases import MAX_LEASED_ENTRIES
 
     ns, keys, page = store_page(daemon)
     stub = daemon.stub()

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore.channel import LocalChannel
-from kvstore.domain import Tier
-from kvstore.errors import InvalidArgument, NotFound
-from kvstore.keys import pack_keys
-from kvstore.local import ADMIN_RESERVE, METHOD_NAMES
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.server.local import ADMIN_RESERVE, METHOD_NAMES
+from kvstore.shared.channel import LocalChannel
+from kvstore.shared.domain import Tier
+from kvstore.shared.errors import InvalidArgument, NotFound
+from kvstore.shared.keys import pack_keys
 from kvstore_client import KVSpec, KVStoreClient
 from tests.harness import Daemon, start_daemon
 
@@ -224,7 +224,7 @@ def test_frames_sent_together_or_split_are_answered_in_order(
 
 def test_a_frame_over_the_limit_is_refused_and_the_connection_closed(daemon: Daemon) -> None:
     """Refused by its header alone: the daemon reads none of its body."""
-    from kvstore.wire import MAX_REQUEST_BYTES
+    from kvstore.shared.wire import MAX_REQUEST_BYTES
 
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore.domain import Tier
-from kvstore.keys import pack_keys
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.domain import Tier
+from kvstore.shared.keys import pack_keys
 from kvstore_client import KVSpec, KVStoreClient
 from tests.harness import Daemon
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from kvstore.domain import Tier
-from kvstore.index import COMMITTED
-from kvstore.keys import chunk_keys
-from kvstore.policy import make_policy
-from kvstore.spec import PageSpec
-from kvstore.store import Store
-from kvstore.store_settings import StoreSettings
+from kvstore.shared.domain import Tier
+from kvstore.shared.keys import chunk_keys
+from kvstore.shared.spec import PageSpec
+from kvstore.store.index import COMMITTED
+from kvstore.store.policy import make_policy
+from kvstore.store.store import Store
+from kvstore.store.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 
 SPEC = PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore.domain import Tier
-from kvstore.errors import FailedPrecondition, NotFound
-from kvstore.keys import chunk_keys
-from kvstore.policy import make_policy
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.store import Store
-from kvstore.store_settings import StoreSettings
+from kvstore.shared.domain import Tier
+from kvstore.shared.errors import FailedPrecondition, NotFound
+from kvstore.shared.keys import chunk_keys
+from kvstore.store.policy import make_policy
+from kvstore.store.store import Store
+from kvstore.store.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore_client import KVSpec, KVStoreClient
 from tests.harness import Daemon, wait_flushed

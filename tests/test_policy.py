@@ -12,13 +12,13 @@ from typing import ClassVar
 
 import pytest
 
-from kvstore.errors import InvalidArgument, ResourceExhausted
-from kvstore.history import FrequencyHistory
-from kvstore.keys import chunk_keys, pack_keys
-from kvstore.policy import POLICIES, EvictionPolicy, make_policy, policy_names
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.store import Store
-from kvstore.store_settings import StoreSettings
+from kvstore.shared.errors import InvalidArgument, ResourceExhausted
+from kvstore.shared.keys import chunk_keys, pack_keys
+from kvstore.store.history import FrequencyHistory
+from kvstore.store.policy import POLICIES, EvictionPolicy, make_policy, policy_names
+from kvstore.store.store import Store
+from kvstore.store.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from tests.harness import Daemon
 from tests.test_store import PAGE, SPEC, load_chain, page_bytes, store_chain
@@ -313,7 +313,7 @@ def test_clear_drops_pins_and_frees_their_pages(tmp_path: Path) -> None:
 
 def kvctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "--address", daemon.address, *args],
+        [sys.executable, "-m", "kvstore.ctl.cli", "--address", daemon.address, *args],
         capture_output=True,
         text=True,
         timeout=60,

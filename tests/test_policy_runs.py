@@ -10,8 +10,8 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from kvstore.history import FrequencyHistory
-from kvstore.policy import EvictionPolicy, Page, make_policy
+from kvstore.store.history import FrequencyHistory
+from kvstore.store.policy import EvictionPolicy, Page, make_policy
 
 
 class Held:

@@ -20,11 +20,11 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvstore.keys import chunk_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.spec import PageSpec
-from kvstore.wire import page_spec_message, page_spec_of
+from kvstore.shared.keys import chunk_keys
+from kvstore.shared.spec import PageSpec
+from kvstore.shared.wire import page_spec_message, page_spec_of
 
 Code = grpc.StatusCode
 

@@ -120,7 +120,7 @@ def tour_env(tmp_path: Path) -> dict[str, str]:
     env["XDG_RUNTIME_DIR"] = str(tmp_path / "run")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, module in (("kvctl", "kvstore.cli"), ("kvstored", "kvstore.daemon")):
+    for name, module in (("kvctl", "kvstore.ctl.cli"), ("kvstored", "kvstore.server.daemon")):
         shim = bin_dir / name
         shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m {module} "$@"\n')
         shim.chmod(0o755)
@@ -137,7 +137,7 @@ def tour_daemon(tour_env: dict[str, str], tmp_path: Path) -> Iterator[tuple[Daem
     argv = shlex.split(command(line).removesuffix("&"))
     config_path = ROOT / argv[argv.index("--config") + 1]
     checked = subprocess.run(
-        [sys.executable, "-m", "kvstore.daemon", "--check-config", str(config_path)],
+        [sys.executable, "-m", "kvstore.server.daemon", "--check-config", str(config_path)],
         env=tour_env,
         cwd=ROOT,
         capture_output=True,

@@ -23,8 +23,8 @@ pytest.importorskip("redis", reason="the remote tier needs the redis package (a 
 
 from redis.crc import key_slot  # noqa: E402
 
-from kvstore.config import RemoteTierConfig  # noqa: E402
-from kvstore.domain import Tier  # noqa: E402
+from kvstore.config.root import RemoteTierConfig  # noqa: E402
+from kvstore.shared.domain import Tier  # noqa: E402
 from kvstore.tiers.remote import RemoteTier  # noqa: E402
 from kvstore_client import KVStoreClient  # noqa: E402
 from tests.harness import Daemon  # noqa: E402
@@ -375,7 +375,7 @@ def test_a_cluster_over_tls(tmp_path: Path) -> None:
     ],
 )
 def test_cluster_config_errors_name_the_key(remote: dict[str, Any], message: str) -> None:
-    from kvstore.config import ConfigError, parse_config
+    from kvstore.config.root import ConfigError, parse_config
 
     with pytest.raises(ConfigError, match=message):
         parse_config({"tiers": {"remote": {"enabled": True, **remote}}})

@@ -19,8 +19,8 @@ import torch
 
 pytest.importorskip("redis", reason="the remote tier needs the redis package (a kvstore dependency)")
 
-from kvstore.config import ConfigError, RemoteTierConfig, parse_config  # noqa: E402
-from kvstore.domain import Tier  # noqa: E402
+from kvstore.config.root import ConfigError, RemoteTierConfig, parse_config  # noqa: E402
+from kvstore.shared.domain import Tier  # noqa: E402
 from kvstore.tiers.records import HEADER_BYTES  # noqa: E402
 from kvstore.tiers.remote import RemoteTier  # noqa: E402
 from kvstore.tiers.remote_resp import Endpoint, RecordConnection  # noqa: E402
@@ -383,8 +383,8 @@ def wait_written(client: KVStoreClient, pages: int) -> dict[str, float]:
 
 
 def tiers_of(client: KVStoreClient, tokens: list[int]) -> bytes:
-    from kvstore.keys import pack_keys
     from kvstore.proto import kvstore_pb2 as pb
+    from kvstore.shared.keys import pack_keys
 
     reply = client._rpc(
         "Lookup", pb.LookupRequest(namespace=client.namespace, keys=pack_keys(client.keys(tokens)))
@@ -544,7 +544,7 @@ def scripted_server(path: str, reply_chunks: list[bytes]) -> threading.Thread:
 
 
 def record_of(i: int, size: int = 4 * KIB) -> bytes:
-    from kvstore.codec import Codec
+    from kvstore.tiers.codec import Codec
     from kvstore.tiers.records import pack_header
 
     data = page(i, size)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.belady import belady_hits, infinite_hits
-from kvstore.replay import bounds, replay
-from kvstore.trace import Trace, TraceError, load_trace
+from kvstore.ctl.belady import belady_hits, infinite_hits
+from kvstore.ctl.replay import bounds, replay
+from kvstore.ctl.trace import Trace, TraceError, load_trace
 
 CONVERSATION_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
 
@@ -92,7 +92,7 @@ def test_conversation_trace_reproduces_the_reference_and_lfuda_beats_it() -> Non
 
 def kvctl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvstore.ctl.cli", *args], capture_output=True, text=True, timeout=60
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.keys import KEY_BYTES, chunk_keys, foreign_keys
+from kvstore.shared.keys import KEY_BYTES, chunk_keys, foreign_keys
 from kvstore_client import KVSpec, KVStoreClient
 from tests.harness import Daemon
 

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore.spec import KVSpec, PageSpec
+from kvstore.shared.spec import KVSpec, PageSpec
+from kvstore.shared.wire import page_spec_message, page_spec_of
 from kvstore.tiers.disk_files import record_path
-from kvstore.wire import page_spec_message, page_spec_of
 from kvstore_client import KVStoreClient
 from kvstore_client.hf import HFPrefixCache, cache_tensors
 from tests.harness import REPO_ROOT, Daemon, python_env, wait_flushed

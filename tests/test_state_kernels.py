@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvstore_kernels
-from kvstore.spec import KVSpec
+from kvstore.shared.spec import KVSpec
 from tests.kernel_cases import CUDA, POISONS, triton_module
 
 LAYERS, BLOCKS, PADDED = 3, 12, 1536

@@ -10,9 +10,9 @@ import grpc
 import pytest
 import torch
 
-from kvstore.keys import chunk_keys
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.spec import KVSpec, PageSpec
+from kvstore.shared.keys import chunk_keys
+from kvstore.shared.spec import KVSpec, PageSpec
 from kvstore_client import KVStoreClient
 from tests.harness import Daemon, wait_flushed
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstore.index import AcquireResult
-from kvstore.keys import chunk_keys
-from kvstore.policy import make_policy
-from kvstore.spec import PageSpec
-from kvstore.store import Store
-from kvstore.store_settings import StoreSettings
+from kvstore.shared.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvstore.shared.keys import chunk_keys
+from kvstore.shared.spec import PageSpec
+from kvstore.store.index import AcquireResult
+from kvstore.store.policy import make_policy
+from kvstore.store.store import Store
+from kvstore.store.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 
 SPEC = PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
@@ -234,9 +234,9 @@ def test_request_validation(tmp_path: Path, clock: Clock) -> None:
 
 
 def test_namespace_table_is_bounded(tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvstore.store_state
+    import kvstore.store.store_state
 
-    monkeypatch.setattr(kvstore.store_state, "MAX_NAMESPACES", 3)
+    monkeypatch.setattr(kvstore.store.store_state, "MAX_NAMESPACES", 3)
     store = make_store(tmp_path, clock, 16)
     keys = store_chain(store, list(range(16)))  # SPEC's namespace holds a page
     specs = [replace(SPEC, salt=f"tenant-{i}") for i in range(5)]

@@ -28,13 +28,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.channel import LocalChannel
-from kvstore.errors import KVStoreError, PermissionDenied
-from kvstore.keys import chunk_keys, pack_keys
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.spec import PageSpec
-from kvstore.wire import page_spec_message
+from kvstore.shared.channel import LocalChannel
+from kvstore.shared.errors import KVStoreError, PermissionDenied
+from kvstore.shared.keys import chunk_keys, pack_keys
+from kvstore.shared.spec import PageSpec
+from kvstore.shared.wire import page_spec_message
 from kvstore_client import KVStoreClient
 from tests.harness import Daemon, start_daemon
 from tests.test_cli import kvctl
@@ -478,10 +478,10 @@ def test_a_tcp_client_is_its_tenant_by_its_token(tenant_daemon: Callable[..., Da
 
 
 def test_who_a_caller_is_from_its_credentials_and_tokens() -> None:
-    from kvstore.config import TenantConfig
-    from kvstore.errors import Unauthenticated
-    from kvstore.peers import Peer
-    from kvstore.tenants import Tenancy
+    from kvstore.config.root import TenantConfig
+    from kvstore.server.tenants import Tenancy
+    from kvstore.shared.errors import Unauthenticated
+    from kvstore.shared.peers import Peer
 
     tenancy = Tenancy(
         [TenantConfig("a", uids=(1001,)), TenantConfig("b", gids=(2000,))],

@@ -14,10 +14,10 @@ import grpc
 import pytest
 import torch
 
-from kvstore.config import ConfigError, parse_config
-from kvstore.errors import Unavailable
+from kvstore.config.root import ConfigError, parse_config
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore.shared.errors import Unavailable
 from kvstore_client import ClientTls, KVSpec, KVStoreClient
 from tests.harness import Daemon, python_env
 from tests.pki import make_pki
@@ -93,7 +93,17 @@ def test_the_right_ca_and_token_are_served_and_everything_else_refused(
         KVStoreClient.connect(address, SPEC, token=TOKEN, tls=ClientTls(pki["other_ca"]), timeout_s=3)
     env = python_env() | {"KVSTORE_TOKEN": TOKEN}
     ok = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "--address", address, "--tls-ca", pki["ca"], "stats", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "kvstore.ctl.cli",
+            "--address",
+            address,
+            "--tls-ca",
+            pki["ca"],
+            "stats",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -25,7 +25,7 @@ from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
-from kvstore.keys import chain_keys  # noqa: E402
+from kvstore.shared.keys import chain_keys  # noqa: E402
 from kvstore.tiers.disk_files import record_path  # noqa: E402
 from kvstore_client import KVSpec, KVStoreClient  # noqa: E402
 from kvstore_client.vllm import ConnectorConfig  # noqa: E402

@@ -96,7 +96,7 @@ def namespace_pages(daemon: Daemon) -> list[int]:
 
 
 def _any_spec() -> Any:
-    from kvstore.spec import KVSpec
+    from kvstore.shared.spec import KVSpec
 
     return KVSpec(model="probe", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", layout="vllm")
 

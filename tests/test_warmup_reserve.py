@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import handlers as handlers_module
-from kvstore.errors import ArenaWarmingUp, Code, status_of
-from kvstore.handlers import Handlers
-from kvstore.keys import chunk_keys, pack_keys
-from kvstore.policy import make_policy
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.spec import PageSpec
-from kvstore.store import Store
-from kvstore.store_settings import StoreSettings
+from kvstore.server import handlers as handlers_module
+from kvstore.server.handlers import Handlers
+from kvstore.shared.errors import ArenaWarmingUp, Code, status_of
+from kvstore.shared.keys import chunk_keys, pack_keys
+from kvstore.shared.spec import PageSpec
+from kvstore.store.policy import make_policy
+from kvstore.store.store import Store
+from kvstore.store.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 
 SPEC = PageSpec(model="test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)

@@ -201,7 +201,7 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Events(self, request, context):
-        """Every page that enters or leaves a tier, in order (kvstore/events.py): follows until
+        """Every page that enters or leaves a tier, in order (kvstore/store/events.py): follows until
         the caller cancels. A tenant's member sees its tenant's pages; an admin sees all.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -12,7 +12,7 @@ offsets, so a call meant for another daemon's arena is refused, never served.
 The arena's file is the daemon's own: `tiers.cpu.shm_dir` must be of the daemon's user or root
 and writable by others only with the sticky bit (/dev/shm is), and the file is created new
 (O_EXCL|O_NOFOLLOW) and checked to be this user's; a stale arena of this user is replaced,
-anything else at its path is refused (`kvstore.claim`).
+anything else at its path is refused (`kvstore.config.claim`).
 
 The tier knows bytes and slots only; the store decides what lives here.
 """
@@ -27,9 +27,9 @@ import secrets
 import time
 from pathlib import Path
 
-from kvstore.claim import check_shared_directory, create_private_file, remove_stale_file
-from kvstore.domain import MEMFD_PREFIX
-from kvstore.hugepages import (
+from kvstore.config.claim import check_shared_directory, create_private_file, remove_stale_file
+from kvstore.shared.domain import MEMFD_PREFIX
+from kvstore.shared.hugepages import (
     advise_huge,
     arena_pages,
     hugetlbfs_free_bytes,

@@ -9,7 +9,7 @@ claiming the directory and reading it back at start: `disk_start.py`; why one fi
 bench/NOTES-disk.md.
 
 Primitives (any thread; the store calls them from its event loop):
-- `DiskTier(config)`: claims (`kvstore.claim.claim_private_directory`: created 0700, or a
+- `DiskTier(config)`: claims (`kvstore.config.claim.claim_private_directory`: created 0700, or a
   directory of this user or root that no one else can write, else a ConfigError naming
   `tiers.disk.path`) and locks the directory; reads nothing yet. Every file operation after
   that goes through the claimed descriptor (`base`, `/proc/self/fd/<fd>`), never the path
@@ -50,10 +50,10 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvstore.codec import CODECS, Buffer
-from kvstore.config import DiskTierConfig
-from kvstore.domain import Tier
+from kvstore.config.root import DiskTierConfig
+from kvstore.shared.domain import Tier
 from kvstore.tiers import disk_files as files
+from kvstore.tiers.codec import CODECS, Buffer
 from kvstore.tiers.disk_files import Progress, RecordInfo
 from kvstore.tiers.disk_index import DiskIndex, Ident, Record
 from kvstore.tiers.disk_jobs import Read, ReadDone, Write, WriteDone

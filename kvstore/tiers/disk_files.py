@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from kvstore.codec import Codec
+from kvstore.tiers.codec import Codec
 from kvstore.tiers.disk_io import open_own
 from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, unpack_header
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from kvstore.codec import Codec
+from kvstore.tiers.codec import Codec
 from kvstore.tiers.disk_files import RecordInfo
 
 Ident = tuple[bytes, bytes]  # (namespace, key)

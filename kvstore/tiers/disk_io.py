@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvstore.codec import Buffer
+from kvstore.tiers.codec import Buffer
 from kvstore.tiers.records import HEADER_BYTES, CorruptRecord, unpack_header
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore.codec import Buffer
+from kvstore.tiers.codec import Buffer
 from kvstore.tiers.disk_index import Record
 
 WriteDone = Callable[[bool], None]

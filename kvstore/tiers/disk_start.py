@@ -1,6 +1,6 @@
 """What the disk tier (`disk`) does once, at start, before its workers run.
 
-- `open_directory(root) -> fd`: claims the directory (`kvstore.claim.claim_private_directory`:
+- `open_directory(root) -> fd`: claims the directory (`kvstore.config.claim.claim_private_directory`:
   created 0700, or a directory of this user or root that no one else can write, else a
   ConfigError naming `tiers.disk.path`), locks it against a second daemon and marks it as a
   disk tier's; every later file operation goes through this descriptor.
@@ -19,7 +19,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from kvstore.claim import claim_private_directory
+from kvstore.config.claim import claim_private_directory
 from kvstore.tiers import disk_files as files
 from kvstore.tiers.disk_files import Progress, RecordInfo
 

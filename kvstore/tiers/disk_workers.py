@@ -23,9 +23,9 @@ from collections import Counter, deque
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstore.codec import Buffer, Codec, compress
-from kvstore.config import DiskTierConfig
+from kvstore.config.root import DiskTierConfig
 from kvstore.tiers import disk_files as files
+from kvstore.tiers.codec import Buffer, Codec, compress
 from kvstore.tiers.disk_files import record_path
 from kvstore.tiers.disk_index import DiskIndex, Ident, Record
 from kvstore.tiers.disk_io import read_record, write_record

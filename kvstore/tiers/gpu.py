@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstore.config import GpuTierConfig
-from kvstore.cudart import CudaError, CudaRuntime, CudaUnavailable, load_runtime
+from kvstore.config.root import GpuTierConfig
+from kvstore.shared.cudart import CudaError, CudaRuntime, CudaUnavailable, load_runtime
 from kvstore.tiers.cpu import Arena
 from kvstore.tiers.slab import SlabAllocator
 

@@ -31,8 +31,8 @@ from typing import NamedTuple
 
 import xxhash
 
-from kvstore.codec import Buffer, Codec, decompress
-from kvstore.keys import KEY_BYTES
+from kvstore.shared.keys import KEY_BYTES
+from kvstore.tiers.codec import Buffer, Codec, decompress
 
 MAGIC = b"KVPR"
 FORMAT_VERSION = 1

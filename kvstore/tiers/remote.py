@@ -57,9 +57,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvstore.codec import CODECS, Buffer, compress
-from kvstore.config import ConfigError, RemoteTierConfig
-from kvstore.domain import Tier
+from kvstore.config.root import ConfigError, RemoteTierConfig
+from kvstore.shared.domain import Tier
+from kvstore.tiers.codec import CODECS, Buffer, compress
 from kvstore.tiers.records import FLAG_MAC, CorruptRecord, ForgedRecord, RecordKey, pack_header
 from kvstore.tiers.remote_lookups import RemoteLookups
 from kvstore.tiers.remote_nodes import Node, Nodes, NodeUsage

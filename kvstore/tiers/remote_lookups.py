@@ -16,7 +16,7 @@ from binascii import hexlify
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvstore.config import RemoteTierConfig
+from kvstore.config.root import RemoteTierConfig
 from kvstore.tiers.remote_nodes import Node, Nodes, NodeUsage, server_totals
 from kvstore.tiers.remote_resp import RecordConnection, Redirect, command
 from kvstore.tiers.remote_routing import Router

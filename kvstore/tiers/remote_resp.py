@@ -44,7 +44,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.codec import Buffer, Codec
+from kvstore.tiers.codec import Buffer, Codec
 from kvstore.tiers.records import (
     HEADER_BYTES,
     MAC_BYTES,

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.config import RemoteTierConfig
+from kvstore.config.root import RemoteTierConfig
 from kvstore.tiers.remote_nodes import Node, Nodes
 from kvstore.tiers.remote_resp import Address, RecordConnection, Redirect, RespError
 

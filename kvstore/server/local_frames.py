@@ -1,0 +1,60 @@
+"""The local channel's reply frames: status codes, errors, and a reply that carries a descriptor.
+
+- OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL: the grpc.StatusCode values a reply's
+  status byte takes (without importing grpc).
+- `error_frame(name, exc)`: the reply to a call that raised: its status and message
+  (`errors.status_of`), or INTERNAL, logged, for an exception no status maps.
+- `WithFd`: a reply frame sent with a descriptor (a Connect's, with the tenant's sealed arena);
+  `send_with_fd(transport, data, fd)` sends it so.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+
+from kvstore.shared.errors import status_of
+from kvstore.shared.wire import frame
+
+log = logging.getLogger("kvstore.server.local")  # the channel's log lines, wherever its parts live
+
+OK = 0
+INVALID_ARGUMENT = 3
+RESOURCE_EXHAUSTED = 8
+INTERNAL = 13
+
+
+class WithFd(bytes):
+    """A reply frame sent with a descriptor (SCM_RIGHTS): a Connect's, with the sealed arena."""
+
+    fd = -1
+
+
+def error_frame(name: str, exc: Exception) -> bytes:
+    status = status_of(exc)
+    if status is None:
+        log.error("internal error in %s", name, exc_info=exc)
+        return frame(INTERNAL, f"internal error in kvstored: {exc!r} (see the daemon's log)".encode())
+    code, message = status
+    return frame(int(code), message.encode())
+
+
+def send_with_fd(transport: asyncio.Transport, data: bytes, fd: int) -> None:
+    """Sends `data` with `fd` attached, on a duplicate of the connection's socket (transports
+    cannot send descriptors) while nothing is queued before it; else without it (the worker
+    then sends page bytes inline)."""
+    sock = transport.get_extra_info("socket")
+    sent = 0
+    if fd >= 0 and sock is not None and not transport.get_write_buffer_size():
+        rights = array.array("i", [fd])
+        with (
+            socket.socket(fileno=os.dup(sock.fileno())) as dup,
+            contextlib.suppress(BlockingIOError, InterruptedError),
+        ):
+            sent = dup.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+    if sent < len(data):
+        transport.write(data[sent:])

@@ -1,0 +1,302 @@
+"""The daemon's shared-memory arena, mapped into a worker on the daemon's host.
+
+`MappedArena.map(arena, identity)` maps the file a Connect reply names once it is proven to be
+the file the daemon maps: on this host (boot id) and the same file (`identity`: st_dev, st_ino).
+Otherwise page bytes go inline, or (`shared_memory=True`) ConnectionError. With a GPU its slabs
+are registered with CUDA in the background (`registrar.SlabRegistrar`), so the connect costs
+the same whatever the arena's size and the kernels move pages at PCIe speed. `tensor` is the
+mapping as uint8 (None when nothing is mapped); `epoch` is the mapped arena's (0: none).
+
+`transfer_options(offsets)`: what a transfer of the pages at `offsets` must pass the kernels:
+None (their auto rule) once the slabs holding them are registered, waiting up to `wait_s` for
+them; else the torch reference, which needs no registration (counted in `stats()`).
+`bounce_for(offsets, page_bytes, on_cuda)`: for a store of whole pages, the process's
+`bounce.BounceRing` where their slabs are not registered yet (the store goes through it at once
+instead of waiting), else None. `bounce` decides where it applies: None (the default) for KV
+caches on CUDA, True for any (tests with CPU caches), False never. The ring is made in the
+background when the registration starts, and freed once every slab is registered.
+
+One mapping per process: every client of this process that maps the same arena (path, file,
+size and epoch) shares one mapping and one registration (`SharedMapping`, counted by its users).
+The driver counts each registration's pages in full, even where two mappings pin the same
+pages: on the GPU hosts the registrations of one process stopped at ~124 GiB in all (64 GiB
+then 15 of 256 slabs failing a second mapping; 100 GiB then 303 of 400), so a second pinned
+mapping of a large arena could not pin, and it would have paid its registration again.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+from typing import Any, NamedTuple
+
+import torch
+
+from kvstore.shared.cudart import CudaUnavailable
+from kvstore.shared.domain import MEMFD_PREFIX
+from kvstore.shared.hugepages import advise_huge, thp_advised
+from kvstore.shared.peers import boot_id
+from kvstore_client.bounce import BounceRing
+from kvstore_client.registrar import CudaRegistrar, HostRegistrar, SlabRegistrar
+from kvstore_client.routes import UNPINNED
+from kvstore_client.transfers import Streams
+from kvstore_kernels import TransferOptions
+
+log = logging.getLogger(__name__)
+
+# How long a transfer waits for the slabs it touches to be registered before it takes the
+# unpinned path: on the H100 host, registering 16 GiB whose pages were present took 0.8 s (13 ms
+# a 256 MiB slab), 7.8 s where registering faulted them in (0.12 s a slab): far less than moving
+# a prompt's pages at pageable speed.
+REGISTER_WAIT_S = 10.0
+
+
+class MappingKey(NamedTuple):
+    path: str
+    identity: tuple[int, int]  # (st_dev, st_ino) of the file mapped
+    size: int
+    epoch: int
+
+
+class SharedMapping:
+    """One mapping of an arena in this process and its registration; `users`: the clients on it."""
+
+    def __init__(self, key: MappingKey, mapping: mmap.mmap) -> None:
+        self.key = key
+        self.mmap = mapping
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
+        self.registrar: SlabRegistrar | None = None
+        self.users = 1
+        self._ring: BounceRing | None = None
+        self._ring_made = threading.Event()
+        self._ring_lock = threading.Lock()
+        self._ring_dropped = False
+
+    def make_ring(self, device: int | None) -> None:
+        """Makes the bounce ring in the background: pinned for every context, its CUDA calls on
+        `device` (None: not pinned, tests with CPU caches)."""
+
+        def make() -> None:
+            try:
+                pinner = CudaRegistrar(device) if device is not None else None
+                ring: BounceRing | None = BounceRing(host=pinner, device=device)
+            except Exception as exc:  # stores then wait for their slabs, as without the ring
+                log.warning("the arena's bounce ring could not be made (%s): stores wait for slabs", exc)
+                ring = None
+            with self._ring_lock:
+                dropped = self._ring_dropped
+                if not dropped:
+                    self._ring = ring
+            if dropped and ring is not None:  # the mapping went while it was made
+                ring.close()
+            self._ring_made.set()
+
+        threading.Thread(target=make, name="kvstore-bounce-ring", daemon=True).start()
+
+    def ring(self) -> BounceRing | None:
+        """The bounce ring (waiting for it to be made); None once every slab is registered: the
+        ring is then closed as soon as no store uses it (a store that had it already finds it
+        closed and takes the kernels' way)."""
+        if not self._ring_made.wait(30.0):
+            return None
+        registrar = self.registrar
+        with self._ring_lock:
+            ring = self._ring
+            if ring is None or registrar is None or not registrar.all_registered or not ring.idle:
+                return ring
+            self._ring = None
+        ring.close()
+        return None
+
+    def drop_ring(self) -> None:
+        """Closes the ring (after the stores inside it), or the one still being made once it is."""
+        with self._ring_lock:
+            ring, self._ring = self._ring, None
+            self._ring_dropped = True
+        if ring is not None:
+            ring.close()
+
+
+_mappings: dict[MappingKey, SharedMapping] = {}
+_mappings_lock = threading.Lock()
+
+
+def mappings_in_process() -> int:
+    """Arena mappings this process holds (each client of an arena shares its one)."""
+    with _mappings_lock:
+        return len(_mappings)
+
+
+class MappedArena:
+    def __init__(self, want_shared_memory: bool | None, pin: bool | None) -> None:
+        self.want_shared_memory = want_shared_memory
+        self.pin = pin
+        self._shared: SharedMapping | None = None
+        self.tensor: torch.Tensor | None = None
+        self.wait_s = REGISTER_WAIT_S
+        self.slab_bytes = 0
+        self.epoch = 0
+        self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the daemon's arena file
+        self.bounce: bool | None = None  # stores around the registration: None for CUDA caches
+
+    @property
+    def registrar(self) -> SlabRegistrar | None:
+        return self._shared.registrar if self._shared is not None else None
+
+    def map(
+        self,
+        arena: Any,
+        identity: tuple[int, int],
+        streams: Streams | None = None,
+        handed: int | None = None,
+        epoch: int = 0,
+    ) -> None:
+        """Maps the arena `pb.Arena` names (dropping any mapping first), or shares the mapping
+        another client of this process made of it (the same file, size and `epoch`). A sealed
+        arena (a tenant's: no path) is mapped from `handed`, the descriptor its Connect reply
+        carried (the caller keeps and closes it)."""
+        self.unmap(streams)
+        if self.want_shared_memory is False:
+            return
+        path, size = arena.shm_path, arena.size
+        if arena.boot_id and arena.boot_id != boot_id():
+            if self.want_shared_memory:
+                raise ConnectionError(f"the daemon runs on another host: its arena {path!r} cannot be mapped")
+            log.info("the daemon runs on another host: page bytes go inline")
+            return
+        try:
+            if path.startswith(MEMFD_PREFIX):
+                if handed is None:
+                    raise OSError(
+                        errno.ENOENT, "it is handed only with a Connect on the daemon's local channel"
+                    )
+                fd = os.dup(handed)
+            else:
+                fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            if self.want_shared_memory:
+                raise ConnectionError(
+                    f"cannot map the daemon's arena {path!r}: {exc.strerror}; "
+                    f"connect with shared_memory=False to send bytes instead"
+                ) from exc
+            log.info("arena %s not reachable (%s): page bytes go inline", path, exc.strerror)
+            return
+        try:
+            st = os.fstat(fd)
+            if identity != (0, 0) and (st.st_dev, st.st_ino) != identity:
+                message = f"the file at {path} is not the daemon's arena (the daemon restarted meanwhile?)"
+                if self.want_shared_memory:
+                    raise ConnectionError(message)
+                log.warning("%s: page bytes go inline until the client connects again", message)
+                return
+            self._shared = self._share(MappingKey(path, (st.st_dev, st.st_ino), size, epoch), fd)
+        finally:
+            os.close(fd)
+        self.tensor = self._shared.tensor
+        self.slab_bytes = arena.slab_bytes  # 0 (an older daemon): the arena is one slab
+        if self._shared.registrar is None:  # a client of this process that pins none may have mapped it
+            host = self.host_registrar()
+            if host is not None:
+                self.start_registrar(host)
+
+    def _share(self, key: MappingKey, fd: int) -> SharedMapping:
+        """This process's mapping of the arena `key` names: the one made already (one more user),
+        or a new one."""
+        with _mappings_lock:
+            shared = _mappings.get(key)
+            if shared is not None and key.epoch:  # without an epoch nothing proves it the same arena
+                shared.users += 1
+                return shared
+            mapping = mmap.mmap(fd, key.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if thp_advised(None if key.path.startswith(MEMFD_PREFIX) else os.path.dirname(key.path)):
+                advise_huge(mapping)  # as the daemon's mapping does
+            shared = SharedMapping(key, mapping)
+            if key.epoch:
+                _mappings[key] = shared
+            return shared
+
+    def host_registrar(self) -> HostRegistrar | None:
+        """What pins a new mapping: CUDA's, where a GPU is present and `pin` allows (None: nothing)."""
+        if self.pin is False or not torch.cuda.is_available():
+            return None
+        try:
+            return CudaRegistrar(torch.cuda.current_device())
+        except CudaUnavailable as exc:
+            log.warning("the arena cannot be registered with CUDA (%s): transfers run at pageable speed", exc)
+            return None
+
+    def start_registrar(self, host: HostRegistrar, **options: Any) -> None:
+        """Registers the mapped arena's slabs with `host` in the background (`options`: the
+        `SlabRegistrar`'s), for every client sharing the mapping (unless it is registered), and
+        makes the bounce ring for stores meanwhile."""
+        shared = self._shared
+        if shared is None or self.tensor is None:
+            return
+        with _mappings_lock:
+            if shared.registrar is None:
+                shared.registrar = SlabRegistrar(
+                    host, self.tensor.data_ptr(), self.tensor.numel(), self.slab_bytes, **options
+                )
+                device = getattr(host, "device", None)
+                shared.make_ring(device if isinstance(device, int) else None)
+
+    @property
+    def registered(self) -> bool:
+        """Whether the arena is being registered (its slabs are, or will be, pinned)."""
+        return self.registrar is not None
+
+    def transfer_options(self, offsets: list[int]) -> TransferOptions | None:
+        """None where the pages at `offsets` may move by the kernels' auto rule (their slabs are
+        registered, or nothing is registered here); else `UNPINNED`."""
+        registrar = self.registrar
+        if registrar is None or not offsets:
+            return None
+        # Slab 0 too: the kernels tell pinned from pageable memory at the buffer's first byte.
+        slabs = registrar.slabs_of(offsets) | {0}
+        return None if registrar.ready(slabs, self.wait_s) else UNPINNED
+
+    def bounce_for(self, offsets: list[int], page_bytes: int, on_cuda: bool) -> BounceRing | None:
+        """The ring a store of whole pages at `offsets` goes through, where their slabs are not
+        all registered yet (counted as bounced); None: the store takes `transfer_options`'s way."""
+        shared, registrar = self._shared, self.registrar
+        if shared is None or registrar is None or not offsets or self.bounce is False:
+            return None
+        if not on_cuda and self.bounce is None:
+            return None
+        ring = shared.ring()  # None once every slab is registered (the ring then freed)
+        if ring is None or not ring.fits(page_bytes):
+            return None
+        # Slab 0 too, as transfer_options asks: once it is registered the kernels see a pinned arena.
+        return None if registrar.registered_now(registrar.slabs_of(offsets) | {0}) else ring
+
+    def stats(self) -> dict[str, Any]:
+        """The registration's progress and the transfers that waited for it or went unpinned."""
+        registrar = self.registrar
+        return {"mapped": self.tensor is not None, **(registrar.stats() if registrar else {})}
+
+    def unmap(self, streams: Streams | None = None) -> None:
+        """Drops this client's use of the mapping; the last user's drop ends its registration once
+        no transfer can touch it (those on `streams` and on every device's streams). The mapping
+        itself goes when the last tensor viewing it does (closing it under a live view would
+        fault)."""
+        shared, self._shared = self._shared, None
+        self.tensor = None
+        self.epoch = 0
+        if shared is None:
+            return
+        with _mappings_lock:
+            shared.users -= 1
+            last = shared.users == 0
+            if last and _mappings.get(shared.key) is shared:
+                del _mappings[shared.key]
+        if last and shared.registrar is not None:
+            if streams is not None:
+                streams.synchronize()
+            for device in range(torch.cuda.device_count()):  # transfers on the caller's streams too
+                torch.cuda.synchronize(device)
+            shared.drop_ring()  # its copies finish first
+            shared.registrar.stop()
+            shared.registrar = None
