@@ -102,9 +102,10 @@ class Probe:
         names.mkdir(parents=True)
         for name, folder in (
             ("kvstore", "kvstore"),
-            ("kvstore_client", "client"),
+            ("kvstore_client", "client"),  # an older tree's folder, where the tree has no kvstore_client/
             ("kvstore_kernels", "kernels"),
         ):
+            folder = name if (tree / name).is_dir() else folder
             (names / name).symlink_to(tree.resolve() / folder, target_is_directory=True)
         path = os.pathsep.join(filter(None, [str(names), os.environ.get("PYTHONPATH")]))
         self.process = subprocess.Popen(

@@ -84,9 +84,10 @@ class Tree:
         self.names.mkdir(parents=True)
         for name, folder in (
             ("kvstore", "kvstore"),
-            ("kvstore_client", "client"),
+            ("kvstore_client", "client"),  # an older tree's folder, where the tree has no kvstore_client/
             ("kvstore_kernels", "kernels"),
         ):
+            folder = name if (tree / name).is_dir() else folder
             (self.names / name).symlink_to(tree.resolve() / folder, target_is_directory=True)
         path = os.pathsep.join(filter(None, [str(self.names), os.environ.get("PYTHONPATH")]))
         self.env = {**os.environ, "PYTHONPATH": path}  # the tree's packages ahead of any other
