@@ -35,6 +35,7 @@ copied out.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import queue
 import threading
@@ -154,9 +155,11 @@ class BounceRing:
             if self.closed:
                 return None
             self._users += 1
+        # The gather of one batch into one slot: `transfer` with its engine-side arguments bound.
+        gather_batch = functools.partial(transfer, spec, kv_caches, block_ids)
         try:
             return self._batched(
-                transfer, spec, kv_caches, block_ids, chunks, arena, offsets, stream, page_bytes
+                gather_batch, chunks, [arena.data_ptr() + o for o in offsets], stream, page_bytes
             )
         finally:
             with self._lock:
@@ -165,13 +168,9 @@ class BounceRing:
 
     def _batched(
         self,
-        transfer: Callable[..., None],
-        spec: KVSpec,
-        kv_caches: Any,
-        block_ids: Any,
+        gather_batch: Callable[..., None],
         chunks: Sequence[int],
-        arena: torch.Tensor,
-        offsets: Sequence[int],
+        addresses: list[int],
         stream: Any,
         page_bytes: int,
     ) -> HostCompletion:
@@ -180,12 +179,10 @@ class BounceRing:
         gathered: torch.cuda.Event | None = None
         for start in range(0, len(chunks), per_slot):
             batch = list(chunks[start : start + per_slot])
-            destinations = [arena.data_ptr() + offset for offset in offsets[start : start + len(batch)]]
+            destinations = addresses[start : start + len(batch)]
             slot = self._free.get()  # waits while every slot's bytes are still being copied out
             try:
-                gathered = self._gather_into(
-                    slot, transfer, spec, kv_caches, block_ids, batch, stream, page_bytes
-                )
+                gathered = self._gather_into(slot, gather_batch, batch, stream, page_bytes)
                 future = self._batches.submit(self._copy_out, gathered, slot, destinations, page_bytes)
             except BaseException:
                 if stream is not None:  # the slot goes back once nothing enqueued can still write it
@@ -203,22 +200,14 @@ class BounceRing:
         return HostCompletion(batches, gathered)
 
     def _gather_into(
-        self,
-        slot: int,
-        transfer: Callable[..., None],
-        spec: KVSpec,
-        kv_caches: Any,
-        block_ids: Any,
-        batch: list[int],
-        stream: Any,
-        page_bytes: int,
+        self, slot: int, gather_batch: Callable[..., None], batch: list[int], stream: Any, page_bytes: int
     ) -> torch.cuda.Event | None:
         """Gathers `batch` into `slot`: the event after it on `stream` (None: done, a CPU cache)."""
         slots = [slot * self.slot_bytes + j * page_bytes for j in range(len(batch))]
         if stream is None:
-            transfer(spec, kv_caches, block_ids, batch, self.buffer, slots, None)
+            gather_batch(batch, self.buffer, slots, None)
             return None
-        transfer(spec, kv_caches, block_ids, batch, self.buffer, slots, None, stream=stream)
+        gather_batch(batch, self.buffer, slots, None, stream=stream)
         gathered = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spins
         gathered.record(stream)
         return gathered

@@ -223,7 +223,7 @@ class KVStoreClient(Session):
         tail: bool = False,
     ) -> int:
         """Store the whole chunks of `token_ids` from the KV cache; returns how many were new."""
-        return self._stores.store(token_ids, kv_caches, block_ids, layers, keys=keys, tail=tail)
+        return self.store_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys, tail=tail).wait()
 
     def store_async(
         self,
@@ -259,7 +259,7 @@ class KVStoreClient(Session):
         tail: bool = False,
     ) -> int:
         """Load the longest stored prefix of `token_ids` into the KV cache; returns tokens loaded."""
-        return self._loads.load(token_ids, kv_caches, block_ids, layers, keys=keys, tail=tail)
+        return self.load_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys, tail=tail).wait()
 
     def load_async(
         self,

@@ -93,19 +93,6 @@ class LoadPath:
     def __init__(self, session: Session) -> None:
         self._s = session  # the client: its namespace, spec and link
 
-    def load(
-        self,
-        token_ids: Any,
-        kv_caches: Any,
-        block_ids: Any,
-        layers: range | None = None,
-        *,
-        keys: Sequence[bytes] | None = None,
-        tail: bool = False,
-    ) -> int:
-        """Load the longest stored prefix of `token_ids` into the KV cache; returns tokens loaded."""
-        return self.load_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys, tail=tail).wait()
-
     def load_async(
         self,
         token_ids: Any,

@@ -32,19 +32,6 @@ class StorePath:
     def __init__(self, session: Session) -> None:
         self._s = session  # the client: its namespace, spec and link
 
-    def store(
-        self,
-        token_ids: Any,
-        kv_caches: Any,
-        block_ids: Any,
-        layers: range | None = None,
-        *,
-        keys: Sequence[bytes] | None = None,
-        tail: bool = False,
-    ) -> int:
-        """Store the whole chunks of `token_ids` from the KV cache; returns how many were new."""
-        return self.store_async(token_ids, kv_caches, block_ids, layers=layers, keys=keys, tail=tail).wait()
-
     def store_async(
         self,
         token_ids: Any,
