@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # The model rows of this tree and of another one in turn, twice each, on one machine:
-#   git archive <commit> -- client kernels kvstore bench tests/__init__.py tests/harness.py tests/pki.py \
+#   git archive <commit> -- kvstore_client kvstore_kernels kvstore bench tests/__init__.py tests/harness.py \
+#     tests/pki.py \
 #     | (mkdir -p BASE && tar -x -C BASE)
 #   OUT=/tmp/ab bench/ab_transfer.sh BASE [--models mla --model-tokens 8192 32768]
 # Each tree runs its own bench/transfer.py on its own kvstore, kvstore_client and kvstore_kernels
-# (symlinked under /tmp/ab-names-*); the JSON results and logs go to $OUT.
+# (a tree from before the layer folders has them in client/ and kernels/: symlinked under
+# /tmp/ab-names-* by their import names); the JSON results and logs go to $OUT.
 set -u
 base=$(cd "$1" && pwd); shift
 args=("$@"); [ ${#args[@]} -eq 0 ] && args=(--models mla --model-tokens 8192 32768)
 out=${OUT:-/tmp/ab}; mkdir -p "$out"
-names() { mkdir -p "/tmp/ab-names-$1" && ln -sfn "$2/client" "/tmp/ab-names-$1/kvstore_client" \
-  && ln -sfn "$2/kernels" "/tmp/ab-names-$1/kvstore_kernels"; }
+names() {  # an older tree's client/ and kernels/ under their import names
+  mkdir -p "/tmp/ab-names-$1"
+  if [ -d "$2/client" ]; then ln -sfn "$2/client" "/tmp/ab-names-$1/kvstore_client"; fi
+  if [ -d "$2/kernels" ]; then ln -sfn "$2/kernels" "/tmp/ab-names-$1/kvstore_kernels"; fi
+}
 here=$(pwd); names new "$here"; names base "$base"
 for round in 1 2; do
   for tree in base new; do
