@@ -9,9 +9,12 @@ and loaded with its tail page (`tail=True`). A load goes into a poisoned cache: 
 equal the prompt's KV and every other block must still hold the poison. Any exception out of a
 public call is recorded, with its traceback, and the loop goes on.
 
-With `--gpu` the caches are on the GPU and stores ask for the daemon's GPU tier.
+With `--gpu` the caches are on the GPU and stores ask for the daemon's GPU tier. With `--bounce`
+the arena's slabs never register (a registrar that is refused each one), so every store goes
+through the client's bounce ring and every load takes the unpinned path, arena after arena.
 
-Report: {"ops", "loads", "hit_tokens", "stored", "wrong": [...], "exceptions": [...],
+Report: {"ops", "loads", "hit_tokens", "stored", "bounced" (stores through the bounce ring on
+the last arena), "wrong": [...], "exceptions": [...],
 "served": [wall-clock times of calls the daemon served, one per 50 ms at most]}. Each served
 time is also appended to REPORT_FILE.served as it happens, one a line, for a test to wait on.
 """
@@ -82,6 +85,16 @@ def wrong_blocks(
     return problems
 
 
+class RefusingRegistrar:
+    """A registrar that is refused every slab: they stay unregistered (`--bounce`)."""
+
+    def register(self, address: int, size: int) -> None:
+        raise OSError("refused: the stores go through the bounce ring")
+
+    def unregister(self, address: int) -> None:
+        pass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("address")
@@ -95,7 +108,12 @@ def main() -> None:
     parser.add_argument(
         "--gpu", action="store_true", help="caches on the GPU, stores into the daemon's GPU tier"
     )
+    parser.add_argument("--bounce", action="store_true", help="every store through the bounce ring")
     args = parser.parse_args()
+    if args.bounce:
+        from kvstore_client.arena import MappedArena
+
+        MappedArena.host_registrar = lambda self: RefusingRegistrar()  # type: ignore[method-assign]
     if args.commit_parts:  # parts of one page, the last part one page: every early Commit is taken
         from kvstore_client import stores
 
@@ -120,6 +138,8 @@ def main() -> None:
 
     client = KVStoreClient.connect(args.address, SPEC, timeout_s=5.0)
     client.store_to_gpu = args.gpu
+    if args.bounce:
+        client._mapped.bounce = True  # for CPU caches too
     print("connected", flush=True)
     blocks = torch.arange(BLOCKS)
     while not args.stop_file.exists():
@@ -147,6 +167,7 @@ def main() -> None:
                     note_served()
         except BaseException as exc:  # every exception out of a public call is a finding
             exceptions.append(f"{exc!r}\n{traceback.format_exc()}")
+    counts["bounced"] = client._mapped.stats().get("transfers_bounced", 0)  # on the last arena
     client.close()
     served_file.close()
     report = {**counts, "wrong": wrong, "exceptions": exceptions, "served": served}

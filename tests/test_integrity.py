@@ -167,6 +167,32 @@ def test_workers_see_no_error_and_no_wrong_byte_through_five_restarts(
             assert served, f"worker {n} not served within {SERVE_AGAIN_S} s of restart {k + 1}"
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_stores_through_the_bounce_ring_see_no_error_and_no_wrong_byte_through_restarts(
+    tmp_path: Path, restartable: Callable[..., Daemon], sig: int
+) -> None:
+    """Every store of every worker goes through the bounce ring (their arenas' slabs never
+    register): the daemon restarted under them, a new arena each time, and nothing they load
+    is wrong."""
+    daemon = restartable(**SMALL)
+    workers = Workers(tmp_path, daemon.address, WORKERS, "--bounce")
+    try:
+        workers.wait_served(time.time(), STARTUP_TIMEOUT_S)
+        for _ in range(3):
+            daemon.stop(sig)
+            time.sleep(0.3)
+            daemon = restartable(**SMALL)
+            workers.wait_served(time.time(), SERVE_AGAIN_S + 0.5)
+        reports = workers.finish()
+    finally:
+        workers.kill()
+    for n, report in enumerate(reports):
+        assert report["exceptions"] == [], f"worker {n}: {report['exceptions'][:2]}"
+        assert report["wrong"] == [], f"worker {n}: {report['wrong'][:3]}"
+        assert report["loads"] > 20 and report["hit_tokens"] > 0 and report["stored"] > 0
+        assert report["bounced"] > 0  # the last arena's stores went through the ring
+
+
 @pytest.mark.parametrize("calls_while_down", [True, False], ids=["calls-while-down", "idle-while-down"])
 @pytest.mark.parametrize("local_channel", [True, False], ids=["local-channel", "grpc-only"])
 def test_a_worker_left_on_the_old_arena_maps_the_new_one_before_moving_a_byte(
