@@ -102,7 +102,8 @@ async def _replay(
 
     With a disk tier, evicted CPU pages are written behind to it and each request loads like a
     worker: a leased lookup (its disk hits are promoted into the CPU tier), Acquire (waits for
-    them), Release. Hits count per tier as the lookup reports them.
+    them), Release. Hits count per tier as the lookup reports them. The tier's writes end before
+    the next request, on one thread, so a replay gives the same hits every time.
     """
     every = max(1, len(trace.requests) // 200)
     with tempfile.TemporaryDirectory(prefix="kvstore-replay-") as run_dir:
@@ -126,6 +127,8 @@ async def _replay(
                 else:
                     if reserved.lease_id:
                         store.commit(ns, reserved.lease_id)
+                if disk is not None:  # what the disk holds does not depend on its thread's speed
+                    await asyncio.to_thread(disk.wait_written)
                 if progress is not None and done % every == 0:
                     progress(done)
             elapsed = time.perf_counter() - started
@@ -149,6 +152,7 @@ def _disk(run_dir: Path, disk_pages: int) -> DiskTier:
         fsync="never",
         codec="none",
         queue_bytes=1 << 30,
+        threads=1,  # records indexed in the order they are written behind
     )
     disk = DiskTier(config)
     disk.recover()

@@ -79,6 +79,7 @@ class DiskTier(DiskWorkers):
         self._wake = threading.Condition(self._lock)
         self._index = DiskIndex(config.bytes)
         self._pending: dict[Ident, Write] = {}  # queued or being written
+        self._written = threading.Condition(self._lock)  # notified as a write leaves _pending
         self._writes: deque[Write] = deque()
         self._reads: deque[Read] = deque()
         self._calls: deque[Callable[[], None]] = deque()  # callbacks due on a tier thread
@@ -274,6 +275,13 @@ class DiskTier(DiskWorkers):
                 found += 1
         return found
 
+    def wait_written(self, timeout_s: float = 60.0) -> bool:
+        """Waits until no write is queued or in progress (each written and indexed, or dropped);
+        False if some still are after `timeout_s`. A replay does this after each request, so
+        what the tier holds does not depend on how fast its thread writes."""
+        with self._lock:
+            return self._written.wait_for(lambda: not self._pending, timeout_s)
+
     def flushed(self, namespace: bytes, key: bytes) -> bool:
         """The page is in its record file, synced as `tiers.disk.fsync` asks."""
         with self._lock:
@@ -296,6 +304,7 @@ class DiskTier(DiskWorkers):
                 else:
                     self._queued_bytes -= len(queued.page)
                     del self._pending[ident]
+                    self._written.notify_all()
             elif self._forget(ident) is not None:
                 self._calls.append(lambda: self._unlink(ident))
                 self._wake.notify()

@@ -48,6 +48,7 @@ class DiskWorkers:
     _wake: threading.Condition
     _index: DiskIndex
     _pending: dict[Ident, Write]
+    _written: threading.Condition
     _writes: deque[Write]
     _reads: deque[Read]
     _calls: deque[Callable[[], None]]
@@ -99,6 +100,7 @@ class DiskWorkers:
         ident = (write.namespace, write.key)
         if self._pending.get(ident) is write:
             del self._pending[ident]
+            self._written.notify_all()
 
     def _complete(self, dones: list[WriteDone], durable: bool) -> None:
         for done in dones:
