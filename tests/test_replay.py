@@ -137,7 +137,7 @@ def test_conversation_trace_with_a_disk_tier_reaches_the_infinite_bound() -> Non
     # The trace's first 2,000 requests (54,559 blocks, 38,788 distinct): a disk tier with room for
     # every block keeps all that 1,000 CPU pages drop, so every reuse hits. The whole trace (5,000
     # CPU pages, 50,000 disk pages: 35.66% against the infinite 36.64%) is `kvctl replay
-    # --disk-pages`, half a minute on a 2-core machine.
+    # --disk-pages`, about a minute on a 2-core machine (the disk tier's writes end before each next request).
     trace = load_trace(CONVERSATION_TRACE)
     head = Trace("head", trace.requests[:2000])
     result = replay(head, cpu_pages=1000, policy="lfuda", disk_pages=50_000)
