@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The model rows of this tree and of another one in turn, twice each, on one machine:
 #   git archive <commit> -- kvstore_client kvstore_kernels kvstore bench tests/__init__.py tests/harness.py \
-#     tests/pki.py \
-#     | (mkdir -p BASE && tar -x -C BASE)
+#     tests/pki.py | (mkdir -p BASE && tar -x -C BASE)
+#   (a commit from before the layer folders: name client and kernels for kvstore_client and kvstore_kernels)
 #   OUT=/tmp/ab bench/ab_transfer.sh BASE [--models mla --model-tokens 8192 32768]
 # Each tree runs its own bench/transfer.py on its own kvstore, kvstore_client and kvstore_kernels
 # (a tree from before the layer folders has them in client/ and kernels/: symlinked under

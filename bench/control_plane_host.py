@@ -4,8 +4,10 @@
 
 Imports `kvstore` from whatever PYTHONPATH names (`lookup_storm.Tree` points it at one tree), so
 `bench/control_plane.py --parts host --baseline TREE` times this tree and TREE alike, each in a
-process of its own. It builds a real `Store` (default policy, `lfuda`), commits one chain of 512
-keys, and prints one JSON line of p50s (µs) over CALLS calls each:
+process of its own. TREE must be from the layer folders on (43aa469 or later): the probe imports
+their module paths and builds the `Store` from `StoreSettings`. It builds a real `Store` (default
+policy, `lfuda`), commits one chain of 512 keys, and prints one JSON line of p50s (µs) over CALLS
+calls each:
 
 - `policy_hit_512`: the policy's hit accounting for the 512 pages (`store.policy.hit`, what a
   leased Lookup counts as a use: `of_which_policy_hit` in `server_breakdown`);

@@ -46,6 +46,14 @@ LOOKUP_CHUNKS = 512
 LOAD_CHUNKS = 4
 
 
+# kvstored's entry point in the tree on PYTHONPATH: kvstore.daemon in a tree from before the
+# layer folders.
+DAEMON_MAIN = (
+    "import sys\ntry:\n    from kvstore.server.daemon import main\n"
+    "except ModuleNotFoundError:\n    from kvstore.daemon import main\nsys.exit(main())\n"
+)
+
+
 def start_daemon(run_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     socket_path = run_dir / "kvstored.sock"
     config = {
@@ -56,7 +64,7 @@ def start_daemon(run_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     }
     (run_dir / "kvstored.yaml").write_text(yaml.safe_dump(config))
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvstore.server.daemon", "--config", str(run_dir / "kvstored.yaml")],
+        [sys.executable, "-c", DAEMON_MAIN, "--config", str(run_dir / "kvstored.yaml")],
         stderr=subprocess.DEVNULL,
     )
     address = f"unix://{socket_path}"

@@ -7,9 +7,9 @@
 - `unix_socket: auto` puts the socket at `kvstore.shared.paths.default_socket_path()`.
 - `Config`: the whole tree; here too `LeaseConfig` and `EvictionConfig`. The other sections
   live with their subject and are importable from here as well: the listeners in
-  `config_server` (`ServerConfig`, `TlsConfig`), the tiers in `config_tiers` (`TiersConfig`,
-  `CpuTierConfig`, `DiskTierConfig`, `GpuTierConfig`, `RemoteTierConfig`), tenants and admins
-  in `config_tenants` (`TenantConfig`, `AdminsConfig`).
+  `kvstore.config.server` (`ServerConfig`, `TlsConfig`), the tiers in `kvstore.config.tiers`
+  (`TiersConfig`, `CpuTierConfig`, `DiskTierConfig`, `GpuTierConfig`, `RemoteTierConfig`),
+  tenants and admins in `kvstore.config.tenants` (`TenantConfig`, `AdminsConfig`).
 
 The loader is generic (`kvstore.config.settings`): each dataclass here declares its keys with their
 types and bounds, and a `validate(path)` for rules that span several fields.
