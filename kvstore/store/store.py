@@ -65,7 +65,7 @@ from kvstore.store.pins import PinLimitExceeded
 from kvstore.store.policy import EvictionPolicy
 from kvstore.store.store_loads import Loads
 from kvstore.store.store_settings import StoreSettings
-from kvstore.store.store_state import StoreState
+from kvstore.store.store_state import StoreParts, StoreState
 from kvstore.store.store_writes import Writes
 from kvstore.tiers.cpu import CpuTier
 
@@ -112,8 +112,9 @@ class Store:
             from kvstore.store.gpu_placement import GpuPlacement
 
             self.gpu_placement = GpuPlacement(self.eviction, gpu_pages, settings.promote_after_hits)
-        self.loads = Loads(state, self.eviction, self.lower, self.gpu_placement)
-        self.writes = Writes(state, self.eviction, self.lower, self.gpu_placement)
+        parts = StoreParts(state, self.eviction, self.lower, self.gpu_placement)
+        self.loads = Loads(parts)
+        self.writes = Writes(parts)
 
     def connect(self, spec: PageSpec, device_pci_bus_id: str = "") -> Namespace:
         if not self.cpu.slots.can_hold(spec.page_bytes):

@@ -27,14 +27,12 @@ from typing import TYPE_CHECKING
 
 from kvstore.shared.domain import Tier
 from kvstore.shared.errors import NotFound
-from kvstore.store.eviction import Eviction
 from kvstore.store.index import COMMITTED, PIN, AcquireResult, Entry, LookupResult
 from kvstore.store.leases import Lease, LeaseKind
-from kvstore.store.lower import LowerTiers
-from kvstore.store.store_state import StoreState
+from kvstore.store.store_state import StoreParts
 
 if TYPE_CHECKING:
-    from kvstore.store.gpu_placement import GpuPlacement
+    pass
 
 PROMOTION_TIMEOUT_S = 10.0
 _TIERING = attrgetter("tiering")
@@ -42,13 +40,8 @@ _CPU_TIER = bytes([Tier.CPU])
 
 
 class Loads:
-    def __init__(
-        self, state: StoreState, eviction: Eviction, lower: LowerTiers | None, placement: GpuPlacement | None
-    ) -> None:
-        self.state = state
-        self.eviction = eviction
-        self.lower = lower
-        self.placement = placement
+    def __init__(self, parts: StoreParts) -> None:
+        self.state, self.eviction, self.lower, self.placement = parts
 
     def lookup(
         self,

@@ -14,12 +14,16 @@
 
 The checks: `check_keys(keys)` (at most MAX_KEYS_PER_REQUEST), `ttl(ttl_s)` (a request's lease
 TTL, or the default), `lease(ns, lease_id, kind)` (a live lease of that namespace and kind).
+
+`StoreParts`: what the loads and the writes are given (the state, the eviction, the lower tiers,
+the GPU placement), one tuple for both.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.shared.domain import MAX_KEYS_PER_REQUEST
 from kvstore.shared.errors import InvalidArgument
@@ -29,6 +33,11 @@ from kvstore.store.leases import Lease, LeaseKind, LeaseTable, Quarantines
 from kvstore.store.pins import PinTable
 from kvstore.store.store_settings import StoreSettings
 from kvstore.tiers.cpu import CpuTier
+
+if TYPE_CHECKING:
+    from kvstore.store.eviction import Eviction
+    from kvstore.store.gpu_placement import GpuPlacement
+    from kvstore.store.lower import LowerTiers
 
 MAX_NAMESPACES = 4096
 
@@ -66,3 +75,13 @@ class StoreState:
     def lease(self, ns_id: bytes, lease_id: int, kind: LeaseKind) -> Lease:
         self.namespaces.registered(ns_id)
         return self.leases.held(ns_id, lease_id, kind)
+
+
+class StoreParts(NamedTuple):
+    """What the store's loads and writes are given: its state, and the parts that move pages
+    (the eviction, the lower tiers, the GPU placement)."""
+
+    state: StoreState
+    eviction: Eviction
+    lower: LowerTiers | None
+    placement: GpuPlacement | None

@@ -33,24 +33,17 @@ from kvstore.shared.domain import Tier
 from kvstore.shared.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.shared.peers import Peer
 from kvstore.store.events import EventKind
-from kvstore.store.eviction import Eviction
 from kvstore.store.index import COMMITTED, AcquireResult, Entry, Namespace, ReserveResult
 from kvstore.store.leases import Lease, LeaseKind
-from kvstore.store.lower import LowerTiers
-from kvstore.store.store_state import StoreState
+from kvstore.store.store_state import StoreParts
 
 if TYPE_CHECKING:
-    from kvstore.store.gpu_placement import GpuPlacement
+    pass
 
 
 class Writes:
-    def __init__(
-        self, state: StoreState, eviction: Eviction, lower: LowerTiers | None, placement: GpuPlacement | None
-    ) -> None:
-        self.state = state
-        self.eviction = eviction
-        self.lower = lower
-        self.placement = placement
+    def __init__(self, parts: StoreParts) -> None:
+        self.state, self.eviction, self.lower, self.placement = parts
 
     def reserve(
         self,
