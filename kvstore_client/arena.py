@@ -14,7 +14,8 @@ them; else the torch reference, which needs no registration (counted in `stats()
 `bounce.BounceRing` where their slabs are not registered yet (the store goes through it at once
 instead of waiting), else None. `bounce` decides where it applies: None (the default) for KV
 caches on CUDA, True for any (tests with CPU caches), False never. The ring is made in the
-background when the registration starts, and freed once every slab is registered.
+background when the registration starts, and freed by the registration thread once every slab
+is registered and the transfers pause (`SlabRegistrar.after_registered`).
 
 One mapping per process: every client of this process that maps the same arena (path, file,
 size and epoch) shares one mapping and one registration (`SharedMapping`, counted by its users).
@@ -97,19 +98,16 @@ class SharedMapping:
         threading.Thread(target=make, name="kvstore-bounce-ring", daemon=True).start()
 
     def ring(self) -> BounceRing | None:
-        """The bounce ring (waiting for it to be made); None once every slab is registered: the
-        ring is then closed as soon as no store uses it (a store that had it already finds it
-        closed and takes the kernels' way)."""
+        """The bounce ring (waiting for it to be made); None once every slab is registered (the
+        registrar then frees the ring at the first pause in the transfers: `drop_ring`; a store
+        that had it already finds it closed and takes the kernels' way)."""
         if not self._ring_made.wait(30.0):
             return None
         registrar = self.registrar
+        if registrar is None or registrar.all_registered:
+            return None
         with self._ring_lock:
-            ring = self._ring
-            if ring is None or registrar is None or not registrar.all_registered or not ring.idle:
-                return ring
-            self._ring = None
-        ring.close()
-        return None
+            return self._ring
 
     def drop_ring(self) -> None:
         """Closes the ring (after the stores inside it), or the one still being made once it is."""
@@ -242,6 +240,7 @@ class MappedArena:
                 )
                 device = getattr(host, "device", None)
                 shared.make_ring(device if isinstance(device, int) else None)
+                shared.registrar.after_registered(shared.drop_ring)  # unpinned off the transfers' way
 
     @property
     def registered(self) -> bool:
@@ -266,7 +265,7 @@ class MappedArena:
             return None
         if not on_cuda and self.bounce is None:
             return None
-        ring = shared.ring()  # None once every slab is registered (the ring then freed)
+        ring = shared.ring()  # None once every slab is registered (the ring freed at a pause)
         if ring is None or not ring.fits(page_bytes):
             return None
         # Slab 0 too, as transfer_options asks: once it is registered the kernels see a pinned arena.

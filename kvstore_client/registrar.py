@@ -22,6 +22,10 @@ are faulted in as they are pinned), so a connect only starts a `SlabRegistrar` a
 - `registered_now(slabs)`: the same question without waiting or moving them ahead (a store that
   can go around the registration, `bounce.BounceRing`); it still counts as a transfer for the
   pause rule, and a miss as a transfer bounced.
+- `after_registered(callback)`: `callback()` runs on the registration thread once every slab is
+  registered (or failed) and transfers have then paused for `quiet_s` (the bounce ring is freed
+  so: its unpinning holds the driver as a registration does, so not beside a transfer); never if
+  the registrar stops first.
 - `stop()`: ends the faulting and the registrations (after those in progress); the registration
   thread unregisters every slab before it exits, so every CUDA call is made on it, with the
   worker's device current.
@@ -171,6 +175,7 @@ class SlabRegistrar:
         self._duty_until = 0.0  # ... and until then while transfers keep coming
         self._fault = fault or Faulter()
         self._cond = threading.Condition()
+        self._after: list[Callable[[], object]] = []  # run once every slab is done, at a pause
         self.num_registered = self.num_failed = self.num_faulted = self.num_fault_failures = 0
         self.transfers_waited = self.transfers_unpinned = self.transfers_bounced = 0
         self.transfers_waiting = 0  # now
@@ -317,6 +322,7 @@ class SlabRegistrar:
                 f"{self.faulted_s:.2f}" if self.faulted_s is not None else "-",
                 self.num_faulters,
             )
+        self._run_after_registered()
         with self._cond:  # unregistering waits for stop(), here: no CUDA call on the caller's thread
             while not self._stopping:
                 self._cond.wait()
@@ -326,6 +332,31 @@ class SlabRegistrar:
                     self.host.unregister(self._extent(slab)[0])
                 except Exception as exc:
                     log.warning("unregistering slab %d of the arena failed: %s", slab, exc)
+
+    def after_registered(self, callback: Callable[[], object]) -> None:
+        """Runs `callback()` on the registration thread once every slab is done and transfers have
+        paused for quiet_s (at once, on that thread, if that time has come already)."""
+        with self._cond:
+            self._after.append(callback)
+            self._cond.notify_all()
+
+    def _run_after_registered(self) -> None:
+        """Waits for a pause in the transfers, then runs the callbacks; again for any added later,
+        until stop()."""
+        while True:
+            with self._cond:
+                while not self._stopping and not self._after:
+                    self._cond.wait()
+                while not self._stopping and (left := self._quiet_until - time.perf_counter()) > 0:
+                    self._cond.wait(left)
+                if self._stopping:
+                    return
+                callbacks, self._after = self._after, []
+            for callback in callbacks:
+                try:
+                    callback()
+                except Exception as exc:
+                    log.warning("after the arena's registration: %s", exc)
 
     def ready(self, slabs: Iterable[int], wait_s: float) -> bool:
         """Whether every slab in `slabs` is registered, after waiting at most `wait_s` for the

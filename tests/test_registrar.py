@@ -191,6 +191,39 @@ def test_while_transfers_keep_coming_slabs_are_registered_within_the_duty_share(
     registrar.stop()
 
 
+def test_after_every_slab_is_registered_the_callback_waits_for_a_pause_and_runs_on_the_registration_thread() -> None:
+    """What is undone once the arena is registered (the bounce ring's unpinning holds the driver
+    as a registration does) runs on the registration thread, and only once transfers pause."""
+    host = GatedRegistrar(base=0, slab_bytes=SLAB)
+    registrar = SlabRegistrar(host, 0, 3 * SLAB, SLAB, quiet_s=0.3, fault=host.fault, duty=0.0)
+    ran: list[str] = []
+    registrar.after_registered(lambda: ran.append(threading.current_thread().name))
+    registrar.registered_now({0})  # a transfer: the pause begins later
+    host.allow(3)
+    assert registrar.ready(range(3), wait_s=30.0)
+    stop = time.monotonic() + 0.9
+    while time.monotonic() < stop:  # transfers every 50 ms, less than quiet_s apart
+        assert registrar.registered_now({1})
+        assert ran == []
+        time.sleep(0.05)
+    until(lambda: ran == ["kvstore-register"], "the callback did not run once the transfers paused")
+    registrar.after_registered(lambda: ran.append("later"))  # added after: run at the next pause
+    until(lambda: ran == ["kvstore-register", "later"], "a callback added later did not run")
+    registrar.stop()
+
+
+def test_a_registrar_stopped_before_its_slabs_are_registered_runs_no_callback() -> None:
+    host = GatedRegistrar(base=0, slab_bytes=SLAB)
+    registrar = SlabRegistrar(host, 0, 3 * SLAB, SLAB, quiet_s=0.0, fault=host.fault, duty=0.0)
+    ran: list[int] = []
+    registrar.after_registered(lambda: ran.append(1))
+    host.allow(1)
+    until(lambda: registrar.stats()["slabs_registered"] == 1, "slab 0 was not registered")
+    host.allow(1)  # the slab in progress ends; stop() takes no more
+    registrar.stop()
+    assert ran == []
+
+
 def test_populating_a_shared_mapping_keeps_its_bytes(tmp_path: Any) -> None:
     import mmap
     import os

@@ -1,0 +1,267 @@
+"""What a worker pays to make a host-scale arena DMA-able, two ways (issue 31, part 1, measured
+before anything is built on it).
+
+- register (today): the daemon's arena is a shared mapping (`/dev/shm`, or `--shm-dir`); each
+  worker faults it in and pins its own mapping with `cudaHostRegister`: seconds per 10 GiB, per
+  process (bench/NOTES-connect.md).
+- export: the host memory is allocated pinned once, by one process, with CUDA's virtual memory
+  API (`cuMemCreate`, a pinned allocation on host NUMA node 0, exportable as a POSIX file
+  descriptor); another process imports the descriptor and maps it for its GPU
+  (`cuMemImportFromShareableHandle`, `cuMemMap`, `cuMemSetAccess`): the question is what that
+  import costs, whether copies from it run at the pinned rate, and whether the CPU of the
+  exporting process can read and write it (the daemon's own tiers need that).
+
+    python bench/host_alloc.py [--gib 16]
+
+Prints a table and writes bench/results/host-alloc.json. Needs a GPU and cuda-bindings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import mmap
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+COPY_BYTES = 1 << 30
+
+
+def call(result: Any) -> Any:
+    """The values of a cuda-bindings call after its status; raises on an error."""
+    from cuda.bindings import driver as cu
+
+    status, *values = result if isinstance(result, tuple) else (result,)
+    if status != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{status.name}")
+    return values[0] if len(values) == 1 else values
+
+
+def context() -> None:
+    from cuda.bindings import driver as cu
+
+    call(cu.cuInit(0))
+    device = call(cu.cuDeviceGet(0))
+    call(cu.cuCtxSetCurrent(call(cu.cuDevicePrimaryCtxRetain(device))))
+
+
+def access(kind: str) -> Any:
+    from cuda.bindings import driver as cu
+
+    desc = cu.CUmemAccessDesc()
+    desc.location.type = getattr(cu.CUmemLocationType, f"CU_MEM_LOCATION_TYPE_{kind}")
+    desc.location.id = 0
+    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
+def mapped(handle: Any, size: int, kinds: list[str]) -> int:
+    """Reserves an address range, maps `handle` there and grants the `kinds` of location access."""
+    from cuda.bindings import driver as cu
+
+    pointer = call(cu.cuMemAddressReserve(size, 0, 0, 0))
+    call(cu.cuMemMap(pointer, size, 0, handle, 0))
+    call(cu.cuMemSetAccess(pointer, size, [access(kind) for kind in kinds], len(kinds)))
+    return int(pointer)
+
+
+def mapped_in_slabs(handle: Any, size: int, slab: int) -> tuple[int, list[float]]:
+    """Maps `handle` for the GPU slab by slab into one reserved range (as a worker would, each slab
+    ahead of the stores that need it): the pointer and each slab's seconds."""
+    from cuda.bindings import driver as cu
+
+    pointer = call(cu.cuMemAddressReserve(size, 0, 0, 0))
+    seconds = []
+    for offset in range(0, size, slab):
+        started = time.perf_counter()
+        length = min(slab, size - offset)
+        call(cu.cuMemMap(int(pointer) + offset, length, offset, handle, 0))
+        call(cu.cuMemSetAccess(int(pointer) + offset, length, [access("DEVICE")], 1))
+        seconds.append(time.perf_counter() - started)
+    return int(pointer), seconds
+
+
+def copy_rates(host: int) -> dict[str, float]:
+    """GB/s of 1 GiB copies between `host` and the GPU each way (the copy engines), best of 5."""
+    import torch
+
+    from kvstore.shared.cudart import load_runtime
+
+    runtime = load_runtime()
+    device = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    rates = {}
+    for name, (dst, src) in {"h2d": (device.data_ptr(), host), "d2h": (host, device.data_ptr())}.items():
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            runtime.memcpy_async(dst, src, COPY_BYTES, 0)  # cudaMemcpyDefault (UVA), the null stream
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - started)
+        rates[name] = COPY_BYTES / best / 1e9
+    return rates
+
+
+def importer(fd: int, size: int) -> dict[str, Any]:
+    """The worker's side: imports the exported allocation, maps it for the GPU, copies, checks."""
+    import torch
+    from cuda.bindings import driver as cu
+
+    torch.cuda.init()
+    context()
+    started = time.perf_counter()
+    handle = call(
+        cu.cuMemImportFromShareableHandle(
+            fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        )
+    )
+    pointer = mapped(handle, size, ["DEVICE"])
+    import_s = time.perf_counter() - started
+    from kvstore.shared.cudart import load_runtime
+
+    device = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    load_runtime().memcpy_async(device.data_ptr(), pointer + size - (1 << 20), 1 << 20, 0)
+    torch.cuda.synchronize()
+    pattern = bytes(range(256)) * 4096
+    out = {
+        "import_s": import_s,
+        "pattern_seen": bytes(device.cpu().numpy()) == pattern,
+        **copy_rates(pointer),
+    }
+    try:  # a second mapping, in 256 MiB slabs of the one allocation
+        second, slabs = mapped_in_slabs(handle, size, 256 << 20)
+        out["slabs_mapped_s"] = sum(slabs)
+        out["slab_map_ms_max"] = max(slabs) * 1e3
+        out["slabs_h2d"] = copy_rates(second)["h2d"]
+    except RuntimeError as exc:
+        out["slabs_refused"] = str(exc)
+    return out
+
+
+def exporter(gib: int) -> dict[str, Any]:
+    from cuda.bindings import driver as cu
+
+    context()
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+    prop.location.id = 0
+    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    granularity = call(
+        cu.cuMemGetAllocationGranularity(
+            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        )
+    )
+    size = -(-(gib << 30) // granularity) * granularity
+    started = time.perf_counter()
+    handle = call(cu.cuMemCreate(size, prop, 0))
+    out: dict[str, Any] = {
+        "granularity": int(granularity),
+        "size": size,
+        "create_s": time.perf_counter() - started,
+    }
+    fd = int(
+        call(
+            cu.cuMemExportToShareableHandle(
+                handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+            )
+        )
+    )
+    for kinds in (["DEVICE", "HOST"], ["DEVICE", "HOST_NUMA"], ["DEVICE"]):
+        try:
+            pointer = mapped(handle, size, kinds)
+            out["exporter_access"] = kinds
+            break
+        except RuntimeError as exc:
+            out.setdefault("access_refused", []).append(f"{kinds}: {exc}")
+    cpu = "HOST" in out["exporter_access"][-1]
+    if cpu:  # the daemon's CPU writes a page the importer then reads over the GPU
+        piece = (ctypes.c_uint8 * (1 << 20)).from_address(pointer + size - (1 << 20))
+        ctypes.memmove(piece, bytes(range(256)) * 4096, 1 << 20)
+        started = time.perf_counter()
+        ctypes.memset(pointer, 7, min(size, 4 << 30))
+        out["cpu_write_gbps"] = min(size, 4 << 30) / (time.perf_counter() - started) / 1e9
+    out["exporter_cpu_access"] = cpu
+    out["exporter"] = copy_rates(pointer)
+    child = subprocess.run(
+        [sys.executable, __file__, "--import-fd", str(fd), "--size", str(size)],
+        pass_fds=[fd],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    out["importer"] = (
+        json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 else child.stderr[-2000:]
+    )
+    return out
+
+
+def registered(gib: int, shm_dir: str) -> dict[str, Any]:
+    """Today's way: a shared mapping faulted in, then pinned with cudaHostRegister."""
+    from kvstore.shared.cudart import load_runtime
+    from kvstore_client.registrar import populate
+
+    path = Path(shm_dir) / f"kvstore-host-alloc-{os.getpid()}"
+    size = gib << 30
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        memory = mmap.mmap(fd, size)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+        started = time.perf_counter()
+        populate(address, size)
+        fault_s = time.perf_counter() - started
+        started = time.perf_counter()
+        runtime = load_runtime()
+        runtime.host_register(address, size, portable=True)
+        out = {"fault_s": fault_s, "register_s": time.perf_counter() - started}
+        out.update(copy_rates(address))
+        runtime.host_unregister(address)
+        del address
+        return out
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--gib", type=int, default=16)
+    parser.add_argument("--shm-dir", default="/dev/shm")
+    parser.add_argument("--import-fd", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--name", default="host-alloc")
+    parser.add_argument("--no-register", action="store_true", help="the export only")
+    args = parser.parse_args()
+    if args.import_fd is not None:
+        print(json.dumps(importer(args.import_fd, args.size)))
+        return
+    import torch
+
+    results = {
+        "gib": args.gib,
+        "device": torch.cuda.get_device_name(0),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    if not args.no_register:
+        results["register"] = registered(args.gib, args.shm_dir)
+    results["export"] = exporter(args.gib)
+    print(json.dumps(results, indent=1))
+    out = Path(__file__).parent / "results" / f"{args.name}.json"
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
