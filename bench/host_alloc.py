@@ -13,7 +13,7 @@ before anything is built on it).
 
     python bench/host_alloc.py [--gib 16]
 
-Prints a table and writes bench/results/host-alloc.json. Needs a GPU and cuda-bindings.
+Prints a table and writes bench/results/host-alloc.json (`--name`). Needs a GPU and cuda-bindings.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table, write_results  # noqa: E402
 
 COPY_BYTES = 1 << 30
 
@@ -256,11 +258,44 @@ def main() -> None:
     if not args.no_register:
         results["register"] = registered(args.gib, args.shm_dir)
     results["export"] = exporter(args.gib)
-    print(json.dumps(results, indent=1))
-    out = Path(__file__).parent / "results" / f"{args.name}.json"
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    report(results)
+    path = write_results(args.name, results)
+    print(f"wrote {path}")
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
+        Path(os.environ["OUT"], f"{args.name}.json").write_text(path.read_text())
+
+
+def report(results: dict[str, Any]) -> None:
+    """One row per way: what the worker pays (and, for the export, the exporter once), the copies."""
+    rows = []
+    register = results.get("register")
+    if register:
+        rows.append(
+            [
+                "register (per worker)",
+                register["fault_s"] + register["register_s"],
+                "-",
+                register["h2d"],
+                register["d2h"],
+            ]
+        )
+    export = results["export"]
+    imported = export["importer"]
+    if isinstance(imported, dict):
+        rows.append(
+            [
+                "export (per worker)",
+                imported["import_s"],
+                export["create_s"],
+                imported["h2d"],
+                imported["d2h"],
+            ]
+        )
+    else:
+        print(f"the import failed: {imported}")
+    cpu = export["exporter_cpu_access"]
+    print(f"{results['gib']} GiB on {results['device']}; the exporter's CPU reads and writes it: {cpu}")
+    print_table(["way", "worker s", "once s", "h2d GB/s", "d2h GB/s"], rows)
 
 
 if __name__ == "__main__":
