@@ -11,7 +11,11 @@ before anything is built on it).
   import costs, whether copies from it run at the pinned rate, and whether the CPU of the
   exporting process can read and write it (the daemon's own tiers need that).
 
-    python bench/host_alloc.py [--gib 16]
+    python bench/host_alloc.py [--gib 16] [--slab-mib 256] [--no-register]
+
+`--slab-mib`: one allocation (and one descriptor) per slab, mapped one after the other into one
+address range on both sides, as an arena mapped slab by slab would be (`cuMemMap` maps an
+allocation from its start only); 0, one allocation for the whole arena.
 
 Prints a table and writes bench/results/host-alloc.json (`--name`). Needs a GPU and cuda-bindings.
 """
@@ -64,30 +68,27 @@ def access(kind: str) -> Any:
     return desc
 
 
-def mapped(handle: Any, size: int, kinds: list[str]) -> int:
-    """Reserves an address range, maps `handle` there and grants the `kinds` of location access."""
+def fd_type() -> Any:
     from cuda.bindings import driver as cu
 
-    pointer = call(cu.cuMemAddressReserve(size, 0, 0, 0))
-    call(cu.cuMemMap(pointer, size, 0, handle, 0))
-    call(cu.cuMemSetAccess(pointer, size, [access(kind) for kind in kinds], len(kinds)))
-    return int(pointer)
+    return cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
-def mapped_in_slabs(handle: Any, size: int, slab: int) -> tuple[int, list[float]]:
-    """Maps `handle` for the GPU slab by slab into one reserved range (as a worker would, each slab
-    ahead of the stores that need it): the pointer and each slab's seconds."""
+def mapped(handles: list[Any], slab: int, kinds: list[str]) -> tuple[int, list[float]]:
+    """Reserves one address range and maps the `handles` (allocations of `slab` bytes each) in
+    it, one after the other, granting the `kinds` of location access: the pointer and each
+    slab's seconds. (`cuMemMap` maps an allocation from its start only: a worker that maps slab
+    by slab needs one allocation per slab.)"""
     from cuda.bindings import driver as cu
 
-    pointer = call(cu.cuMemAddressReserve(size, 0, 0, 0))
+    pointer = int(call(cu.cuMemAddressReserve(slab * len(handles), 0, 0, 0)))
     seconds = []
-    for offset in range(0, size, slab):
+    for i, handle in enumerate(handles):
         started = time.perf_counter()
-        length = min(slab, size - offset)
-        call(cu.cuMemMap(int(pointer) + offset, length, offset, handle, 0))
-        call(cu.cuMemSetAccess(int(pointer) + offset, length, [access("DEVICE")], 1))
+        call(cu.cuMemMap(pointer + i * slab, slab, 0, handle, 0))
+        call(cu.cuMemSetAccess(pointer + i * slab, slab, [access(kind) for kind in kinds], len(kinds)))
         seconds.append(time.perf_counter() - started)
-    return int(pointer), seconds
+    return pointer, seconds
 
 
 def copy_rates(host: int) -> dict[str, float]:
@@ -111,43 +112,36 @@ def copy_rates(host: int) -> dict[str, float]:
     return rates
 
 
-def importer(fd: int, size: int) -> dict[str, Any]:
-    """The worker's side: imports the exported allocation, maps it for the GPU, copies, checks."""
+def importer(fds: list[int], slab: int) -> dict[str, Any]:
+    """The worker's side: imports the exported allocations, maps them for the GPU in one range,
+    copies, checks the page the exporter's CPU wrote last."""
     import torch
     from cuda.bindings import driver as cu
+
+    from kvstore.shared.cudart import load_runtime
 
     torch.cuda.init()
     context()
     started = time.perf_counter()
-    handle = call(
-        cu.cuMemImportFromShareableHandle(
-            fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        )
-    )
-    pointer = mapped(handle, size, ["DEVICE"])
-    import_s = time.perf_counter() - started
-    from kvstore.shared.cudart import load_runtime
-
+    handles = [call(cu.cuMemImportFromShareableHandle(fd, fd_type())) for fd in fds]
+    imported_s = time.perf_counter() - started
+    pointer, seconds = mapped(handles, slab, ["DEVICE"])
+    size = slab * len(fds)
     device = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     load_runtime().memcpy_async(device.data_ptr(), pointer + size - (1 << 20), 1 << 20, 0)
     torch.cuda.synchronize()
-    pattern = bytes(range(256)) * 4096
-    out = {
-        "import_s": import_s,
-        "pattern_seen": bytes(device.cpu().numpy()) == pattern,
-        **copy_rates(pointer),
+    return {
+        "import_s": imported_s + sum(seconds),
+        "of_which_map_s": sum(seconds),
+        "slab_map_ms_max": max(seconds) * 1e3,
+        "pattern_seen": bytes(device.cpu().numpy()) == bytes(range(256)) * 4096,
+        **copy_rates(pointer),  # 1 GiB: across slabs where they are smaller
     }
-    try:  # a second mapping, in 256 MiB slabs of the one allocation
-        second, slabs = mapped_in_slabs(handle, size, 256 << 20)
-        out["slabs_mapped_s"] = sum(slabs)
-        out["slab_map_ms_max"] = max(slabs) * 1e3
-        out["slabs_h2d"] = copy_rates(second)["h2d"]
-    except RuntimeError as exc:
-        out["slabs_refused"] = str(exc)
-    return out
 
 
-def exporter(gib: int) -> dict[str, Any]:
+def exporter(gib: int, slab_mib: int) -> dict[str, Any]:
+    """The daemon's side: the arena allocated pinned on host NUMA node 0 (one allocation, or one
+    per slab of `slab_mib`), exportable; mapped here with host access; handed to an importer."""
     from cuda.bindings import driver as cu
 
     context()
@@ -155,30 +149,26 @@ def exporter(gib: int) -> dict[str, Any]:
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
     prop.location.id = 0
-    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    granularity = call(
-        cu.cuMemGetAllocationGranularity(
-            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-        )
-    )
-    size = -(-(gib << 30) // granularity) * granularity
-    started = time.perf_counter()
-    handle = call(cu.cuMemCreate(size, prop, 0))
-    out: dict[str, Any] = {
-        "granularity": int(granularity),
-        "size": size,
-        "create_s": time.perf_counter() - started,
-    }
-    fd = int(
+    prop.requestedHandleTypes = fd_type()
+    granularity = int(
         call(
-            cu.cuMemExportToShareableHandle(
-                handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+            cu.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
             )
         )
     )
+    size = -(-(gib << 30) // granularity) * granularity
+    slab = size if slab_mib <= 0 else -(-(slab_mib << 20) // granularity) * granularity
+    count = -(-size // slab)
+    started = time.perf_counter()
+    handles = [call(cu.cuMemCreate(slab, prop, 0)) for _ in range(count)]
+    out: dict[str, Any] = {"granularity": granularity, "slab": slab, "allocations": count}
+    out["create_s"] = time.perf_counter() - started
+    fds = [int(call(cu.cuMemExportToShareableHandle(handle, fd_type(), 0))) for handle in handles]
+    size = slab * count
     for kinds in (["DEVICE", "HOST"], ["DEVICE", "HOST_NUMA"], ["DEVICE"]):
         try:
-            pointer = mapped(handle, size, kinds)
+            pointer, _ = mapped(handles, slab, kinds)
             out["exporter_access"] = kinds
             break
         except RuntimeError as exc:
@@ -193,16 +183,15 @@ def exporter(gib: int) -> dict[str, Any]:
     out["exporter_cpu_access"] = cpu
     out["exporter"] = copy_rates(pointer)
     child = subprocess.run(
-        [sys.executable, __file__, "--import-fd", str(fd), "--size", str(size)],
-        pass_fds=[fd],
+        [sys.executable, __file__, "--import-fds", ",".join(map(str, fds)), "--slab", str(slab)],
+        pass_fds=fds,
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
-    out["importer"] = (
-        json.loads(child.stdout.strip().splitlines()[-1]) if child.returncode == 0 else child.stderr[-2000:]
-    )
+    lines = child.stdout.strip().splitlines()
+    out["importer"] = json.loads(lines[-1]) if child.returncode == 0 and lines else child.stderr[-2000:]
     return out
 
 
@@ -240,13 +229,14 @@ def main() -> None:
     )
     parser.add_argument("--gib", type=int, default=16)
     parser.add_argument("--shm-dir", default="/dev/shm")
-    parser.add_argument("--import-fd", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--slab-mib", type=int, default=0, help="one allocation per slab (0: one in all)")
+    parser.add_argument("--import-fds", help=argparse.SUPPRESS)
+    parser.add_argument("--slab", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--name", default="host-alloc")
     parser.add_argument("--no-register", action="store_true", help="the export only")
     args = parser.parse_args()
-    if args.import_fd is not None:
-        print(json.dumps(importer(args.import_fd, args.size)))
+    if args.import_fds is not None:
+        print(json.dumps(importer([int(fd) for fd in args.import_fds.split(",")], args.slab)))
         return
     import torch
 
@@ -257,7 +247,7 @@ def main() -> None:
     }
     if not args.no_register:
         results["register"] = registered(args.gib, args.shm_dir)
-    results["export"] = exporter(args.gib)
+    results["export"] = exporter(args.gib, args.slab_mib)
     report(results)
     path = write_results(args.name, results)
     print(f"wrote {path}")
