@@ -198,7 +198,7 @@ def exporter(gib: int, slab_mib: int) -> dict[str, Any]:
 def registered(gib: int, shm_dir: str) -> dict[str, Any]:
     """Today's way: a shared mapping faulted in, then pinned with cudaHostRegister."""
     from kvstore.shared.cudart import load_runtime
-    from kvstore_client.registrar import populate
+    from kvstore_client.faulting import populate
 
     path = Path(shm_dir) / f"kvstore-host-alloc-{os.getpid()}"
     size = gib << 30

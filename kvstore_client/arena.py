@@ -109,6 +109,13 @@ class SharedMapping:
         with self._ring_lock:
             return self._ring
 
+    def retire_ring(self) -> None:
+        """Frees the ring once every slab is registered (the registrar calls it at a pause); where
+        the driver refused some slab, the ring stays: stores into it go through the ring."""
+        registrar = self.registrar
+        if registrar is not None and registrar.all_registered:
+            self.drop_ring()
+
     def drop_ring(self) -> None:
         """Closes the ring (after the stores inside it), or the one still being made once it is."""
         with self._ring_lock:
@@ -240,7 +247,7 @@ class MappedArena:
                 )
                 device = getattr(host, "device", None)
                 shared.make_ring(device if isinstance(device, int) else None)
-                shared.registrar.after_registered(shared.drop_ring)  # unpinned off the transfers' way
+                shared.registrar.after_registered(shared.retire_ring)  # unpinned off the transfers' way
 
     @property
     def registered(self) -> bool:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from kvstore.shared.spec import KVSpec
-from kvstore_client.registrar import populate
+from kvstore_client.faulting import populate
 from kvstore_kernels.validate_args import check_buffer
 
 NUM_SLOTS = 4

@@ -40,15 +40,14 @@ A slot never crosses a slab (`kvstore.tiers.slab`), so a page is pinned once its
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
+
+from kvstore_client.faulting import Faulter, default_faulters
 
 log = logging.getLogger(__name__)
 
@@ -58,56 +57,6 @@ QUIET_S = 0.25  # slabs no transfer asked for are registered once transfers have
 # worker's CUDA calls while it registers, ~13-16 ms a 256 MiB slab on the H100 host. Not measured
 # on a GPU yet beside bounced stores (bench/NOTES-connect.md).
 REGISTER_DUTY = 0.1
-MADV_POPULATE_WRITE = 23  # Linux 5.14+
-FAULT_PIECE = 16 << 20  # faulted in per call (see Faulter)
-TOUCH_STRIDE = 4096  # where the kernel cannot populate: one read per small page faults them in
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def populate(address: int, size: int) -> bool:
-    """Faults in `size` bytes at `address` for writing, their contents unchanged (the GIL released:
-    a ctypes call); False where the kernel cannot (the registration faults them in itself)."""
-    return _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_WRITE) == 0
-
-
-def touch(address: int, size: int) -> None:
-    """Faults in `size` bytes at `address` by reading one byte of each small page (torch releases
-    the GIL): where `populate` is refused (a kernel before 5.14, or a sandbox's)."""
-    import torch
-
-    buffer = (ctypes.c_uint8 * size).from_address(address)
-    torch.frombuffer(buffer, dtype=torch.uint8)[::TOUCH_STRIDE].sum()
-
-
-class Faulter:
-    """Faults slabs in with `populate`, or with `touch` once the kernel refused the advice itself
-    (EINVAL); any other failure leaves the slab to its registration, which faults it in."""
-
-    def __init__(self) -> None:
-        self.populates = True
-
-    def __call__(self, address: int, size: int) -> None:
-        if self.populates:
-            # In pieces: the kernel holds the process's mmap lock while it populates, and the
-            # worker's own mmap calls (thread stacks, allocations) wait for it.
-            done = 0
-            while done < size and populate(address + done, min(FAULT_PIECE, size - done)):
-                done += FAULT_PIECE
-            if done >= size:
-                return
-            if ctypes.get_errno() != errno.EINVAL:
-                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-            self.populates = False
-            log.info("MADV_POPULATE_WRITE is not supported here: slabs are faulted in by reading")
-        touch(address, size)
-
-
-def default_faulters() -> int:
-    """Faulting threads: a quarter of this process's CPUs, 1-4 (the host's tmpfs allocates a
-    file's pages under locks that many faulting threads contend for; bench/NOTES-connect.md)."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 
 
 class HostRegistrar(Protocol):

@@ -191,7 +191,7 @@ def test_while_transfers_keep_coming_slabs_are_registered_within_the_duty_share(
     registrar.stop()
 
 
-def test_after_every_slab_is_registered_the_callback_waits_for_a_pause_and_runs_on_the_registration_thread() -> None:
+def test_once_every_slab_is_registered_the_callback_waits_for_a_pause_on_the_registration_thread() -> None:
     """What is undone once the arena is registered (the bounce ring's unpinning holds the driver
     as a registration does) runs on the registration thread, and only once transfers pause."""
     host = GatedRegistrar(base=0, slab_bytes=SLAB)
@@ -228,7 +228,7 @@ def test_populating_a_shared_mapping_keeps_its_bytes(tmp_path: Any) -> None:
     import mmap
     import os
 
-    from kvstore_client.registrar import populate
+    from kvstore_client.faulting import populate
 
     data = os.urandom(4 * SLAB)
     path = tmp_path / "arena"
