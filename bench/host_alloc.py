@@ -216,7 +216,6 @@ def registered(gib: int, shm_dir: str) -> dict[str, Any]:
         out = {"fault_s": fault_s, "register_s": time.perf_counter() - started}
         out.update(copy_rates(address))
         runtime.host_unregister(address)
-        del address
         return out
     finally:
         os.close(fd)

@@ -99,7 +99,7 @@ class SharedMapping:
 
     def ring(self) -> BounceRing | None:
         """The bounce ring (waiting for it to be made); None once every slab is registered (the
-        registrar then frees the ring at the first pause in the transfers: `drop_ring`; a store
+        registrar then frees the ring at the first pause in the transfers: `retire_ring`; a store
         that had it already finds it closed and takes the kernels' way)."""
         if not self._ring_made.wait(30.0):
             return None
