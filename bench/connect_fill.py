@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from bench.common import RESULTS_DIR, print_table, running_daemon, write_results
-from bench.connect_pages import free_bytes, huge_bytes, kind_of, meminfo, unusable
+from bench.connect_pages import PINNED_DIR, free_bytes, huge_bytes, kind_of, meminfo, unusable
 from bench.connect_processes import ReserveWatch, workers
 from kvstore.ctl.cli import arena_pages_line
 from kvstore.proto import kvstore_pb2 as pb
@@ -57,6 +57,8 @@ def measure_fill(
         "log_level": "info",  # the arena's line: which pages it got
         "tiers": {"cpu": {"bytes": f"{size_gib}GiB", "slab_bytes": "256MiB", "shm_dir": shm_dir}},
     }
+    if kind == "pinned":
+        config["tiers"] = {"cpu": {"bytes": f"{size_gib}GiB", "slab_bytes": "256MiB", "pinned": True}}
     prompts = (size_gib << 30) // (tokens * 128 * 1024)  # 8B geometry: 128 KiB a token
     common = ["--tokens", str(tokens), "--fill", str(prompts), *(["--no-bounce"] if mode == "wait" else [])]
     memory = {"before": meminfo()}
@@ -169,7 +171,12 @@ def fill_plan(args: argparse.Namespace) -> dict[str, str]:
     `--pages`, what `--shm-dir` gives."""
     if not args.pages:
         return {kind_of(args.shm_dir): args.shm_dir}
-    directories = {"small": args.shm_dir, "thp": args.thp_dir, "hugetlbfs": args.hugetlbfs_dir}
+    directories = {
+        "small": args.shm_dir,
+        "thp": args.thp_dir,
+        "hugetlbfs": args.hugetlbfs_dir,
+        "pinned": PINNED_DIR,
+    }
     plan = {}
     for kind in args.pages:
         reason = unusable(kind, directories[kind])

@@ -19,7 +19,9 @@ import shutil
 
 from kvstore.shared.hugepages import arena_pages, hugetlbfs_free_bytes, hugetlbfs_page_bytes
 
-PAGE_KINDS = {"small": "none", "thp": "thp", "hugetlbfs": "hugetlbfs"}  # to kvstore.shared.hugepages.KINDS
+# to kvstore.shared.hugepages.KINDS; "pinned": the daemon pins the arena (tiers.cpu.pinned), no directory
+PAGE_KINDS = {"small": "none", "thp": "thp", "hugetlbfs": "hugetlbfs", "pinned": "pinned"}
+PINNED_DIR = "(pinned by the daemon)"
 MEMINFO_KEYS = (
     "MemTotal",
     "MemAvailable",
@@ -39,6 +41,14 @@ def kind_of(directory: str) -> str:
 
 
 def unusable(kind: str, directory: str) -> str | None:
+    if kind == "pinned":
+        from kvstore.shared.cuda_vmm import load_vmm
+
+        try:
+            load_vmm()
+        except RuntimeError as exc:
+            return f"the daemon cannot pin memory here: {exc}"
+        return None
     if not os.path.isdir(directory):
         return f"{directory} is not a directory"
     pages = arena_pages(directory, advised=True)  # a mount that advises: the daemon's mapping asks
@@ -48,6 +58,8 @@ def unusable(kind: str, directory: str) -> str | None:
 
 
 def free_bytes(directory: str) -> int:
+    if directory == PINNED_DIR:
+        return meminfo().get("MemAvailable", 0)
     huge_page = hugetlbfs_page_bytes(directory)
     if huge_page:  # a mount with no size limit counts no free blocks
         return hugetlbfs_free_bytes(directory, huge_page)

@@ -17,6 +17,12 @@ caches on CUDA, True for any (tests with CPU caches), False never. The ring is m
 background when the registration starts, and freed by the registration thread once every slab
 is registered and the transfers pause (`SlabRegistrar.after_registered`).
 
+An arena the daemon pinned (`tiers.cpu.pinned`, path `cuda:...`) is mapped from the slabs'
+descriptors the daemon hands over the local channel (`fetch`, given by the session), slab by
+slab in the background, with nothing to fault in or register (`imported.ImportedRange`); no
+bounce ring is needed, and a transfer into a slab not mapped yet waits for it (a slab that
+cannot be mapped is an `Unavailable` error: its memory cannot be touched at all).
+
 One mapping per process: every client of this process that maps the same arena (path, file,
 size and epoch) shares one mapping and one registration (`SharedMapping`, counted by its users).
 The driver counts each registration's pages in full, even where two mappings pin the same
@@ -32,15 +38,18 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from kvstore.shared.cudart import CudaUnavailable
-from kvstore.shared.domain import MEMFD_PREFIX
+from kvstore.shared.domain import MEMFD_PREFIX, PINNED_PREFIX
+from kvstore.shared.errors import Unavailable
 from kvstore.shared.hugepages import advise_huge, thp_advised
 from kvstore.shared.peers import boot_id
 from kvstore_client.bounce import BounceRing
+from kvstore_client.imported import ImportedRange
 from kvstore_client.registrar import CudaRegistrar, HostRegistrar, SlabRegistrar
 from kvstore_client.routes import UNPINNED
 from kvstore_client.transfers import Streams
@@ -65,9 +74,10 @@ class MappingKey(NamedTuple):
 class SharedMapping:
     """One mapping of an arena in this process and its registration; `users`: the clients on it."""
 
-    def __init__(self, key: MappingKey, mapping: mmap.mmap) -> None:
+    def __init__(self, key: MappingKey, mapping: Any, imported: ImportedRange | None = None) -> None:
         self.key = key
-        self.mmap = mapping
+        self.mmap = mapping  # an mmap, or an imported range's buffer
+        self.imported = imported
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
         self.registrar: SlabRegistrar | None = None
         self.users = 1
@@ -101,7 +111,7 @@ class SharedMapping:
         """The bounce ring (waiting for it to be made); None once every slab is registered (the
         registrar then frees the ring at the first pause in the transfers: `retire_ring`; a store
         that had it already finds it closed and takes the kernels' way)."""
-        if not self._ring_made.wait(30.0):
+        if self.imported is not None or not self._ring_made.wait(30.0):
             return None
         registrar = self.registrar
         if registrar is None or registrar.all_registered:
@@ -123,6 +133,10 @@ class SharedMapping:
             self._ring_dropped = True
         if ring is not None:
             ring.close()
+
+
+def _nothing(address: int, size: int) -> None:
+    """An imported slab has nothing to fault in."""
 
 
 _mappings: dict[MappingKey, SharedMapping] = {}
@@ -158,11 +172,13 @@ class MappedArena:
         streams: Streams | None = None,
         handed: int | None = None,
         epoch: int = 0,
+        fetch: Callable[[int, int], list[int]] | None = None,
     ) -> None:
         """Maps the arena `pb.Arena` names (dropping any mapping first), or shares the mapping
         another client of this process made of it (the same file, size and `epoch`). A sealed
         arena (a tenant's: no path) is mapped from `handed`, the descriptor its Connect reply
-        carried (the caller keeps and closes it)."""
+        carried (the caller keeps and closes it). A pinned arena is mapped from the slabs'
+        descriptors `fetch(first, count)` brings (None: no local channel to bring them)."""
         self.unmap(streams)
         if self.want_shared_memory is False:
             return
@@ -171,6 +187,9 @@ class MappedArena:
             if self.want_shared_memory:
                 raise ConnectionError(f"the daemon runs on another host: its arena {path!r} cannot be mapped")
             log.info("the daemon runs on another host: page bytes go inline")
+            return
+        if path.startswith(PINNED_PREFIX):
+            self._map_pinned(arena, epoch, fetch)
             return
         try:
             if path.startswith(MEMFD_PREFIX):
@@ -206,6 +225,52 @@ class MappedArena:
             host = self.host_registrar()
             if host is not None:
                 self.start_registrar(host)
+
+    def _map_pinned(self, arena: Any, epoch: int, fetch: Callable[[int, int], list[int]] | None) -> None:
+        """Maps the daemon's pinned arena slab by slab in the background (or shares this process's
+        mapping of it); without the local channel or a GPU, page bytes go inline."""
+        why = ""
+        if fetch is None:
+            why = "its slabs come over the daemon's local channel, which this client does not use"
+        elif self.pin is False or not torch.cuda.is_available():
+            why = "mapping it needs CUDA in this process"
+        if why:
+            if self.want_shared_memory:
+                raise ConnectionError(f"cannot map the daemon's pinned arena {arena.shm_path}: {why}")
+            log.info("the daemon's pinned arena is not mapped (%s): page bytes go inline", why)
+            return
+        assert fetch is not None
+        key = MappingKey(arena.shm_path, (0, 0), arena.size, epoch)
+        slab_bytes = arena.slab_bytes or arena.size
+        with _mappings_lock:
+            shared = _mappings.get(key)
+            if shared is not None:
+                shared.users += 1
+            else:
+                try:
+                    imported = ImportedRange(arena.size, slab_bytes, fetch, torch.cuda.current_device())
+                except (CudaUnavailable, RuntimeError) as exc:
+                    if self.want_shared_memory:
+                        raise ConnectionError(f"cannot map the daemon's pinned arena: {exc}") from exc
+                    log.warning("the daemon's pinned arena cannot be mapped (%s): page bytes go inline", exc)
+                    return
+                shared = SharedMapping(key, imported.buffer, imported)
+                # Each slab maps in ~7 ms, behind the transfers at full speed (nothing to fault).
+                shared.registrar = SlabRegistrar(
+                    imported.importer,
+                    imported.base,
+                    arena.size,
+                    slab_bytes,
+                    quiet_s=0.0,
+                    faulters=0,
+                    fault=_nothing,
+                    duty=0.0,
+                )
+                if epoch:
+                    _mappings[key] = shared
+        self._shared = shared
+        self.tensor = shared.tensor
+        self.slab_bytes = slab_bytes
 
     def _share(self, key: MappingKey, fd: int) -> SharedMapping:
         """This process's mapping of the arena `key` names: the one made already (one more user),
@@ -262,7 +327,14 @@ class MappedArena:
             return None
         # Slab 0 too: the kernels tell pinned from pageable memory at the buffer's first byte.
         slabs = registrar.slabs_of(offsets) | {0}
-        return None if registrar.ready(slabs, self.wait_s) else UNPINNED
+        if registrar.ready(slabs, self.wait_s):
+            return None
+        if self._shared is not None and self._shared.imported is not None:  # no memory to fall back on
+            raise Unavailable(
+                f"slabs {sorted(slabs)} of the daemon's pinned arena could not be mapped "
+                f"({registrar.stats()['slabs_failed']} failed; see the log): connect again"
+            )
+        return UNPINNED
 
     def bounce_for(self, offsets: list[int], page_bytes: int, on_cuda: bool) -> BounceRing | None:
         """The ring a store of whole pages at `offsets` goes through, where their slabs are not
@@ -304,5 +376,7 @@ class MappedArena:
             for device in range(torch.cuda.device_count()):  # transfers on the caller's streams too
                 torch.cuda.synchronize(device)
             shared.drop_ring()  # its copies finish first
+            if shared.imported is not None:
+                shared.imported.importer.close()  # a wait for a slab not pinned yet ends
             shared.registrar.stop()
             shared.registrar = None

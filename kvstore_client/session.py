@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.domain import PINNED_PREFIX
 from kvstore.shared.errors import KVStoreError, Unavailable
 from kvstore.shared.keys import chunk_keys
 from kvstore.shared.peers import process_start_time
@@ -162,7 +164,12 @@ class Link:
         ):
             self.renewer.forget()  # leases of another daemon
             self.gpu_pools.close()
-            mapped.map(reply.arena, identity, self.streams, handed, epoch=reply.epoch)
+            fetch = None
+            if reply.arena.shm_path.startswith(PINNED_PREFIX) and self.want_local_channel is not False:
+                self.conn.open_local(reply.local_socket)  # a pinned arena's slabs come over it
+                if self.conn.local is not None:
+                    fetch = functools.partial(self._arena_slabs, reply.epoch)
+            mapped.map(reply.arena, identity, self.streams, handed, epoch=reply.epoch, fetch=fetch)
             mapped.identity = identity
             mapped.epoch = reply.epoch if mapped.tensor is not None else 0
             if mapped.tensor is not None:  # same host: the GPU tier's pools can be opened too
@@ -173,6 +180,20 @@ class Link:
         if self.conn.local is not None and not connected_locally:
             self.conn.check_local(request, reply.namespace)
         self.conn.use_credential(reply.credential)
+
+    def _arena_slabs(self, epoch: int, first: int, count: int) -> list[int]:
+        """Descriptors of the pinned arena's slabs first.. that the daemon has pinned (from the
+        registration thread; none where the reply came without them: asked again)."""
+        local = self.conn.local
+        if local is None:
+            raise Unavailable("the daemon's local channel is closed: the pinned arena's slabs come over it")
+        request = pb.ArenaSlabsRequest(epoch=epoch, first=first, count=count)
+        reply, fds = local.call_with_fds("ArenaSlabs", request)
+        if len(fds) != reply.count:
+            for fd in fds:
+                os.close(fd)
+            return []
+        return fds
 
     def drop_arena(self) -> None:
         """The daemon is gone: its leases and arena with it."""

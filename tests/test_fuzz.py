@@ -41,6 +41,7 @@ def valid_requests(ns: bytes, keys: bytes) -> dict[str, bytes]:
         "Stats": pb.StatsRequest(),
         "Pin": pb.PinRequest(namespace=ns, keys=keys, ttl_ms=1000),
         "Renew": pb.RenewRequest(namespace=ns, lease_ids=[1, 2, 3]),
+        "ArenaSlabs": pb.ArenaSlabsRequest(epoch=1, first=0, count=4),
         "Put": pb.PutRequest(header=pb.PutHeader(namespace=ns, lease_id=12345)),
         "Get": lease,
     }

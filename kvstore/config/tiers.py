@@ -28,6 +28,11 @@ class CpuTierConfig:
     shm_dir: str = setting("/dev/shm", non_empty=True)
     file_mode: Mode = 0o600
     prefault: bool = True  # back the arena with memory: a slab before serving, the rest behind (`reserve`)
+    # Pin the arena in the daemon through CUDA, one allocation per slab (`kvstore.tiers.pinned`):
+    # workers map the slabs' descriptors with nothing to register (shm_dir, file_mode, prefault
+    # then unused). Needs a GPU and its driver on the daemon's host.
+    pinned: bool = False
+    pinned_numa_node: int = setting(0, ge=0)  # the host NUMA node the pinned arena lives on
 
     def validate(self, path: str) -> None:
         if self.slab_bytes > self.bytes:

@@ -20,6 +20,28 @@ TIER_CPU: Tier
 TIER_DISK: Tier
 TIER_REMOTE: Tier
 
+class ArenaSlabsRequest(_message.Message):
+    __slots__ = ("epoch", "first", "count")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    first: int
+    count: int
+    def __init__(self, epoch: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ArenaSlabsResponse(_message.Message):
+    __slots__ = ("first", "count", "pinned", "num_slabs")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLABS_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    count: int
+    pinned: int
+    num_slabs: int
+    def __init__(self, first: _Optional[int] = ..., count: _Optional[int] = ..., pinned: _Optional[int] = ..., num_slabs: _Optional[int] = ...) -> None: ...
+
 class PageSpec(_message.Message):
     __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "chunk_tokens", "latent", "kv_sharing", "tp_rank", "tp_size", "salt", "first_layer", "stop_layer", "weights", "hidden_layer", "layer_ids", "scales", "state")
     class KvSharingEntry(_message.Message):

@@ -104,6 +104,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.EventsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.EventBatch.FromString,
                 _registered_method=True)
+        self.ArenaSlabs = channel.unary_unary(
+                '/kvstore.v1.KVStore/ArenaSlabs',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -208,6 +213,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ArenaSlabs(self, request, context):
+        """The descriptors of a pinned arena's slabs (Arena.shm_path "cuda:..."), sent with the
+        reply as SCM_RIGHTS: answered on the local channel only (over gRPC: FAILED_PRECONDITION).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -280,6 +293,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Events,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.EventsRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.EventBatch.SerializeToString,
+            ),
+            'ArenaSlabs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ArenaSlabs,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -660,6 +678,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Events',
             kvstore_dot_proto_dot_kvstore__pb2.EventsRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.EventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ArenaSlabs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ArenaSlabs',
+            kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,6 +30,7 @@ from kvstore.store.store_settings import StoreSettings
 from kvstore.tiers.cpu import Arena, CpuTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.pinned import PinnedArena
 from kvstore.tiers.remote import RemoteTier, start_remote
 from kvstore.tiers.reserve import ArenaReserver
 
@@ -62,7 +63,7 @@ class Tiers:
     def __init__(self, tenant: TenantConfig | None, events: EventLog) -> None:
         self.tenant = tenant
         self.events = events
-        self.arena: Arena | None = None
+        self.arena: Arena | PinnedArena | None = None
         self.reserver: ArenaReserver | None = None
         self.disk: DiskTier | None = None
         self.remote: RemoteTier | None = None
@@ -84,18 +85,23 @@ class Tiers:
         self._reserve_the_rest(arena, cpu)
         return store
 
-    def _open_arena(self, config: Config, socket_path: Path) -> tuple[Arena, CpuTier]:
+    def _open_arena(self, config: Config, socket_path: Path) -> tuple[Arena | PinnedArena, CpuTier]:
         tenant, cpu_config = self.tenant, config.tiers.cpu
         name, size, sealed = arena_name(socket_path), cpu_config.bytes, tenant is not None
         if tenant is not None:
             name, size = f"{name}-{tenant.name}", tenant.cpu_bytes
-        self.arena = arena = Arena(
-            Path(cpu_config.shm_dir) / name, size, cpu_config.file_mode, cpu_config.prefault, sealed
-        )
+        prefault = cpu_config.prefault or cpu_config.pinned
+        if cpu_config.pinned:
+            arena: Arena | PinnedArena = PinnedArena(
+                name, size, min(cpu_config.slab_bytes, size), cpu_config.pinned_numa_node
+            )
+        else:
+            arena = Arena(Path(cpu_config.shm_dir) / name, size, cpu_config.file_mode, prefault, sealed)
+        self.arena = arena
         # With prefault, the first slab's memory is reserved before serving and the rest after
-        # (`reserve.py`), each slab handed out once reserved.
-        cpu = CpuTier(arena, cpu_config.slab_bytes, 1 if cpu_config.prefault else None)
-        if cpu_config.prefault:
+        # (`reserve.py`), each slab handed out once reserved; a pinned arena's slab is allocated so.
+        cpu = CpuTier(arena, cpu_config.slab_bytes, 1 if prefault else None)
+        if prefault:
             arena.reserve(0, cpu.slots.slab_bytes)
         return arena, cpu
 
@@ -110,7 +116,9 @@ class Tiers:
             bytes=config.tenant_disk_bytes(tenant),
         )
 
-    async def _open_lower_tiers(self, config: Config, arena: Arena, starting: Callable[[], None]) -> None:
+    async def _open_lower_tiers(
+        self, config: Config, arena: Arena | PinnedArena, starting: Callable[[], None]
+    ) -> None:
         disk_config = self._disk_config(config)
         if disk_config.enabled:
             self.disk = DiskTier(disk_config)
@@ -138,7 +146,7 @@ class Tiers:
             events=self.events,
         )
 
-    def _reserve_the_rest(self, arena: Arena, cpu: CpuTier) -> None:
+    def _reserve_the_rest(self, arena: Arena | PinnedArena, cpu: CpuTier) -> None:
         """The arena's slabs past those reserved before serving, reserved behind in a thread."""
         if cpu.slots.num_reserved < cpu.slots.num_slabs:
             loop = asyncio.get_running_loop()

@@ -37,7 +37,14 @@ from kvstore import __version__
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.handlers_events import EVENTS_PER_BATCH, event_message, start_of
 from kvstore.server.handlers_pages import put_pages
-from kvstore.server.handlers_replies import acquire_reply, arena_message, gpu_pools, reserve_reply
+from kvstore.server.handlers_replies import (
+    acquire_reply,
+    arena_message,
+    arena_slab_fds,
+    arena_slabs_reply,
+    gpu_pools,
+    reserve_reply,
+)
 from kvstore.server.stats import RpcTimings, combined, stats_message
 from kvstore.server.tenants import Caller, Tenancy
 from kvstore.shared.errors import DAEMON_STOPPING, ArenaWarmingUp, InvalidArgument, StaleEpoch, Unavailable
@@ -141,6 +148,19 @@ class Handlers:
         """The descriptor of the caller's tenant's sealed arena, which the local channel hands to
         it with its Connect reply (-1: the arena has a path the worker opens itself)."""
         return self._store(caller).cpu.arena.fd
+
+    def ArenaSlabs(
+        self, request: pb.ArenaSlabsRequest, caller: Caller | None = None
+    ) -> pb.ArenaSlabsResponse:
+        """Which slabs of the caller's pinned arena it may map; the local channel sends their
+        descriptors with the reply (`arena_slab_fds`), gRPC refuses the call."""
+        self._check_serving()
+        store = self._store(caller)
+        self._check_epoch(store, request.epoch)
+        return arena_slabs_reply(store, request)
+
+    def arena_slab_fds(self, caller: Caller | None, reply: pb.ArenaSlabsResponse) -> list[int]:
+        return arena_slab_fds(self._store(caller), reply)
 
     def Lookup(self, request: pb.LookupRequest, caller: Caller | None = None) -> pb.LookupResponse:
         self._check_serving()

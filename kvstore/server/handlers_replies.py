@@ -3,14 +3,19 @@
 - `reserve_reply(result)`: a Reserve's slots, in the arena or in one GPU pool.
 - `acquire_reply(result)`: an Acquire's ready pages (offsets, tiers, pools).
 - `arena_message(store, boot_id)`: the arena a Connect's caller maps (path, size, identity).
+- `arena_slabs_reply(store, request)` / `arena_slab_fds(store, reply)`: which slabs of a pinned
+  arena an ArenaSlabs call gets, and their descriptors (`kvstore.tiers.pinned`).
 - `gpu_pools(store)`: the GPU pools a Connect's caller may open through CUDA IPC.
 """
 
 from __future__ import annotations
 
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.domain import ARENA_SLABS_PER_CALL
+from kvstore.shared.errors import FailedPrecondition, InvalidArgument
 from kvstore.store.index import AcquireResult, ReserveResult
 from kvstore.store.store import Store
+from kvstore.tiers.pinned import PinnedArena
 
 
 def reserve_reply(result: ReserveResult) -> pb.ReserveResponse:
@@ -42,6 +47,31 @@ def arena_message(store: Store, boot_id: str) -> pb.Arena:
         boot_id=boot_id,
         slab_bytes=store.cpu.slots.slab_bytes,
     )
+
+
+def arena_slabs_reply(store: Store, request: pb.ArenaSlabsRequest) -> pb.ArenaSlabsResponse:
+    """Which of the slabs `request` asks for the daemon has pinned (their descriptors go with the
+    reply on the local channel: `arena_slab_fds`)."""
+    arena = store.cpu.arena
+    if not isinstance(arena, PinnedArena):
+        raise FailedPrecondition(
+            f"ArenaSlabs: the arena {arena.path} is shared memory (tiers.cpu.pinned is off): "
+            f"a worker maps it from its path"
+        )
+    if not 0 < request.count <= ARENA_SLABS_PER_CALL:
+        raise InvalidArgument(f"ArenaSlabs: count must be 1..{ARENA_SLABS_PER_CALL}, got {request.count}")
+    if request.first >= arena.num_slabs:
+        raise InvalidArgument(
+            f"ArenaSlabs: the arena has slabs 0..{arena.num_slabs - 1}, got first={request.first}"
+        )
+    pinned = arena.num_pinned
+    count = max(0, min(request.count, pinned - request.first))
+    return pb.ArenaSlabsResponse(first=request.first, count=count, pinned=pinned, num_slabs=arena.num_slabs)
+
+
+def arena_slab_fds(store: Store, reply: pb.ArenaSlabsResponse) -> list[int]:
+    arena = store.cpu.arena
+    return arena.slab_fds(reply.first, reply.count) if isinstance(arena, PinnedArena) else []
 
 
 def gpu_pools(store: Store) -> list[pb.GpuPool]:

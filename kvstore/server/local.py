@@ -153,7 +153,10 @@ class LocalChannelServer:
             answer = frame(OK, reply.SerializeToString())
             if name == "Connect" and reply.arena.shm_path.startswith(MEMFD_PREFIX):
                 answer = WithFd(answer)
-                answer.fd = self.handlers.arena_fd(caller)
+                answer.fds = [self.handlers.arena_fd(caller)]
+            elif name == "ArenaSlabs" and reply.count:
+                answer = WithFd(answer)
+                answer.fds = self.handlers.arena_slab_fds(caller, reply)
         self.handlers.timings.observe("local", name, time.perf_counter() - started)
         return answer
 
@@ -282,7 +285,7 @@ class _Session(asyncio.Protocol):
             self._read_when_free()
             return False
         if isinstance(reply, WithFd):
-            send_with_fd(self._transport, reply, reply.fd)
+            send_with_fd(self._transport, reply, reply.fds)
         else:
             self._transport.write(reply)
         return True

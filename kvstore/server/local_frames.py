@@ -4,8 +4,8 @@
   status byte takes (without importing grpc).
 - `error_frame(name, exc)`: the reply to a call that raised: its status and message
   (`errors.status_of`), or INTERNAL, logged, for an exception no status maps.
-- `WithFd`: a reply frame sent with a descriptor (a Connect's, with the tenant's sealed arena);
-  `send_with_fd(transport, data, fd)` sends it so.
+- `WithFd`: a reply frame sent with descriptors (a Connect's, with the tenant's sealed arena; an
+  ArenaSlabs', with slabs of the pinned arena); `send_with_fd(transport, data, fds)` sends it so.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ INTERNAL = 13
 
 
 class WithFd(bytes):
-    """A reply frame sent with a descriptor (SCM_RIGHTS): a Connect's, with the sealed arena."""
+    """A reply frame sent with descriptors (SCM_RIGHTS): a Connect's, with the sealed arena; an
+    ArenaSlabs', with the pinned arena's slabs."""
 
-    fd = -1
+    fds: list[int] = []
 
 
 def error_frame(name: str, exc: Exception) -> bytes:
@@ -43,14 +44,15 @@ def error_frame(name: str, exc: Exception) -> bytes:
     return frame(int(code), message.encode())
 
 
-def send_with_fd(transport: asyncio.Transport, data: bytes, fd: int) -> None:
-    """Sends `data` with `fd` attached, on a duplicate of the connection's socket (transports
-    cannot send descriptors) while nothing is queued before it; else without it (the worker
-    then sends page bytes inline)."""
+def send_with_fd(transport: asyncio.Transport, data: bytes, fds: list[int]) -> None:
+    """Sends `data` with `fds` attached, on a duplicate of the connection's socket (transports
+    cannot send descriptors) while nothing is queued before it; else without them (the worker
+    then sends page bytes inline, or asks for the slabs again)."""
     sock = transport.get_extra_info("socket")
     sent = 0
-    if fd >= 0 and sock is not None and not transport.get_write_buffer_size():
-        rights = array.array("i", [fd])
+    fds = [fd for fd in fds if fd >= 0]
+    if fds and sock is not None and not transport.get_write_buffer_size():
+        rights = array.array("i", fds)
         with (
             socket.socket(fileno=os.dup(sock.fileno())) as dup,
             contextlib.suppress(BlockingIOError, InterruptedError),

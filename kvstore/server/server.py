@@ -108,6 +108,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     Pin = _unary("Pin")
     Renew = _unary("Renew")
 
+    async def ArenaSlabs(self, payload: bytes, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "ArenaSlabs hands descriptors: it is answered on the daemon's local channel only "
+            "(ConnectResponse.local_socket)",
+        )
+
     async def Put(self, payloads: AsyncIterator[bytes], context: Any) -> pb.PutResponse:
         started = time.perf_counter()
         try:

@@ -8,6 +8,8 @@ frame each way. `kvstore_client` and `kvctl` both call the daemon through it.
   outcome the caller does not need (a load's Release once the copy is known to be valid).
   `frame(method, request)` makes the bytes ahead and `send_frame` sends them (a load makes
   its Release while the copy runs).
+- `call_with_fds(method, request)`: the reply and the descriptors that came with it (an
+  ArenaSlabs': the pinned arena's slabs), which the caller then owns.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvstore.shared.domain import ARENA_SLABS_PER_CALL
 from kvstore.shared.errors import Unavailable, error_for
 from kvstore.shared.wire import HEADER, METHOD_IDS, UNARY_METHODS
 
 log = logging.getLogger(__name__)
 
 RECV_BYTES = 1 << 16
-_MAX_FDS = 4  # room for descriptors with a reply (one is sent)
+_MAX_FDS = ARENA_SLABS_PER_CALL + 4  # room for descriptors with a reply (a Connect's one, an ArenaSlabs')
+_WITH_FDS = ("Connect", "ArenaSlabs")
 
 
 class Refused(Unavailable):
@@ -62,7 +66,7 @@ class LocalChannel:
         ran = False
         try:
             with self._lock:
-                self._with_fds = method == "Connect"
+                self._with_fds = method in _WITH_FDS
                 self._sock.sendall(HEADER.pack(len(payload), METHOD_IDS[method]) + payload)
                 self._read_unread()  # the daemon works on this request meanwhile
                 if meanwhile is not None:
@@ -87,6 +91,16 @@ class LocalChannel:
         if status:
             raise error_for(status, method, body.decode(errors="replace"))
         return UNARY_METHODS[method][1].FromString(body)  # type: ignore[attr-defined]
+
+    def call_with_fds(self, method: str, request: Any) -> tuple[Any, list[int]]:
+        """`call`, and the descriptors its reply carried (the caller owns them)."""
+        with self._lock:
+            for fd in self._fds:  # none is expected: any left is not this call's
+                os.close(fd)
+            self._fds = []
+            reply = self.call(method, request)
+            fds, self._fds = self._fds, []
+        return reply, fds
 
     @staticmethod
     def frame(method: str, request: Any) -> bytes:

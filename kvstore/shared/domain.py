@@ -16,6 +16,8 @@ from enum import IntEnum
 
 MAX_KEYS_PER_REQUEST = 1 << 16
 MEMFD_PREFIX = "memfd:"
+PINNED_PREFIX = "cuda:"  # an arena the daemon pinned (`kvstore.tiers.pinned`): its slabs by ArenaSlabs
+ARENA_SLABS_PER_CALL = 64  # descriptors one ArenaSlabs reply carries at most
 
 
 class Tier(IntEnum):

@@ -33,7 +33,9 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 THP_GIVEN = ("always", "within_size", "force")  # tmpfs gives huge pages without being asked
-KINDS = ("none", "thp", "hugetlbfs")  # ArenaPages.kind, as Stats numbers them (arena_huge_pages)
+# ArenaPages.kind, as Stats numbers them (arena_huge_pages); "pinned": allocated pinned by the
+# daemon through CUDA (`kvstore.tiers.pinned`), in the driver's granules
+KINDS = ("none", "thp", "hugetlbfs", "pinned")
 SMALL_PAGE = mmap.PAGESIZE
 THP_BYTES = 2 << 20  # a PMD on x86-64 and on 4 KiB-page arm64
 
@@ -49,6 +51,8 @@ class ArenaPages(NamedTuple):
     def describe(self) -> str:
         if self.kind == "none":
             return f"{self.page_bytes >> 10} KiB pages (no huge pages: see the README's Huge pages)"
+        if self.kind == "pinned":
+            return f"memory pinned by the daemon through CUDA, in {self.page_bytes >> 20} MiB granules"
         return f"{self.page_bytes >> 20} MiB huge pages ({self.kind})"
 
 

@@ -39,6 +39,7 @@ UNARY_METHODS: dict[str, tuple[type, type]] = {
     "Clear": (pb.ClearRequest, pb.ClearResponse),
     "Pin": (pb.PinRequest, pb.PinResponse),
     "Renew": (pb.RenewRequest, pb.RenewResponse),
+    "ArenaSlabs": (pb.ArenaSlabsRequest, pb.ArenaSlabsResponse),  # the local channel's alone
 }
 METHOD_NAMES = tuple(UNARY_METHODS)
 METHOD_IDS = {name: index for index, name in enumerate(METHOD_NAMES)}

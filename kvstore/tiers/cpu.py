@@ -36,6 +36,7 @@ from kvstore.shared.hugepages import (
     hugetlbfs_page_bytes,
     thp_advised,
 )
+from kvstore.tiers.pinned import PinnedArena
 from kvstore.tiers.slab import SlabAllocator
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,9 @@ class Arena:
 class CpuTier:
     name = "cpu"
 
-    def __init__(self, arena: Arena, slab_bytes: int, reserved_slabs: int | None = None) -> None:
+    def __init__(
+        self, arena: Arena | PinnedArena, slab_bytes: int, reserved_slabs: int | None = None
+    ) -> None:
         """`reserved_slabs`: how many leading slabs may be handed out (None: all); `add_reserved`
         adds the next ones as their memory is reserved."""
         self.arena = arena

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from kvstore.config.root import GpuTierConfig
 from kvstore.shared.cudart import CudaError, CudaRuntime, CudaUnavailable, load_runtime
 from kvstore.tiers.cpu import Arena
+from kvstore.tiers.pinned import PinnedArena
 from kvstore.tiers.slab import SlabAllocator
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,12 @@ class GpuTier:
     name = "gpu"
 
     def __init__(
-        self, runtime: CudaRuntime, pools: list[GpuPool], arena: Arena, arena_base: int, registered: bool
+        self,
+        runtime: CudaRuntime,
+        pools: list[GpuPool],
+        arena: Arena | PinnedArena,
+        arena_base: int,
+        registered: bool,
     ) -> None:
         self.runtime = runtime
         self.pools = pools
@@ -101,7 +107,7 @@ class GpuTier:
         self._copiers = [_Copier(runtime, pool.device) for pool in pools]
 
     @classmethod
-    def start(cls, config: GpuTierConfig, arena: Arena) -> GpuTier | None:
+    def start(cls, config: GpuTierConfig, arena: Arena | PinnedArena) -> GpuTier | None:
         """Allocates the pools; None (logged) where there is no CUDA runtime or device.
 
         A configured device that does not exist, or a pool that does not fit, is an error."""
@@ -132,9 +138,10 @@ class GpuTier:
         arena_base = _address(arena)
         started = time.perf_counter()
         try:
-            runtime.host_register(arena_base, arena.size)
+            if arena.pages.kind != "pinned":  # a pinned arena is mapped for every GPU already
+                runtime.host_register(arena_base, arena.size)
+                log.info("registered the arena with CUDA in %.2f s", time.perf_counter() - started)
             registered = True
-            log.info("registered the arena with CUDA in %.2f s", time.perf_counter() - started)
         except CudaError as exc:
             registered = False
             log.warning("GPU tier: %s; copies to and from the arena run at pageable-memory speed", exc)
@@ -202,7 +209,7 @@ class GpuTier:
             self.runtime.host_unregister(self.arena_base)
 
 
-def _address(arena: Arena) -> int:
+def _address(arena: Arena | PinnedArena) -> int:
     """The arena's address in this process (valid while the arena is open)."""
     anchor = ctypes.c_char.from_buffer(arena.view)
     address = ctypes.addressof(anchor)

@@ -1,0 +1,161 @@
+"""The arena the daemon pins through CUDA (`tiers.cpu.pinned`), against the real daemon.
+
+On a host without a GPU (CI): the daemon refuses the setting at start, naming it; `ArenaSlabs`
+on a shared-memory arena, or over gRPC, is refused with a message that says why. With a GPU:
+workers map the slabs' descriptors and store and load through them, in this process and in
+another, across a restart of the daemon; every byte compared.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.errors import FailedPrecondition, InvalidArgument
+from kvstore_client import KVSpec, KVStoreClient
+from tests.harness import REPO_ROOT, python_env, start_daemon
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (none here)")
+
+PAGE = pb.PageSpec(model="m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
+SPEC = KVSpec(
+    model="pinned-test", num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16
+)
+
+
+@pytest.mark.skipif(CUDA, reason="this host has a GPU: the pinned arena starts")
+def test_a_host_without_a_gpu_refuses_the_pinned_arena_at_start_by_name(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError) as error:
+        start_daemon(tmp_path, tiers__cpu__pinned=True)
+    text = str(error.value)
+    assert "tiers.cpu.pinned" in text and "set tiers.cpu.pinned: false" in text
+    assert "Traceback" not in text
+
+
+def test_arena_slabs_of_a_shared_memory_arena_is_refused(tmp_path: Path) -> None:
+    daemon = start_daemon(tmp_path)
+    try:
+        channel = daemon.admin()
+        try:
+            reply = channel.call("Connect", pb.ConnectRequest(spec=PAGE))
+            assert not reply.arena.shm_path.startswith("cuda:")
+            request = pb.ArenaSlabsRequest(epoch=reply.epoch, first=0, count=1)
+            with pytest.raises(FailedPrecondition, match="shared memory .*tiers.cpu.pinned is off"):
+                channel.call_with_fds("ArenaSlabs", request)
+            # The channel stays in step after the refusal.
+            assert channel.call("Connect", pb.ConnectRequest(spec=PAGE)).epoch
+        finally:
+            channel.close()
+        with pytest.raises(grpc.RpcError) as error:
+            daemon.stub().ArenaSlabs(pb.ArenaSlabsRequest(first=0, count=1), timeout=10)
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "local channel only" in str(error.value.details())
+    finally:
+        daemon.stop()
+
+
+def cache(num_blocks: int, fill: float | None = None) -> list[torch.Tensor]:
+    shape = (2, num_blocks, 16, 2, 64)
+    return [
+        torch.randn(shape, device="cuda").bfloat16()
+        if fill is None
+        else torch.full(shape, fill, device="cuda", dtype=torch.bfloat16)
+        for _ in range(SPEC.num_layers)
+    ]
+
+
+def blocks_of(kv: list[torch.Tensor], blocks: torch.Tensor) -> torch.Tensor:
+    return torch.stack([t[:, blocks.cuda()].view(torch.uint8) for t in kv]).cpu()
+
+
+def store_and_load(client: KVStoreClient, tokens: list[int], blocks: int) -> None:
+    source, source_blocks = cache(blocks * 2), torch.randperm(blocks * 2)[:blocks]
+    assert client.store(tokens, source, source_blocks) == len(tokens) // 256
+    target, target_blocks = cache(blocks * 2, fill=-7.0), torch.randperm(blocks * 2)[:blocks]
+    assert client.load(tokens, target, target_blocks) == len(tokens)
+    assert torch.equal(blocks_of(target, target_blocks), blocks_of(source, source_blocks))
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_workers_map_the_pinned_arena_and_move_exact_bytes_across_a_restart(tmp_path: Path) -> None:
+    options = {"tiers__cpu__pinned": True, "tiers__cpu__bytes": "1GiB", "tiers__cpu__slab_bytes": "256MiB"}
+    daemon = start_daemon(tmp_path, **options)
+    try:
+        with KVStoreClient.connect(daemon.address, SPEC) as client:
+            assert client.shared_memory
+            tokens = torch.randint(0, 50_000, (4096,)).tolist()
+            store_and_load(client, tokens, 256)
+            stats = client.stats()
+            arena = stats["client"]["arena"]
+            assert arena["slabs_failed"] == 0 and arena["transfers_unpinned"] == 0
+            counters = stats["counters"]
+            assert counters["arena_huge_pages"] == 3  # "pinned"
+            # Another process maps the same slabs and reads the pages this one stored.
+            child = textwrap.dedent(
+                f"""
+                import torch
+                from kvstore_client import KVSpec, KVStoreClient
+                spec = KVSpec(model="pinned-test", num_layers=4, num_kv_heads=2, head_dim=64,
+                              dtype=torch.bfloat16, block_size=16)
+                kv = [torch.full((2, 512, 16, 2, 64), -1.0, device="cuda", dtype=torch.bfloat16)
+                      for _ in range(4)]
+                with KVStoreClient.connect({daemon.address!r}, spec) as client:
+                    assert client.load({tokens!r}, kv, torch.arange(256)) == 4096
+                torch.save([t[:, :256].cpu() for t in kv], {str(tmp_path / "child.pt")!r})
+                """
+            )
+            subprocess.run(
+                [sys.executable, "-c", child], env=python_env(), cwd=REPO_ROOT, check=True, timeout=300
+            )
+            loaded = torch.load(tmp_path / "child.pt")
+            target = cache(512, fill=-2.0)
+            assert client.load(tokens, target, torch.arange(256)) == 4096
+            assert all(torch.equal(a, t[:, :256].cpu()) for a, t in zip(loaded, target, strict=True))
+            # The daemon restarts: its arena (and epoch) is new; the client maps it and goes on.
+            daemon.stop()
+            daemon = start_daemon(tmp_path, **options)
+            assert client.load(tokens, cache(512), torch.arange(256)) == 0  # a miss, never old bytes
+            store_and_load(client, torch.randint(0, 50_000, (2048,)).tolist(), 128)
+    finally:
+        daemon.stop()
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_arena_slabs_hands_each_pinned_slab_once_asked_and_refuses_bad_counts(tmp_path: Path) -> None:
+    daemon = start_daemon(
+        tmp_path, tiers__cpu__pinned=True, tiers__cpu__bytes="512MiB", tiers__cpu__slab_bytes="64MiB"
+    )
+    try:
+        channel = daemon.admin()
+        try:
+            reply = channel.call("Connect", pb.ConnectRequest(spec=PAGE))
+            assert reply.arena.shm_path.startswith("cuda:") and reply.arena.slab_bytes == 64 << 20
+            slabs, fds = channel.call_with_fds(
+                "ArenaSlabs", pb.ArenaSlabsRequest(epoch=reply.epoch, first=2, count=64)
+            )
+            try:
+                assert slabs.first == 2 and slabs.num_slabs == 8 and len(fds) == slabs.count <= 6
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            with pytest.raises(InvalidArgument, match="count must be 1..64"):
+                channel.call_with_fds(
+                    "ArenaSlabs", pb.ArenaSlabsRequest(epoch=reply.epoch, first=0, count=65)
+                )
+            with pytest.raises(InvalidArgument, match="slabs 0..7"):
+                channel.call_with_fds("ArenaSlabs", pb.ArenaSlabsRequest(epoch=reply.epoch, first=8, count=1))
+        finally:
+            channel.close()
+    finally:
+        daemon.stop()
