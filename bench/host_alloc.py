@@ -167,7 +167,9 @@ def mmap_directly(fd: int, size: int, pointer: int) -> str:
         memory.close()
 
 
-def overlapped_fill(handles: list[Any], slab: int) -> dict[str, Any]:
+def overlapped_fill(
+    handles: list[Any], slab: int, kinds: tuple[str, ...] = ("DEVICE",), threads: int = 1
+) -> dict[str, Any]:
     """A worker that stores from its first moment: one thread maps the slabs in order while the
     main thread copies 1 GiB stores (GPU to host) into the slabs already mapped, waiting for the
     next ones where it catches up; then the same stores again with everything mapped (steady).
@@ -186,21 +188,32 @@ def overlapped_fill(handles: list[Any], slab: int) -> dict[str, Any]:
     ready = threading.Condition()
     context_here = cu.cuCtxGetCurrent()[1]
 
-    def map_all() -> None:
+    taken = [0]
+    finished = [False] * len(handles)
+
+    def map_all() -> None:  # `threads` of these take the slabs in order
         call(cu.cuCtxSetCurrent(context_here))
-        for i, handle in enumerate(handles):
-            call(cu.cuMemMap(pointer + i * slab, slab, 0, handle, 0))
-            call(cu.cuMemSetAccess(pointer + i * slab, slab, [access("DEVICE")], 1))
+        while True:
             with ready:
-                done[0] = i + 1
+                i = taken[0]
+                if i == len(handles):
+                    return
+                taken[0] += 1
+            call(cu.cuMemMap(pointer + i * slab, slab, 0, handles[i], 0))
+            call(cu.cuMemSetAccess(pointer + i * slab, slab, [access(k) for k in kinds], len(kinds)))
+            with ready:
+                finished[i] = True
+                while done[0] < len(handles) and finished[done[0]]:
+                    done[0] += 1
                 ready.notify_all()
 
     device = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     stores = size // COPY_BYTES
-    mapper = threading.Thread(target=map_all)
+    mappers = [threading.Thread(target=map_all) for _ in range(threads)]
     started = time.perf_counter()
-    mapper.start()
+    for mapper in mappers:
+        mapper.start()
     waited = 0.0
     for k in range(stores):
         need = -(-((k + 1) * COPY_BYTES) // slab)
@@ -211,7 +224,8 @@ def overlapped_fill(handles: list[Any], slab: int) -> dict[str, Any]:
         runtime.memcpy_async(pointer + k * COPY_BYTES, device.data_ptr(), COPY_BYTES, 0)
         torch.cuda.synchronize()
     fill_s = time.perf_counter() - started
-    mapper.join()
+    for mapper in mappers:
+        mapper.join()
     mapped_s = time.perf_counter() - started
     started = time.perf_counter()
     for k in range(stores):
@@ -227,6 +241,8 @@ def overlapped_fill(handles: list[Any], slab: int) -> dict[str, Any]:
         "fill_lost": 1 - steady_s / fill_s,
         "waited_s": waited,
         "all_mapped_s": mapped_s,
+        "access": list(kinds),
+        "threads": threads,
     }
 
 
@@ -244,6 +260,11 @@ def importer(fds: list[int], slab: int) -> dict[str, Any]:
     handles = [call(cu.cuMemImportFromShareableHandle(fd, fd_type())) for fd in fds]
     imported_s = time.perf_counter() - started
     fill = overlapped_fill(handles, slab)
+    variants = [
+        overlapped_fill(handles, slab, kinds, threads)
+        for kinds in (("DEVICE",), ("DEVICE", "HOST"))
+        for threads in (1, 2, 4)
+    ]
     try:
         pointer, seconds = mapped(handles, slab, ["DEVICE", "HOST"])
         cpu = True
@@ -258,6 +279,7 @@ def importer(fds: list[int], slab: int) -> dict[str, Any]:
         "import_s": imported_s + sum(seconds),
         "of_which_import_s": imported_s,
         "overlapped_fill": fill,
+        "overlapped_variants": variants,
         "of_which_map_s": sum(seconds),
         "slab_map_ms_max": max(seconds) * 1e3,
         "slab_map_ms_median": sorted(seconds)[len(seconds) // 2] * 1e3,
@@ -440,6 +462,12 @@ def report(results: dict[str, Any]) -> None:
             {k: v for k, v in imported.items() if k.startswith(("cpu_", "slab_", "importer", "of_"))},
         )
         print("overlapped fill:", imported["overlapped_fill"])
+        for variant in imported.get("overlapped_variants", []):
+            print(
+                f"  access {'+'.join(variant['access'])}, {variant['threads']} mapping threads: fill lost "
+                f"{100 * variant['fill_lost']:.1f}%, waited {variant['waited_s']:.3f} s, "
+                f"all mapped {variant['all_mapped_s']:.2f} s (steady {variant['steady_s']:.2f} s)"
+            )
     print("plain mmap of the descriptor:", export.get("mmap_fd"))
     print_table(["way", "worker s", "once s", "h2d GB/s", "d2h GB/s"], rows)
 

@@ -319,17 +319,21 @@ class MappedArena:
         """Whether the arena is being registered (its slabs are, or will be, pinned)."""
         return self.registrar is not None
 
-    def transfer_options(self, offsets: list[int]) -> TransferOptions | None:
+    def transfer_options(self, offsets: list[int], on_cuda: bool = True) -> TransferOptions | None:
         """None where the pages at `offsets` may move by the kernels' auto rule (their slabs are
-        registered, or nothing is registered here); else `UNPINNED`."""
+        registered, or nothing is registered here); else `UNPINNED`. `on_cuda`: the KV cache is
+        on a GPU (else the CPU moves the pages: a pinned arena's slabs are opened to it first)."""
         registrar = self.registrar
         if registrar is None or not offsets:
             return None
         # Slab 0 too: the kernels tell pinned from pageable memory at the buffer's first byte.
         slabs = registrar.slabs_of(offsets) | {0}
+        imported = self._shared.imported if self._shared is not None else None
         if registrar.ready(slabs, self.wait_s):
+            if imported is not None and not on_cuda:
+                imported.importer.grant_host(slabs)
             return None
-        if self._shared is not None and self._shared.imported is not None:  # no memory to fall back on
+        if imported is not None:  # no memory to fall back on
             raise Unavailable(
                 f"slabs {sorted(slabs)} of the daemon's pinned arena could not be mapped "
                 f"({registrar.stats()['slabs_failed']} failed; see the log): connect again"

@@ -3,7 +3,8 @@
 The daemon allocated each slab pinned through CUDA and hands its descriptor over the local
 channel (`ArenaSlabs`, SCM_RIGHTS). Here the worker reserves one address range for the whole
 arena and maps each slab into it as its turn comes (`cuMemImportFromShareableHandle`,
-`cuMemMap`, `cuMemSetAccess` for the GPUs and the CPU): nothing is faulted in or registered, a
+`cuMemMap`, `cuMemSetAccess` for the GPUs; for the CPU too only where a transfer needs it,
+`grant_host`): nothing is faulted in or registered, a
 256 MiB slab maps in ~7 ms on the H200 host, and the memory is pinned, so the kernels move
 its pages at PCIe speed (bench/host_alloc.py).
 
@@ -17,7 +18,8 @@ its pages at PCIe speed (bench/host_alloc.py).
   `address`, asking the daemon for the next descriptors where needed, and waits (polling, until
   `close()`) for a slab the daemon has not pinned yet: no transfer can touch such a slab, since
   the daemon hands out no page in it. Its `unregister` keeps the slab mapped: the range goes
-  with its last view, so a CPU read of a page never meets unmapped memory.
+  with its last view. `grant_host(slabs)`: the CPU may then read and write those slabs (a KV
+  cache in host memory moves its pages with the CPU); no other CPU access touches the range.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvstore.shared.cuda_vmm import Vmm, load_vmm
 from kvstore.shared.domain import ARENA_SLABS_PER_CALL
@@ -76,6 +78,7 @@ class SlabImporter:
         self._fds: dict[int, int] = {}  # slab -> descriptor fetched and not yet imported
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        self._host: set[int] = set()  # slabs this process's CPU may touch (`grant_host`)
 
     def _descriptor(self, slab: int) -> int:
         """Slab `slab`'s descriptor (this thread owns it), fetched with the next ones in one call;
@@ -116,7 +119,21 @@ class SlabImporter:
             vmm.release(handle)
             raise
         self._range._mapped[address] = (handle, length)
-        vmm.set_access(address, length, range(vmm.device_count), host=True)
+        # The GPUs only: granting the CPU too costs the driver about as much again, and, beside
+        # a fill, lost 34-42% of it against 10% (bench/host_alloc.py); `grant_host` adds the CPU
+        # where a transfer needs it (a KV cache in host memory).
+        vmm.set_access(address, length, range(vmm.device_count), host=False)
+
+    def grant_host(self, slabs: Iterable[int]) -> None:
+        """Lets this process's CPU read and write `slabs` (mapped already), once each."""
+        vmm, imported = self._vmm, self._range
+        with self._lock:
+            for slab in sorted(set(slabs) - self._host):
+                address = imported.base + slab * imported.slab_bytes
+                _, length = imported._mapped[address]
+                vmm.use_device(self.device)
+                vmm.set_access(address, length, range(vmm.device_count), host=True)
+                self._host.add(slab)
 
     def unregister(self, address: int) -> None:
         """Nothing: the slab stays mapped until the range's last view goes (`ImportedRange`)."""

@@ -44,7 +44,9 @@ class ArenaFacts(Protocol):
 
     def bounce_for(self, offsets: list[int], page_bytes: int, on_cuda: bool) -> Any: ...
 
-    def transfer_options(self, offsets: list[int]) -> kvstore_kernels.TransferOptions | None: ...
+    def transfer_options(
+        self, offsets: list[int], on_cuda: bool = True
+    ) -> kvstore_kernels.TransferOptions | None: ...
 
 
 class StoreRoute(NamedTuple):
@@ -71,13 +73,13 @@ def store_route(
     ring = arena.bounce_for(offsets, page_bytes, on_cuda) if whole_pages else None
     if ring is not None:
         return StoreRoute("bounce", ring=ring)
-    return arena_route(arena, offsets)
+    return arena_route(arena, offsets, on_cuda)
 
 
-def arena_route(arena: ArenaFacts, offsets: list[int]) -> StoreRoute:
+def arena_route(arena: ArenaFacts, offsets: list[int], on_cuda: bool = True) -> StoreRoute:
     """The kernels' way into the arena once the slabs at `offsets` are registered (waiting for
     them), or the torch reference where they could not be."""
-    options = arena.transfer_options(offsets)
+    options = arena.transfer_options(offsets, on_cuda)
     return StoreRoute("kernels" if options is None else "unpinned", options=options)
 
 

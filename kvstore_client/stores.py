@@ -170,7 +170,8 @@ class StorePath:
             )
             if completion is not None:
                 return completion, None
-            route = arena_route(self._s._mapped, offsets)  # the ring closed meanwhile: every slab registered
+            # The ring closed meanwhile: every slab registered.
+            route = arena_route(self._s._mapped, offsets, device.type == "cuda")
         return self._gather_to_arena(
             self._s.arena, route.options, chunks, offsets, kv_caches, block_ids, layers, ahead
         )

@@ -95,6 +95,18 @@ def test_workers_map_the_pinned_arena_and_move_exact_bytes_across_a_restart(tmp_
             assert client.shared_memory
             tokens = torch.randint(0, 50_000, (4096,)).tolist()
             store_and_load(client, tokens, 256)
+            # Its first slab mapped (a transfer waits for it), the kernels see pinned memory. (Never
+            # print the arena: its slabs are the GPU's until a transfer opens them to the CPU.)
+            assert client.arena is not None
+            pinned = client.arena.is_pinned()
+            assert pinned
+            # A KV cache in host memory: the CPU moves the pages, through slabs opened to it.
+            host = [torch.randn(2, 128, 16, 2, 64).bfloat16() for _ in range(4)]
+            host_tokens = torch.randint(0, 50_000, (1024,)).tolist()
+            assert client.store(host_tokens, host, torch.arange(64, 128)) == 4
+            back = [torch.full((2, 64, 16, 2, 64), -5.0, dtype=torch.bfloat16) for _ in range(4)]
+            assert client.load(host_tokens, back, torch.arange(64)) == 1024
+            assert all(torch.equal(b, h[:, 64:128]) for b, h in zip(back, host, strict=True))
             stats = client.stats()
             arena = stats["client"]["arena"]
             assert arena["slabs_failed"] == 0 and arena["transfers_unpinned"] == 0
