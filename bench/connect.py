@@ -27,6 +27,8 @@ HugePages_Free) and those of the worker's mapping (smaps). `--append` adds the r
 already in the results file (a script that sets up each kind of page in turn); `--until` skips
 the rows not expected to end by then; `--modes bounce wait` runs each row with the client's bounce
 ring (stores into slabs not registered yet go through it) and without (they wait for them).
+`--pages pinned` puts the arena in memory the daemon pins through CUDA (`tiers.cpu.pinned`): the
+workers map its slabs' descriptors and register nothing.
 
     python bench/connect.py --parts fill --sizes 64 100 --pages small thp --thp-dir /mnt/kvstore-thp
 """
