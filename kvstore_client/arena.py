@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 # a 256 MiB slab), 7.8 s where registering faulted them in (0.12 s a slab): far less than moving
 # a prompt's pages at pageable speed.
 REGISTER_WAIT_S = 10.0
+RING_JOIN_S = 30.0  # how long unmapping waits for a bounce ring still being made
 
 
 class MappingKey(NamedTuple):
@@ -85,6 +86,7 @@ class SharedMapping:
         self._ring_made = threading.Event()
         self._ring_lock = threading.Lock()
         self._ring_dropped = False
+        self._ring_maker: threading.Thread | None = None
 
     def make_ring(self, device: int | None) -> None:
         """Makes the bounce ring in the background: pinned for every context, its CUDA calls on
@@ -105,7 +107,8 @@ class SharedMapping:
                 ring.close()
             self._ring_made.set()
 
-        threading.Thread(target=make, name="kvstore-bounce-ring", daemon=True).start()
+        self._ring_maker = threading.Thread(target=make, name="kvstore-bounce-ring", daemon=True)
+        self._ring_maker.start()
 
     def ring(self) -> BounceRing | None:
         """The bounce ring (waiting for it to be made); None once every slab is registered (the
@@ -126,13 +129,18 @@ class SharedMapping:
         if registrar is not None and registrar.all_registered:
             self.drop_ring()
 
-    def drop_ring(self) -> None:
-        """Closes the ring (after the stores inside it), or the one still being made once it is."""
+    def drop_ring(self, join: bool = False) -> None:
+        """Closes the ring (after the stores inside it), or the one still being made once it is;
+        with `join`, returns only once the thread making it is done (a worker that closes its
+        client and exits must not leave that thread in a CUDA call: seen as SIGABRT at exit)."""
         with self._ring_lock:
             ring, self._ring = self._ring, None
             self._ring_dropped = True
         if ring is not None:
             ring.close()
+        maker = self._ring_maker
+        if join and maker is not None and maker is not threading.current_thread():
+            maker.join(RING_JOIN_S)
 
 
 def _nothing(address: int, size: int) -> None:
@@ -379,7 +387,7 @@ class MappedArena:
                 streams.synchronize()
             for device in range(torch.cuda.device_count()):  # transfers on the caller's streams too
                 torch.cuda.synchronize(device)
-            shared.drop_ring()  # its copies finish first
+            shared.drop_ring(join=True)  # its copies finish first
             if shared.imported is not None:
                 shared.imported.importer.close()  # a wait for a slab not pinned yet ends
             shared.registrar.stop()
