@@ -606,6 +606,10 @@ TENANT = {"name": "a", "uids": [1001], "cpu_bytes": "256MiB"}
             {"tenants": [TENANT], "tiers": {"gpu": {"enabled": True}}},
             "tiers.gpu.enabled: the GPU tier cannot be combined with tenants",
         ),
+        (
+            {"tenants": [TENANT], "tiers": {"cpu": {"pinned": True}}},
+            "tiers.cpu.pinned: a pinned arena is not offered with tenants yet",
+        ),
     ],
     ids=lambda value: "" if isinstance(value, dict) else value.split(":")[0],
 )

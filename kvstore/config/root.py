@@ -161,6 +161,12 @@ class Config:
                 f"the tenants' disk_bytes add up to {format_size(disk)}, more than this "
                 f"({format_size(self.tiers.disk.bytes)}): raise it or lower theirs",
             )
+        if self.tiers.cpu.pinned:
+            raise ConfigError(
+                "tiers.cpu.pinned",
+                "a pinned arena is not offered with tenants yet: each tenant's arena is a sealed "
+                "memfd; set tiers.cpu.pinned: false",
+            )
         if self.tiers.gpu.enabled:
             raise ConfigError(
                 "tiers.gpu.enabled",
