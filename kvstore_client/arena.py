@@ -45,11 +45,11 @@ import torch
 
 from kvstore.shared.cudart import CudaUnavailable
 from kvstore.shared.domain import MEMFD_PREFIX, PINNED_PREFIX
-from kvstore.shared.errors import Unavailable
+from kvstore.shared.errors import KVStoreError, Unavailable
 from kvstore.shared.hugepages import advise_huge, thp_advised
 from kvstore.shared.peers import boot_id
 from kvstore_client.bounce import BounceRing
-from kvstore_client.imported import ImportedRange
+from kvstore_client.imported import ImportedRange, map_pinned
 from kvstore_client.registrar import CudaRegistrar, HostRegistrar, SlabRegistrar
 from kvstore_client.routes import UNPINNED
 from kvstore_client.transfers import Streams
@@ -141,10 +141,6 @@ class SharedMapping:
         maker = self._ring_maker
         if join and maker is not None and maker is not threading.current_thread():
             maker.join(RING_JOIN_S)
-
-
-def _nothing(address: int, size: int) -> None:
-    """An imported slab has nothing to fault in."""
 
 
 _mappings: dict[MappingKey, SharedMapping] = {}
@@ -256,24 +252,16 @@ class MappedArena:
                 shared.users += 1
             else:
                 try:
-                    imported = ImportedRange(arena.size, slab_bytes, fetch, torch.cuda.current_device())
-                except (CudaUnavailable, RuntimeError) as exc:
+                    imported, registrar = map_pinned(
+                        arena.size, slab_bytes, fetch, torch.cuda.current_device()
+                    )
+                except (KVStoreError, CudaUnavailable, RuntimeError) as exc:  # its mode keeps this caller out
                     if self.want_shared_memory:
                         raise ConnectionError(f"cannot map the daemon's pinned arena: {exc}") from exc
-                    log.warning("the daemon's pinned arena cannot be mapped (%s): page bytes go inline", exc)
+                    log.info("the daemon's pinned arena is not mapped (%s): page bytes go inline", exc)
                     return
                 shared = SharedMapping(key, imported.buffer, imported)
-                # Each slab maps in ~7 ms, behind the transfers at full speed (nothing to fault).
-                shared.registrar = SlabRegistrar(
-                    imported.importer,
-                    imported.base,
-                    arena.size,
-                    slab_bytes,
-                    quiet_s=0.0,
-                    faulters=0,
-                    fault=_nothing,
-                    duty=0.0,
-                )
+                shared.registrar = registrar
                 if epoch:
                     _mappings[key] = shared
         self._shared = shared

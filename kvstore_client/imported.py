@@ -13,6 +13,7 @@ its pages at PCIe speed (bench/host_alloc.py).
   the last view goes, every slab is unmapped and released and the range freed).
   `fetch(first, count)` returns the descriptors of slabs first.. that the daemon has pinned
   (fewer or none: not yet); the caller owns nothing it returns.
+- `map_pinned(size, slab_bytes, fetch, device)`: the range and the `SlabRegistrar` mapping it.
 - `importer`: the `HostRegistrar` the `SlabRegistrar` drives, in the order slabs are handed
   out and those a transfer waits for first: its `register(address, size)` maps the slab at
   `address`, asking the daemon for the next descriptors where needed, and waits (polling, until
@@ -33,6 +34,7 @@ from collections.abc import Callable, Iterable
 
 from kvstore.shared.cuda_vmm import Vmm, load_vmm
 from kvstore.shared.domain import ARENA_SLABS_PER_CALL
+from kvstore_client.registrar import SlabRegistrar
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,12 @@ class SlabImporter:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._host: set[int] = set()  # slabs this process's CPU may touch (`grant_host`)
+
+    def seed(self, first: int, fds: list[int]) -> None:
+        """Descriptors of slabs first.. fetched already (at connect); this importer owns them."""
+        with self._lock:
+            for index, fd in enumerate(fds):
+                self._fds[first + index] = fd
 
     def _descriptor(self, slab: int) -> int:
         """Slab `slab`'s descriptor (this thread owns it), fetched with the next ones in one call;
@@ -145,6 +153,31 @@ class SlabImporter:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+def map_pinned(
+    size: int, slab_bytes: int, fetch: Callable[[int, int], list[int]], device: int
+) -> tuple[ImportedRange, SlabRegistrar]:
+    """Maps a pinned arena of `size`: its first descriptors fetched now (the daemon's refusal, a
+    `KVStoreError`, comes here: a caller its mode keeps out sends bytes inline), the range
+    reserved, and every slab mapped behind the transfers by a `SlabRegistrar` at full speed
+    (~7 ms a slab: nothing to fault in, no pause rule)."""
+    first = fetch(0, min(ARENA_SLABS_PER_CALL, -(-size // slab_bytes)))
+    try:
+        imported = ImportedRange(size, slab_bytes, fetch, device)
+    except BaseException:
+        for fd in first:
+            os.close(fd)
+        raise
+    imported.importer.seed(0, first)
+    registrar = SlabRegistrar(
+        imported.importer, imported.base, size, slab_bytes, quiet_s=0.0, faulters=0, fault=_nothing, duty=0.0
+    )
+    return imported, registrar
+
+
+def _nothing(address: int, size: int) -> None:
+    """An imported slab has nothing to fault in."""
 
 
 def _release(vmm: Vmm, device: int, base: int, span: int, mapped: dict[int, tuple[int, int]]) -> None:

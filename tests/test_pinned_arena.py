@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from kvstore.proto import kvstore_pb2 as pb
-from kvstore.shared.errors import FailedPrecondition, InvalidArgument
+from kvstore.shared.channel import LocalChannel
+from kvstore.shared.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvstore.tiers.pinned import may_map
 from kvstore_client import KVSpec, KVStoreClient
 from tests.harness import REPO_ROOT, python_env, start_daemon
 
@@ -30,6 +32,16 @@ PAGE = pb.PageSpec(model="m", num_layers=2, num_kv_heads=2, head_dim=16, dtype="
 SPEC = KVSpec(
     model="pinned-test", num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16
 )
+
+
+def test_who_may_map_a_pinned_arena_follows_the_file_mode_as_for_a_shared_memory_file() -> None:
+    me, group, stranger = os.geteuid(), os.getegid(), 4242
+    assert may_map(0o600, me, group, ()) and may_map(0o600, 0, 0, ())  # its user, and root
+    assert not may_map(0o600, stranger, stranger, ())
+    assert not may_map(0o600, stranger, group, ())  # the group is kept out by 0600
+    assert may_map(0o660, stranger, group, ()) and may_map(0o660, stranger, stranger, (group,))
+    assert not may_map(0o640, stranger, group, ())  # read alone is not enough: workers write pages
+    assert not may_map(0o660, stranger, stranger, ()) and may_map(0o666, stranger, stranger, ())
 
 
 @pytest.mark.skipif(CUDA, reason="this host has a GPU: the pinned arena starts")
@@ -116,7 +128,8 @@ def test_workers_map_the_pinned_arena_and_move_exact_bytes_across_a_restart(tmp_
             child = textwrap.dedent(
                 f"""
                 import torch
-                from kvstore_client import KVSpec, KVStoreClient
+                from kvstore.shared.channel import LocalChannel
+from kvstore_client import KVSpec, KVStoreClient
                 spec = KVSpec(model="pinned-test", num_layers=4, num_kv_heads=2, head_dim=64,
                               dtype=torch.bfloat16, block_size=16)
                 kv = [torch.full((2, 512, 16, 2, 64), -1.0, device="cuda", dtype=torch.bfloat16)
@@ -171,3 +184,55 @@ def test_arena_slabs_hands_each_pinned_slab_once_asked_and_refuses_bad_counts(tm
             channel.close()
     finally:
         daemon.stop()
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
+def test_another_uid_gets_no_slab_unless_the_file_mode_lets_it() -> None:
+    import shutil
+    import tempfile
+
+    from tests.test_tenants import as_user
+
+    nobody = 65534
+    base = Path(tempfile.mkdtemp(prefix="kvstore-pinned-", dir="/tmp"))
+    base.chmod(0o755)  # the socket reachable by another uid
+    try:
+        for mode, allowed in ((0o600, False), (0o666, True)):
+            daemon = start_daemon(
+                base,
+                f"mode-{mode:o}",
+                tiers__cpu__pinned=True,
+                tiers__cpu__bytes="256MiB",
+                tiers__cpu__slab_bytes="64MiB",
+                tiers__cpu__file_mode=f"0{mode:o}",
+                server__socket_mode="0666",
+            )
+            try:
+                (base / f"mode-{mode:o}").chmod(0o755)
+                path = str(daemon.local_path)
+
+                def ask(path: str = path) -> int:
+                    channel = LocalChannel(path, 10.0)
+                    try:
+                        epoch = channel.call("Connect", pb.ConnectRequest(spec=PAGE)).epoch
+                        request = pb.ArenaSlabsRequest(epoch=epoch, first=0, count=4)
+                        _, fds = channel.call_with_fds("ArenaSlabs", request)
+                        for fd in fds:
+                            os.close(fd)
+                        return len(fds)
+                    finally:
+                        channel.close()
+
+                outcome = as_user(nobody, ask)
+                if allowed:
+                    assert outcome == 4
+                else:
+                    kind, name, message = outcome
+                    assert (kind, name) == ("error", PermissionDenied.__name__)
+                    assert "uid 65534 may not map the arena (tiers.cpu.file_mode 0o600" in message
+            finally:
+                daemon.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -29,8 +29,8 @@ class CpuTierConfig:
     file_mode: Mode = 0o600
     prefault: bool = True  # back the arena with memory: a slab before serving, the rest behind (`reserve`)
     # Pin the arena in the daemon through CUDA, one allocation per slab (`kvstore.tiers.pinned`):
-    # workers map the slabs' descriptors with nothing to register (shm_dir, file_mode, prefault
-    # then unused). Needs a GPU and its driver on the daemon's host.
+    # workers map the slabs' descriptors with nothing to register (shm_dir and prefault then
+    # unused; file_mode says who may map them, as for the file). Needs a GPU and its driver.
     pinned: bool = False
     pinned_numa_node: int = setting(0, ge=0)  # the host NUMA node the pinned arena lives on
 

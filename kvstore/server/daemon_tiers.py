@@ -93,7 +93,11 @@ class Tiers:
         prefault = cpu_config.prefault or cpu_config.pinned
         if cpu_config.pinned:
             arena: Arena | PinnedArena = PinnedArena(
-                name, size, min(cpu_config.slab_bytes, size), cpu_config.pinned_numa_node
+                name,
+                size,
+                min(cpu_config.slab_bytes, size),
+                cpu_config.pinned_numa_node,
+                cpu_config.file_mode,
             )
         else:
             arena = Arena(Path(cpu_config.shm_dir) / name, size, cpu_config.file_mode, prefault, sealed)

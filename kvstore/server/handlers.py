@@ -157,7 +157,7 @@ class Handlers:
         self._check_serving()
         store = self._store(caller)
         self._check_epoch(store, request.epoch)
-        return arena_slabs_reply(store, request)
+        return arena_slabs_reply(store, request, caller.peer if caller is not None else None)
 
     def arena_slab_fds(self, caller: Caller | None, reply: pb.ArenaSlabsResponse) -> list[int]:
         return arena_slab_fds(self._store(caller), reply)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.shared.domain import ARENA_SLABS_PER_CALL
-from kvstore.shared.errors import FailedPrecondition, InvalidArgument
+from kvstore.shared.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvstore.shared.peers import Peer
 from kvstore.store.index import AcquireResult, ReserveResult
 from kvstore.store.store import Store
 from kvstore.tiers.pinned import PinnedArena
@@ -49,14 +50,24 @@ def arena_message(store: Store, boot_id: str) -> pb.Arena:
     )
 
 
-def arena_slabs_reply(store: Store, request: pb.ArenaSlabsRequest) -> pb.ArenaSlabsResponse:
+def arena_slabs_reply(
+    store: Store, request: pb.ArenaSlabsRequest, peer: Peer | None
+) -> pb.ArenaSlabsResponse:
     """Which of the slabs `request` asks for the daemon has pinned (their descriptors go with the
-    reply on the local channel: `arena_slab_fds`)."""
+    reply on the local channel: `arena_slab_fds`), for a `peer` the arena's mode lets map it."""
     arena = store.cpu.arena
     if not isinstance(arena, PinnedArena):
         raise FailedPrecondition(
             f"ArenaSlabs: the arena {arena.path} is shared memory (tiers.cpu.pinned is off): "
             f"a worker maps it from its path"
+        )
+    if peer is None or peer.uid < 0 or not arena.may_map(peer.uid, peer.gid, peer.groups):
+        who = (
+            f"uid {peer.uid}" if peer is not None and peer.uid >= 0 else "a caller the daemon cannot identify"
+        )
+        raise PermissionDenied(
+            f"ArenaSlabs: {who} may not map the arena (tiers.cpu.file_mode {arena.mode:#o}, as for "
+            f"the file of a shared-memory arena): its page bytes go inline"
         )
     if not 0 < request.count <= ARENA_SLABS_PER_CALL:
         raise InvalidArgument(f"ArenaSlabs: count must be 1..{ARENA_SLABS_PER_CALL}, got {request.count}")

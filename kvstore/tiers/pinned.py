@@ -20,6 +20,8 @@ unmapped memory, until it maps the new arena.
 - `PinnedArena(name, size, slab_bytes, numa_node)`: reserves the address range only;
   `reserve(start, length)` allocates, exports and maps the slabs that cover it (the
   `ArenaReserver` calls it slab by slab, as for a shared-memory arena).
+- `may_map(uid, gid, groups)`: whether a local-channel caller gets the descriptors at all: as
+  if the arena were a file of the daemon's with `tiers.cpu.file_mode` (0600: its user alone).
 - `slab_fds(first, count)`: the descriptors of the slabs allocated so far among those
   (the daemon keeps them; the local channel sends duplicates).
 - `close()`: unmaps and releases every slab and the range, closes the descriptors.
@@ -45,11 +47,24 @@ log = logging.getLogger(__name__)
 PINNED_KEY = "tiers.cpu.pinned"
 
 
+def may_map(mode: int, uid: int, gid: int, groups: tuple[int, ...]) -> bool:
+    """Whether a process of `uid` (`gid`, `groups`) could open the arena read-write if it were a
+    file of the daemon's with `mode` (`tiers.cpu.file_mode`): the rule of a shared-memory arena,
+    so pinning it gives no one more than the file would (root: always)."""
+    if uid == 0 or uid == os.geteuid():
+        bits = mode >> 6
+    elif os.getegid() == gid or os.getegid() in groups:
+        bits = mode >> 3
+    else:
+        bits = mode
+    return bits & 0o6 == 0o6
+
+
 class PinnedArena:
     sealed = False
     fd = -1  # nothing to hand with a Connect: the slabs go with ArenaSlabs
 
-    def __init__(self, name: str, size: int, slab_bytes: int, numa_node: int = 0) -> None:
+    def __init__(self, name: str, size: int, slab_bytes: int, numa_node: int = 0, mode: int = 0o600) -> None:
         started = time.perf_counter()
         try:
             self._vmm = vmm = load_vmm()
@@ -66,6 +81,7 @@ class PinnedArena:
                 f"{granule >> 20} MiB granule, got {slab_bytes} bytes"
             )
         self.size = size
+        self.mode = mode  # who may map it, as the file of a shared-memory arena (`may_map`)
         self.slab_bytes = slab_bytes
         self.numa_node = numa_node
         self.epoch = secrets.randbits(63) or 1
@@ -130,6 +146,9 @@ class PinnedArena:
         with self._lock:
             self._handles.append(handle)
             self._fds.append(fd)
+
+    def may_map(self, uid: int, gid: int, groups: tuple[int, ...]) -> bool:
+        return may_map(self.mode, uid, gid, groups)
 
     @property
     def num_pinned(self) -> int:
