@@ -128,8 +128,7 @@ def test_workers_map_the_pinned_arena_and_move_exact_bytes_across_a_restart(tmp_
             child = textwrap.dedent(
                 f"""
                 import torch
-                from kvstore.shared.channel import LocalChannel
-from kvstore_client import KVSpec, KVStoreClient
+                from kvstore_client import KVSpec, KVStoreClient
                 spec = KVSpec(model="pinned-test", num_layers=4, num_kv_heads=2, head_dim=64,
                               dtype=torch.bfloat16, block_size=16)
                 kv = [torch.full((2, 512, 16, 2, 64), -1.0, device="cuda", dtype=torch.bfloat16)
