@@ -167,6 +167,37 @@ def test_workers_see_no_error_and_no_wrong_byte_through_five_restarts(
             assert served, f"worker {n} not served within {SERVE_AGAIN_S} s of restart {k + 1}"
 
 
+PINNED = {"tiers__cpu__pinned": True, "tiers__cpu__bytes": "8MiB", "tiers__cpu__slab_bytes": "2MiB"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a pinned arena needs a CUDA device (none here)")
+@pytest.mark.parametrize("caches", ["gpu", "cpu"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_workers_on_a_pinned_arena_see_no_error_and_no_wrong_byte_through_restarts(
+    tmp_path: Path, restartable: Callable[..., Daemon], sig: int, caches: str
+) -> None:
+    """The arena pinned by the daemon (`tiers.cpu.pinned`): each restart makes a new one, whose
+    slabs the workers map again; the old one stays mapped in a worker until then. KV caches on
+    the GPU, or in host memory (their slabs opened to the CPU)."""
+    daemon = restartable(**PINNED)
+    workers = Workers(tmp_path, daemon.address, WORKERS, *(["--gpu"] if caches == "gpu" else []))
+    try:
+        workers.wait_served(time.time(), STARTUP_TIMEOUT_S)
+        for _ in range(3):
+            daemon.stop(sig)
+            time.sleep(0.3)
+            daemon = restartable(**PINNED)
+            workers.wait_served(time.time(), SERVE_AGAIN_S + 0.5)
+        reports = workers.finish()
+    finally:
+        workers.kill()
+    for n, report in enumerate(reports):
+        assert report["exceptions"] == [], f"worker {n}: {report['exceptions'][:2]}"
+        assert report["wrong"] == [], f"worker {n}: {report['wrong'][:3]}"
+        assert report["loads"] > 20 and report["hit_tokens"] > 0 and report["stored"] > 0
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_stores_through_the_bounce_ring_see_no_error_and_no_wrong_byte_through_restarts(
     tmp_path: Path, restartable: Callable[..., Daemon], sig: int
