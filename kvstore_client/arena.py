@@ -43,13 +43,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+import kvstore_kernels
 from kvstore.shared.cudart import CudaUnavailable
 from kvstore.shared.domain import MEMFD_PREFIX, PINNED_PREFIX
 from kvstore.shared.errors import KVStoreError, Unavailable
 from kvstore.shared.hugepages import advise_huge, thp_advised
 from kvstore.shared.peers import boot_id
 from kvstore_client.bounce import BounceRing
-from kvstore_client.imported import ImportedRange, map_pinned
+from kvstore_client.imported import Fetchers, ImportedRange, map_pinned
 from kvstore_client.registrar import CudaRegistrar, HostRegistrar, SlabRegistrar
 from kvstore_client.routes import UNPINNED
 from kvstore_client.transfers import Streams
@@ -79,6 +80,7 @@ class SharedMapping:
         self.key = key
         self.mmap = mapping  # an mmap, or an imported range's buffer
         self.imported = imported
+        self.fetchers: Fetchers | None = None  # a pinned arena's: each user's way to its slabs
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)
         self.registrar: SlabRegistrar | None = None
         self.users = 1
@@ -164,6 +166,9 @@ class MappedArena:
         self.epoch = 0
         self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the daemon's arena file
         self.bounce: bool | None = None  # stores around the registration: None for CUDA caches
+        self._fetch: Callable[[int, int], list[int]] | None = (
+            None  # a pinned arena's slabs, this client's way
+        )
 
     @property
     def registrar(self) -> SlabRegistrar | None:
@@ -251,9 +256,11 @@ class MappedArena:
             if shared is not None:
                 shared.users += 1
             else:
+                fetchers = Fetchers()
+                fetchers.add(fetch)
                 try:
                     imported, registrar = map_pinned(
-                        arena.size, slab_bytes, fetch, torch.cuda.current_device()
+                        arena.size, slab_bytes, fetchers, torch.cuda.current_device()
                     )
                 except (KVStoreError, CudaUnavailable, RuntimeError) as exc:  # its mode keeps this caller out
                     if self.want_shared_memory:
@@ -261,9 +268,13 @@ class MappedArena:
                     log.info("the daemon's pinned arena is not mapped (%s): page bytes go inline", exc)
                     return
                 shared = SharedMapping(key, imported.buffer, imported)
+                shared.fetchers = fetchers
                 shared.registrar = registrar
                 if epoch:
                     _mappings[key] = shared
+            if shared.fetchers is not None and shared.users > 1:
+                shared.fetchers.add(fetch)  # the mapping goes on with this client's channel too
+        self._fetch = fetch
         self._shared = shared
         self.tensor = shared.tensor
         self.slab_bytes = slab_bytes
@@ -326,8 +337,8 @@ class MappedArena:
         slabs = registrar.slabs_of(offsets) | {0}
         imported = self._shared.imported if self._shared is not None else None
         if registrar.ready(slabs, self.wait_s):
-            if imported is not None and not on_cuda:
-                imported.importer.grant_host(slabs)
+            if imported is not None and (not on_cuda or kvstore_kernels.backend_name() == "torch"):
+                imported.importer.grant_host(slabs)  # the CPU moves these pages
             return None
         if imported is not None:  # no memory to fall back on
             raise Unavailable(
@@ -361,10 +372,13 @@ class MappedArena:
         itself goes when the last tensor viewing it does (closing it under a live view would
         fault)."""
         shared, self._shared = self._shared, None
+        fetch, self._fetch = self._fetch, None
         self.tensor = None
         self.epoch = 0
         if shared is None:
             return
+        if shared.fetchers is not None and fetch is not None:
+            shared.fetchers.remove(fetch)
         with _mappings_lock:
             shared.users -= 1
             last = shared.users == 0

@@ -188,12 +188,13 @@ class Link:
         if local is None:
             raise Unavailable("the daemon's local channel is closed: the pinned arena's slabs come over it")
         request = pb.ArenaSlabsRequest(epoch=epoch, first=first, count=count)
-        reply, fds = local.call_with_fds("ArenaSlabs", request)
-        if len(fds) != reply.count:
+        for _ in range(3):  # the daemon sends none while replies wait unread: asked again at once
+            reply, fds = local.call_with_fds("ArenaSlabs", request)
+            if len(fds) == reply.count:
+                return fds
             for fd in fds:
                 os.close(fd)
-            return []
-        return fds
+        return []
 
     def drop_arena(self) -> None:
         """The daemon is gone: its leases and arena with it."""

@@ -235,3 +235,71 @@ def test_another_uid_gets_no_slab_unless_the_file_mode_lets_it() -> None:
                 daemon.stop()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_fetchers_try_each_client_of_the_mapping_in_turn() -> None:
+    from kvstore.shared.errors import Unavailable
+    from kvstore_client.imported import Fetchers
+
+    calls: list[str] = []
+
+    def closed(first: int, count: int) -> list[int]:
+        calls.append("closed")
+        raise Unavailable("this client's local channel is closed")
+
+    def live(first: int, count: int) -> list[int]:
+        calls.append(f"live {first} {count}")
+        return [first + i for i in range(count)]
+
+    fetchers = Fetchers()
+    with pytest.raises(Unavailable, match="no client of this process"):
+        fetchers(0, 2)
+    fetchers.add(closed)
+    with pytest.raises(Unavailable, match="closed"):
+        fetchers(0, 2)
+    fetchers.add(live)
+    assert fetchers(3, 2) == [3, 4] and calls[-2:] == ["closed", "live 3 2"]
+    fetchers.remove(closed)
+    assert fetchers(5, 1) == [5] and calls[-1] == "live 5 1"
+
+
+def test_descriptors_the_kernel_drops_are_a_clear_error_and_none_leaks(tmp_path: Path) -> None:
+    """A reply that carries more descriptors than the receiver takes (as for a process out of
+    descriptors: MSG_CTRUNC) is ResourceExhausted, saying why; those received are closed."""
+    import array
+    import socket
+    import threading
+
+    from kvstore.shared.errors import ResourceExhausted
+    from kvstore.shared.wire import HEADER, frame
+
+    path = tmp_path / "s.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    sent = [os.open(os.devnull, os.O_RDONLY) for _ in range(100)]
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            length, _ = HEADER.unpack(conn.recv(HEADER.size))
+            conn.recv(length)
+            reply = frame(0, pb.ArenaSlabsResponse(first=0, count=100).SerializeToString())
+            conn.sendmsg([reply], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", sent))])
+            conn.recv(1)  # until the client closes
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    before = len(os.listdir("/proc/self/fd"))
+    channel = LocalChannel(str(path), 10.0)
+    try:
+        with pytest.raises(ResourceExhausted, match="out of file descriptors .*RLIMIT_NOFILE"):
+            channel.call_with_fds("ArenaSlabs", pb.ArenaSlabsRequest(epoch=1, first=0, count=64))
+        # The channel's socket and the test server's end of it: none of the 100 descriptors.
+        assert len(os.listdir("/proc/self/fd")) == before + 2
+    finally:
+        channel.close()
+        thread.join(10)
+        server.close()
+        for fd in sent:
+            os.close(fd)

@@ -157,6 +157,7 @@ class LocalChannelServer:
             elif name == "ArenaSlabs" and reply.count:
                 answer = WithFd(answer)
                 answer.fds = self.handlers.arena_slab_fds(caller, reply)
+                answer.when_read = True
         self.handlers.timings.observe("local", name, time.perf_counter() - started)
         return answer
 
@@ -285,7 +286,7 @@ class _Session(asyncio.Protocol):
             self._read_when_free()
             return False
         if isinstance(reply, WithFd):
-            send_with_fd(self._transport, reply, reply.fds)
+            send_with_fd(self._transport, reply, reply.fds, reply.when_read)
         else:
             self._transport.write(reply)
         return True

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.shared.domain import ARENA_SLABS_PER_CALL
-from kvstore.shared.errors import Unavailable, error_for
+from kvstore.shared.errors import ResourceExhausted, Unavailable, error_for
 from kvstore.shared.wire import HEADER, METHOD_IDS, UNARY_METHODS
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class LocalChannel:
         self._buffer = bytearray()  # received bytes not yet taken as a reply
         self._fds: list[int] = []  # descriptors received with replies (a Connect's: the arena)
         self._with_fds = False  # reading a reply that may carry descriptors
+        self._fds_truncated = False  # the kernel dropped some (MSG_CTRUNC)
 
     def call(self, method: str, request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
         """The reply to `request`; `meanwhile()` runs while the daemon works on it (the channel
@@ -93,13 +94,22 @@ class LocalChannel:
         return UNARY_METHODS[method][1].FromString(body)  # type: ignore[attr-defined]
 
     def call_with_fds(self, method: str, request: Any) -> tuple[Any, list[int]]:
-        """`call`, and the descriptors its reply carried (the caller owns them)."""
+        """`call`, and the descriptors its reply carried (the caller owns them). ResourceExhausted
+        where the kernel dropped some: this process has no descriptor left (RLIMIT_NOFILE)."""
         with self._lock:
-            for fd in self._fds:  # none is expected: any left is not this call's
-                os.close(fd)
-            self._fds = []
-            reply = self.call(method, request)
-            fds, self._fds = self._fds, []
+            before = len(self._fds)  # those of a Connect not taken yet stay its caller's
+            self._fds_truncated = False
+            try:
+                reply = self.call(method, request)
+            finally:
+                fds, self._fds = self._fds[before:], self._fds[:before]
+            if self._fds_truncated:
+                for fd in fds:
+                    os.close(fd)
+                raise ResourceExhausted(
+                    f"{method}: descriptors sent with the reply were dropped: this process is out of "
+                    f"file descriptors (raise its RLIMIT_NOFILE, `ulimit -n`)"
+                )
         return reply, fds
 
     @staticmethod
@@ -147,7 +157,9 @@ class LocalChannel:
 
     def _fill(self) -> None:
         if self._with_fds:
-            part, ancillary, _, _ = self._sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(_MAX_FDS * 4))
+            part, ancillary, flags, _ = self._sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(_MAX_FDS * 4))
+            if flags & socket.MSG_CTRUNC:  # the kernel dropped descriptors: this process is out of them
+                self._fds_truncated = True
             for level, kind, data in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds = array.array("i")
@@ -161,7 +173,8 @@ class LocalChannel:
 
     def take_fd(self) -> int | None:
         """The descriptor the last Connect's reply carried (the caller owns it), if any."""
-        fds, self._fds = self._fds, []
+        with self._lock:
+            fds, self._fds = self._fds, []
         for extra in fds[:-1]:
             os.close(extra)
         return fds[-1] if fds else None

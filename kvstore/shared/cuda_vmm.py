@@ -11,7 +11,7 @@ is one allocation per slab.
 
 - `load_vmm()`: the driver, initialised once (`Vmm`), or `CudaUnavailable` saying why not.
 - `Vmm.use_device(d)`: makes device d's primary context current on this thread (every call
-  below needs one).
+  below needs one); `with vmm.on_device(d):` does so for a block, then restores the one before.
 - `granularity(numa_node)`: the size every allocation and mapping is a multiple of.
 - `create(size, numa_node)` -> handle; `export_fd(handle)` -> a descriptor the caller owns;
   `import_fd(fd)` -> handle; `release(handle)`.
@@ -25,9 +25,10 @@ name for the error.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import cache
 
 from kvstore.shared.cudart import CudaError, CudaUnavailable
@@ -87,6 +88,7 @@ class Vmm:
             "cuDeviceGet": [p(ctypes.c_int), ctypes.c_int],
             "cuDevicePrimaryCtxRetain": [p(ctypes.c_void_p), ctypes.c_int],
             "cuCtxSetCurrent": [ctypes.c_void_p],
+            "cuCtxGetCurrent": [p(ctypes.c_void_p)],
             "cuMemGetAllocationGranularity": [p(size_t), p(_AllocationProp), ctypes.c_int],
             "cuMemCreate": [p(u64), size_t, p(_AllocationProp), u64],
             "cuMemExportToShareableHandle": [ctypes.c_void_p, u64, ctypes.c_int, u64],
@@ -131,6 +133,18 @@ class Vmm:
                 )
                 self._contexts[device] = context
         self._check("cuCtxSetCurrent", self._lib.cuCtxSetCurrent(context))
+
+    @contextlib.contextmanager
+    def on_device(self, device: int) -> Iterator[None]:
+        """Device `device`'s primary context current on this thread for the block, then the one
+        that was (a worker's thread may be on another device's: torch's current device stays)."""
+        before = ctypes.c_void_p()
+        self._check("cuCtxGetCurrent", self._lib.cuCtxGetCurrent(ctypes.byref(before)))
+        self.use_device(device)
+        try:
+            yield
+        finally:
+            self._lib.cuCtxSetCurrent(before)
 
     def granularity(self, numa_node: int = 0) -> int:
         value = ctypes.c_size_t()

@@ -205,7 +205,7 @@ class GpuTier:
         for pool in self.pools:
             self.runtime.set_device(pool.device)
             self.runtime.free(pool.base)
-        if self.arena_registered:
+        if self.arena_registered and self.arena.pages.kind != "pinned":  # a pinned one was never registered
             self.runtime.host_unregister(self.arena_base)
 
 

@@ -51,7 +51,9 @@ def may_map(mode: int, uid: int, gid: int, groups: tuple[int, ...]) -> bool:
     """Whether a process of `uid` (`gid`, `groups`) could open the arena read-write if it were a
     file of the daemon's with `mode` (`tiers.cpu.file_mode`): the rule of a shared-memory arena,
     so pinning it gives no one more than the file would (root: always)."""
-    if uid == 0 or uid == os.geteuid():
+    if uid == 0:  # as for a file: root reads and writes whatever the mode
+        return True
+    if uid == os.geteuid():
         bits = mode >> 6
     elif os.getegid() == gid or os.getegid() in groups:
         bits = mode >> 3
@@ -80,7 +82,8 @@ class PinnedArena:
                 f"tiers.cpu.slab_bytes: with {PINNED_KEY}, expected a multiple of the driver's "
                 f"{granule >> 20} MiB granule, got {slab_bytes} bytes"
             )
-        self.size = size
+        self.num_slabs = max(1, size // slab_bytes)
+        self.size = size = self.num_slabs * slab_bytes  # whole slabs: the allocator uses no partial one
         self.mode = mode  # who may map it, as the file of a shared-memory arena (`may_map`)
         self.slab_bytes = slab_bytes
         self.numa_node = numa_node
@@ -89,8 +92,7 @@ class PinnedArena:
         self.identity = (0, 0)
         self.pages = ArenaPages("pinned", granule)
         self._granule = granule
-        self.num_slabs = -(-size // slab_bytes)
-        self._span = self.num_slabs * slab_bytes
+        self._span = size
         self.base = vmm.reserve(self._span)
         self._devices = list(range(vmm.device_count))
         self._handles: list[int] = []
@@ -106,11 +108,6 @@ class PinnedArena:
             time.perf_counter() - started,
         )
 
-    def _slab_size(self, slab: int) -> int:
-        """The allocation of `slab`: the last one covers the arena's tail, in whole granules."""
-        tail = self.size - slab * self.slab_bytes
-        return min(self.slab_bytes, -(-tail // self._granule) * self._granule)
-
     def reserve(self, start: int, length: int) -> None:
         """Allocates, exports and maps the slabs covering `length` bytes at `start` (in order;
         those allocated already are skipped)."""
@@ -121,7 +118,7 @@ class PinnedArena:
             self._add_slab(slab)
 
     def _add_slab(self, slab: int) -> None:
-        vmm, size = self._vmm, self._slab_size(slab)
+        vmm, size = self._vmm, self.slab_bytes
         address = self.base + slab * self.slab_bytes
         vmm.use_device(0)  # on the reserving thread
         try:
@@ -173,7 +170,7 @@ class PinnedArena:
         try:
             vmm.use_device(0)
             for slab, handle in enumerate(handles):
-                vmm.unmap(self.base + slab * self.slab_bytes, self._slab_size(slab))
+                vmm.unmap(self.base + slab * self.slab_bytes, self.slab_bytes)
                 vmm.release(handle)  # freed once no worker maps it either
             vmm.free(self.base, self._span)
         except CudaError as exc:
