@@ -166,9 +166,8 @@ class MappedArena:
         self.epoch = 0
         self.identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the daemon's arena file
         self.bounce: bool | None = None  # stores around the registration: None for CUDA caches
-        self._fetch: Callable[[int, int], list[int]] | None = (
-            None  # a pinned arena's slabs, this client's way
-        )
+        # How this client asks for a pinned arena's slabs (a share of the mapping's `fetchers`).
+        self._fetch: Callable[[int, int], list[int]] | None = None
 
     @property
     def registrar(self) -> SlabRegistrar | None:
