@@ -8,8 +8,9 @@ phase at the same moment (a barrier before each), `--prompts` prompts per worker
 - `memcpy`: one pinned `cudaMemcpyAsync` of the prompt's bytes per prompt, device to host
   (`store`) and host to device (`load`), between the worker's GPU and its own anonymous shared
   memory registered with CUDA: what the host moves for every GPU at once, the limit.
-- `kernel`, `copy_engine`: `kvstore_kernels.gather` / `scatter` of the prompt's pages between the
-  cache and that pinned buffer with that engine, no daemon: the copy path alone, per engine.
+- `kernel`, `copy_engine`, `staged`: `kvstore_kernels.gather` / `scatter` of the prompt's pages
+  between the cache and that pinned buffer with that engine, no daemon: the copy path alone, per
+  engine (`staged` is what the client's transfers take by default).
 - `client`: `KVStoreClient.store` of each prompt (distinct keys per worker, prompt and round),
   then `load` of each, through the daemon's arena: what an engine gets. At the end a prompt is
   loaded into a poisoned cache and compared byte for byte with the cache it was stored from.
@@ -47,7 +48,7 @@ from bench.common import machine_meta, print_table, running_daemon, write_result
 
 CHUNK_TOKENS = 256  # make_spec's (bench.transfer_cases)
 SLAB_BYTES = 256 << 20
-PHASES = ("memcpy", "kernel", "copy_engine", "client")
+PHASES = ("memcpy", "kernel", "copy_engine", "staged", "client")
 
 
 def llama_spec() -> Any:
@@ -210,7 +211,7 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
             "memcpy store": lambda _: [host.copy_(flat, non_blocking=True) for _ in range(prompts)],
             "memcpy load": lambda _: [flat.copy_(host, non_blocking=True) for _ in range(prompts)],
         }
-        for engine in ("kernel", "copy_engine"):
+        for engine in ("kernel", "copy_engine", "staged"):
             options = kvstore_kernels.TransferOptions(engine=engine if cuda else "torch")
             runs[f"{engine} store"] = lambda _, o=options: [
                 kvstore_kernels.gather(spec, source, table, chunk_ids, host, offsets, options=o)

@@ -60,6 +60,15 @@ class Tuning(NamedTuple):
 DEFAULT_TUNING = Tuning()
 # A buffer in device memory: see DEVICE_MAX_PROGRAMS.
 DEVICE_TUNING = Tuning(tile_bytes=32768, segments_per_step=1)
+# Host buffers with small segments (a TP rank's share of the heads, fp8, few KV heads): a step of
+# 4 segments of 8 KiB at 2 programs loaded at 0.50 of memcpy on an H200, 4 KiB ones at 0.27.
+# Each program's step has a fixed latency (its block ids, then the host reads), so small
+# segments need more of them in flight: (segment bytes below, shape, programs), first match
+# (bench/segment_shapes.py; bench/NOTES-host-gpus.md, "Small segments").
+SMALL_SEGMENTS = (
+    (8192, Tuning(segments_per_step=8), 4),
+    (16384, Tuning(segments_per_step=4), 4),
+)
 
 
 def can_reach(plan: Transfer) -> bool:
@@ -72,16 +81,30 @@ def can_reach(plan: Transfer) -> bool:
     return plan.buffer.device.type == "cuda" or plan.buffer.is_pinned()
 
 
-def default_programs(plan: Transfer, *, to_page: bool) -> int:
-    """The measured program count for this buffer's memory and direction."""
+def default_programs(plan: Transfer, *, to_page: bool, geometry: Geometry | None = None) -> int:
+    """The measured program count for this buffer's memory, direction and segment size."""
     if plan.buffer.device.type == "cuda":
         return DEVICE_MAX_PROGRAMS
-    return HOST_PROGRAMS["gather" if to_page else "scatter"]
+    small = _small_segments(geometry)
+    return small[1] if small else HOST_PROGRAMS["gather" if to_page else "scatter"]
 
 
-def default_tuning(plan: Transfer) -> Tuning:
-    """The measured kernel shape for this buffer's memory."""
-    return DEVICE_TUNING if plan.buffer.device.type == "cuda" else DEFAULT_TUNING
+def default_tuning(plan: Transfer, geometry: Geometry | None = None) -> Tuning:
+    """The measured kernel shape for this buffer's memory and segment size."""
+    if plan.buffer.device.type == "cuda":
+        return DEVICE_TUNING
+    small = _small_segments(geometry)
+    return small[0] if small else DEFAULT_TUNING
+
+
+def _small_segments(geometry: Geometry | None) -> tuple[Tuning, int] | None:
+    """The shape and programs of a host transfer whose segments are under 16 KiB, or None."""
+    if geometry is None:
+        return None
+    for below, tuning, programs in SMALL_SEGMENTS:
+        if geometry.segment_bytes < below:
+            return tuning, programs
+    return None
 
 
 def launch(
@@ -97,14 +120,14 @@ def launch(
     compiled kernel (its `asm`, `n_regs`, `n_spills`), or None when nothing moves.
 
     `max_programs`, `tuning`: None takes the measured choice for the buffer's memory."""
-    tuning = tuning or default_tuning(plan)
-    _check_tuning(tuning)
     check_reach(plan)
+    geometry = geometry or geometry_of(spec, plan)
+    tuning = tuning or default_tuning(plan, geometry)
+    _check_tuning(tuning)
     if max_programs is None:
-        max_programs = default_programs(plan, to_page=to_page)
+        max_programs = default_programs(plan, to_page=to_page, geometry=geometry)
     if max_programs < 1:
         raise ValueError(f"max_programs: expected a positive integer, got {max_programs}")
-    geometry = geometry or geometry_of(spec, plan)
     if not geometry.num_segments:
         return None
     with torch.cuda.device(plan.device) if plan.device.type == "cuda" else nullcontext():

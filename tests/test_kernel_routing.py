@@ -181,6 +181,27 @@ def test_kernel_tunings_move_the_same_bytes(tuning: dict[str, Any], strided: boo
     assert torch.equal(again.cpu(), buffer.cpu())
 
 
+@pytest.mark.parametrize(("head_dim", "segments", "programs"), [(256, 4, 2), (128, 4, 4), (64, 8, 4)])
+def test_host_transfers_of_small_segments_keep_more_bytes_in_flight(
+    head_dim: int, segments: int, programs: int
+) -> None:
+    """16, 8 and 4 KiB segments (a TP rank's share of the heads): the shape and program count
+    the kernel takes for a host buffer when the caller names none."""
+    from kvstore_kernels import triton_copy
+    from kvstore_kernels.geometry import geometry_of
+    from kvstore_kernels.validate import plan_transfer
+
+    spec = make_spec("flash_attn", num_layers=1, block_size=16, chunk_tokens=32, head_dim=head_dim)
+    _, caches = build(spec, "cpu", num_blocks=4)
+    buffer = torch.zeros(spec.page.page_bytes, dtype=torch.uint8)
+    plan = plan_transfer(spec, caches, [2, 0, 3, 1], [1], buffer, [0], None, 0, writes_cache=False)
+    geometry = geometry_of(spec, plan)
+    assert geometry.segment_bytes == 16 * 2 * head_dim * 2
+    assert triton_copy.default_tuning(plan, geometry).segments_per_step == segments
+    assert triton_copy.default_programs(plan, to_page=True, geometry=geometry) == programs
+    assert triton_copy.default_programs(plan, to_page=False, geometry=geometry) == programs
+
+
 def test_cache_modifiers_refuse_an_eviction_policy() -> None:
     from kvstore_kernels.triton_copy import Tuning
 
