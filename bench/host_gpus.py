@@ -12,7 +12,9 @@ phase at the same moment (a barrier before each), `--prompts` prompts per worker
   between the cache and that pinned buffer with that engine, no daemon: the copy path alone, per
   engine (`staged` is what the client's transfers take by default).
 - `client`: `KVStoreClient.store` of each prompt (distinct keys per worker, prompt and round),
-  then `load` of each, through the daemon's arena: what an engine gets. At the end a prompt is
+  then `load` of each, through the daemon's arena, one call after the other.
+- `client async`: the same with `store_async` / `load_async` of every prompt of the round started
+  before any is waited for, as an engine's connector does: what an engine gets. At the end a prompt is
   loaded into a poisoned cache and compared byte for byte with the cache it was stored from.
 - `client + model` (GPUs): the client phases again while a stream of bf16 8192^3 products runs
   on each GPU; "model slowdown" is the products' median time beside them over alone.
@@ -48,7 +50,7 @@ from bench.common import machine_meta, print_table, running_daemon, write_result
 
 CHUNK_TOKENS = 256  # make_spec's (bench.transfer_cases)
 SLAB_BYTES = 256 << 20
-PHASES = ("memcpy", "kernel", "copy_engine", "staged", "client")
+PHASES = ("memcpy", "kernel", "copy_engine", "staged", "client", "client async")
 
 
 def llama_spec() -> Any:
@@ -225,6 +227,15 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
             client.store(None, source, table, keys=k) for k in batches[batch]
         ]
         runs["client load"] = lambda batch: [client.load(None, target, table, keys=k) for k in batches[batch]]
+        # An engine's way: every prompt's store (load) started, then all waited for.
+        later = [prompt_keys(rounds + 2 + batch) for batch in range(rounds + 1)]
+        runs["client async store"] = lambda batch: [
+            handle.wait()
+            for handle in [client.store_async(None, source, table, keys=k) for k in later[batch]]
+        ]
+        runs["client async load"] = lambda batch: [
+            handle.wait() for handle in [client.load_async(None, target, table, keys=k) for k in later[batch]]
+        ]
         for batch in range(rounds + 1):  # round 0 warms every path up (Triton's compile too), untimed
             for name, run in runs.items():
                 if batch == 0:
@@ -249,13 +260,20 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
                 "slowdown": statistics.median(beside) / statistics.median(alone),
                 "products_beside": len(beside),
             }
-        for layer in target:
-            layer.view(torch.uint8).fill_(0xA5)
-        loaded_tokens = client.load(None, target, table, keys=loaded[-1])
-        synchronize()
-        ok = loaded_tokens == tokens and all(  # as bytes: random bf16 bits hold NaNs
-            torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(source, target, strict=True)
-        )
+        # The last prompt of the first round, stored one way and the other, into a poisoned cache.
+        loaded_tokens, prefix_ok = tokens, True
+        for keys in (loaded[-1], later[0][-1]):
+            for layer in target:
+                layer.view(torch.uint8).fill_(0xA5)
+            got = client.load(None, target, table, keys=keys)
+            synchronize()
+            hit = table[: got // spec.block_size]  # a miss loads a prefix: its blocks must match
+            loaded_tokens = min(loaded_tokens, got)
+            prefix_ok = prefix_ok and all(  # as bytes: random bf16 bits hold NaNs
+                torch.equal(a[:, hit].view(torch.uint8), b[:, hit].view(torch.uint8))
+                for a, b in zip(source, target, strict=True)
+            )
+        ok = loaded_tokens == tokens and prefix_ok
         cpus = sorted(os.sched_getaffinity(0))
         return {
             "rank": rank,
@@ -266,6 +284,8 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
             "bytes_per_phase": moved * prompts,
             "model": model,
             "ok": bool(ok),
+            "loaded_tokens": loaded_tokens,
+            "prefix_ok": bool(prefix_ok),
             "arena": client.stats()["client"]["arena"],
         }
     finally:
@@ -318,7 +338,7 @@ def run_count(count: int, args: dict[str, Any], address: str) -> dict[str, Any]:
             windows.append((start, end))
         phases[name] = {"gbps": sorted(rates)[len(rates) // 2], "gbps_rounds": rates, "windows": windows}
     for name, row in phases.items():
-        direction = name.split()[1]
+        direction = name.replace(" + model", "").split()[-1]
         row["x_memcpy"] = row["gbps"] / phases[f"memcpy {direction}"]["gbps"]
     first = min(w for row in phases.values() for w, _ in row["windows"])
     idle = [s for begin, s in samples if begin < first - 0.5]  # before the workers' first phase
@@ -365,7 +385,9 @@ def main(argv: list[str] | None = None) -> None:
     available = torch.cuda.device_count() if torch.cuda.is_available() else 1
     counts = [c for c in args.gpus if c <= available]
     prompt_bytes = llama_spec().page.page_bytes * (args.tokens // CHUNK_TOKENS)
-    arena = int(args.arena_gib * (1 << 30)) or max(counts) * (args.rounds + 2) * args.prompts * prompt_bytes
+    # Room for every run's prompts: the daemon keeps them all (a TP group stores one worker's bytes).
+    groups = sum(counts) + len([c for c in args.tp if c <= available])
+    arena = int(args.arena_gib * (1 << 30)) or groups * (2 * args.rounds + 3) * args.prompts * prompt_bytes
     arena = -(-arena // SLAB_BYTES) * SLAB_BYTES + 2 * SLAB_BYTES
     config = {"chunk_tokens": CHUNK_TOKENS, "tiers": {"cpu": {"bytes": arena, "slab_bytes": SLAB_BYTES}}}
     settings = {
@@ -406,7 +428,9 @@ def main(argv: list[str] | None = None) -> None:
             w["cpus"],
             f"{w['registered_s']:.2f}",
             f"{w['model'].get('slowdown', float('nan')):.3f}",
-            "PASS" if w["ok"] else "FAIL",
+            "PASS"
+            if w["ok"]
+            else f"FAIL ({w['loaded_tokens']} tokens, prefix {'equal' if w['prefix_ok'] else 'DIFFERS'})",
         ]
         for run in runs
         for w in run["workers"]
@@ -415,8 +439,11 @@ def main(argv: list[str] | None = None) -> None:
     print_table(headers, worker_rows)
     path = write_results(args.name, {"meta": machine_meta(), "arena_bytes": arena, **settings, "runs": runs})
     print(f"wrote {path}")
-    if not all(w["ok"] for run in runs for w in run["workers"]):
+    workers = [w for run in runs for w in run["workers"]]
+    if not all(w["prefix_ok"] for w in workers):
         sys.exit("a worker loaded bytes that differ from what it stored")
+    if not all(w["ok"] for w in workers):
+        sys.exit("a worker's prompt was not all found: the arena evicted it (--arena-gib too small?)")
 
 
 if __name__ == "__main__":
