@@ -47,6 +47,7 @@ from kvstore.shared.wire import page_spec_message, stats_to_dict
 from kvstore_client.connection import ClientTls, default_address
 from kvstore_client.gpu_pools import device_bus_id
 from kvstore_client.handles import LoadHandle, StoreHandle
+from kvstore_client.lends import LendPath
 from kvstore_client.loads import LoadPath
 from kvstore_client.routes import LAYERWISE_TRANSFER
 from kvstore_client.session import Link, Session
@@ -77,6 +78,7 @@ class KVStoreClient(Session):
         self.layerwise_runs = LAYERWISE_RUNS
         self._stores = StorePath(self)
         self._loads = LoadPath(self)
+        self._lends = LendPath(self)
         link.join(self)
 
     @classmethod
@@ -247,6 +249,32 @@ class KVStoreClient(Session):
         return self._stores.store_async(
             token_ids, kv_caches, block_ids, stream=stream, layers=layers, keys=keys, tail=tail
         )
+
+    def lend(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        *,
+        keys: Sequence[bytes] | None = None,
+        hold_s: float | None = None,
+        tail: bool = False,
+    ) -> tuple[int, int]:
+        """Lend the KV-cache blocks of the whole chunks of `token_ids` to workers on other GPUs of
+        this host: their loads copy them device to device (prefill to decode). Returns (lend id,
+        tokens lent); (0, 0) where the block table covers no chunk.
+
+        Waits for the work queued on the cache's current stream (the KV must be written). The
+        caller must keep those blocks unchanged until `lends_done` names the lend: read by a
+        worker, withdrawn, or `hold_s` (default 30 s) passed with no read in flight. Needs the
+        local channel and a cache that CUDA IPC can export (not expandable segments).
+        """
+        return self._lends.lend(token_ids, kv_caches, block_ids, keys=keys, hold_s=hold_s, tail=tail)
+
+    def lends_done(self, lend_ids: Sequence[int], *, withdraw: bool = False) -> list[int]:
+        """Those of `lend_ids` whose blocks may be reused now. `withdraw` ends the others as soon
+        as no read is in flight (call again to learn when)."""
+        return self._lends.done(lend_ids, withdraw)
 
     def load(
         self,

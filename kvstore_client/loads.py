@@ -110,7 +110,14 @@ class LoadPath:
         keys = self._s._keys_of(token_ids, keys, tail)
         asked = time.monotonic()  # the daemon's lease deadline is at least this + lease_ttl_s
         targets = _LoadTargets(block_ids, stream, layerwise)
-        reply = self._lookup_leased(keys, kv_caches, moved, targets) if keys else None
+        reply = self._lookup_leased(keys, kv_caches, moved, targets, lent=True) if keys else None
+        if reply is not None and reply.HasField("lent"):  # another GPU's blocks: copied device to device
+            lent = self._s._lends.read(
+                reply, token_ids, kv_caches, block_ids, moved, stream, self._s._link.lent
+            )
+            if lent is not None:
+                return lent
+            reply = self._lookup_leased(keys, kv_caches, moved, targets, lent=False)
         if reply is None or reply.hit_chunks == 0:
             return LoadHandle(None, lambda: 0, ignore, 0, moved)
         return self._read(reply, token_ids, kv_caches, targets, moved, layerwise, asked)
@@ -160,11 +167,13 @@ class LoadPath:
         return handle
 
     def _lookup_leased(
-        self, keys: Sequence[bytes], kv_caches: Any, layers: range, targets: _LoadTargets
+        self, keys: Sequence[bytes], kv_caches: Any, layers: range, targets: _LoadTargets, lent: bool
     ) -> Any:
         """The leased Lookup of `keys` (with the Acquire on the daemon's host), or None in an
-        outage; `targets` are readied while it is in flight."""
+        outage; `targets` are readied while it is in flight. With `lent`, blocks lent from GPUs
+        this cache's device reaches may answer it (`kvstore_client.lends`)."""
         device = cache_device(kv_caches)
+        lent_devices = self._s._lends.devices(device) if lent and device.type == "cuda" else ()
 
         def request() -> pb.LookupRequest:
             return pb.LookupRequest(
@@ -174,6 +183,7 @@ class LoadPath:
                 gpu_pools=self._s._gpu_pools.readable(device),  # pools read in place
                 acquire=self._s.arena is not None,
                 epoch=self._s.epoch,
+                lent_devices=lent_devices,
             )
 
         meanwhile = functools.partial(targets.ready, self._s, kv_caches, len(keys), layers)

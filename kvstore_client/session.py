@@ -32,6 +32,7 @@ from kvstore.shared.spec import KVSpec
 from kvstore_client.arena import MappedArena
 from kvstore_client.connection import ClientTls, Connection, is_outage
 from kvstore_client.gpu_pools import GpuPools
+from kvstore_client.lent import LentCaches
 from kvstore_client.renewal import LeaseRenewer
 from kvstore_client.transfers import Streams
 
@@ -75,6 +76,7 @@ class Link:
         self.writer = (os.getpid(), process_start_time(os.getpid()) or 0)
         self.streams = Streams()
         self.gpu_pools = GpuPools(None, {})
+        self.lent = LentCaches()  # lenders' KV caches this process opened (lent blocks read here)
         self.renewer = LeaseRenewer(self._renew)
         self.closed = False
         self._members: list[weakref.ref[Member]] = []  # in the order they joined
@@ -219,6 +221,7 @@ class Link:
         self.renewer.stop()
         self.conn.close_local()
         self.gpu_pools.close()
+        self.lent.close()
         self.mapped.unmap(self.streams)
         self.conn.close()
 
@@ -233,6 +236,7 @@ class Session:
     timeout_s: float
     layerwise_options: Any
     layerwise_runs: int
+    _lends: Any  # kvstore_client.lends.LendPath: lends, and reads of lent blocks
     # Whether a store asks to land its new pages in the daemon's GPU pool on the KV cache's
     # device (written there device to device, read in place by workers on that GPU or, over
     # peer access, on another GPU of the host: a prefill instance handing a prompt to a decode

@@ -14,11 +14,73 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_CPU: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
     TIER_REMOTE: _ClassVar[Tier]
+    TIER_LENT: _ClassVar[Tier]
 TIER_NONE: Tier
 TIER_GPU: Tier
 TIER_CPU: Tier
 TIER_DISK: Tier
 TIER_REMOTE: Tier
+TIER_LENT: Tier
+
+class LendRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "blocks", "cache", "device_pci_bus_id", "hold_ms")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    keys: bytes
+    blocks: bytes
+    cache: bytes
+    device_pci_bus_id: str
+    hold_ms: int
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., blocks: _Optional[bytes] = ..., cache: _Optional[bytes] = ..., device_pci_bus_id: _Optional[str] = ..., hold_ms: _Optional[int] = ...) -> None: ...
+
+class LendResponse(_message.Message):
+    __slots__ = ("lend_id",)
+    LEND_ID_FIELD_NUMBER: _ClassVar[int]
+    lend_id: int
+    def __init__(self, lend_id: _Optional[int] = ...) -> None: ...
+
+class LendsRequest(_message.Message):
+    __slots__ = ("namespace", "lend_ids", "withdraw")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LEND_IDS_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAW_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    lend_ids: _containers.RepeatedScalarFieldContainer[int]
+    withdraw: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., lend_ids: _Optional[_Iterable[int]] = ..., withdraw: _Optional[bool] = ...) -> None: ...
+
+class LendsResponse(_message.Message):
+    __slots__ = ("done",)
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    done: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, done: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LentRead(_message.Message):
+    __slots__ = ("read_id", "cache", "device_pci_bus_id", "blocks", "ttl_ms")
+    READ_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    read_id: int
+    cache: bytes
+    device_pci_bus_id: str
+    blocks: bytes
+    ttl_ms: int
+    def __init__(self, read_id: _Optional[int] = ..., cache: _Optional[bytes] = ..., device_pci_bus_id: _Optional[str] = ..., blocks: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReturnedRequest(_message.Message):
+    __slots__ = ("namespace", "read_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    READ_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    read_id: int
+    def __init__(self, namespace: _Optional[bytes] = ..., read_id: _Optional[int] = ...) -> None: ...
 
 class ArenaSlabsRequest(_message.Message):
     __slots__ = ("epoch", "first", "count")
@@ -164,7 +226,7 @@ class GpuPool(_message.Message):
     def __init__(self, device: _Optional[int] = ..., pci_bus_id: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms", "gpu_pools", "acquire", "epoch", "each")
+    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms", "gpu_pools", "acquire", "epoch", "each", "lent_devices")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +235,7 @@ class LookupRequest(_message.Message):
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EACH_FIELD_NUMBER: _ClassVar[int]
+    LENT_DEVICES_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: bytes
     lease: bool
@@ -181,19 +244,22 @@ class LookupRequest(_message.Message):
     acquire: bool
     epoch: int
     each: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., gpu_pools: _Optional[_Iterable[int]] = ..., acquire: _Optional[bool] = ..., epoch: _Optional[int] = ..., each: _Optional[bool] = ...) -> None: ...
+    lent_devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., gpu_pools: _Optional[_Iterable[int]] = ..., acquire: _Optional[bool] = ..., epoch: _Optional[int] = ..., each: _Optional[bool] = ..., lent_devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_chunks", "tiers", "lease_id", "acquired")
+    __slots__ = ("hit_chunks", "tiers", "lease_id", "acquired", "lent")
     HIT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ACQUIRED_FIELD_NUMBER: _ClassVar[int]
+    LENT_FIELD_NUMBER: _ClassVar[int]
     hit_chunks: int
     tiers: bytes
     lease_id: int
     acquired: AcquireResponse
-    def __init__(self, hit_chunks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., acquired: _Optional[_Union[AcquireResponse, _Mapping]] = ...) -> None: ...
+    lent: LentRead
+    def __init__(self, hit_chunks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., lease_id: _Optional[int] = ..., acquired: _Optional[_Union[AcquireResponse, _Mapping]] = ..., lent: _Optional[_Union[LentRead, _Mapping]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace", "keys", "lease_ttl_ms", "epoch", "writer_pid", "writer_start_time", "gpu_bus_id")

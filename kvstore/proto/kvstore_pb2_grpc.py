@@ -109,6 +109,21 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsResponse.FromString,
                 _registered_method=True)
+        self.Lend = channel.unary_unary(
+                '/kvstore.v1.KVStore/Lend',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.LendRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.LendResponse.FromString,
+                _registered_method=True)
+        self.Lends = channel.unary_unary(
+                '/kvstore.v1.KVStore/Lends',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.LendsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.LendsResponse.FromString,
+                _registered_method=True)
+        self.Returned = channel.unary_unary(
+                '/kvstore.v1.KVStore/Returned',
+                request_serializer=kvstore_dot_proto_dot_kvstore__pb2.ReturnedRequest.SerializeToString,
+                response_deserializer=kvstore_dot_proto_dot_kvstore__pb2.LeaseResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -221,6 +236,32 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lend(self, request, context):
+        """Lends a worker's own KV-cache blocks of committed chunks to readers on other GPUs of the
+        host (prefill to decode): a Lookup that names the lender's GPU in lent_devices gets the
+        blocks, and the reader copies them device to device into its own cache. The lender keeps
+        the blocks unchanged until Lends says the lend is done. Local channel only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lends(self, request, context):
+        """Which of the caller's lends are done (read, expired, or withdrawn with no read in
+        flight): their blocks may be reused. Local channel only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Returned(self, request, context):
+        """A reader's copy of lent blocks is done: pages = the chunks read while the lend held
+        them; 0 when the read lapsed (its TTL ended, or the lender went away): discard them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -298,6 +339,21 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ArenaSlabs,
                     request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsRequest.FromString,
                     response_serializer=kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsResponse.SerializeToString,
+            ),
+            'Lend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lend,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.LendRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.LendResponse.SerializeToString,
+            ),
+            'Lends': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lends,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.LendsRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.LendsResponse.SerializeToString,
+            ),
+            'Returned': grpc.unary_unary_rpc_method_handler(
+                    servicer.Returned,
+                    request_deserializer=kvstore_dot_proto_dot_kvstore__pb2.ReturnedRequest.FromString,
+                    response_serializer=kvstore_dot_proto_dot_kvstore__pb2.LeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -705,6 +761,87 @@ class KVStore:
             '/kvstore.v1.KVStore/ArenaSlabs',
             kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsRequest.SerializeToString,
             kvstore_dot_proto_dot_kvstore__pb2.ArenaSlabsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Lend',
+            kvstore_dot_proto_dot_kvstore__pb2.LendRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.LendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lends(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Lends',
+            kvstore_dot_proto_dot_kvstore__pb2.LendsRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.LendsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Returned(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Returned',
+            kvstore_dot_proto_dot_kvstore__pb2.ReturnedRequest.SerializeToString,
+            kvstore_dot_proto_dot_kvstore__pb2.LeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

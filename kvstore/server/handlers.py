@@ -21,9 +21,8 @@ Reserve, Pin, Clear) are refused as Unavailable, which clients treat as a miss;
 calls that finish work in flight (Commit, Abort, Acquire, Release, Renew) are
 served, so stores and loads under way complete.
 
-Beside this module: the reply messages built from the store's answers (`handlers_replies`),
-a Put's page bytes written into its lease (`handlers_pages`), an Events stream's start and
-its messages (`handlers_events`).
+Beside this module: replies built from the store's answers (`handlers_replies`), a Put's page
+bytes written into its lease (`handlers_pages`), Events streams (`handlers_events`), lent blocks.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, S
 from kvstore import __version__
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.handlers_events import EVENTS_PER_BATCH, event_message, start_of
+from kvstore.server.handlers_lends import lend_reply, lent_reply
 from kvstore.server.handlers_pages import put_pages
 from kvstore.server.handlers_replies import (
     acquire_reply,
@@ -173,6 +173,10 @@ class Handlers:
             leading = next((i for i, tier in enumerate(tiers) if not tier), len(tiers))
             return pb.LookupResponse(hit_chunks=leading, tiers=tiers)
         lease = request.lease
+        if lease and request.lent_devices:  # lent blocks, where they cover the stored prefix
+            lent = lent_reply(store, request)
+            if lent is not None:
+                return lent
         if lease and request.acquire:  # the Acquire too, when it needs no waiting
             result, ready = store.lookup_acquire(
                 request.namespace, unpack_keys(request.keys), _ttl(request.lease_ttl_ms), request.gpu_pools
@@ -191,6 +195,19 @@ class Handlers:
         if ready is not None:
             reply.acquired.CopyFrom(acquire_reply(ready))
         return reply
+
+    def Lend(self, request: pb.LendRequest, caller: Caller | None = None) -> pb.LendResponse:
+        self._check_serving()
+        return lend_reply(self._store(caller), request, caller.peer if caller is not None else None)
+
+    def Lends(self, request: pb.LendsRequest, caller: Caller | None = None) -> pb.LendsResponse:
+        lends = self._store(caller).lends
+        return pb.LendsResponse(done=lends.done(request.namespace, request.lend_ids, request.withdraw))
+
+    def Returned(self, request: pb.ReturnedRequest, caller: Caller | None = None) -> pb.LeaseResponse:
+        return pb.LeaseResponse(
+            pages=int(self._store(caller).lends.returned(request.namespace, request.read_id))
+        )
 
     def Reserve(
         self, request: pb.ReserveRequest, caller: Caller | None = None

@@ -18,6 +18,8 @@ is one allocation per slab.
 - `reserve(size)` -> address; `map(address, size, handle)`; `set_access(address, size,
   devices, host)`: read-write for those GPUs and, with `host`, the CPU; `unmap(address, size)`;
   `free(address, size)`.
+- `address_range(address)` -> (base, size) of the device allocation holding it (a lender's KV
+  cache, exported over CUDA IPC by its base: `kvstore_client.lent`).
 
 Every call's status is checked; a failure is a `CudaError` naming the call and the driver's
 name for the error.
@@ -100,6 +102,7 @@ class Vmm:
             "cuMemUnmap": [u64, size_t],
             "cuMemSetAccess": [u64, size_t, p(_AccessDesc), size_t],
             "cuGetErrorName": [ctypes.c_int, p(ctypes.c_char_p)],
+            "cuMemGetAddressRange_v2": [p(u64), p(size_t), u64],
         }
         for name, args in signatures.items():
             function = getattr(lib, name)
@@ -197,6 +200,14 @@ class Vmm:
 
     def unmap(self, address: int, size: int) -> None:
         self._check("cuMemUnmap", self._lib.cuMemUnmap(address, size))
+
+    def address_range(self, address: int) -> tuple[int, int]:
+        """The allocation that holds device address `address`: (its base, its size); the
+        context of the device that holds it must be current."""
+        base, size = ctypes.c_ulonglong(), ctypes.c_size_t()
+        status = self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), address)
+        self._check("cuMemGetAddressRange", status)
+        return base.value, size.value
 
     def set_access(self, address: int, size: int, devices: Iterable[int], host: bool) -> None:
         locations = [(_LOCATION_DEVICE, device) for device in devices]

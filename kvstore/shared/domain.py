@@ -26,3 +26,4 @@ class Tier(IntEnum):
     CPU = 2
     DISK = 3
     REMOTE = 4
+    LENT = 5  # a worker's own KV-cache blocks, lent to readers on other GPUs (not a tier of pages)

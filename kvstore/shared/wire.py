@@ -40,6 +40,9 @@ UNARY_METHODS: dict[str, tuple[type, type]] = {
     "Pin": (pb.PinRequest, pb.PinResponse),
     "Renew": (pb.RenewRequest, pb.RenewResponse),
     "ArenaSlabs": (pb.ArenaSlabsRequest, pb.ArenaSlabsResponse),  # the local channel's alone
+    "Lend": (pb.LendRequest, pb.LendResponse),  # the local channel's alone
+    "Lends": (pb.LendsRequest, pb.LendsResponse),
+    "Returned": (pb.ReturnedRequest, pb.LeaseResponse),
 }
 METHOD_NAMES = tuple(UNARY_METHODS)
 METHOD_IDS = {name: index for index, name in enumerate(METHOD_NAMES)}

@@ -13,7 +13,9 @@ owns its parts, each given what it needs at construction:
   each given the eviction; None where the daemon has no such tier;
 - `loads` (`store_loads.Loads`: Lookup, Acquire, Release, Get) and `writes`
   (`store_writes.Writes`: Reserve, Put, Commit, Abort), each given the state and the parts
-  above; the store's calls of those paths are theirs.
+  above; the store's calls of those paths are theirs;
+- `lends` (`kvstore.store.lends.Lends`): workers' own KV-cache blocks lent to readers on other
+  GPUs (Lend, a Lookup's `lent_devices`, Returned, Lends), apart from the index: no tier holds them.
 
 The state's objects the handlers, the metrics and the daemon read are named on the store too
 (`cpu`, `policy`, `tenant`, `namespaces`, `leases`, `pins`, `counters`, `events`). Here:
@@ -60,6 +62,7 @@ from kvstore.store.index import (
     TierUsage,
 )
 from kvstore.store.leases import Lease, LeaseKind
+from kvstore.store.lends import Lends
 from kvstore.store.lower import LowerTiers, WriteBehind
 from kvstore.store.pins import PinLimitExceeded
 from kvstore.store.policy import EvictionPolicy
@@ -115,6 +118,7 @@ class Store:
         parts = StoreParts(state, self.eviction, self.lower, self.gpu_placement)
         self.loads = Loads(parts)
         self.writes = Writes(parts)
+        self.lends = Lends(settings.lease_ttl_s, clock=clock)  # workers' own blocks, lent (`lends`)
 
     def connect(self, spec: PageSpec, device_pci_bus_id: str = "") -> Namespace:
         if not self.cpu.slots.can_hold(spec.page_bytes):
@@ -288,6 +292,7 @@ class Store:
         targets = [self.namespaces.registered(ns_id)] if ns_id else list(self.namespaces.values())
         cleared = 0
         for ns in targets:
+            self.lends.clear(ns.id)
             for entry in [e for e in ns.entries.values() if e.committed]:
                 self.eviction.remove(entry)
                 cleared += 1
@@ -315,6 +320,8 @@ class Store:
         counters["pinned_pages"] = len(self.pins)
         counters["pinned_bytes"] = self.pins.bytes
         counters["namespaces"] = len(self.namespaces)
+        counters.update(self.lends.counters)
+        counters["lends_held"] = len(self.lends)
         counters["arena_reserved_bytes"] = self.cpu.reserved_bytes  # below capacity: still reserving
         if self.lower is not None:
             tiers += self.lower.usage(server_usage)

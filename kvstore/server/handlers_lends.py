@@ -1,0 +1,56 @@
+"""Lent blocks' calls (`kvstore.store.lends`): a Lend, and a leased Lookup answered from lent blocks.
+
+- `lend_reply(store, request, peer)`: records a Lend; only a local-channel caller (`peer`) may
+  lend, since the lend ends with the lender's process.
+- `lent_reply(store, request)`: a leased Lookup that names `lent_devices`, answered from lent
+  blocks when they cover at least the stored prefix (the lent copy is device to device); None
+  otherwise, and the Lookup is answered from the tiers.
+"""
+
+from __future__ import annotations
+
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.domain import Tier
+from kvstore.shared.errors import FailedPrecondition
+from kvstore.shared.keys import unpack_keys
+from kvstore.shared.peers import Peer
+from kvstore.store.store import Store
+
+
+def lend_reply(store: Store, request: pb.LendRequest, peer: Peer | None) -> pb.LendResponse:
+    if peer is None:
+        raise FailedPrecondition(
+            "Lend: answered on the daemon's local channel only (ConnectResponse.local_socket), "
+            "where the lender's process is known"
+        )
+    store.namespaces.registered(request.namespace)
+    lend_id = store.lends.lend(
+        request.namespace,
+        unpack_keys(request.keys),
+        request.blocks,
+        request.cache,
+        request.device_pci_bus_id,
+        request.hold_ms / 1000 if request.hold_ms else None,
+        peer,
+    )
+    return pb.LendResponse(lend_id=lend_id)
+
+
+def lent_reply(store: Store, request: pb.LookupRequest) -> pb.LookupResponse | None:
+    keys = unpack_keys(request.keys)
+    store.namespaces.registered(request.namespace)
+
+    def stored() -> int:  # a query of the tiers: neither a use nor a lease
+        return store.lookup(request.namespace, keys, False, None, touch=False).hit_chunks
+
+    hit = store.lends.lookup(request.namespace, keys, request.lent_devices, lambda: max(1, stored()))
+    if hit is None:
+        return None
+    lent = pb.LentRead(
+        read_id=hit.read_id,
+        cache=hit.cache,
+        device_pci_bus_id=hit.device,
+        blocks=hit.blocks,
+        ttl_ms=int(hit.ttl_s * 1000),
+    )
+    return pb.LookupResponse(hit_chunks=hit.chunks, tiers=bytes([Tier.LENT]) * hit.chunks, lent=lent)

@@ -1,0 +1,253 @@
+"""Lent blocks: a worker's own KV-cache blocks, read by workers on other GPUs of the host.
+
+A prefill worker that hands a prompt to a decode worker on another GPU need not copy the KV out
+of its cache at all: it lends the blocks (`Lends.lend`: the chunks' keys, each chunk's block ids
+in its cache, and its cache's descriptor, which readers open over CUDA IPC), and keeps them
+unchanged until the lend is done. A reader's leased Lookup that names the lender's GPU
+(`LookupRequest.lent_devices`) gets the block ids (`Lends.lookup`: a read, with a TTL) and copies
+them into its own cache device to device: one copy over the link, where the GPU tier's hand-over
+makes two (bench/NOTES-handover.md). Its `Returned` tells the daemon the copy is done.
+
+What each side may rely on:
+- A lend is **done** (`Lends.done`: its blocks may be reused) only when no read is in flight:
+  after a read returned in time, after its hold ends (`hold_s`) with no read in flight, after
+  the lender withdrew it, or once its lender's process is gone. A read in flight holds the lend
+  past its hold until the read returns or its TTL ends.
+- A read that returns after its TTL, or whose lend was dropped (the lender gone, a Clear), is
+  answered 0 (`Lends.returned`): the reader discards what it copied and recomputes, so a lender
+  that reused its blocks after a stalled read's TTL never hands wrong bytes to a user.
+- Lends live in the daemon's memory: a restarted daemon knows none, answers their reads 0 and
+  reports their ids done (`LendsResponse.done` includes unknown ids); ids are random per daemon
+  start, so an id of the last run never names a lend of this one.
+- Bounded: at most `max_lends` lends and `max_keys` lent chunks at once, a descriptor of at most
+  `MAX_CACHE_BYTES`; a lend past the caps is refused as ResourceExhausted, never stored.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.shared.errors import InvalidArgument, ResourceExhausted
+from kvstore.shared.peers import Peer
+
+MAX_CACHE_BYTES = 256 << 10
+MAX_HOLD_S = 600.0
+
+
+@dataclass(eq=False)
+class Lend:
+    id: int
+    ns: bytes
+    keys: list[bytes]
+    blocks: bytes  # int32 little-endian, blocks_per_chunk per key
+    blocks_per_chunk: int
+    cache: bytes
+    device: str
+    lender: Peer | None
+    hold_until: float
+    reads: dict[int, float] = field(default_factory=dict)  # read id -> its deadline
+    read_back: bool = False  # a read returned in time
+    withdrawn: bool = False
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class LentHit:
+    chunks: int
+    read_id: int
+    cache: bytes
+    device: str
+    blocks: bytes
+    ttl_s: float
+
+
+class Lends:
+    """One store's lends (a tenant's: another tenant's lends cannot be named)."""
+
+    def __init__(
+        self,
+        read_ttl_s: float,
+        hold_s: float = 30.0,
+        max_lends: int = 4096,
+        max_keys: int = 1 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.read_ttl_s, self.hold_s = read_ttl_s, hold_s
+        self.max_lends, self.max_keys = max_lends, max_keys
+        self._clock = clock
+        self._next_id = secrets.randbits(62) | 1  # ids of another daemon run are unknown here
+        self._lends: dict[int, Lend] = {}
+        self._by_key: dict[tuple[bytes, bytes], tuple[Lend, int]] = {}  # (ns, key) -> lend, position
+        self._reads: dict[int, Lend] = {}
+        self._keys = 0
+        self.counters = {"lends": 0, "lent_reads": 0, "lent_reads_returned": 0, "lent_reads_lapsed": 0}
+
+    def __len__(self) -> int:
+        return len(self._lends)
+
+    def lend(
+        self,
+        ns: bytes,
+        keys: Sequence[bytes],
+        blocks: bytes,
+        cache: bytes,
+        device: str,
+        hold_s: float | None,
+        lender: Peer | None,
+    ) -> int:
+        """Records a lend of `keys` (each the same number of int32 block ids in `blocks`); returns
+        its id. A key lent before is read from this lend from now on."""
+        if not keys:
+            raise InvalidArgument("Lend: no keys")
+        blocks_per_chunk = len(blocks) // (4 * len(keys))
+        if not blocks_per_chunk or len(blocks) != 4 * blocks_per_chunk * len(keys):
+            raise InvalidArgument(
+                f"Lend: blocks must hold the same number (at least 1) of int32 block ids for each of the "
+                f"{len(keys)} keys, got {len(blocks)} bytes"
+            )
+        if not cache or len(cache) > MAX_CACHE_BYTES:
+            raise InvalidArgument(f"Lend: cache must be 1..{MAX_CACHE_BYTES} bytes, got {len(cache)}")
+        if not device:
+            raise InvalidArgument("Lend: device_pci_bus_id must name the lender's GPU")
+        hold = self.hold_s if hold_s is None else hold_s
+        if not 0 < hold <= MAX_HOLD_S:
+            raise InvalidArgument(f"Lend: hold_ms must be at most {int(MAX_HOLD_S * 1000)}")
+        self._purge()
+        if len(self._lends) >= self.max_lends or self._keys + len(keys) > self.max_keys:
+            raise ResourceExhausted(
+                f"Lend: this daemon holds {len(self._lends)} lends of {self._keys} chunks (at most "
+                f"{self.max_lends} and {self.max_keys}): wait for some to be read or to expire, "
+                f"or store instead"
+            )
+        lend_id, self._next_id = self._next_id, self._next_id + 1
+        lend = Lend(
+            lend_id, ns, list(keys), blocks, blocks_per_chunk, cache, device, lender, self._clock() + hold
+        )
+        self._lends[lend_id] = lend
+        for position, key in enumerate(lend.keys):
+            self._by_key[(ns, key)] = (lend, position)
+        self._keys += len(keys)
+        self.counters["lends"] += 1
+        return lend_id
+
+    def lookup(
+        self,
+        ns: bytes,
+        keys: Sequence[bytes],
+        devices: Sequence[str],
+        at_least: Callable[[], int] = lambda: 1,
+    ) -> LentHit | None:
+        """The longest leading run of `keys` lent in order by one live lend on one of `devices`,
+        as a read that holds the lend; None when the first key is not lent so, or the run is
+        shorter than `at_least()` (the stored prefix: asked only when the first key is lent)."""
+        if not keys:
+            return None
+        found = self._by_key.get((ns, keys[0]))
+        if found is None:
+            return None
+        lend, first = found
+        now = self._clock()
+        if self._settle(lend, now) or lend.withdrawn or lend.device not in devices or now >= lend.hold_until:
+            return None
+        chunks = 1
+        while (
+            chunks < len(keys)
+            and first + chunks < len(lend.keys)
+            and lend.keys[first + chunks] == keys[chunks]
+        ):
+            chunks += 1
+        if chunks < at_least():
+            return None
+        read_id, self._next_id = self._next_id, self._next_id + 1
+        lend.reads[read_id] = now + self.read_ttl_s
+        self._reads[read_id] = lend
+        self.counters["lent_reads"] += 1
+        step = 4 * lend.blocks_per_chunk
+        blocks = lend.blocks[first * step : (first + chunks) * step]
+        return LentHit(chunks, read_id, lend.cache, lend.device, blocks, self.read_ttl_s)
+
+    def returned(self, ns: bytes, read_id: int) -> bool:
+        """Whether the read `read_id` held its lend until now (False: discard what it copied)."""
+        lend = self._reads.get(read_id)
+        if lend is None or lend.ns != ns:  # unknown, lapsed, or another namespace's: not this caller's
+            self.counters["lent_reads_lapsed"] += 1
+            return False
+        del self._reads[read_id]
+        deadline = lend.reads.pop(read_id, None)
+        now = self._clock()
+        held = deadline is not None and now < deadline and not lend.done and not self._lender_gone(lend)
+        if held:
+            lend.read_back = True
+            self.counters["lent_reads_returned"] += 1
+        else:
+            self.counters["lent_reads_lapsed"] += 1
+        self._settle(lend, now)
+        return held
+
+    def done(self, ns: bytes, lend_ids: Sequence[int], withdraw: bool = False) -> list[int]:
+        """Of `lend_ids`, those whose blocks may be reused; with `withdraw`, the others end as
+        soon as no read is in flight. A done lend is forgotten once reported."""
+        now = self._clock()
+        answer = []
+        for lend_id in lend_ids:
+            lend = self._lends.get(lend_id)
+            if lend is None or lend.ns != ns:
+                if lend is None:  # unknown here (another daemon run's, or reported before)
+                    answer.append(lend_id)
+                continue
+            if withdraw:
+                lend.withdrawn = True
+            if self._settle(lend, now):
+                answer.append(lend_id)
+                self._forget(lend)
+        return answer
+
+    def clear(self, ns: bytes) -> None:
+        """Drops every lend of `ns` (a Clear): its reads in flight will be answered 0."""
+        for lend in [lend for lend in self._lends.values() if lend.ns == ns]:
+            lend.done = True
+            self._unindex(lend)
+
+    def _settle(self, lend: Lend, now: float) -> bool:
+        """Ends lapsed reads, and marks `lend` done when nothing holds it any more."""
+        if lend.done:
+            return True
+        for read_id, deadline in list(lend.reads.items()):
+            if deadline <= now:
+                del lend.reads[read_id]
+                self._reads.pop(read_id, None)
+        gone = self._lender_gone(lend)
+        if gone or (not lend.reads and (lend.read_back or lend.withdrawn or now >= lend.hold_until)):
+            lend.done = True
+            if gone:
+                lend.reads.clear()
+            self._unindex(lend)
+        return lend.done
+
+    @staticmethod
+    def _lender_gone(lend: Lend) -> bool:
+        return lend.lender is not None and lend.lender.gone()
+
+    def _unindex(self, lend: Lend) -> None:
+        for position, key in enumerate(lend.keys):
+            if self._by_key.get((lend.ns, key)) == (lend, position):
+                del self._by_key[(lend.ns, key)]
+
+    def _forget(self, lend: Lend) -> None:
+        self._unindex(lend)
+        if self._lends.pop(lend.id, None) is not None:
+            self._keys -= len(lend.keys)
+        for read_id in lend.reads:
+            self._reads.pop(read_id, None)
+
+    def _purge(self) -> None:
+        """Forgets done lends when the caps are near: lenders that never asked are not owed more."""
+        if len(self._lends) < self.max_lends // 2 and self._keys < self.max_keys // 2:
+            return
+        now = self._clock()
+        for lend in list(self._lends.values()):
+            if self._settle(lend, now) and now >= lend.hold_until:
+                self._forget(lend)

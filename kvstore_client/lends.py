@@ -1,0 +1,200 @@
+"""A client's lends (`KVStoreClient.lend`, `lends_done`) and its reads of lent blocks (a load whose
+leased Lookup named this process's GPUs in `lent_devices`): `kvstore.store.lends` is the daemon's
+side, `kvstore_client.lent` the descriptor and the opened caches.
+
+When the lender may reuse its blocks: when the daemon says the lend is done, or, whatever the
+daemon says or whether it answers at all, once `hold_s` plus a read's TTL have passed since the
+Lend's reply: the daemon lets no read start after the hold and answers a read returned after its
+TTL with 0, so no reader can count bytes copied after that. An outage alone never frees blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+import kvstore_kernels
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.cudart import CudaError, CudaUnavailable
+from kvstore.shared.errors import KVStoreError, Unavailable
+from kvstore.shared.keys import pack_keys
+from kvstore_client.handles import LoadHandle
+from kvstore_client.lent import LentCaches, describe
+from kvstore_client.session import Session
+from kvstore_client.transfers import cache_device
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOLD_S = 30.0
+
+
+class LendPath:
+    def __init__(self, session: Session) -> None:
+        self._s = session
+        self._described: dict[tuple[int, ...], tuple[bytes, str]] = {}
+        self._safe_at: dict[int, float] = {}  # lend id -> when its blocks are free whatever happens
+        self._devices: dict[torch.device, list[str]] = {}
+        self._lock = threading.Lock()
+
+    # -- the lender ----------------------------------------------------------------------------
+
+    def lend(
+        self,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        *,
+        keys: Sequence[bytes] | None = None,
+        hold_s: float | None = None,
+        tail: bool = False,
+    ) -> tuple[int, int]:
+        """`KVStoreClient.lend`: (lend id, tokens lent); (0, 0) where nothing could be lent."""
+        keys = self._s._keys_of(token_ids, keys, tail)
+        per_chunk = self._s.spec.blocks_per_chunk
+        table = np.asarray(
+            block_ids.cpu() if isinstance(block_ids, torch.Tensor) else block_ids, dtype=np.int64
+        )
+        chunks = min(len(keys), table.size // per_chunk)
+        if not chunks:
+            return 0, 0
+        moved = table.reshape(-1)[: chunks * per_chunk]
+        if moved.min() < 0 or moved.max() >= 2**31:
+            raise ValueError("block_ids: block ids must be in 0..2**31-1")
+        descriptor, bus = self._descriptor(kv_caches)
+        device = cache_device(kv_caches)
+        torch.cuda.current_stream(device).synchronize()  # the KV is written before anyone reads it
+        hold = DEFAULT_HOLD_S if hold_s is None else hold_s
+        request = pb.LendRequest(
+            namespace=self._s.namespace,
+            keys=pack_keys(keys[:chunks]),
+            blocks=moved.astype("<i4").tobytes(),
+            cache=descriptor,
+            device_pci_bus_id=bus,
+            hold_ms=max(1, int(hold * 1000)),
+        )
+        reply = self._s._conn.rpc("Lend", request)
+        with self._lock:
+            self._safe_at[reply.lend_id] = time.monotonic() + hold + self._s.lease_ttl_s
+        return reply.lend_id, self._s._covered(token_ids, chunks)
+
+    def _descriptor(self, kv_caches: Any) -> tuple[bytes, str]:
+        tensors = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
+        key = tuple(t.data_ptr() for t in tensors) + tuple(
+            s for t in tensors for s in (*t.shape, *t.stride())
+        )
+        found = self._described.get(key)
+        if found is None:
+            found = self._described[key] = describe(self._s.spec, kv_caches)
+        return found
+
+    def done(self, lend_ids: Sequence[int], withdraw: bool = False) -> list[int]:
+        """`KVStoreClient.lends_done`."""
+        ids = list(lend_ids)
+        if not ids:
+            return []
+        try:
+            reply = self._s._conn.rpc(
+                "Lends", pb.LendsRequest(namespace=self._s.namespace, lend_ids=ids, withdraw=withdraw)
+            )
+            done = set(reply.done)
+        except Unavailable as exc:  # only time frees blocks now
+            log.debug("Lends: %s", exc)
+            done = set()
+        now = time.monotonic()
+        with self._lock:
+            done |= {i for i in ids if self._safe_at.get(i, now + 1) <= now}
+            for lend_id in done:
+                self._safe_at.pop(lend_id, None)
+        return [i for i in ids if i in done]
+
+    # -- the reader ----------------------------------------------------------------------------
+
+    def devices(self, device: torch.device) -> list[str]:
+        """The PCI bus ids of the GPUs whose lent blocks a cache on `device` can copy in place."""
+        found = self._devices.get(device)
+        if found is None:
+            found = []
+            try:
+                from kvstore.shared.cudart import load_runtime
+
+                runtime = load_runtime()
+                for other in range(torch.cuda.device_count()):
+                    if other == device.index or torch.cuda.can_device_access_peer(device.index, other):
+                        found.append(runtime.pci_bus_id(other))
+            except (CudaError, CudaUnavailable, RuntimeError) as exc:
+                log.debug("no lent reads: %s", exc)
+            self._devices[device] = found
+        return found
+
+    def read(
+        self,
+        reply: Any,
+        token_ids: Any,
+        kv_caches: Any,
+        block_ids: Any,
+        layers: range,
+        stream: Any,
+        caches: LentCaches,
+    ) -> LoadHandle | None:
+        """Copies the lent blocks of a Lookup's reply into the KV cache; None where they cannot be
+        read here (the read is returned, and the caller loads from the tiers)."""
+        lent, chunks = reply.lent, reply.hit_chunks
+        per_chunk = self._s.spec.blocks_per_chunk
+        device = cache_device(kv_caches)
+        try:
+            source_blocks = np.frombuffer(lent.blocks, dtype="<i4").astype(np.int64)
+            table = np.asarray(
+                block_ids.cpu() if isinstance(block_ids, torch.Tensor) else block_ids, dtype=np.int64
+            )
+            if source_blocks.size != chunks * per_chunk or table.size < chunks * per_chunk:
+                raise ValueError(f"{source_blocks.size} lent block ids for {chunks} chunks")
+            source = caches.open(self._s.spec, lent.cache, device, kv_caches)
+            stream = stream or self._s._streams.ordered_side(device)
+            with torch.cuda.stream(stream):
+                kvstore_kernels.copy_blocks(
+                    self._s.spec,
+                    source,
+                    source_blocks,
+                    kv_caches,
+                    table.reshape(-1)[: chunks * per_chunk],
+                    layers=layers,
+                )
+                event = torch.cuda.Event()
+                event.record(stream)
+        except (ValueError, CudaError, CudaUnavailable, RuntimeError) as exc:
+            log.warning(
+                "lent blocks from %s not read (%s): loading from the tiers", lent.device_pci_bus_id, exc
+            )
+            self._returned(lent.read_id)
+            return None
+        tokens = self._s._covered(token_ids, chunks)
+        finish = functools.partial(self._finish, lent.read_id, tokens)
+        return LoadHandle(event, finish, lambda exc: self._returned(lent.read_id), tokens, layers)
+
+    def _finish(self, read_id: int, tokens: int) -> int:
+        """The copy is done: its tokens if the lend held the blocks until now, else 0."""
+        if self._returned(read_id):
+            return tokens
+        log.warning(
+            "lent read %d lapsed during the copy (the lender went away, or the read's TTL ended); "
+            "reporting no tokens loaded",
+            read_id,
+        )
+        return 0
+
+    def _returned(self, read_id: int) -> bool:
+        try:
+            reply = self._s._conn.rpc(
+                "Returned", pb.ReturnedRequest(namespace=self._s.namespace, read_id=read_id)
+            )
+        except KVStoreError as exc:
+            log.debug("Returned %d: %s", read_id, exc)
+            return False
+        return bool(reply.pages)

@@ -1,0 +1,184 @@
+"""Lent blocks on the worker's side (`kvstore.store.lends` on the daemon's): a prefill worker
+lends its own KV-cache blocks, and a decode worker on another GPU of the host copies them into
+its cache device to device, in one copy over the link.
+
+- `describe(kv_caches)`: the lender's cache as a reader opens it: each tensor's allocation,
+  exported by its base over CUDA IPC, and the tensor's offset, dtype, shape and strides there
+  (JSON: a reader parses it, never unpickles it, and checks every number against its own cache).
+- `LentCaches`: the lenders' caches a process opened (CUDA IPC, once per allocation, mapped for
+  the reading GPU, which reaches the lender's over peer access), closed with the client's link.
+
+The calls themselves are `kvstore_client.lends`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from kvstore.shared.cudart import CudaError, load_runtime
+from kvstore_client.gpu_pools import _DeviceBytes
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+MAX_OPEN = 64  # allocations of lenders kept open; the oldest is closed past it
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8", "int8")
+    if hasattr(torch, name)
+}
+
+
+def _tensors(kv_caches: Any) -> tuple[list[torch.Tensor], str]:
+    if isinstance(kv_caches, torch.Tensor):
+        return [kv_caches], "tensor"
+    tensors = list(kv_caches)
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError("kv_caches: expected a tensor or a sequence of tensors")
+    return tensors, "list"
+
+
+def describe(spec: Any, kv_caches: Any) -> tuple[bytes, str]:
+    """(the descriptor, the PCI bus id of the GPU that holds the cache)."""
+    from kvstore.shared.cuda_vmm import load_vmm
+
+    tensors, form = _tensors(kv_caches)
+    device = tensors[0].device
+    if device.type != "cuda" or any(t.device != device for t in tensors):
+        raise ValueError("lend: the KV cache must be on one CUDA device")
+    runtime, vmm = load_runtime(), load_vmm()
+    bases: dict[int, int] = {}
+    allocations: list[dict[str, Any]] = []
+    entries = []
+    with vmm.on_device(device.index), torch.cuda.device(device):
+        for tensor in tensors:
+            base, size = vmm.address_range(tensor.data_ptr())
+            if base not in bases:
+                bases[base] = len(allocations)
+                allocations.append({"handle": runtime.ipc_handle(base).hex(), "size": size})
+            entries.append(
+                {
+                    "allocation": bases[base],
+                    "offset": tensor.data_ptr() - base,
+                    "dtype": str(tensor.dtype).removeprefix("torch."),
+                    "shape": list(tensor.shape),
+                    "stride": list(tensor.stride()),
+                }
+            )
+        bus = runtime.pci_bus_id(device.index)
+    descriptor = {
+        "version": VERSION,
+        "layout": spec.layout,
+        "dtype": spec.dtype,
+        "block_size": spec.block_size,
+        "form": form,
+        "allocations": allocations,
+        "tensors": entries,
+    }
+    return json.dumps(descriptor, separators=(",", ":")).encode(), bus
+
+
+class LentCaches:
+    """Lenders' allocations opened in this process: (handle, reading device) -> address."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, int], tuple[int, int]] = {}  # -> (address, size)
+        self._lock = threading.Lock()
+
+    def open(self, spec: Any, descriptor: bytes, reader: torch.Device, mine: Any) -> Any:
+        """The lender's cache as tensors on `reader` (in the form of `mine`, this worker's cache),
+        after checking the descriptor against `spec` and `mine`; ValueError for one that differs."""
+        try:
+            info = json.loads(descriptor)
+            tensors, form = _tensors(mine)
+            if info["version"] != VERSION or info["form"] != form or len(info["tensors"]) != len(tensors):
+                raise ValueError("another form or version")
+            if (info["layout"], info["dtype"], info["block_size"]) != (
+                spec.layout,
+                spec.dtype,
+                spec.block_size,
+            ):
+                raise ValueError(f"another geometry: {info['layout']}, {info['dtype']}, {info['block_size']}")
+            views = [
+                self._view(info, entry, mine_t, reader)
+                for entry, mine_t in zip(info["tensors"], tensors, strict=True)
+            ]
+        except (KeyError, TypeError, IndexError, json.JSONDecodeError) as exc:
+            raise ValueError(f"lent cache descriptor: malformed ({exc!r})") from None
+        return views[0] if form == "tensor" else views
+
+    def _view(
+        self, info: dict[str, Any], entry: dict[str, Any], mine: torch.Tensor, reader: torch.Device
+    ) -> Any:
+        dtype = _DTYPES.get(entry["dtype"])
+        shape, stride, offset = (
+            [int(v) for v in entry["shape"]],
+            [int(v) for v in entry["stride"]],
+            int(entry["offset"]),
+        )
+        if dtype != mine.dtype or len(shape) != mine.dim() or len(stride) != len(shape):
+            raise ValueError(
+                f"lent cache descriptor: a tensor of {entry['dtype']} {shape}, this cache's "
+                f"{mine.dtype} {list(mine.shape)}"
+            )
+        allocation = info["allocations"][int(entry["allocation"])]
+        size = int(allocation["size"])
+        itemsize = mine.element_size()
+        extent = (
+            (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * itemsize if all(shape) else 0
+        )
+        if (
+            min(shape, default=0) < 0
+            or min(stride, default=0) < 0
+            or offset < 0
+            or offset % itemsize
+            or offset + extent > size
+        ):
+            raise ValueError("lent cache descriptor: a tensor outside its allocation")
+        address = self._address(bytes.fromhex(allocation["handle"]), size, reader)
+        whole = torch.as_tensor(_DeviceBytes(address, size), device=reader)
+        usable = whole[: size - size % itemsize].view(dtype)
+        return usable.as_strided(shape, stride, offset // itemsize)
+
+    def _address(self, handle: bytes, size: int, reader: torch.Device) -> int:
+        key = (handle.hex(), reader.index)
+        with self._lock:
+            found = self._open.get(key)
+            if found is not None and found[1] == size:
+                self._open[key] = self._open.pop(key)  # most recently used last
+                return found[0]
+            from kvstore.shared.cuda_vmm import load_vmm
+
+            runtime = load_runtime()
+            with torch.cuda.device(reader):
+                runtime.set_device(reader.index)
+                address = runtime.ipc_open(handle)  # mapped for the reader: peer access turned on
+                with load_vmm().on_device(reader.index):
+                    base, mapped = load_vmm().address_range(address)
+            if base != address or mapped < size:  # a descriptor that claims more than was exported
+                with torch.cuda.device(reader):
+                    runtime.ipc_close(address)
+                raise ValueError(f"lent cache descriptor: an allocation of {size} bytes, {mapped} exported")
+            while len(self._open) >= MAX_OPEN:
+                self._close(*next(iter(self._open.items())))
+            self._open[key] = (address, size)
+            return address
+
+    def _close(self, key: tuple[str, int], value: tuple[int, int]) -> None:
+        del self._open[key]
+        with torch.cuda.device(key[1]):
+            torch.cuda.synchronize()  # reads of this process still in flight
+            try:
+                load_runtime().ipc_close(value[0])
+            except CudaError as exc:
+                log.debug("closing a lender's allocation: %s", exc)
+
+    def close(self) -> None:
+        with self._lock:
+            for key, value in list(self._open.items()):
+                self._close(key, value)
