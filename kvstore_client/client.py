@@ -344,8 +344,9 @@ class KVStoreClient(Session):
         if not keys:
             return 0
         try:
-            reply = self._conn.call(
-                "Lookup", lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys))
+            reply = self._conn.call(  # lent blocks count too (`lend`): a worker's load copies them
+                "Lookup",
+                lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys), lent_devices=["*"]),
             )
         except Unavailable:
             return 0

@@ -71,15 +71,19 @@ class LendPath:
         device = cache_device(kv_caches)
         torch.cuda.current_stream(device).synchronize()  # the KV is written before anyone reads it
         hold = DEFAULT_HOLD_S if hold_s is None else hold_s
-        request = pb.LendRequest(
-            namespace=self._s.namespace,
-            keys=pack_keys(keys[:chunks]),
-            blocks=moved.astype("<i4").tobytes(),
-            cache=descriptor,
-            device_pci_bus_id=bus,
-            hold_ms=max(1, int(hold * 1000)),
-        )
-        reply = self._s._conn.rpc("Lend", request)
+        packed, blocks = pack_keys(keys[:chunks]), moved.astype("<i4").tobytes()
+
+        def request() -> pb.LendRequest:
+            return pb.LendRequest(
+                namespace=self._s.namespace,
+                keys=packed,
+                blocks=blocks,
+                cache=descriptor,
+                device_pci_bus_id=bus,
+                hold_ms=max(1, int(hold * 1000)),
+            )
+
+        reply = self._s._conn.call("Lend", request)
         with self._lock:
             self._safe_at[reply.lend_id] = time.monotonic() + hold + self._s.lease_ttl_s
         return reply.lend_id, self._s._covered(token_ids, chunks)
@@ -100,8 +104,8 @@ class LendPath:
         if not ids:
             return []
         try:
-            reply = self._s._conn.rpc(
-                "Lends", pb.LendsRequest(namespace=self._s.namespace, lend_ids=ids, withdraw=withdraw)
+            reply = self._s._conn.call(
+                "Lends", lambda: pb.LendsRequest(namespace=self._s.namespace, lend_ids=ids, withdraw=withdraw)
             )
             done = set(reply.done)
         except Unavailable as exc:  # only time frees blocks now

@@ -77,7 +77,14 @@ __all__ = [
     "check_blocks",
     "CheckedBlocks",
     "backend_name",
+    "copy_blocks",
 ]
+
+
+def __getattr__(name: str) -> Any:  # `copy_blocks` (`blocks`) imports Triton: imported on first use
+    if name == "copy_blocks":
+        return __import__(f"{__name__}.blocks", fromlist=["copy_blocks"]).copy_blocks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def gather(

@@ -1,9 +1,11 @@
-"""Torch reference for page gather and scatter: the CPU path and the test oracle.
+"""Torch reference for page gather and scatter, and for block copies: the CPU path and the test oracle.
 
 - `gather_plan(plan)`: engine KV cache -> pages in a flat uint8 buffer.
 - `scatter_plan(plan)`: pages -> engine KV cache, the exact inverse.
+- `copy_blocks(pairs, src_blocks, dst_blocks)`: blocks of one KV cache -> blocks of another
+  (`blocks.copy_blocks` checks the call and makes the pairs of tensors).
 
-Both take a checked plan (`validate.plan_transfer`; `kvstore_kernels.gather`/`scatter` with
+The first two take a checked plan (`validate.plan_transfer`; `kvstore_kernels.gather`/`scatter` with
 `TransferOptions(engine="torch")` make it and call them) and move each layer with one
 `index_select` (or `index_copy_`) over the blocks of all chunks per K/V view, plus one over
 the buffer's rows. A block table on a CUDA device is read back and checked first (this path
@@ -14,6 +16,8 @@ value (fp8, NaN payloads) is ever converted.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -51,6 +55,22 @@ def scatter_plan(plan: Transfer) -> None:
             _as_int(view).index_copy_(0, blocks, elements[:, kv].reshape(-1, *view.shape[1:]))
 
 
+def copy_blocks(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], src_blocks: np.ndarray, dst_blocks: np.ndarray
+) -> None:
+    """Block `src_blocks[i]` of each pair's source tensor into block `dst_blocks[i]` of its
+    destination: one `index_select` and one `index_copy_` per pair. Each tensor is `[blocks, ...]`
+    with the same shape per block in both, any strides; the source may be on another device. The
+    caller checked the int64 ids (each inside its tensor, each destination block once)."""
+    if not pairs or not len(src_blocks):
+        return
+    src_index = _on_current(src_blocks, pairs[0][0].device)
+    dst_index = _on_current(dst_blocks, pairs[0][1].device)
+    for source, destination in pairs:
+        rows = _as_int(source).index_select(0, src_index).to(destination.device)
+        _as_int(destination).index_copy_(0, dst_index, rows)
+
+
 def _as_int(view: torch.Tensor) -> torch.Tensor:
     return view.view(_int_dtype(view))  # same width: allowed for any strides
 
@@ -76,6 +96,12 @@ def _row_index(plan: Transfer, position: int, unit: int) -> torch.Tensor:
     )
     index = starts.reshape(-1, 1) + torch.arange(layer_bytes // unit, dtype=torch.int64)
     return _on(index.flatten().numpy(), plan.buffer.device)
+
+
+def _on_current(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`_on`, with `device` current while it stages (the staging ring records on its streams)."""
+    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+        return _on(values, device)
 
 
 def _on(values: np.ndarray, device: torch.device) -> torch.Tensor:

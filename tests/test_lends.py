@@ -106,6 +106,23 @@ def test_a_lend_is_read_once_then_done(daemon: Daemon) -> None:
         assert counters["lends"] == 1 and counters["lent_reads_returned"] == 1
 
 
+def test_a_query_counts_lent_chunks_and_holds_nothing(daemon: Daemon) -> None:
+    """A scheduler's Lookup (no lease) counts lent chunks where they are more than the stored ones,
+    from any GPU; it takes no read, so the lend ends with its hold as if unasked."""
+    tokens = list(range(3 * SPEC.chunk_tokens))
+    cache = [torch.randn(2, 48, 16, 2, 16).half() for _ in range(2)]
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        keys = client.keys(tokens)
+        assert client.store(tokens[: SPEC.chunk_tokens], cache, torch.arange(16)) == 1
+        lend_id = lend(client, keys, hold_ms=500)
+        assert client.lookup(tokens) == 3 * SPEC.chunk_tokens
+        query = pb.LookupRequest(namespace=client.namespace, keys=pack_keys(keys), lent_devices=[OTHER_BUS])
+        assert client._conn.rpc("Lookup", query).hit_chunks == 1  # lent on another GPU: the stored one
+        wait_until(lambda: done(client, [lend_id]) == [lend_id])
+        assert client.lookup(tokens) == SPEC.chunk_tokens
+        assert client.stats()["counters"]["lent_reads"] == 0
+
+
 def test_a_read_covers_the_lent_run_from_the_first_key(daemon: Daemon) -> None:
     with KVStoreClient.connect(daemon.address, SPEC) as client:
         keys = client.keys(list(range(6 * SPEC.chunk_tokens)))
@@ -195,6 +212,8 @@ def test_withdraw_waits_for_the_read_in_flight(daemon: Daemon) -> None:
 def _lend_and_exit(address: str, keys: list[bytes], ready: Any) -> None:
     with KVStoreClient.connect(address, SPEC) as client:
         ready.put(lend(client, keys))
+        ready.close()
+        ready.join_thread()  # the id is in the pipe before the process ends
     os._exit(0)  # noqa: SLF001 - the process ends with its lends still held
 
 

@@ -2,9 +2,10 @@
 
 - `lend_reply(store, request, peer)`: records a Lend; only a local-channel caller (`peer`) may
   lend, since the lend ends with the lender's process.
-- `lent_reply(store, request)`: a leased Lookup that names `lent_devices`, answered from lent
-  blocks when they cover at least the stored prefix (the lent copy is device to device); None
-  otherwise, and the Lookup is answered from the tiers.
+- `lent_reply(store, request)`: a Lookup that names `lent_devices`, answered from lent blocks
+  when they cover at least the stored prefix (the lent copy is device to device): with a lease,
+  a read of them; without, their count (a scheduler's query, "*" for any GPU). None otherwise,
+  and the Lookup is answered from the tiers.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ def lent_reply(store: Store, request: pb.LookupRequest) -> pb.LookupResponse | N
 
     def stored() -> int:  # a query of the tiers: neither a use nor a lease
         return store.lookup(request.namespace, keys, False, None, touch=False).hit_chunks
+
+    if not request.lease:  # a query: the longer of the lent run and the stored prefix, nothing held
+        lent_chunks = store.lends.peek(request.namespace, keys, request.lent_devices)
+        if not lent_chunks or lent_chunks <= stored():
+            return None
+        return pb.LookupResponse(hit_chunks=lent_chunks, tiers=bytes([Tier.LENT]) * lent_chunks)
 
     hit = store.lends.lookup(request.namespace, keys, request.lent_devices, lambda: max(1, stored()))
     if hit is None:

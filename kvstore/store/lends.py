@@ -152,13 +152,7 @@ class Lends:
         now = self._clock()
         if self._settle(lend, now) or lend.withdrawn or lend.device not in devices or now >= lend.hold_until:
             return None
-        chunks = 1
-        while (
-            chunks < len(keys)
-            and first + chunks < len(lend.keys)
-            and lend.keys[first + chunks] == keys[chunks]
-        ):
-            chunks += 1
+        chunks = self._run(lend, first, keys)
         if chunks < at_least():
             return None
         read_id, self._next_id = self._next_id, self._next_id + 1
@@ -168,6 +162,32 @@ class Lends:
         step = 4 * lend.blocks_per_chunk
         blocks = lend.blocks[first * step : (first + chunks) * step]
         return LentHit(chunks, read_id, lend.cache, lend.device, blocks, self.read_ttl_s)
+
+    def peek(self, ns: bytes, keys: Sequence[bytes], devices: Sequence[str]) -> int:
+        """How many leading `keys` one live lend on one of `devices` ("*": any) holds, taking no
+        read (a scheduler's query: it cannot know which GPUs its workers reach)."""
+        found = self._by_key.get((ns, keys[0])) if keys else None
+        if found is None:
+            return 0
+        lend, first = found
+        now = self._clock()
+        if self._settle(lend, now) or lend.withdrawn or now >= lend.hold_until:
+            return 0
+        if lend.device not in devices and "*" not in devices:
+            return 0
+        return self._run(lend, first, keys)
+
+    @staticmethod
+    def _run(lend: Lend, first: int, keys: Sequence[bytes]) -> int:
+        """How many of `keys` follow `lend`'s keys from position `first` on (the first does)."""
+        chunks = 1
+        while (
+            chunks < len(keys)
+            and first + chunks < len(lend.keys)
+            and lend.keys[first + chunks] == keys[chunks]
+        ):
+            chunks += 1
+        return chunks
 
     def returned(self, ns: bytes, read_id: int) -> bool:
         """Whether the read `read_id` held its lend until now (False: discard what it copied)."""

@@ -1,0 +1,214 @@
+"""Lent blocks on GPUs (skipped without CUDA): a lender process lends its KV-cache blocks
+(`KVStoreClient.lend`) and a reader process's load copies them into its own cache device to
+device, on one GPU and from one GPU to another over peer access, against a real kvstored. Every
+load is compared byte for byte with the lender's cache, into a poisoned cache; a lender killed
+before or during the read, and a daemon restarted, hand over nothing (0 tokens, the poison
+intact or the copy disowned), never wrong bytes. The protocol alone is `test_lends.py`."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.proto import kvstore_pb2 as pb
+from kvstore.shared.keys import pack_keys
+from kvstore_client import KVSpec, KVStoreClient
+from tests.harness import Daemon
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SPEC = KVSpec(
+    model="lend-cuda",
+    num_layers=4,
+    num_kv_heads=2,
+    head_dim=64,
+    dtype=torch.bfloat16,
+    block_size=16,
+    chunk_tokens=256,
+)
+TOKENS = 1024
+BLOCKS = 2 * TOKENS // 16  # room for the prompt at blocks other than 0..63
+
+
+def seeded(device: torch.device, seed: int | None, blocks: int = BLOCKS) -> list[torch.Tensor]:
+    """A flash_attn cache of `blocks` blocks: bytes of a seeded CPU generator (alike in every
+    process), or the poison 0xA5 (`seed` None)."""
+    shape = (2, blocks, 16, 2, 128)  # bytes: 64 bf16 a head
+    if seed is None:
+        return [
+            torch.full(shape, 0xA5, dtype=torch.uint8, device=device).view(torch.bfloat16) for _ in range(4)
+        ]
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(device).view(torch.bfloat16)
+        for _ in range(4)
+    ]
+
+
+LENDER_TABLE = list(range(BLOCKS - 1, BLOCKS - 1 - TOKENS // 16, -1))  # descending, from the end
+READER_TABLE = list(range(3, 3 + TOKENS // 16))
+
+
+def _lender(address: str, device: int, commands: Any, out: Any) -> None:
+    """Lends the prompt from GPU `device`, then does as told: "done" (poll lends_done), "die"."""
+    try:
+        torch.cuda.set_device(device)
+        with KVStoreClient.connect(address, SPEC, name="lender") as client:
+            cache = seeded(torch.device("cuda", device), seed=11)
+            lend_id, tokens = client.lend(list(range(TOKENS)), cache, LENDER_TABLE)
+            out.put(("lent", lend_id, tokens))
+            while True:
+                command = commands.get(timeout=120)
+                if command == "done":
+                    out.put(("done", client.lends_done([lend_id])))
+                elif command == "die":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                else:
+                    break
+        out.put(("closed",))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        out.put(("error", traceback.format_exc()))
+
+
+class Lender:
+    def __init__(self, address: str, device: int) -> None:
+        context = mp.get_context("spawn")
+        self.commands, self.out = context.Queue(), context.Queue()
+        self.process = context.Process(target=_lender, args=(address, device, self.commands, self.out))
+        self.process.start()
+        message = self.get()
+        assert message[0] == "lent" and message[2] == TOKENS, message
+        self.lend_id = message[1]
+
+    def get(self) -> Any:
+        message = self.out.get(timeout=120)
+        assert message[0] != "error", message[1]
+        return message
+
+    def done(self) -> list[int]:
+        self.commands.put("done")
+        return self.get()[1]
+
+    def kill(self) -> None:
+        self.commands.put("die")
+        self.process.join(timeout=60)  # reaped: its pid names no process now
+        assert self.process.exitcode == -signal.SIGKILL
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.commands.put("exit")
+            self.process.join(timeout=60)
+
+
+@pytest.fixture
+def lenders() -> Iterator[Callable[[str, int], Lender]]:
+    started: list[Lender] = []
+
+    def start(address: str, device: int) -> Lender:
+        started.append(Lender(address, device))
+        return started[-1]
+
+    yield start
+    for lender in started:
+        lender.close()
+
+
+def devices_pairs() -> list[tuple[int, int]]:
+    if not torch.cuda.is_available():
+        return []
+    pairs = [(0, 0)]
+    if torch.cuda.device_count() > 1 and torch.cuda.can_device_access_peer(1, 0):
+        pairs.append((0, 1))
+    return pairs
+
+
+def same_prompt(reader: list[torch.Tensor], lender: list[torch.Tensor]) -> bool:
+    return all(
+        torch.equal(r[:, READER_TABLE].cpu().view(torch.uint8), w[:, LENDER_TABLE].cpu().view(torch.uint8))
+        for r, w in zip(reader, lender, strict=True)
+    )
+
+
+@pytest.mark.parametrize(("lender_gpu", "reader_gpu"), devices_pairs())
+def test_lent_blocks_land_byte_for_byte(
+    daemon: Daemon, lenders: Callable[[str, int], Lender], lender_gpu: int, reader_gpu: int
+) -> None:
+    lender = lenders(daemon.address, lender_gpu)
+    device = torch.device("cuda", reader_gpu)
+    with torch.cuda.device(device), KVStoreClient.connect(daemon.address, SPEC, name="reader") as reader:
+        target = seeded(device, seed=None)
+        assert reader.load(list(range(TOKENS)), target, READER_TABLE) == TOKENS
+        assert same_prompt(target, seeded(torch.device("cpu"), seed=11))
+        untouched = [b for b in range(BLOCKS) if b not in READER_TABLE]
+        assert all(bool((layer[:, untouched].view(torch.uint8) == 0xA5).all()) for layer in target)
+        assert reader.stats()["counters"]["lent_reads_returned"] == 1
+        assert lender.done() == [lender.lend_id]
+        again = seeded(device, seed=None)
+        assert (
+            reader.load(list(range(TOKENS)), again, READER_TABLE) == 0
+        )  # read once, then the blocks are the lender's
+
+
+@pytest.mark.parametrize(("lender_gpu", "reader_gpu"), devices_pairs())
+def test_a_lender_killed_before_the_read_hands_over_nothing(
+    daemon: Daemon, lenders: Callable[[str, int], Lender], lender_gpu: int, reader_gpu: int
+) -> None:
+    lender = lenders(daemon.address, lender_gpu)
+    lender.kill()
+    device = torch.device("cuda", reader_gpu)
+    with torch.cuda.device(device), KVStoreClient.connect(daemon.address, SPEC) as reader:
+        target = seeded(device, seed=None)
+        assert reader.load(list(range(TOKENS)), target, READER_TABLE) == 0
+        assert all(bool((layer.view(torch.uint8) == 0xA5).all()) for layer in target)
+
+
+@pytest.mark.parametrize(("lender_gpu", "reader_gpu"), devices_pairs())
+def test_a_lender_killed_during_the_read_disowns_the_copy(
+    daemon: Daemon, lenders: Callable[[str, int], Lender], lender_gpu: int, reader_gpu: int
+) -> None:
+    """The read is taken, the lender dies and is reaped, then the copy runs from the dead
+    process's memory (still mapped here): it must neither crash nor count."""
+    lender = lenders(daemon.address, lender_gpu)
+    device = torch.device("cuda", reader_gpu)
+    with torch.cuda.device(device), KVStoreClient.connect(daemon.address, SPEC) as reader:
+        keys = reader.keys(list(range(TOKENS)))
+        request = pb.LookupRequest(
+            namespace=reader.namespace,
+            keys=pack_keys(keys),
+            lease=True,
+            lent_devices=reader._lends.devices(device),
+        )
+        reply = reader._conn.rpc("Lookup", request)
+        assert reply.HasField("lent") and reply.hit_chunks == len(keys)
+        lender.kill()
+        target = seeded(device, seed=None)
+        handle = reader._lends.read(reply, None, target, READER_TABLE, range(4), None, reader._link.lent)
+        assert handle is not None and handle.wait() == 0
+        torch.cuda.synchronize(device)
+        assert reader.load(list(range(TOKENS)), seeded(device, seed=None), READER_TABLE) == 0
+
+
+def test_a_restarted_daemon_knows_no_lend(
+    daemon_factory: Callable[..., Daemon], lenders: Callable[[str, int], Lender]
+) -> None:
+    daemon = daemon_factory("lends")
+    lender = lenders(daemon.address, 0)
+    assert daemon.stop() == 0
+    daemon = daemon_factory("lends")
+    device = torch.device("cuda", 0)
+    with KVStoreClient.connect(daemon.address, SPEC) as reader:
+        target = seeded(device, seed=None)
+        assert reader.load(list(range(TOKENS)), target, READER_TABLE) == 0
+        assert all(bool((layer.view(torch.uint8) == 0xA5).all()) for layer in target)
+    deadline = time.monotonic() + 30
+    while lender.done() != [lender.lend_id]:  # the lender's client connects again, then learns
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
