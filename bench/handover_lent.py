@@ -28,15 +28,13 @@ LENT_ROW = "hand-over, lent blocks (one copy over the link)"
 
 def seeded_cache(spec: Any, tokens: int, device: torch.device, seed: int | None) -> list[torch.Tensor]:
     """A flash_attn cache: bytes from a seeded CPU generator (the same in every process), or poison."""
-    shape = (2, tokens // spec.block_size, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (2, tokens // spec.block_size, spec.block_size, spec.num_kv_heads, spec.head_dim * 2)  # bytes
     if seed is None:
         return [torch.full(shape, 0xA5, dtype=torch.uint8, device=device).view(torch.bfloat16)
                 for _ in range(spec.num_layers)]  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     return [
-        torch.randint(0, 256, (*shape[:-1], shape[-1] * 2), dtype=torch.uint8, generator=gen)
-        .to(device)
-        .view(torch.bfloat16)
+        torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(device).view(torch.bfloat16)
         for _ in range(spec.num_layers)
     ]
 

@@ -42,6 +42,9 @@ class LendPath:
         self._safe_at: dict[int, float] = {}  # lend id -> when its blocks are free whatever happens
         self._devices: dict[torch.device, list[str]] = {}
         self._lock = threading.Lock()
+        # The last load's Lookup was answered with lent blocks: the next one likely is too, so it
+        # readies no scatter from the arena while the daemon answers (a decode worker's loads).
+        self.expect_lent = False
 
     # -- the lender ----------------------------------------------------------------------------
 
@@ -176,8 +179,10 @@ class LendPath:
             log.warning(
                 "lent blocks from %s not read (%s): loading from the tiers", lent.device_pci_bus_id, exc
             )
+            self.expect_lent = False
             self._returned(lent.read_id)
             return None
+        self.expect_lent = True
         tokens = self._s._covered(token_ids, chunks)
         finish = functools.partial(self._finish, lent.read_id, tokens)
         return LoadHandle(event, finish, lambda exc: self._returned(lent.read_id), tokens, layers)

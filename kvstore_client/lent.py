@@ -88,11 +88,30 @@ class LentCaches:
 
     def __init__(self) -> None:
         self._open: dict[tuple[str, int], tuple[int, int]] = {}  # -> (address, size)
+        # (descriptor, reading device, this cache's shapes) -> the lender's cache, registered
+        self._caches: dict[tuple[bytes, int, tuple[Any, ...]], Any] = {}
         self._lock = threading.Lock()
 
     def open(self, spec: Any, descriptor: bytes, reader: torch.Device, mine: Any) -> Any:
         """The lender's cache as tensors on `reader` (in the form of `mine`, this worker's cache),
-        after checking the descriptor against `spec` and `mine`; ValueError for one that differs."""
+        after checking the descriptor against `spec` and `mine`; ValueError for one that differs.
+        Made once per descriptor and registered (`kvstore_kernels.register`): a lender's cache
+        keeps its tensors, so a later read of it checks nothing again."""
+        tensors, _ = _tensors(mine)
+        key = (descriptor, reader.index, tuple((t.dtype, *t.shape) for t in tensors))
+        found = self._caches.get(key)
+        if found is None:
+            import kvstore_kernels
+
+            if len(self._caches) >= MAX_OPEN:
+                self._caches.clear()
+
+            found = self._caches[key] = kvstore_kernels.register(
+                spec, self._opened(spec, descriptor, reader, mine)
+            )
+        return found
+
+    def _opened(self, spec: Any, descriptor: bytes, reader: torch.Device, mine: Any) -> Any:
         try:
             info = json.loads(descriptor)
             tensors, form = _tensors(mine)
@@ -171,6 +190,7 @@ class LentCaches:
 
     def _close(self, key: tuple[str, int], value: tuple[int, int]) -> None:
         del self._open[key]
+        self._caches.clear()  # some hold views of it
         with torch.cuda.device(key[1]):
             torch.cuda.synchronize()  # reads of this process still in flight
             try:

@@ -34,6 +34,7 @@ class _LoadTargets:
     stream: Any
     layerwise: bool = False  # moved in runs of layers: no scatter of every layer is prepared
     prepared: kvstore_kernels.Prepared | None = None  # the arena's scatter of every chunk, set up
+    readied: bool = False
 
     def ready(self, client: Session, kv_caches: Any, chunks: int, layers: range) -> None:
         """Orders the side stream after the caller's, and checks and sets up the scatter of every
@@ -41,6 +42,7 @@ class _LoadTargets:
         the GPU pools too). None of it depends on the Lookup's reply; nothing here may fail the
         call, whose reply holds a lease: what fails is done again after the reply, where an error
         releases it."""
+        self.readied = True
         try:
             device = cache_device(kv_caches)
             if self.stream is None and device.type == "cuda":
@@ -111,6 +113,8 @@ class LoadPath:
         asked = time.monotonic()  # the daemon's lease deadline is at least this + lease_ttl_s
         targets = _LoadTargets(block_ids, stream, layerwise)
         reply = self._lookup_leased(keys, kv_caches, moved, targets, lent=True) if keys else None
+        if reply is not None and not reply.HasField("lent"):
+            self._s._lends.expect_lent = False
         if reply is not None and reply.HasField("lent"):  # another GPU's blocks: copied device to device
             lent = self._s._lends.read(
                 reply, token_ids, kv_caches, block_ids, moved, stream, self._s._link.lent
@@ -120,6 +124,8 @@ class LoadPath:
             reply = self._lookup_leased(keys, kv_caches, moved, targets, lent=False)
         if reply is None or reply.hit_chunks == 0:
             return LoadHandle(None, lambda: 0, ignore, 0, moved)
+        if not targets.readied and self._s.arena is not None:  # not while the Lookup was in flight
+            targets.ready(self._s, kv_caches, len(keys), moved)
         return self._read(reply, token_ids, kv_caches, targets, moved, layerwise, asked)
 
     def _read(
@@ -187,8 +193,10 @@ class LoadPath:
             )
 
         meanwhile = functools.partial(targets.ready, self._s, kv_caches, len(keys), layers)
+        if self._s.arena is None or (lent_devices and self._s._lends.expect_lent):
+            meanwhile = None  # readied after the reply, where it is needed
         try:
-            return self._s._conn.call("Lookup", request, meanwhile if self._s.arena is not None else None)
+            return self._s._conn.call("Lookup", request, meanwhile)
         except Unavailable:
             return None
 
