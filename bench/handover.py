@@ -20,13 +20,11 @@ prompt's KV from a producer on one GPU to a consumer on another costs through th
 - The hand-over through the GPU tier: the producer stores into the daemon's pool on its own GPU
   (`KVStoreClient.store_to_gpu`), the consumer loads from there over peer access; timed as the
   arena's.
-- The hand-over with lent blocks (`bench/handover_lent.py`): the producer lends its blocks, the
-  consumer (another process) copies them into its cache over peer access: one copy.
+- With lent blocks (`bench/handover_lent.py`): the consumer copies the producer's blocks: one copy.
 - Every round's loaded bytes are compared with the producer's (column `ok`; `ok_device_copies`,
   `ok_pool`, `ok_lent`).
 
     python bench/handover.py                      # 8k and 32k tokens, GPUs 0 -> 1
-    python bench/handover.py --tokens 8192 --reps 5
     python bench/handover.py --dry-run            # CPU tensors, 512 tokens: that it runs and compares
 
 Writes bench/results/handover.json (`--name`).
@@ -162,7 +160,9 @@ def run_tokens(tokens: int, producer: torch.device, consumer: torch.device, reps
     if producer.type == "cuda":
         row["ok_pool"] = pool_handover(spec, source, target, table, chunks, tokens, devices, walls, reps)
         with running_daemon(daemon_config(page_bytes, 4)) as daemon:
-            walls[LENT_ROW], row["ok_lent"] = lent_handover(daemon.address, spec, tokens, devices, reps)
+            walls[LENT_ROW], row["ok_lent"], row["lent_ms"] = lent_handover(
+                daemon.address, spec, tokens, devices, reps
+            )
     row["ms"] = {name: statistics.median(values) for name, values in walls.items()}
     row["walls_ms"] = walls
     peer = row["ms"].get("peer copy producer->consumer")

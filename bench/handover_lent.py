@@ -17,6 +17,7 @@ the lend before the next round.
 from __future__ import annotations
 
 import multiprocessing as mp
+import statistics
 import time
 import traceback
 from typing import Any
@@ -24,6 +25,10 @@ from typing import Any
 import torch
 
 LENT_ROW = "hand-over, lent blocks (one copy over the link)"
+# Where a round's time goes, median ms: the producer's lend (its stream waited for, the Lend call),
+# the signal to the consumer, its load up to the copy's enqueue (the leased Lookup), the copy and
+# its Returned.
+PHASES = ("lend", "signal", "lookup and enqueue", "copy and returned")
 
 
 def seeded_cache(spec: Any, tokens: int, device: torch.device, seed: int | None) -> list[torch.Tensor]:
@@ -55,7 +60,7 @@ def _producer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe
                 torch.cuda.synchronize()
                 started = time.monotonic()
                 lend_id, lent = client.lend(None, cache, table, keys=keys)
-                pipe.send((started, lend_id, lent))
+                pipe.send((started, lend_id, lent, time.monotonic()))
                 if pipe.recv() is None:  # the consumer has loaded
                     raise RuntimeError("the consumer failed")
                 deadline = time.monotonic() + 30
@@ -79,6 +84,7 @@ def _consumer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe
         target = seeded_cache(spec, tokens, gpu, seed=None)
         table = list(range(tokens // spec.block_size))
         walls, ok = [], True
+        phases: dict[str, list[float]] = {}
         with KVStoreClient.connect(address, spec, name="lent-consumer") as client:
             cache = client.register_kv_caches(target)
             keys = client.keys(list(range(tokens)))
@@ -90,8 +96,11 @@ def _consumer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe
                 message = pipe.recv()
                 if message is None:
                     raise RuntimeError("the producer failed")
-                started, _, lent = message
-                loaded = client.load(None, cache, table, keys=keys)
+                received = time.monotonic()
+                started, _, lent, lent_at = message
+                handle = client.load_async(None, cache, table, keys=keys)
+                enqueued = time.monotonic()
+                loaded = handle.wait()
                 torch.cuda.synchronize()
                 ended = time.monotonic()
                 pipe.send("loaded")
@@ -102,8 +111,12 @@ def _consumer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe
                 ok = ok and lent == tokens and loaded == tokens and same
                 if attempt:
                     walls.append((ended - started) * 1e3)
+                    marks = (started, lent_at, received, enqueued, ended)
+                    for name, a, b in zip(PHASES, marks, marks[1:], strict=False):
+                        phases.setdefault(name, []).append((b - a) * 1e3)
             lent_reads = client.stats()["counters"].get("lent_reads_returned", 0)
-        out.put(("consumer", (walls, ok and lent_reads == reps + 1)))
+        medians = {name: statistics.median(values) for name, values in phases.items()}
+        out.put(("consumer", (walls, ok and lent_reads == reps + 1, medians)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         out.put(("consumer", traceback.format_exc()))
         pipe.send(None)  # the producer stops waiting
@@ -111,9 +124,10 @@ def _consumer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe
 
 def lent_handover(
     address: str, spec: Any, tokens: int, devices: tuple[torch.device, torch.device], reps: int
-) -> tuple[list[float], bool]:
-    """The wall ms of `reps` lent hand-overs between two processes, and whether every round
-    lent and loaded the whole prompt, the producer's bytes, as a lent read."""
+) -> tuple[list[float], bool, dict[str, float]]:
+    """The wall ms of `reps` lent hand-overs between two processes, whether every round lent and
+    loaded the whole prompt, the producer's bytes, as a lent read, and the median ms of each of
+    `PHASES`."""
     context = mp.get_context("spawn")
     ends, out = context.Pipe(), context.Queue()
     processes = [
@@ -132,5 +146,5 @@ def lent_handover(
     for role, result in results.items():
         if isinstance(result, str) and result != "ok":
             raise RuntimeError(f"the {role} failed:\n{result}")
-    walls, ok = results["consumer"]
-    return walls, ok
+    walls, ok, phases = results["consumer"]
+    return walls, ok, phases

@@ -63,10 +63,12 @@ DEVICE_TUNING = Tuning(tile_bytes=32768, segments_per_step=1)
 # Host buffers with small segments (a TP rank's share of the heads, fp8, few KV heads): a step of
 # 4 segments of 8 KiB at 2 programs loaded at 0.50 of memcpy on an H200, 4 KiB ones at 0.27.
 # Each program's step has a fixed latency (its block ids, then the host reads), so small
-# segments need more of them in flight: (segment bytes below, shape, programs), first match
-# (bench/segment_shapes.py; bench/NOTES-host-gpus.md, "Small segments").
+# segments need more of them in flight: (segment bytes below, shape, programs), first match.
+# Four H200s at once: 8 KiB at 4 programs 0.93 / 0.91 of memcpy (store / load), 4 KiB with 8
+# segments a step at 8 programs 0.93 / 0.90 (bench/segment_shapes.py; bench/NOTES-host-gpus.md,
+# "Small segments").
 SMALL_SEGMENTS = (
-    (8192, Tuning(segments_per_step=8), 4),
+    (8192, Tuning(segments_per_step=8), 8),
     (16384, Tuning(segments_per_step=4), 4),
 )
 

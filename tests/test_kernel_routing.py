@@ -181,7 +181,7 @@ def test_kernel_tunings_move_the_same_bytes(tuning: dict[str, Any], strided: boo
     assert torch.equal(again.cpu(), buffer.cpu())
 
 
-@pytest.mark.parametrize(("head_dim", "segments", "programs"), [(256, 4, 2), (128, 4, 4), (64, 8, 4)])
+@pytest.mark.parametrize(("head_dim", "segments", "programs"), [(256, 4, 2), (128, 4, 4), (64, 8, 8)])
 def test_host_transfers_of_small_segments_keep_more_bytes_in_flight(
     head_dim: int, segments: int, programs: int
 ) -> None:

@@ -332,10 +332,10 @@ def test_bad_extra_config_names_the_key() -> None:
         ConnectorConfig.from_extra({"adress": "unix:///x"})
     with pytest.raises(ValueError, match="lookup_timeout_s"):
         ConnectorConfig.from_extra({"lookup_timeout_s": -1})
-    with pytest.raises(ValueError, match="save_to: expected one of auto, arena, gpu, got 'hbm'"):
+    with pytest.raises(ValueError, match="save_to: expected one of auto, arena, gpu, lend, got 'hbm'"):
         ConnectorConfig.from_extra({"save_to": "hbm"})
     roles = {"kv_producer": (False, True), "kv_consumer": (True, False), "kv_both": (True, True)}
-    for save_to, wanted in (("auto", ["kv_producer"]), ("gpu", list(roles)), ("arena", [])):
+    for save_to, wanted in (("auto", ["kv_producer"]), ("gpu", list(roles)), ("arena", []), ("lend", [])):
         config = ConnectorConfig.from_extra({"save_to": save_to})
         chosen = [
             role for role, (loads, saves) in roles.items() if config.saves_to_gpu(loads=loads, saves=saves)
@@ -373,6 +373,51 @@ def test_a_producer_saves_and_a_consumer_loads_through_one_daemon(
     assert serve(decode, "B", prompt(21, 64)) == 64
     assert serve(prefill, "B", prompt(21, 64) + [1]) == 65  # the consumer saved nothing
     assert stored_keys(decode) == []
+
+
+def test_a_lending_producer_keeps_a_requests_blocks_until_its_lend_is_done(
+    kvstored: Daemon, make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`save_to: lend`. The lend itself needs a CUDA cache (test_lends_cuda.py moves the bytes);
+    here the client lends as the daemon would answer, to see vLLM hold the request's blocks
+    until `lends_done` names the lend, with the real scheduler."""
+    engine = make_engine(kvstored, kv_role="kv_producer", extra={"save_to": "lend"})
+    worker = engine.workers[0]._worker
+    assert worker.lends and not worker.save_to_gpu
+    lent: list[int] = []
+    asked: list[list[int]] = []
+
+    def lend(
+        self: KVStoreClient, token_ids: Any, kv_caches: Any, block_ids: Any, **options: Any
+    ) -> tuple[int, int]:
+        assert token_ids is None and len(block_ids) == len(options["keys"]) * self.spec.blocks_per_chunk
+        lent.append(len(options["keys"]))
+        return 7, len(options["keys"]) * CHUNK
+
+    def lends_done(self: KVStoreClient, ids: list[int], withdraw: bool = False) -> list[int]:
+        asked.append(list(ids))
+        # The request is finished, and its blocks are still the request's: vLLM has not freed them.
+        assert "A" in engine.scheduler.requests
+        assert engine.scheduler.kv_cache_manager.get_block_ids("A")[0]
+        return list(ids) if len(asked) >= 3 else []
+
+    monkeypatch.setattr(KVStoreClient, "lend", lend)
+    monkeypatch.setattr(KVStoreClient, "lends_done", lends_done)
+    engine.add("A", prompt(23, 128), 1)
+    engine.run()
+    assert lent == [128 // CHUNK] and asked == [[7], [7], [7]]
+    assert "A" not in engine.scheduler.requests  # freed once the lend was done
+    assert stored_keys(engine) == []  # nothing copied anywhere
+
+
+def test_a_lend_that_fails_frees_the_blocks_at_once(
+    kvstored: Daemon, make_engine: Callable[..., Engine]
+) -> None:
+    """On the CPU a lend is refused (no CUDA cache to export): logged, nothing held, nothing stored."""
+    engine = make_engine(kvstored, kv_role="kv_producer", extra={"save_to": "lend"})
+    assert serve(engine, "A", prompt(24, 128)) == 128
+    assert "A" not in engine.scheduler.requests
+    assert stored_keys(engine) == []
 
 
 def test_a_finished_request_keeps_its_blocks_until_its_save_is_committed(

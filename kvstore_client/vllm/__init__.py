@@ -11,8 +11,9 @@ step's `metadata.StepMetadata` is all that passes between them. Roles: `kv_both`
 saves; `kv_producer` (a prefill instance) saves every prompt and loads nothing; `kv_consumer`
 (a decode instance) loads and never saves. A producer's saves land in the GPU tier's pool on its
 own GPU where the daemon has one (`save_to`), and a consumer on another GPU of the host reads them
-there over peer access: prefill to decode without the trip through host memory. The extra-config
-keys are in `config`.
+there over peer access: prefill to decode without the trip through host memory; with `save_to:
+lend` the producer lends its blocks instead and a consumer copies them once (`worker_lends`). The
+extra-config keys are in `config`.
 
 A daemon that is down, restarting or slow costs at most `lookup_timeout_s` per scheduler call,
 answers 0 matched tokens, saves nothing, logs one warning per outage, and never raises into vLLM.
@@ -92,6 +93,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 rank,
                 saves=saves,
                 save_to_gpu=self.config.saves_to_gpu(loads=loads, saves=saves),
+                lends=saves and self.config.save_to == "lend",
             )
 
     @classmethod

@@ -16,8 +16,12 @@ Extra-config keys, all optional:
 - `save_to`: where saves land: `"arena"` (host memory, kept for every later request on the
   host), `"gpu"` (the daemon's GPU-tier pool on the worker's own GPU, written device to device;
   a decode instance on another GPU of the host reads it in place over NVLink; the arena where
-  the daemon has no pool there or no room), or `"auto"` (default): `"gpu"` for a `kv_producer`
-  (a prefill instance handing prompts to decode instances), `"arena"` otherwise.
+  the daemon has no pool there or no room), `"lend"` (nothing is copied: the worker lends its
+  own blocks, `KVStoreClient.lend`, and vLLM frees them once a decode instance on another GPU of
+  the host has copied them in one copy over NVLink, or after 30 s unread; a group whose blocks
+  vLLM reuses early, sliding windows and states, is saved to the arena instead), or `"auto"`
+  (default): `"gpu"` for a `kv_producer` (a prefill instance handing prompts to decode
+  instances), `"arena"` otherwise.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from kvstore.shared.spec import KVSpec
 from kvstore_client.vllm.groups import Group, chunk_tokens_of, read_groups
 
 LOAD_MODES = ("async", "layerwise")
-SAVE_TO = ("auto", "arena", "gpu")
+SAVE_TO = ("auto", "arena", "gpu", "lend")
 _KEYS = ("address", "model", "salt", "load_mode", "lookup_timeout_s", "timeout_s", "token", "save_to")
 
 

@@ -38,6 +38,7 @@ from kvstore_client.vllm.groups import MAMBA, Group, is_quantized, scales_text
 from kvstore_client.vllm.layouts import layer_scales
 from kvstore_client.vllm.metadata import Handshake, LoadSpec, SaveSpec, StepMetadata, StoredChunks
 from kvstore_client.vllm.worker_groups import GroupSide
+from kvstore_client.vllm.worker_lends import Lending
 from kvstore_client.vllm.worker_loads import Load, queue_parts, record_event
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class WorkerSide:
         *,
         saves: bool,
         save_to_gpu: bool = False,
+        lends: bool = False,
     ) -> None:
         self.vllm_config = vllm_config
         self.tp_rank = tp_rank
@@ -64,6 +66,8 @@ class WorkerSide:
         self.layer_group = {name: side for side in self.groups.values() for name in side.group.layer_names}
         self.saves = saves
         self.save_to_gpu = save_to_gpu  # saves land in the GPU tier's pool on this GPU (`save_to`)
+        self.lends = lends  # saves lend the blocks instead (`save_to: lend`; `worker_lends`)
+        self._lending = Lending()
         self.layerwise = config.load_mode == "layerwise"
         self.reports = tp_rank == 0  # KV events speak of rank 0's keys
         self.handshake = Handshake()
@@ -220,6 +224,9 @@ class WorkerSide:
             keys = self._keys_of(side, client, spec)
             if keys is None:
                 continue
+            if self.lends and not side.group.frees_blocks:
+                self._lending.lend(client, side, spec, keys)
+                continue
             try:
                 client.store_to_gpu = self.save_to_gpu
                 stream = self._ordered_stream()
@@ -263,11 +270,13 @@ class WorkerSide:
             self._commit(req_id)
 
     def finished_saves(self, held: set[str]) -> set[str]:
-        """`held`, each once its saves are committed (now: the blocks go back to vLLM this step)."""
+        """`held`, each once its saves are committed (now) and its lends are done (this step or a
+        later one): then the blocks go back to vLLM."""
         self.settle(held)
-        for req_id in held:
+        finished = self._lending.finished(held)
+        for req_id in finished:
             self._forget(req_id)
-        return set(held)
+        return finished
 
     def forget(self, req_ids: set[str]) -> None:
         """Drops what is kept for finished requests; one still loading is dropped once loaded."""
