@@ -271,10 +271,14 @@ class KVStoreClient(Session):
         """
         return self._lends.lend(token_ids, kv_caches, block_ids, keys=keys, hold_s=hold_s, tail=tail)
 
-    def lends_done(self, lend_ids: Sequence[int], *, withdraw: bool = False) -> list[int]:
+    def lends_done(
+        self, lend_ids: Sequence[int], *, withdraw: bool = False, revoke: bool = False
+    ) -> list[int]:
         """Those of `lend_ids` whose blocks may be reused now. `withdraw` ends the others as soon
-        as no read is in flight (call again to learn when)."""
-        return self._lends.done(lend_ids, withdraw)
+        as no read is in flight (call again to learn when). `revoke` ends them all now (a read in
+        flight counts 0 for its reader) and returns them all; where the daemon cannot be reached
+        it returns once no read of them can count any more (their hold and a read's TTL)."""
+        return self._lends.done(lend_ids, withdraw, revoke)
 
     def load(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ import torch
 import kvstore_kernels
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.shared.cudart import CudaError, CudaUnavailable
-from kvstore.shared.errors import KVStoreError, Unavailable
+from kvstore.shared.errors import KVStoreError
 from kvstore.shared.keys import pack_keys
 from kvstore_client.handles import LoadHandle
 from kvstore_client.lent import LentCaches, describe
@@ -33,6 +34,7 @@ from kvstore_client.transfers import cache_device
 log = logging.getLogger(__name__)
 
 DEFAULT_HOLD_S = 30.0
+MIN_HOLD_S, MAX_HOLD_S = 0.001, 600.0  # the daemon's bounds
 
 
 class LendPath:
@@ -72,8 +74,12 @@ class LendPath:
             raise ValueError("block_ids: block ids must be in 0..2**31-1")
         descriptor, bus = self._descriptor(kv_caches)
         device = cache_device(kv_caches)
-        torch.cuda.current_stream(device).synchronize()  # the KV is written before anyone reads it
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the KV is written before anyone reads it
         hold = DEFAULT_HOLD_S if hold_s is None else hold_s
+        if not MIN_HOLD_S <= hold <= MAX_HOLD_S:
+            raise ValueError(f"hold_s: expected {MIN_HOLD_S}..{MAX_HOLD_S} seconds, got {hold!r}")
+        hold_ms = math.ceil(hold * 1000)
         packed, blocks = pack_keys(keys[:chunks]), moved.astype("<i4").tobytes()
 
         def request() -> pb.LendRequest:
@@ -83,12 +89,14 @@ class LendPath:
                 blocks=blocks,
                 cache=descriptor,
                 device_pci_bus_id=bus,
-                hold_ms=max(1, int(hold * 1000)),
+                hold_ms=hold_ms,
             )
 
         reply = self._s._conn.call("Lend", request)
         with self._lock:
-            self._safe_at[reply.lend_id] = time.monotonic() + hold + self._s.lease_ttl_s
+            # The daemon's hold ends hold_ms after it took the Lend, before this reply; its last
+            # read's TTL after that (a millisecond for the TTL's rounding to milliseconds).
+            self._safe_at[reply.lend_id] = time.monotonic() + hold_ms / 1000 + self._s.lease_ttl_s + 0.001
         return reply.lend_id, self._s._covered(token_ids, chunks)
 
     def _descriptor(self, kv_caches: Any) -> tuple[bytes, str]:
@@ -101,22 +109,33 @@ class LendPath:
             found = self._described[key] = describe(self._s.spec, kv_caches)
         return found
 
-    def done(self, lend_ids: Sequence[int], withdraw: bool = False) -> list[int]:
+    def done(self, lend_ids: Sequence[int], withdraw: bool = False, revoke: bool = False) -> list[int]:
         """`KVStoreClient.lends_done`."""
         ids = list(lend_ids)
         if not ids:
             return []
-        try:
-            reply = self._s._conn.call(
-                "Lends", lambda: pb.LendsRequest(namespace=self._s.namespace, lend_ids=ids, withdraw=withdraw)
+
+        def request() -> pb.LendsRequest:
+            return pb.LendsRequest(
+                namespace=self._s.namespace, lend_ids=ids, withdraw=withdraw, revoke=revoke
             )
-            done = set(reply.done)
-        except Unavailable as exc:  # only time frees blocks now
-            log.debug("Lends: %s", exc)
+
+        try:
+            done = set(self._s._conn.call("Lends", request).done)
+        except KVStoreError as exc:  # only time frees blocks now
+            log.warning(
+                "Lends: %s; the lends' blocks are free once their hold and a read's TTL have passed", exc
+            )
             done = set()
+            if revoke:  # the blocks are wanted now: wait until no read can count
+                with self._lock:
+                    latest = max((self._safe_at.get(i, 0.0) for i in ids), default=0.0)
+                time.sleep(max(0.0, latest - time.monotonic()))
         now = time.monotonic()
         with self._lock:
-            done |= {i for i in ids if self._safe_at.get(i, now + 1) <= now}
+            done |= {
+                i for i in ids if self._safe_at.get(i, now + 1) <= now or (revoke and i not in self._safe_at)
+            }
             for lend_id in done:
                 self._safe_at.pop(lend_id, None)
         return [i for i in ids if i in done]
@@ -162,7 +181,7 @@ class LendPath:
             )
             if source_blocks.size != chunks * per_chunk or table.size < chunks * per_chunk:
                 raise ValueError(f"{source_blocks.size} lent block ids for {chunks} chunks")
-            source = caches.open(self._s.spec, lent.cache, device, kv_caches)
+            source = caches.open(self._s.spec, lent.cache, lent.device_pci_bus_id, device, kv_caches)
             stream = stream or self._s._streams.ordered_side(device)
             with torch.cuda.stream(stream):
                 kvstore_kernels.copy_blocks(
@@ -175,12 +194,12 @@ class LendPath:
                 )
                 event = torch.cuda.Event()
                 event.record(stream)
-        except (ValueError, CudaError, CudaUnavailable, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a descriptor or a device this reader cannot use
             log.warning(
                 "lent blocks from %s not read (%s): loading from the tiers", lent.device_pci_bus_id, exc
             )
             self.expect_lent = False
-            self._returned(lent.read_id)
+            self._returned(lent.read_id, unused=True)  # the lend stays for a reader that can
             return None
         self.expect_lent = True
         tokens = self._s._covered(token_ids, chunks)
@@ -198,10 +217,10 @@ class LendPath:
         )
         return 0
 
-    def _returned(self, read_id: int) -> bool:
+    def _returned(self, read_id: int, unused: bool = False) -> bool:
         try:
             reply = self._s._conn.rpc(
-                "Returned", pb.ReturnedRequest(namespace=self._s.namespace, read_id=read_id)
+                "Returned", pb.ReturnedRequest(namespace=self._s.namespace, read_id=read_id, unused=unused)
             )
         except KVStoreError as exc:
             log.debug("Returned %d: %s", read_id, exc)

@@ -26,12 +26,17 @@ from kvstore_client.gpu_pools import _DeviceBytes
 log = logging.getLogger(__name__)
 
 VERSION = 1
-MAX_OPEN = 64  # allocations of lenders kept open; the oldest is closed past it
+MAX_OPEN = 256  # allocations of lenders kept open; the oldest is closed past it
+MAX_ALLOCATIONS = 64  # in one descriptor (vLLM's cache is one)
 _DTYPES = {
     name: getattr(torch, name)
     for name in ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8", "int8")
     if hasattr(torch, name)
 }
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"lent cache descriptor: {name} is not a number")
 
 
 def _tensors(kv_caches: Any) -> tuple[list[torch.Tensor], str]:
@@ -87,52 +92,65 @@ class LentCaches:
     """Lenders' allocations opened in this process: (handle, reading device) -> address."""
 
     def __init__(self) -> None:
-        self._open: dict[tuple[str, int], tuple[int, int]] = {}  # -> (address, size)
+        self._open: dict[tuple[str, int], tuple[int, int, str]] = {}  # -> (address, size, lender's GPU)
         # (descriptor, reading device, this cache's shapes) -> the lender's cache, registered
         self._caches: dict[tuple[bytes, int, tuple[Any, ...]], Any] = {}
         self._lock = threading.Lock()
 
-    def open(self, spec: Any, descriptor: bytes, reader: torch.Device, mine: Any) -> Any:
-        """The lender's cache as tensors on `reader` (in the form of `mine`, this worker's cache),
-        after checking the descriptor against `spec` and `mine`; ValueError for one that differs.
-        Made once per descriptor and registered (`kvstore_kernels.register`): a lender's cache
-        keeps its tensors, so a later read of it checks nothing again."""
+    def open(self, spec: Any, descriptor: bytes, bus: str, reader: torch.Device, mine: Any) -> Any:
+        """The cache of the lender on GPU `bus` as tensors on `reader` (in the form of `mine`, this
+        worker's cache), after checking the descriptor against `spec` and `mine`; ValueError for
+        one that differs. Made once per descriptor and registered (`kvstore_kernels.register`): a
+        lender's cache keeps its tensors, so a later read of it checks nothing again."""
         tensors, _ = _tensors(mine)
         key = (descriptor, reader.index, tuple((t.dtype, *t.shape) for t in tensors))
         found = self._caches.get(key)
         if found is None:
             import kvstore_kernels
 
-            if len(self._caches) >= MAX_OPEN:
-                self._caches.clear()
-
-            found = self._caches[key] = kvstore_kernels.register(
-                spec, self._opened(spec, descriptor, reader, mine)
-            )
+            with self._lock:
+                if len(self._caches) >= MAX_OPEN:
+                    self._caches.clear()
+                opened = self._opened(spec, descriptor, bus, reader, mine)
+                found = self._caches[key] = kvstore_kernels.register(spec, opened)
         return found
 
-    def _opened(self, spec: Any, descriptor: bytes, reader: torch.Device, mine: Any) -> Any:
+    def _opened(self, spec: Any, descriptor: bytes, bus: str, reader: torch.Device, mine: Any) -> Any:
         try:
-            info = json.loads(descriptor)
+            info = json.loads(descriptor, parse_constant=_no_constant)
             tensors, form = _tensors(mine)
             if info["version"] != VERSION or info["form"] != form or len(info["tensors"]) != len(tensors):
                 raise ValueError("another form or version")
-            if (info["layout"], info["dtype"], info["block_size"]) != (
-                spec.layout,
-                spec.dtype,
-                spec.block_size,
-            ):
-                raise ValueError(f"another geometry: {info['layout']}, {info['dtype']}, {info['block_size']}")
+            geometry = (info["layout"], info["dtype"], info["block_size"])
+            if geometry != (spec.layout, spec.dtype, spec.block_size):
+                raise ValueError(f"another geometry: {geometry}")
+            if not 0 < len(info["allocations"]) <= MAX_ALLOCATIONS:
+                raise ValueError(f"{len(info['allocations'])} allocations, at most {MAX_ALLOCATIONS}")
+            keep = {(str(a["handle"]), reader.index) for a in info["allocations"]}
+            self._retire(bus, keep)
             views = [
-                self._view(info, entry, mine_t, reader)
+                self._view(info, entry, mine_t, reader, bus, keep)
                 for entry, mine_t in zip(info["tensors"], tensors, strict=True)
             ]
-        except (KeyError, TypeError, IndexError, json.JSONDecodeError) as exc:
+        except (KeyError, TypeError, IndexError, OverflowError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"lent cache descriptor: malformed ({exc!r})") from None
         return views[0] if form == "tensor" else views
 
+    def _retire(self, bus: str, keep: set[tuple[str, int]]) -> None:
+        """Closes the allocations of another cache lent from `bus`: a lender restarted or replaced
+        there, whose memory this process's mappings would keep alive."""
+        for key, value in list(self._open.items()):
+            if value[2] == bus and key not in keep:
+                self._close(key, value)
+
     def _view(
-        self, info: dict[str, Any], entry: dict[str, Any], mine: torch.Tensor, reader: torch.Device
+        self,
+        info: dict[str, Any],
+        entry: dict[str, Any],
+        mine: torch.Tensor,
+        reader: torch.Device,
+        bus: str,
+        keep: set[tuple[str, int]],
     ) -> Any:
         dtype = _DTYPES.get(entry["dtype"])
         shape, stride, offset = (
@@ -159,44 +177,52 @@ class LentCaches:
             or offset + extent > size
         ):
             raise ValueError("lent cache descriptor: a tensor outside its allocation")
-        address = self._address(bytes.fromhex(allocation["handle"]), size, reader)
+        address = self._address(str(allocation["handle"]), size, reader, bus, keep)
         whole = torch.as_tensor(_DeviceBytes(address, size), device=reader)
         usable = whole[: size - size % itemsize].view(dtype)
         return usable.as_strided(shape, stride, offset // itemsize)
 
-    def _address(self, handle: bytes, size: int, reader: torch.Device) -> int:
-        key = (handle.hex(), reader.index)
-        with self._lock:
-            found = self._open.get(key)
-            if found is not None and found[1] == size:
-                self._open[key] = self._open.pop(key)  # most recently used last
-                return found[0]
-            from kvstore.shared.cuda_vmm import load_vmm
+    def _address(
+        self, handle: str, size: int, reader: torch.Device, bus: str, keep: set[tuple[str, int]]
+    ) -> int:
+        """The allocation `handle` names, mapped for `reader` (opened once; the oldest other than
+        `keep`, the descriptor's own, closed past MAX_OPEN). Called under the lock."""
+        key = (handle, reader.index)
+        found = self._open.get(key)
+        if found is not None:
+            if found[1] != size:
+                raise ValueError(f"lent cache descriptor: an allocation of {size} bytes, {found[1]} open")
+            self._open[key] = self._open.pop(key)  # most recently used last
+            return found[0]
+        from kvstore.shared.cuda_vmm import load_vmm
 
-            runtime = load_runtime()
+        runtime = load_runtime()
+        with torch.cuda.device(reader):
+            runtime.set_device(reader.index)
+            address = runtime.ipc_open(bytes.fromhex(handle))  # mapped for the reader: peer access on
+            with load_vmm().on_device(reader.index):
+                base, mapped = load_vmm().address_range(address)
+        if base != address or mapped < size:  # a descriptor that claims more than was exported
             with torch.cuda.device(reader):
-                runtime.set_device(reader.index)
-                address = runtime.ipc_open(handle)  # mapped for the reader: peer access turned on
-                with load_vmm().on_device(reader.index):
-                    base, mapped = load_vmm().address_range(address)
-            if base != address or mapped < size:  # a descriptor that claims more than was exported
-                with torch.cuda.device(reader):
-                    runtime.ipc_close(address)
-                raise ValueError(f"lent cache descriptor: an allocation of {size} bytes, {mapped} exported")
-            while len(self._open) >= MAX_OPEN:
-                self._close(*next(iter(self._open.items())))
-            self._open[key] = (address, size)
-            return address
+                runtime.ipc_close(address)
+            raise ValueError(f"lent cache descriptor: an allocation of {size} bytes, {mapped} exported")
+        for other, value in list(self._open.items()):
+            if len(self._open) < MAX_OPEN:
+                break
+            if other not in keep:
+                self._close(other, value)
+        self._open[key] = (address, size, bus)
+        return address
 
-    def _close(self, key: tuple[str, int], value: tuple[int, int]) -> None:
+    def _close(self, key: tuple[str, int], value: tuple[int, int, str]) -> None:
         del self._open[key]
         self._caches.clear()  # some hold views of it
-        with torch.cuda.device(key[1]):
-            torch.cuda.synchronize()  # reads of this process still in flight
-            try:
+        try:
+            with torch.cuda.device(key[1]):
+                torch.cuda.synchronize()  # reads of this process still in flight
                 load_runtime().ipc_close(value[0])
-            except CudaError as exc:
-                log.debug("closing a lender's allocation: %s", exc)
+        except (CudaError, RuntimeError) as exc:
+            log.warning("closing a lender's allocation: %s", exc)
 
     def close(self) -> None:
         with self._lock:

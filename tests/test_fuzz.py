@@ -42,6 +42,15 @@ def valid_requests(ns: bytes, keys: bytes) -> dict[str, bytes]:
         "Pin": pb.PinRequest(namespace=ns, keys=keys, ttl_ms=1000),
         "Renew": pb.RenewRequest(namespace=ns, lease_ids=[1, 2, 3]),
         "ArenaSlabs": pb.ArenaSlabsRequest(epoch=1, first=0, count=4),
+        "Lend": pb.LendRequest(
+            namespace=ns,
+            keys=keys,
+            blocks=bytes(4 * (len(keys) // 16)),
+            cache=b"{}",
+            device_pci_bus_id="0000:01:00.0",
+        ),
+        "Lends": pb.LendsRequest(namespace=ns, lend_ids=[1, 2, 3], withdraw=True),
+        "Returned": pb.ReturnedRequest(namespace=ns, read_id=5),
         "Put": pb.PutRequest(header=pb.PutHeader(namespace=ns, lease_id=12345)),
         "Get": lease,
     }

@@ -5,6 +5,7 @@ lender went away, the hold ended or the daemon restarted. The device-to-device c
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import time
@@ -313,3 +314,169 @@ def test_the_client_lends_only_a_cuda_cache(daemon: Daemon) -> None:
         assert client.lend(list(range(10)), cache, torch.arange(2 * PER_CHUNK)) == (0, 0)  # no whole chunk
         assert client.lend(list(range(2 * SPEC.chunk_tokens)), cache, torch.arange(PER_CHUNK - 1)) == (0, 0)
         assert client.lends_done([]) == []
+
+
+def test_a_lend_ends_with_the_connection_it_was_made_on(daemon: Daemon) -> None:
+    """A lender that closes its client (or whose call timed out, closing the channel) holds nothing
+    any more: its lends end, and a read in flight counts 0."""
+    with KVStoreClient.connect(daemon.address, SPEC) as reader:
+        keys = reader.keys(list(range(2 * SPEC.chunk_tokens)))
+        with KVStoreClient.connect(daemon.address, SPEC) as lender:
+            lend_id = lend(lender, keys)
+            reply = lookup(reader, keys)
+            assert reply.HasField("lent")
+        wait_until(lambda: not lookup(reader, keys).HasField("lent"))
+        assert returned(reader, reply.lent.read_id) == 0
+        assert done(reader, [lend_id]) == [lend_id]
+
+
+def test_revoke_ends_a_lend_at_once_and_its_reads_count_nothing(daemon: Daemon) -> None:
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        keys = client.keys(list(range(2 * SPEC.chunk_tokens)))
+        lend_id = lend(client, keys)
+        reply = lookup(client, keys)
+        request = pb.LendsRequest(namespace=client.namespace, lend_ids=[lend_id], revoke=True)
+        assert list(client._conn.rpc("Lends", request).done) == [lend_id]
+        assert returned(client, reply.lent.read_id) == 0
+        assert not lookup(client, keys).HasField("lent")
+
+
+def test_a_read_given_back_unused_leaves_the_lend_to_another_reader(daemon: Daemon) -> None:
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        keys = client.keys(list(range(2 * SPEC.chunk_tokens)))
+        lend_id = lend(client, keys)
+        first = lookup(client, keys)
+        unused = pb.ReturnedRequest(namespace=client.namespace, read_id=first.lent.read_id, unused=True)
+        assert client._conn.rpc("Returned", unused).pages == 0
+        assert done(client, [lend_id]) == []
+        second = lookup(client, keys)
+        assert second.HasField("lent") and returned(client, second.lent.read_id) == 1
+        assert done(client, [lend_id]) == [lend_id]
+
+
+def test_reads_in_flight_of_one_lend_are_capped(daemon: Daemon) -> None:
+    from kvstore.store.lends import MAX_READS
+
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        keys = client.keys(list(range(2 * SPEC.chunk_tokens)))
+        lend(client, keys)
+        reads = [lookup(client, keys) for _ in range(MAX_READS)]
+        assert all(reply.HasField("lent") for reply in reads)
+        assert len({reply.lent.read_id for reply in reads}) == MAX_READS  # random, distinct
+        assert not lookup(client, keys).HasField("lent")  # the tiers answer
+        assert returned(client, reads[0].lent.read_id) == 1
+
+
+def test_more_blocks_a_chunk_than_it_has_tokens_are_refused(daemon: Daemon) -> None:
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        keys = client.keys(list(range(SPEC.chunk_tokens)))
+        blocks = bytes(4 * (SPEC.chunk_tokens + 1))
+        request = pb.LendRequest(
+            namespace=client.namespace,
+            keys=pack_keys(keys),
+            cache=CACHE,
+            device_pci_bus_id=BUS,
+            blocks=blocks,
+        )
+        with pytest.raises(InvalidArgument, match="1..256"):
+            client._conn.rpc("Lend", request)
+
+
+def test_a_lender_cut_off_from_its_daemon_frees_its_blocks_only_after_the_hold_and_a_read(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    daemon = daemon_factory("cut-off", leases__ttl_s=0.5)
+    client = KVStoreClient.connect(daemon.address, SPEC)
+    try:
+        keys = client.keys(list(range(2 * SPEC.chunk_tokens)))
+        client._lends._descriptor = lambda kv_caches: (CACHE, BUS)  # type: ignore[method-assign]  # no GPU here
+        table = torch.arange(2 * PER_CHUNK)
+        with pytest.raises(ValueError, match="hold_s"):
+            client.lend(None, [], table, keys=keys, hold_s=0.0)
+        lent_at = time.monotonic()
+        lend_id, tokens = client._lends.lend(None, [torch.zeros(1)], table, keys=keys, hold_s=0.3)
+        assert tokens == 2 * SPEC.chunk_tokens
+        assert daemon.stop() == 0
+        assert client.lends_done([lend_id]) == []  # no daemon to ask: not before the hold and a TTL
+        wait_until(lambda: client.lends_done([lend_id]) == [lend_id])
+        assert time.monotonic() - lent_at >= 0.8
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({}, "malformed|not a number"),  # the numbers below, in a descriptor otherwise good
+        ({"layout": "flashinfer"}, "another geometry"),
+        ({"block_size": 32}, "another geometry"),
+        ({"version": 2}, "another form or version"),
+        ({"allocations": []}, "0 allocations"),
+        (
+            {
+                "tensors": [
+                    {
+                        "allocation": 0,
+                        "offset": 0,
+                        "dtype": "float32",
+                        "shape": [2, 4, 16, 2, 16],
+                        "stride": [2048, 512, 32, 16, 1],
+                    }
+                ]
+                * 2
+            },
+            "a tensor of float32",
+        ),  # fmt: skip
+        (
+            {
+                "tensors": [
+                    {
+                        "allocation": 0,
+                        "offset": 1 << 20,
+                        "dtype": "float16",
+                        "shape": [2, 4, 16, 2, 16],
+                        "stride": [2048, 512, 32, 16, 1],
+                    }
+                ]
+                * 2
+            },
+            "outside its allocation",
+        ),  # fmt: skip
+        (
+            {
+                "tensors": [
+                    {
+                        "allocation": 0,
+                        "offset": 0,
+                        "dtype": "float16",
+                        "shape": [2, 4, 16, 2, 16],
+                        "stride": [2048, -512, 32, 16, 1],
+                    }
+                ]
+                * 2
+            },
+            "outside its allocation",
+        ),  # fmt: skip
+        ({"tensors": "xy"}, "malformed"),
+        ({"allocations": [{"handle": "00" * 64, "size": "big"}]}, "invalid literal"),
+    ],
+)
+def test_a_tampered_descriptor_is_refused_before_anything_is_mapped(
+    change: dict[str, Any], message: str
+) -> None:
+    """What a reader checks in a lender's descriptor (another worker of the tenant wrote it)."""
+    from kvstore_client.lent import LentCaches
+
+    mine = [torch.zeros(2, 4, 16, 2, 16, dtype=torch.float16) for _ in range(2)]
+    good = {"version": 1, "layout": "flash_attn", "dtype": "float16", "block_size": 16, "form": "list",
+            "allocations": [{"handle": "00" * 64, "size": 16384}],
+            "tensors": [{"allocation": 0, "offset": 0, "dtype": "float16", "shape": [2, 4, 16, 2, 16],
+                         "stride": [2048, 512, 32, 16, 1]}] * 2}  # fmt: skip
+    descriptor = json.dumps({**good, **change}).encode()
+    if change:
+        with pytest.raises(ValueError, match=message):
+            LentCaches()._opened(SPEC, descriptor, BUS, torch.device("cpu"), mine)
+        return
+    for number, why in ((b"NaN", "not a number"), (b"1e999", "malformed"), (b"-Infinity", "not a number")):
+        with pytest.raises(ValueError, match=why):
+            LentCaches()._opened(SPEC, descriptor.replace(b"16384", number), BUS, torch.device("cpu"), mine)

@@ -189,7 +189,9 @@ def test_a_lender_killed_during_the_read_disowns_the_copy(
         reply = reader._conn.rpc("Lookup", request)
         assert reply.HasField("lent") and reply.hit_chunks == len(keys)
         target = seeded(device, seed=None)
-        reader._link.lent.open(SPEC, reply.lent.cache, device, target)  # mapped here: the copy may start
+        reader._link.lent.open(
+            SPEC, reply.lent.cache, reply.lent.device_pci_bus_id, device, target
+        )  # mapped here: the copy may start
         lender.kill()
         handle = reader._lends.read(reply, None, target, READER_TABLE, range(4), None, reader._link.lent)
         assert handle is not None and handle.wait() == 0

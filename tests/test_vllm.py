@@ -410,14 +410,16 @@ def test_a_lending_producer_keeps_a_requests_blocks_until_its_lend_is_done(
     assert stored_keys(engine) == []  # nothing copied anywhere
 
 
-def test_a_lend_that_fails_frees_the_blocks_at_once(
-    kvstored: Daemon, make_engine: Callable[..., Engine]
+def test_a_cache_that_cannot_be_lent_is_stored_instead(
+    kvstored: Daemon, make_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """On the CPU a lend is refused (no CUDA cache to export): logged, nothing held, nothing stored."""
+    """On the CPU a lend is refused (no CUDA cache to export): said once, and the saves are stored."""
     engine = make_engine(kvstored, kv_role="kv_producer", extra={"save_to": "lend"})
     assert serve(engine, "A", prompt(24, 128)) == 128
-    assert "A" not in engine.scheduler.requests
-    assert stored_keys(engine) == []
+    assert serve(engine, "B", prompt(25, 128)) == 128
+    assert "A" not in engine.scheduler.requests and "B" not in engine.scheduler.requests
+    assert len(stored_keys(engine)) == 2 * 128 // CHUNK
+    assert sum("cannot be lent" in record.getMessage() for record in caplog.records) == 1
 
 
 def test_a_finished_request_keeps_its_blocks_until_its_save_is_committed(

@@ -45,14 +45,16 @@ class LendResponse(_message.Message):
     def __init__(self, lend_id: _Optional[int] = ...) -> None: ...
 
 class LendsRequest(_message.Message):
-    __slots__ = ("namespace", "lend_ids", "withdraw")
+    __slots__ = ("namespace", "lend_ids", "withdraw", "revoke")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LEND_IDS_FIELD_NUMBER: _ClassVar[int]
     WITHDRAW_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     lend_ids: _containers.RepeatedScalarFieldContainer[int]
     withdraw: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., lend_ids: _Optional[_Iterable[int]] = ..., withdraw: _Optional[bool] = ...) -> None: ...
+    revoke: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., lend_ids: _Optional[_Iterable[int]] = ..., withdraw: _Optional[bool] = ..., revoke: _Optional[bool] = ...) -> None: ...
 
 class LendsResponse(_message.Message):
     __slots__ = ("done",)
@@ -75,12 +77,14 @@ class LentRead(_message.Message):
     def __init__(self, read_id: _Optional[int] = ..., cache: _Optional[bytes] = ..., device_pci_bus_id: _Optional[str] = ..., blocks: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class ReturnedRequest(_message.Message):
-    __slots__ = ("namespace", "read_id")
+    __slots__ = ("namespace", "read_id", "unused")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     READ_ID_FIELD_NUMBER: _ClassVar[int]
+    UNUSED_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     read_id: int
-    def __init__(self, namespace: _Optional[bytes] = ..., read_id: _Optional[int] = ...) -> None: ...
+    unused: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., read_id: _Optional[int] = ..., unused: _Optional[bool] = ...) -> None: ...
 
 class ArenaSlabsRequest(_message.Message):
     __slots__ = ("epoch", "first", "count")

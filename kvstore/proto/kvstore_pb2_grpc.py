@@ -240,7 +240,8 @@ class KVStoreServicer:
         """Lends a worker's own KV-cache blocks of committed chunks to readers on other GPUs of the
         host (prefill to decode): a Lookup that names the lender's GPU in lent_devices gets the
         blocks, and the reader copies them device to device into its own cache. The lender keeps
-        the blocks unchanged until Lends says the lend is done. Local channel only.
+        the blocks unchanged until Lends says the lend is done. Local channel only; a lend ends
+        with the connection it was made on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -202,12 +202,12 @@ class Handlers:
 
     def Lends(self, request: pb.LendsRequest, caller: Caller | None = None) -> pb.LendsResponse:
         lends = self._store(caller).lends
-        return pb.LendsResponse(done=lends.done(request.namespace, request.lend_ids, request.withdraw))
+        done = lends.done(request.namespace, request.lend_ids, request.withdraw, request.revoke)
+        return pb.LendsResponse(done=done)
 
     def Returned(self, request: pb.ReturnedRequest, caller: Caller | None = None) -> pb.LeaseResponse:
-        return pb.LeaseResponse(
-            pages=int(self._store(caller).lends.returned(request.namespace, request.read_id))
-        )
+        lends = self._store(caller).lends
+        return pb.LeaseResponse(pages=int(lends.returned(request.namespace, request.read_id, request.unused)))
 
     def Reserve(
         self, request: pb.ReserveRequest, caller: Caller | None = None

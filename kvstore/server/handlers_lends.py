@@ -24,7 +24,7 @@ def lend_reply(store: Store, request: pb.LendRequest, peer: Peer | None) -> pb.L
             "Lend: answered on the daemon's local channel only (ConnectResponse.local_socket), "
             "where the lender's process is known"
         )
-    store.namespaces.registered(request.namespace)
+    ns = store.namespaces.registered(request.namespace)
     lend_id = store.lends.lend(
         request.namespace,
         unpack_keys(request.keys),
@@ -33,6 +33,7 @@ def lend_reply(store: Store, request: pb.LendRequest, peer: Peer | None) -> pb.L
         request.device_pci_bus_id,
         request.hold_ms / 1000 if request.hold_ms else None,
         peer,
+        max_blocks_per_chunk=ns.spec.chunk_tokens,  # a block holds at least a token
     )
     return pb.LendResponse(lend_id=lend_id)
 

@@ -11,16 +11,18 @@ makes two (bench/NOTES-handover.md). Its `Returned` tells the daemon the copy is
 What each side may rely on:
 - A lend is **done** (`Lends.done`: its blocks may be reused) only when no read is in flight:
   after a read returned in time, after its hold ends (`hold_s`) with no read in flight, after
-  the lender withdrew it, or once its lender's process is gone. A read in flight holds the lend
-  past its hold until the read returns or its TTL ends.
-- A read that returns after its TTL, or whose lend was dropped (the lender gone, a Clear), is
+  the lender withdrew it, or once the lender's connection closed (it exited, or gave up on a
+  call). A read in flight holds the lend past its hold until the read returns or its TTL ends;
+  a revoked lend (the lender must reuse its blocks now) ends at once, its reads counting 0.
+- A read that returns after its TTL, or whose lend was dropped (the lender gone, a Clear, a revoke), is
   answered 0 (`Lends.returned`): the reader discards what it copied and recomputes, so a lender
   that reused its blocks after a stalled read's TTL never hands wrong bytes to a user.
 - Lends live in the daemon's memory: a restarted daemon knows none, answers their reads 0 and
   reports their ids done (`LendsResponse.done` includes unknown ids); ids are random per daemon
   start, so an id of the last run never names a lend of this one.
-- Bounded: at most `max_lends` lends and `max_keys` lent chunks at once, a descriptor of at most
-  `MAX_CACHE_BYTES`; a lend past the caps is refused as ResourceExhausted, never stored.
+- Bounded: at most `max_lends` lends, `max_keys` lent chunks and `max_bytes` at once, a descriptor of at most
+  `MAX_CACHE_BYTES`, blocks of at most a chunk's tokens a chunk, `MAX_READS` reads in flight a
+  lend; a lend past the caps is refused as ResourceExhausted, never stored. Ids are random.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvstore.shared.peers import Peer
 
 MAX_CACHE_BYTES = 256 << 10
 MAX_HOLD_S = 600.0
+MAX_READS = 16  # reads in flight of one lend
 
 
 @dataclass(eq=False)
@@ -73,12 +76,13 @@ class Lends:
         hold_s: float = 30.0,
         max_lends: int = 4096,
         max_keys: int = 1 << 20,
+        max_bytes: int = 256 << 20,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.read_ttl_s, self.hold_s = read_ttl_s, hold_s
-        self.max_lends, self.max_keys = max_lends, max_keys
+        self.max_lends, self.max_keys, self.max_bytes = max_lends, max_keys, max_bytes
+        self._bytes = 0
         self._clock = clock
-        self._next_id = secrets.randbits(62) | 1  # ids of another daemon run are unknown here
         self._lends: dict[int, Lend] = {}
         self._by_key: dict[tuple[bytes, bytes], tuple[Lend, int]] = {}  # (ns, key) -> lend, position
         self._reads: dict[int, Lend] = {}
@@ -97,16 +101,19 @@ class Lends:
         device: str,
         hold_s: float | None,
         lender: Peer | None,
+        max_blocks_per_chunk: int = 1 << 16,
     ) -> int:
         """Records a lend of `keys` (each the same number of int32 block ids in `blocks`); returns
         its id. A key lent before is read from this lend from now on."""
         if not keys:
             raise InvalidArgument("Lend: no keys")
         blocks_per_chunk = len(blocks) // (4 * len(keys))
-        if not blocks_per_chunk or len(blocks) != 4 * blocks_per_chunk * len(keys):
+        if not 0 < blocks_per_chunk <= max_blocks_per_chunk or len(blocks) != 4 * blocks_per_chunk * len(
+            keys
+        ):
             raise InvalidArgument(
-                f"Lend: blocks must hold the same number (at least 1) of int32 block ids for each of the "
-                f"{len(keys)} keys, got {len(blocks)} bytes"
+                f"Lend: blocks must hold the same number (1..{max_blocks_per_chunk}) of int32 block ids "
+                f"for each of the {len(keys)} keys, got {len(blocks)} bytes"
             )
         if not cache or len(cache) > MAX_CACHE_BYTES:
             raise InvalidArgument(f"Lend: cache must be 1..{MAX_CACHE_BYTES} bytes, got {len(cache)}")
@@ -116,13 +123,18 @@ class Lends:
         if not 0 < hold <= MAX_HOLD_S:
             raise InvalidArgument(f"Lend: hold_ms must be at most {int(MAX_HOLD_S * 1000)}")
         self._purge()
-        if len(self._lends) >= self.max_lends or self._keys + len(keys) > self.max_keys:
+        size = len(blocks) + len(cache) + 64 * len(keys)
+        if (
+            len(self._lends) >= self.max_lends
+            or self._keys + len(keys) > self.max_keys
+            or self._bytes + size > self.max_bytes
+        ):
             raise ResourceExhausted(
-                f"Lend: this daemon holds {len(self._lends)} lends of {self._keys} chunks (at most "
-                f"{self.max_lends} and {self.max_keys}): wait for some to be read or to expire, "
-                f"or store instead"
+                f"Lend: this daemon holds {len(self._lends)} lends of {self._keys} chunks in "
+                f"{self._bytes} bytes (at most {self.max_lends}, {self.max_keys} and {self.max_bytes}): "
+                f"wait for some to be read or to expire, or store instead"
             )
-        lend_id, self._next_id = self._next_id, self._next_id + 1
+        lend_id = self._new_id()
         lend = Lend(
             lend_id, ns, list(keys), blocks, blocks_per_chunk, cache, device, lender, self._clock() + hold
         )
@@ -130,6 +142,7 @@ class Lends:
         for position, key in enumerate(lend.keys):
             self._by_key[(ns, key)] = (lend, position)
         self._keys += len(keys)
+        self._bytes += size
         self.counters["lends"] += 1
         return lend_id
 
@@ -152,10 +165,12 @@ class Lends:
         now = self._clock()
         if self._settle(lend, now) or lend.withdrawn or lend.device not in devices or now >= lend.hold_until:
             return None
+        if len(lend.reads) >= MAX_READS:  # readers that never return: the tiers answer the rest
+            return None
         chunks = self._run(lend, first, keys)
         if chunks < at_least():
             return None
-        read_id, self._next_id = self._next_id, self._next_id + 1
+        read_id = self._new_id()
         lend.reads[read_id] = now + self.read_ttl_s
         self._reads[read_id] = lend
         self.counters["lent_reads"] += 1
@@ -189,8 +204,9 @@ class Lends:
             chunks += 1
         return chunks
 
-    def returned(self, ns: bytes, read_id: int) -> bool:
-        """Whether the read `read_id` held its lend until now (False: discard what it copied)."""
+    def returned(self, ns: bytes, read_id: int, unused: bool = False) -> bool:
+        """Whether the read `read_id` held its lend until now (False: discard what it copied).
+        `unused`: given back without a copy; the lend stays for other readers."""
         lend = self._reads.get(read_id)
         if lend is None or lend.ns != ns:  # unknown, lapsed, or another namespace's: not this caller's
             self.counters["lent_reads_lapsed"] += 1
@@ -199,7 +215,9 @@ class Lends:
         deadline = lend.reads.pop(read_id, None)
         now = self._clock()
         held = deadline is not None and now < deadline and not lend.done and not self._lender_gone(lend)
-        if held:
+        if unused:
+            held = False
+        elif held:
             lend.read_back = True
             self.counters["lent_reads_returned"] += 1
         else:
@@ -207,9 +225,12 @@ class Lends:
         self._settle(lend, now)
         return held
 
-    def done(self, ns: bytes, lend_ids: Sequence[int], withdraw: bool = False) -> list[int]:
+    def done(
+        self, ns: bytes, lend_ids: Sequence[int], withdraw: bool = False, revoke: bool = False
+    ) -> list[int]:
         """Of `lend_ids`, those whose blocks may be reused; with `withdraw`, the others end as
-        soon as no read is in flight. A done lend is forgotten once reported."""
+        soon as no read is in flight; with `revoke`, all end now and their reads in flight count
+        0. A done lend is forgotten once reported."""
         now = self._clock()
         answer = []
         for lend_id in lend_ids:
@@ -220,6 +241,8 @@ class Lends:
                 continue
             if withdraw:
                 lend.withdrawn = True
+            if revoke:
+                self._end(lend)
             if self._settle(lend, now):
                 answer.append(lend_id)
                 self._forget(lend)
@@ -228,8 +251,12 @@ class Lends:
     def clear(self, ns: bytes) -> None:
         """Drops every lend of `ns` (a Clear): its reads in flight will be answered 0."""
         for lend in [lend for lend in self._lends.values() if lend.ns == ns]:
-            lend.done = True
-            self._unindex(lend)
+            self._end(lend)
+
+    def _end(self, lend: Lend) -> None:
+        """Done now: no new read, and a read in flight counts 0 (its Returned finds it done)."""
+        lend.done = True
+        self._unindex(lend)
 
     def _settle(self, lend: Lend, now: float) -> bool:
         """Ends lapsed reads, and marks `lend` done when nothing holds it any more."""
@@ -243,13 +270,17 @@ class Lends:
         if gone or (not lend.reads and (lend.read_back or lend.withdrawn or now >= lend.hold_until)):
             lend.done = True
             if gone:
+                for read_id in lend.reads:
+                    self._reads.pop(read_id, None)
                 lend.reads.clear()
             self._unindex(lend)
         return lend.done
 
     @staticmethod
     def _lender_gone(lend: Lend) -> bool:
-        return lend.lender is not None and lend.lender.gone()
+        """The connection the lend was made on closed: the lender exited, or gave up on a call
+        (a timed-out Lend it may not know was recorded) and holds nothing for it any more."""
+        return lend.lender is not None and not lend.lender.connected
 
     def _unindex(self, lend: Lend) -> None:
         for position, key in enumerate(lend.keys):
@@ -260,12 +291,24 @@ class Lends:
         self._unindex(lend)
         if self._lends.pop(lend.id, None) is not None:
             self._keys -= len(lend.keys)
+            self._bytes -= len(lend.blocks) + len(lend.cache) + 64 * len(lend.keys)
         for read_id in lend.reads:
             self._reads.pop(read_id, None)
 
+    def _new_id(self) -> int:
+        """A random id, unused here: not guessable by another reader, unknown to another daemon run."""
+        while True:
+            candidate = secrets.randbits(63) | 1
+            if candidate not in self._lends and candidate not in self._reads:
+                return candidate
+
     def _purge(self) -> None:
         """Forgets done lends when the caps are near: lenders that never asked are not owed more."""
-        if len(self._lends) < self.max_lends // 2 and self._keys < self.max_keys // 2:
+        if (
+            len(self._lends) < self.max_lends // 2
+            and self._keys < self.max_keys // 2
+            and self._bytes < self.max_bytes // 2
+        ):
             return
         now = self._clock()
         for lend in list(self._lends.values()):

@@ -117,7 +117,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, StepMetadata) and kv_connector_metadata.preempted:
-            self._worker_side().settle(kv_connector_metadata.preempted)
+            self._worker_side().preempted(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

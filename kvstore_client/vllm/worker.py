@@ -224,8 +224,7 @@ class WorkerSide:
             keys = self._keys_of(side, client, spec)
             if keys is None:
                 continue
-            if self.lends and not side.group.frees_blocks:
-                self._lending.lend(client, side, spec, keys)
+            if self.lends and not side.group.frees_blocks and self._lending.lend(client, side, spec, keys):
                 continue
             try:
                 client.store_to_gpu = self.save_to_gpu
@@ -263,6 +262,11 @@ class WorkerSide:
     def _reporting_group(self) -> int:
         """The group whose keys KV events name: the first one of KV (not of states)."""
         return next((index for index, side in self.groups.items() if side.group.kind != MAMBA), -1)
+
+    def preempted(self, req_ids: set[str]) -> None:
+        """Requests whose blocks vLLM frees now: their lends end, their saves commit."""
+        self._lending.revoke(req_ids)
+        self.settle(req_ids)
 
     def settle(self, req_ids: set[str]) -> None:
         """Commits (waiting for their gathers) every save of `req_ids`: their blocks may be reused next."""
