@@ -173,7 +173,7 @@ class Handlers:
             leading = next((i for i, tier in enumerate(tiers) if not tier), len(tiers))
             return pb.LookupResponse(hit_chunks=leading, tiers=tiers)
         lease = request.lease
-        if request.lent_devices:  # lent blocks, where they cover the stored prefix
+        if request.lent_devices and store.lends:  # lent blocks, where they cover the stored prefix
             lent = lent_reply(store, request)
             if lent is not None:
                 return lent
