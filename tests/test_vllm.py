@@ -410,6 +410,66 @@ def test_a_lending_producer_keeps_a_requests_blocks_until_its_lend_is_done(
     assert stored_keys(engine) == []  # nothing copied anywhere
 
 
+def test_a_preempted_requests_lends_are_revoked_before_its_blocks_are_reused(
+    kvstored: Daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM frees a preempted request's blocks at once (no delayed free): before the next forward
+    may write them, the connector has revoked every lend of that request, so no decode instance
+    counts a copy of them. An engine of 24 blocks of 16 tokens, two requests that outgrow it."""
+    settings = {"address": kvstored.address, "model": "test-llama", "save_to": "lend"}
+    config = vllm_config(MODEL.write_config(tmp_path / "small", 1), settings, kv_role="kv_producer")
+    engine = Engine(config, MODEL, num_blocks=24)
+    try:
+        lends: dict[int, str] = {}
+        revoked: list[tuple[list[int], set[str]]] = []
+
+        lending = engine.workers[0]._worker._lending
+        original_lend = lending.lend
+        saving: list[str] = []
+
+        def lend_of(client: Any, side: Any, spec: Any, keys: Any) -> bool:
+            saving.append(spec.req_id)  # whose save the client's lend below is
+            return original_lend(client, side, spec, keys)
+
+        def lend(self: KVStoreClient, token_ids: Any, kv_caches: Any, block_ids: Any, **options: Any):  # type: ignore[no-untyped-def]
+            lend_id = len(lends) + 1
+            lends[lend_id] = saving[-1]
+            return lend_id, len(options["keys"]) * CHUNK
+
+        monkeypatch.setattr(lending, "lend", lend_of)
+
+        def lends_done(
+            self: KVStoreClient, ids: list[int], *, withdraw: bool = False, revoke: bool = False
+        ) -> list[int]:
+            if revoke:
+                # the request's blocks are free in vLLM but this step's forward has not run yet
+                revoked.append((list(ids), {lends[i] for i in ids}))
+            return list(ids)
+
+        monkeypatch.setattr(KVStoreClient, "lend", lend)
+        monkeypatch.setattr(KVStoreClient, "lends_done", lends_done)
+        preempted: list[str] = []
+        original = engine.scheduler._preempt_request
+
+        def preempt(request: Any, *args: Any, **kwargs: Any) -> None:
+            preempted.append(request.request_id)
+            original(request, *args, **kwargs)
+
+        monkeypatch.setattr(engine.scheduler, "_preempt_request", preempt)
+        engine.add("A", prompt(26, 100), 150)  # 7 blocks each to start, 16 each by the end
+        engine.add("B", prompt(27, 100), 150)
+        engine.run()
+        assert preempted, "the engine never ran out of blocks"
+        assert revoked and {req for _, reqs in revoked for req in reqs} <= set(preempted)
+        # every lend a preempted request made before its preemption was revoked
+        assert {i for ids, _ in revoked for i in ids} >= {
+            i for i, req in lends.items() if req in preempted and i < min(ids[0] for ids, _ in revoked)
+        }
+        assert engine.finished.keys() == {"A", "B"}
+    finally:
+        engine.close()
+
+
 def test_a_cache_that_cannot_be_lent_is_stored_instead(
     kvstored: Daemon, make_engine: Callable[..., Engine], caplog: pytest.LogCaptureFixture
 ) -> None:
