@@ -94,6 +94,9 @@ class LendPath:
 
         reply = self._s._conn.call("Lend", request)
         with self._lock:
+            if len(self._safe_at) >= 4096:  # lends never asked about: the daemon answers for them
+                now = time.monotonic()
+                self._safe_at = {i: t for i, t in self._safe_at.items() if t > now}
             # The daemon's hold ends hold_ms after it took the Lend, before this reply; its last
             # read's TTL after that (a millisecond for the TTL's rounding to milliseconds).
             self._safe_at[reply.lend_id] = time.monotonic() + hold_ms / 1000 + self._s.lease_ttl_s + 0.001
