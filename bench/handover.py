@@ -160,7 +160,7 @@ def run_tokens(tokens: int, producer: torch.device, consumer: torch.device, reps
     if producer.type == "cuda":
         row["ok_pool"] = pool_handover(spec, source, target, table, chunks, tokens, devices, walls, reps)
         with running_daemon(daemon_config(page_bytes, 4)) as daemon:
-            walls[LENT_ROW], row["ok_lent"], row["lent_ms"] = lent_handover(
+            walls[LENT_ROW], row["ok_lent"], row["lent_ms"], _ = lent_handover(
                 daemon.address, spec, tokens, devices, reps
             )
     row["ms"] = {name: statistics.median(values) for name, values in walls.items()}

@@ -16,6 +16,7 @@ the lend before the next round.
 
 from __future__ import annotations
 
+import cProfile
 import multiprocessing as mp
 import statistics
 import time
@@ -24,11 +25,14 @@ from typing import Any
 
 import torch
 
+from bench.handover_profile import instrument
+
 LENT_ROW = "hand-over, lent blocks (one copy over the link)"
 # Where a round's time goes, median ms: the producer's lend (its stream waited for, the Lend call),
 # the signal to the consumer, its load up to the copy's enqueue (the leased Lookup), the copy and
 # its Returned.
 PHASES = ("lend", "signal", "lookup and enqueue", "copy and returned")
+PROFILES = "/tmp/handover-{role}-{tokens}.prof"  # cProfile of the timed rounds' calls, where profiled
 
 
 def seeded_cache(spec: Any, tokens: int, device: torch.device, seed: int | None) -> list[torch.Tensor]:
@@ -44,7 +48,9 @@ def seeded_cache(spec: Any, tokens: int, device: torch.device, seed: int | None)
     ]
 
 
-def _producer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe: Any, out: Any) -> None:
+def _producer(
+    address: str, spec: Any, tokens: int, device: int, reps: int, pipe: Any, out: Any, profiled: bool
+) -> None:
     from kvstore_client import KVStoreClient
 
     try:
@@ -54,13 +60,21 @@ def _producer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe
         with KVStoreClient.connect(address, spec, name="lent-producer") as client:
             cache = client.register_kv_caches(source)
             keys = client.keys(list(range(tokens)))
-            for _ in range(reps + 1):
+            timers = instrument(client, "producer") if profiled else None
+            profiler = cProfile.Profile() if profiled else None
+            for attempt in range(reps + 1):
                 if pipe.recv() is None:  # the consumer's cache is poisoned and it waits
                     raise RuntimeError("the consumer failed")
                 torch.cuda.synchronize()
                 started = time.monotonic()
+                if profiler is not None and attempt:
+                    profiler.enable()
                 lend_id, lent = client.lend(None, cache, table, keys=keys)
+                if profiler is not None:
+                    profiler.disable()
                 pipe.send((started, lend_id, lent, time.monotonic()))
+                if timers is not None:
+                    timers.next_round(keep=attempt > 0)
                 if pipe.recv() is None:  # the consumer has loaded
                     raise RuntimeError("the consumer failed")
                 deadline = time.monotonic() + 30
@@ -68,13 +82,17 @@ def _producer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"lend {lend_id} not done 30 s after the consumer's load")
                     time.sleep(0.001)
-        out.put(("producer", "ok"))
+        if profiler is not None:
+            profiler.dump_stats(PROFILES.format(role="producer", tokens=tokens))
+        out.put(("producer", timers.medians() if timers is not None else {}))
     except BaseException:  # noqa: BLE001 - reported to the parent
         out.put(("producer", traceback.format_exc()))
         pipe.send(None)  # the consumer stops waiting
 
 
-def _consumer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe: Any, out: Any) -> None:
+def _consumer(
+    address: str, spec: Any, tokens: int, device: int, reps: int, pipe: Any, out: Any, profiled: bool
+) -> None:
     from kvstore_client import KVStoreClient
 
     try:
@@ -88,6 +106,8 @@ def _consumer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe
         with KVStoreClient.connect(address, spec, name="lent-consumer") as client:
             cache = client.register_kv_caches(target)
             keys = client.keys(list(range(tokens)))
+            timers = instrument(client, "consumer") if profiled else None
+            profiler = cProfile.Profile() if profiled else None
             for attempt in range(reps + 1):
                 for layer in target:
                     layer.view(torch.uint8).fill_(0xA5)
@@ -98,12 +118,18 @@ def _consumer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe
                     raise RuntimeError("the producer failed")
                 received = time.monotonic()
                 started, _, lent, lent_at = message
+                if profiler is not None and attempt:
+                    profiler.enable()
                 handle = client.load_async(None, cache, table, keys=keys)
                 enqueued = time.monotonic()
                 loaded = handle.wait()
+                if profiler is not None:
+                    profiler.disable()
                 torch.cuda.synchronize()
                 ended = time.monotonic()
                 pipe.send("loaded")
+                if timers is not None:
+                    timers.next_round(keep=attempt > 0)
                 same = all(
                     torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                     for a, b in zip(target, expected, strict=True)
@@ -116,22 +142,30 @@ def _consumer(address: str, spec: Any, tokens: int, device: int, reps: int, pipe
                         phases.setdefault(name, []).append((b - a) * 1e3)
             lent_reads = client.stats()["counters"].get("lent_reads_returned", 0)
         medians = {name: statistics.median(values) for name, values in phases.items()}
-        out.put(("consumer", (walls, ok and lent_reads == reps + 1, medians)))
+        steps = timers.medians() if timers is not None else {}
+        if profiler is not None:
+            profiler.dump_stats(PROFILES.format(role="consumer", tokens=tokens))
+        out.put(("consumer", (walls, ok and lent_reads == reps + 1, medians, steps)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         out.put(("consumer", traceback.format_exc()))
         pipe.send(None)  # the producer stops waiting
 
 
 def lent_handover(
-    address: str, spec: Any, tokens: int, devices: tuple[torch.device, torch.device], reps: int
-) -> tuple[list[float], bool, dict[str, float]]:
+    address: str,
+    spec: Any,
+    tokens: int,
+    devices: tuple[torch.device, torch.device],
+    reps: int,
+    profiled: bool = False,
+) -> tuple[list[float], bool, dict[str, float], dict[str, float]]:
     """The wall ms of `reps` lent hand-overs between two processes, whether every round lent and
-    loaded the whole prompt, the producer's bytes, as a lent read, and the median ms of each of
-    `PHASES`."""
+    loaded the whole prompt, the producer's bytes, as a lent read, the median ms of each of
+    `PHASES`, and (`profiled`) of each host step `bench.handover_profile.instrument` times."""
     context = mp.get_context("spawn")
     ends, out = context.Pipe(), context.Queue()
     processes = [
-        context.Process(target=role, args=(address, spec, tokens, device.index, reps, end, out))
+        context.Process(target=role, args=(address, spec, tokens, device.index, reps, end, out, profiled))
         for role, device, end in zip((_producer, _consumer), devices, ends, strict=True)
     ]
     for process in processes:
@@ -144,7 +178,7 @@ def lent_handover(
             if process.is_alive():
                 process.kill()
     for role, result in results.items():
-        if isinstance(result, str) and result != "ok":
+        if isinstance(result, str):
             raise RuntimeError(f"the {role} failed:\n{result}")
-    walls, ok, phases = results["consumer"]
-    return walls, ok, phases
+    walls, ok, phases, steps = results["consumer"]
+    return walls, ok, phases, {**results["producer"], **steps}

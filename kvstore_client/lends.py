@@ -30,6 +30,7 @@ from kvstore_client.handles import LoadHandle
 from kvstore_client.lent import LentCaches, describe
 from kvstore_client.session import Session
 from kvstore_client.transfers import cache_device
+from kvstore_kernels.cache_facts import RegisteredCaches
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class LendPath:
     def __init__(self, session: Session) -> None:
         self._s = session
         self._described: dict[tuple[int, ...], tuple[bytes, str]] = {}
+        self._last_described: tuple[Any, tuple[bytes, str]] | None = None
         self._safe_at: dict[int, float] = {}  # lend id -> when its blocks are free whatever happens
         self._devices: dict[torch.device, list[str]] = {}
         self._lock = threading.Lock()
@@ -103,6 +105,9 @@ class LendPath:
         return reply.lend_id, self._s._covered(token_ids, chunks)
 
     def _descriptor(self, kv_caches: Any) -> tuple[bytes, str]:
+        last = self._last_described  # a registered cache keeps its tensors: described once
+        if last is not None and last[0] is kv_caches:
+            return last[1]
         tensors = [kv_caches] if isinstance(kv_caches, torch.Tensor) else list(kv_caches)
         key = tuple(t.data_ptr() for t in tensors) + tuple(
             s for t in tensors for s in (*t.shape, *t.stride())
@@ -110,6 +115,8 @@ class LendPath:
         found = self._described.get(key)
         if found is None:
             found = self._described[key] = describe(self._s.spec, kv_caches)
+        if type(kv_caches) is RegisteredCaches:
+            self._last_described = (kv_caches, found)
         return found
 
     def done(self, lend_ids: Sequence[int], withdraw: bool = False, revoke: bool = False) -> list[int]:
@@ -186,17 +193,17 @@ class LendPath:
                 raise ValueError(f"{source_blocks.size} lent block ids for {chunks} chunks")
             source = caches.open(self._s.spec, lent.cache, lent.device_pci_bus_id, device, kv_caches)
             stream = stream or self._s._streams.ordered_side(device)
-            with torch.cuda.stream(stream):
-                kvstore_kernels.copy_blocks(
-                    self._s.spec,
-                    source,
-                    source_blocks,
-                    kv_caches,
-                    table.reshape(-1)[: chunks * per_chunk],
-                    layers=layers,
-                )
-                event = torch.cuda.Event()
-                event.record(stream)
+            kvstore_kernels.copy_blocks(
+                self._s.spec,
+                source,
+                source_blocks,
+                kv_caches,
+                table.reshape(-1)[: chunks * per_chunk],
+                layers=layers,
+                stream=stream,
+            )
+            event = torch.cuda.Event()
+            event.record(stream)
         except Exception as exc:  # noqa: BLE001 - a descriptor or a device this reader cannot use
             log.warning(
                 "lent blocks from %s not read (%s): loading from the tiers", lent.device_pci_bus_id, exc

@@ -22,6 +22,7 @@ import torch
 
 from kvstore.shared.cudart import CudaError, load_runtime
 from kvstore_client.gpu_pools import _DeviceBytes
+from kvstore_kernels.cache_facts import RegisteredCaches
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class LentCaches:
         self._open: dict[tuple[str, int], tuple[int, int, str]] = {}  # -> (address, size, lender's GPU)
         # (descriptor, reading device, this cache's shapes) -> the lender's cache, registered
         self._caches: dict[tuple[bytes, int, tuple[Any, ...]], Any] = {}
+        self._last: tuple[bytes, Any, int, Any] | None = None  # (descriptor, mine, reader, cache)
         self._lock = threading.Lock()
 
     def open(self, spec: Any, descriptor: bytes, bus: str, reader: torch.Device, mine: Any) -> Any:
@@ -102,6 +104,9 @@ class LentCaches:
         worker's cache), after checking the descriptor against `spec` and `mine`; ValueError for
         one that differs. Made once per descriptor and registered (`kvstore_kernels.register`): a
         lender's cache keeps its tensors, so a later read of it checks nothing again."""
+        last = self._last  # a decode worker reads one lender's cache into its own, again and again
+        if last is not None and last[1] is mine and last[2] == reader.index and last[0] == descriptor:
+            return last[3]
         tensors, _ = _tensors(mine)
         key = (descriptor, reader.index, tuple((t.dtype, *t.shape) for t in tensors))
         found = self._caches.get(key)
@@ -111,8 +116,11 @@ class LentCaches:
             with self._lock:
                 if len(self._caches) >= MAX_OPEN:
                     self._caches.clear()
+                    self._last = None
                 opened = self._opened(spec, descriptor, bus, reader, mine)
                 found = self._caches[key] = kvstore_kernels.register(spec, opened)
+        if type(mine) is RegisteredCaches:  # its tensors stay as they are: the same object, the same form
+            self._last = (descriptor, mine, reader.index, found)
         return found
 
     def _opened(self, spec: Any, descriptor: bytes, bus: str, reader: torch.Device, mine: Any) -> Any:
@@ -217,6 +225,7 @@ class LentCaches:
     def _close(self, key: tuple[str, int], value: tuple[int, int, str]) -> None:
         del self._open[key]
         self._caches.clear()  # some hold views of it
+        self._last = None
         try:
             with torch.cuda.device(key[1]):
                 torch.cuda.synchronize()  # reads of this process still in flight

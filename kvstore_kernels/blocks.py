@@ -14,7 +14,7 @@ spec (layout, dtype, shape but the block count), so their runs match byte for by
 neither (hf's DynamicCache, views whose blocks have gaps) are refused with a ValueError naming
 the layout, so a caller can fall back to a gather and a scatter through a buffer.
 
-The kernel runs on the destination's device, on its current stream, and the call returns without
+The kernel runs on the destination's device, on its current stream (or `stream`), and returns without
 waiting. The caller orders the source's writes before it (an event the destination's stream
 waits for) and keeps both caches alive, and the blocks unchanged, until it has run. CPU caches
 (or `KVSTORE_KERNELS=torch`) take the torch reference (`reference.copy_blocks`);
@@ -24,9 +24,9 @@ waits for) and keeps both caches alive, and the blocks unchanged, until it has r
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -37,9 +37,10 @@ import triton.language as tl
 from kvstore.shared.spec import DTYPE_ITEMSIZE, KVSpec
 
 from . import peer, reference, staging
-from .cache_facts import CacheFacts, cache_facts, is_packed_run
+from .cache_facts import CacheFacts, RegisteredCaches, cache_facts, is_packed_run
 from .layouts import KVCaches, kv_views, layer_tensors
 from .routing import backend_name
+from .triton_copy import _int_kind, no_launch_hooks
 from .triton_kernel import WORDS
 from .validate_args import check_layers, int_array
 
@@ -68,6 +69,7 @@ def copy_blocks(
     dst_blocks: Any,
     *,
     layers: range | None = None,
+    stream: Any = None,
 ) -> None:
     """Copy every (layer, K|V) segment of block `src_blocks[i]` of `src_caches` into block
     `dst_blocks[i]` of `dst_caches`, for each i.
@@ -78,33 +80,74 @@ def copy_blocks(
     never do. A source on another GPU is read over peer access (turned on here). Every problem
     is a ValueError naming the argument at fault, raised before any byte moves.
     """
+    plan = _plan(spec, src_caches, dst_caches, check_layers(spec, layers))
+    src_ids = _block_ids("src_blocks", src_blocks, plan.src_num_blocks, "src_caches")
+    dst_ids = _block_ids("dst_blocks", dst_blocks, plan.dst_num_blocks, "dst_caches")
+    _check_pairs(src_ids, dst_ids)
+    if plan.shared:
+        _check_overlap(src_ids, dst_ids)
+    if not src_ids.size or not plan.moved:
+        return
+    if _uses_kernel(plan.device):
+        _launch(plan, src_ids, dst_ids, stream)
+    else:
+        sources = _run_tensors(spec, src_caches, plan.moved, plan.whole)
+        targets = _run_tensors(spec, dst_caches, plan.moved, plan.whole)
+        reference.copy_blocks(list(zip(sources, targets, strict=True)), src_ids, dst_ids)
+
+
+class _Plan(NamedTuple):
+    """What a copy between two caches is, but for its block ids: checked once per pair of
+    registered caches (`kvstore_kernels.register`), which keep their tensors."""
+
+    src: Any  # the source and the spec it is for (held: an id is never another object's)
+    spec: KVSpec
+    moved: tuple[int, ...]
+    whole: bool
+    device: torch.device
+    src_num_blocks: int
+    dst_num_blocks: int
+    shared: bool  # the two caches share a run (one cache): no block both read and written
+    src_runs: Runs
+    dst_runs: Runs
+
+
+MAX_PLANS = 16  # per destination cache: its lenders, say
+
+
+def _plan(spec: KVSpec, src_caches: KVCaches, dst_caches: KVCaches, layers: range) -> _Plan:
+    """The checked plan of a copy from `src_caches` into `dst_caches`: kept on a registered
+    destination for a registered source, made and checked again otherwise."""
+    kept = type(src_caches) is RegisteredCaches and type(dst_caches) is RegisteredCaches
+    key = (id(src_caches), id(spec), layers.start, layers.stop)  # both held by the plan
+    plans: dict[Any, _Plan] = dst_caches.__dict__.setdefault("_copy_plans", {}) if kept else {}
+    plan = plans.get(key)
+    if plan is not None and plan.src is src_caches and plan.spec is spec:
+        return plan
     if spec.layout == "hf":
         raise ValueError(
             "layout: hf is not supported by copy_blocks (a DynamicCache has no blocks); "
             "move the KV with gather and scatter"
         )
     stored = set(spec.stored_layers)
-    moved = tuple(layer for layer in check_layers(spec, layers) if layer in stored)
+    moved = tuple(layer for layer in layers if layer in stored)
     src = _facts("src_caches", spec, src_caches, moved)
     dst = _facts("dst_caches", spec, dst_caches, moved)
     if dst.write_error is not None:
         raise ValueError(_renamed(dst.write_error, "dst_caches"))
     device = _device(src.device, dst.device)
-    src_ids = _block_ids("src_blocks", src_blocks, src.num_blocks, "src_caches")
-    dst_ids = _block_ids("dst_blocks", dst_blocks, dst.num_blocks, "dst_caches")
-    _check_pairs(src_ids, dst_ids)
     whole = _whole_layers(spec, (("src_caches", src_caches, src), ("dst_caches", dst_caches, dst)), moved)
     src_runs = _runs(spec, src_caches, src, moved, whole)
     dst_runs = _runs(spec, dst_caches, dst, moved, whole)
-    _check_overlap(src_runs, dst_runs, src_ids, dst_ids)
-    if not src_ids.size or not moved:
-        return
-    if _uses_kernel(device):
-        _launch(src_runs, dst_runs, src_ids, dst_ids, device)
-    else:
-        sources = _run_tensors(spec, src_caches, moved, whole)
-        targets = _run_tensors(spec, dst_caches, moved, whole)
-        reference.copy_blocks(list(zip(sources, targets, strict=True)), src_ids, dst_ids)
+    shared = not set(src_runs.addresses).isdisjoint(dst_runs.addresses)
+    plan = _Plan(
+        src_caches, spec, moved, whole, device, src.num_blocks, dst.num_blocks, shared, src_runs, dst_runs
+    )
+    if kept:
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plans[key] = plan
+    return plan
 
 
 def _facts(name: str, spec: KVSpec, caches: KVCaches, moved: tuple[int, ...]) -> CacheFacts:
@@ -138,6 +181,9 @@ def _device(src: torch.device, dst: torch.device) -> torch.device:
 
 def _block_ids(name: str, values: Any, num_blocks: int, cache: str) -> np.ndarray:
     """`values` as int64 block ids on the host, each inside a cache of `num_blocks` blocks."""
+    usual = type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1 and values.size
+    if usual and int(values.min()) >= 0 and int(values.max()) < num_blocks:  # checked at once
+        return values
     if isinstance(values, torch.Tensor) and values.device.type != "cpu":
         raise ValueError(
             f"{name}: on {values.device}; pass the block ids on the host (list, numpy, CPU tensor), "
@@ -160,10 +206,11 @@ def _check_pairs(src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
             "blocks; give one destination block per source block"
         )
     if dst_ids.size > 1:
-        values, counts = np.unique(dst_ids, return_counts=True)
-        if (counts > 1).any():
+        ordered = dst_ids if bool((dst_ids[1:] > dst_ids[:-1]).all()) else np.sort(dst_ids)
+        repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
+        if repeated.size:
             raise ValueError(
-                f"dst_blocks: block {int(values[counts > 1][0])} appears twice; each destination block "
+                f"dst_blocks: block {int(ordered[repeated[0]])} appears twice; each destination block "
                 "is written once"
             )
 
@@ -227,10 +274,8 @@ def _run_tensors(spec: KVSpec, caches: KVCaches, moved: tuple[int, ...], whole: 
     return [view for layer in moved for view in kv_views(spec, caches, layer)]
 
 
-def _check_overlap(src: Runs, dst: Runs, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+def _check_overlap(src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
     """A copy within one cache (a forked prefix, say): no block is both read and written."""
-    if set(src.addresses).isdisjoint(dst.addresses):
-        return
     both = np.intersect1d(src_ids, dst_ids)
     if both.size:
         raise ValueError(
@@ -256,34 +301,57 @@ def _uses_kernel(device: torch.device) -> bool:
     return True
 
 
-def _launch(src: Runs, dst: Runs, src_ids: np.ndarray, dst_ids: np.ndarray, device: torch.device) -> None:
-    """One launch of `copy_block_runs` on `device`'s current stream, in the widest integer words
-    every address, stride and run length allows."""
-    num_runs, num_pairs = len(src.addresses), int(src_ids.size)
+def _launch(plan: _Plan, src_ids: np.ndarray, dst_ids: np.ndarray, on: Any) -> None:
+    """One launch of `copy_block_runs` on `on` (or the destination's current stream): the first of
+    a shape through Triton's dispatch, later ones through its launcher (as `triton_copy` does)."""
+    device, num_pairs = plan.device, int(src_ids.size)
+    word_bytes, run_words, tile, align, runs = _shape(plan.src_runs, plan.dst_runs)
+    num_runs = len(plan.src_runs.addresses)
+    num_segments = num_runs * num_pairs
+    segments = min(MAX_SEGMENTS, STEP_BYTES // (tile * word_bytes), 1 << (num_segments - 1).bit_length())
+    step_bytes = segments * tile * word_bytes
+    values = np.concatenate([runs, src_ids, dst_ids])
+    grid = min(-(-num_segments // segments), MAX_PROGRAMS)
+    constants = (run_words, tile, segments, WORDS[word_bytes], align)
+    num_warps = 8 if step_bytes >= 8192 else 4 if step_bytes >= 2048 else 1
+    if device.type != "cuda":  # Triton's interpreter
+        copy_block_runs[(grid,)](staging.to_device(values, device), 4 * num_runs, num_pairs, num_runs,
+                                 *constants, num_warps=num_warps)  # fmt: skip
+        return
+    with torch.cuda.device(device):
+        stream = (on or torch.cuda.current_stream(device)).cuda_stream
+        tables = staging.to_device(values, device, stream)
+        key = (device.index, tables.data_ptr() % 16, num_runs, _int_kind(num_pairs), constants, num_warps)
+        compiled = _compiled.get(key)
+        if compiled is not None and no_launch_hooks():
+            compiled.run(
+                grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                tables.data_ptr(), 4 * num_runs, num_pairs, num_runs, *constants,
+            )  # fmt: skip
+            return
+        compiled = copy_block_runs[(grid,)](
+            tables, 4 * num_runs, num_pairs, num_runs, *constants, num_warps=num_warps
+        )
+        if FAST_LAUNCH and hasattr(compiled, "packed_metadata"):
+            _compiled[key] = compiled
+
+
+@functools.lru_cache(maxsize=64)
+def _shape(src: Runs, dst: Runs) -> tuple[int, int, int, int, np.ndarray]:
+    """(word bytes, words a run, tile, alignment, the runs' table) of a copy between these runs."""
     alignment = math.gcd(src.run_bytes, *src.addresses, *src.strides, *dst.addresses, *dst.strides)
     word_bytes = next(width for width in (8, 4, 2, 1) if alignment % width == 0)
     run_words = src.run_bytes // word_bytes
     tile = min(triton.next_power_of_2(run_words), TILE_BYTES // word_bytes)
-    num_segments = num_runs * num_pairs
-    segments = min(MAX_SEGMENTS, STEP_BYTES // (tile * word_bytes), triton.next_power_of_2(num_segments))
-    step_bytes = segments * tile * word_bytes
-    runs = np.array([src.addresses, src.strides, dst.addresses, dst.strides], dtype=np.int64).T
-    values = np.concatenate([runs.ravel(), src_ids, dst_ids]).astype(np.int64, copy=False)
-    grid = min(triton.cdiv(num_segments, segments), MAX_PROGRAMS)
-    with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-        tables = staging.to_device(values, device)
-        copy_block_runs[(grid,)](
-            tables,
-            4 * num_runs,
-            num_pairs,
-            num_runs,
-            RUN_WORDS=run_words,
-            TILE=tile,
-            SEGMENTS=segments,
-            WORD=WORDS[word_bytes],
-            ALIGN=16 if alignment % 16 == 0 else word_bytes,
-            num_warps=8 if step_bytes >= 8192 else 4 if step_bytes >= 2048 else 1,
-        )
+    runs = np.array([src.addresses, src.strides, dst.addresses, dst.strides], dtype=np.int64).T.ravel()
+    runs.flags.writeable = False  # shared by every launch of these runs
+    return word_bytes, run_words, tile, 16 if alignment % 16 == 0 else word_bytes, runs
+
+
+# Compiled kernels by what Triton specialises a launch on: the device, the tables' alignment, the run
+# count's value, the pair count's integer type, constants, warps (KVSTORE_TRITON_DISPATCH=1: none).
+FAST_LAUNCH = os.environ.get("KVSTORE_TRITON_DISPATCH", "") in ("", "0")
+_compiled: dict[tuple[Any, ...], Any] = {}
 
 
 # The block count changes from call to call: not specialised, so one compiled kernel serves them.

@@ -111,7 +111,7 @@ def register(spec: KVSpec, kv_caches: KVCaches) -> KVCaches:
         return kv_caches
     stored = spec.stored_layers
     registered = RegisteredCaches(kv_caches)
-    registered.geometry = _geometry(spec)
+    registered.geometry = spec_geometry(spec)
     key = (stored, stored, 0)
     registered._facts = {key: _checked_facts(spec, registered, *key)}
     return registered
@@ -123,7 +123,7 @@ def cache_facts(
     """Check the tensors of the `checked` engine layers (ValueError naming the mismatch); return
     their facts, with the views of the `moved` layers. Remembered per fingerprint (or, for
     `RegisteredCaches`, on the object)."""
-    if type(kv_caches) is RegisteredCaches and kv_caches.geometry == _geometry(spec):
+    if type(kv_caches) is RegisteredCaches and kv_caches.geometry == spec_geometry(spec):
         return kv_caches.facts(spec, moved, checked, batch_index)
     _check_container(spec, kv_caches)
     key = _key(spec, kv_caches, moved, checked, batch_index)
@@ -182,10 +182,11 @@ def _key(
     prints = tuple(_fingerprint(tensor) for tensor in tensors)
     if None in prints:
         return None
-    return (_geometry(spec), tuple(moved), tuple(checked), batch_index, prints)
+    return (spec_geometry(spec), tuple(moved), tuple(checked), batch_index, prints)
 
 
-def _geometry(spec: KVSpec) -> tuple[Any, ...]:
+def spec_geometry(spec: KVSpec) -> tuple[Any, ...]:
+    """What a registered cache was checked against: equal geometries, the same checks."""
     return (spec.layout, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.block_size)
 
 

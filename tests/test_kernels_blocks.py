@@ -172,6 +172,33 @@ def test_registered_destination(impl: str) -> None:
     check_copy(impl, make_spec("mla", "float8_e5m2"), [1, 2, 3], [8, 7, 6], register=True)
 
 
+def test_registered_caches_copied_again(impl: str) -> None:
+    """Registered caches keep the copy's checked plan (and the kernel's launcher): later copies
+    with other block ids, layer ranges and pair counts, and from another source, move exactly
+    their own blocks (a kept plan never serves another source)."""
+    spec = make_spec("flashinfer", "bfloat16", num_layers=3)
+    device = device_of(impl)
+    sources = [build(spec, device, num_blocks=SRC_BLOCKS, seed=seed)[1] for seed in (3, 4)]
+    sources_cpu = [build(spec, "cpu", num_blocks=SRC_BLOCKS, seed=seed)[1] for seed in (3, 4)]
+    registered = [kvstore_kernels.register(spec, source) for source in sources]
+    bases, dst = build(spec, device, num_blocks=DST_BLOCKS, fill=0xA5)
+    want_bases, want = build(spec, "cpu", num_blocks=DST_BLOCKS, fill=0xA5)
+    target = kvstore_kernels.register(spec, dst)
+    rounds = [
+        (0, [4, 1], [2, 6], None),
+        (0, [9, 3, 10], [0, 5, 8], None),  # another pair count: the launcher's arguments change
+        (1, [4, 1], [3, 7], None),  # another source into the same destination
+        (0, [0, 11, 2, 6], [1, 4, 3, 2], range(1, 3)),  # a layer subset: its own plan
+        (1, [5], [6], range(0, 1)),
+    ]
+    for source, src_blocks, dst_blocks, layers in rounds:
+        kvstore_kernels.copy_blocks(spec, registered[source], src_blocks, target, dst_blocks, layers=layers)
+        synchronize(device)
+        expected_copy(spec, sources_cpu[source], src_blocks, want, dst_blocks, layers)
+        for index, (got, wanted) in enumerate(zip(as_bytes(bases), as_bytes(want_bases), strict=True)):
+            assert torch.equal(got, wanted), f"round {source, src_blocks}, tensor {index}: bytes differ"
+
+
 @pytest.mark.parametrize(
     ("layout", "dtype", "block_size", "head_dim"),
     [

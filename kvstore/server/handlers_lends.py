@@ -54,11 +54,8 @@ def lent_reply(store: Store, request: pb.LookupRequest) -> pb.LookupResponse | N
     hit = store.lends.lookup(request.namespace, keys, request.lent_devices, lambda: max(1, stored()))
     if hit is None:
         return None
-    lent = pb.LentRead(
-        read_id=hit.read_id,
-        cache=hit.cache,
-        device_pci_bus_id=hit.device,
-        blocks=hit.blocks,
-        ttl_ms=int(hit.ttl_s * 1000),
-    )
-    return pb.LookupResponse(hit_chunks=hit.chunks, tiers=bytes([Tier.LENT]) * hit.chunks, lent=lent)
+    reply = pb.LookupResponse(hit_chunks=hit.chunks, tiers=bytes([Tier.LENT]) * hit.chunks)
+    lent = reply.lent  # filled in place: the descriptor copied once
+    lent.read_id, lent.cache, lent.device_pci_bus_id = hit.read_id, hit.cache, hit.device
+    lent.blocks, lent.ttl_ms = hit.blocks, int(hit.ttl_s * 1000)
+    return reply

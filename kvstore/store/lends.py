@@ -256,7 +256,6 @@ class Lends:
     def _end(self, lend: Lend) -> None:
         """Done now: no new read, and a read in flight counts 0 (its Returned finds it done)."""
         lend.done = True
-        self._unindex(lend)
 
     def _settle(self, lend: Lend, now: float) -> bool:
         """Ends lapsed reads, and marks `lend` done when nothing holds it any more."""
@@ -273,7 +272,6 @@ class Lends:
                 for read_id in lend.reads:
                     self._reads.pop(read_id, None)
                 lend.reads.clear()
-            self._unindex(lend)
         return lend.done
 
     @staticmethod
@@ -283,6 +281,8 @@ class Lends:
         return lend.lender is not None and not lend.lender.connected
 
     def _unindex(self, lend: Lend) -> None:
+        """Drops `lend`'s keys from the index, once it is forgotten: a done lend's keys stay
+        indexed until then (a Lookup finds it done; a Returned costs nothing per chunk)."""
         for position, key in enumerate(lend.keys):
             if self._by_key.get((lend.ns, key)) == (lend, position):
                 del self._by_key[(lend.ns, key)]
