@@ -20,7 +20,8 @@ prompt's KV from a producer on one GPU to a consumer on another costs through th
 - The hand-over through the GPU tier: the producer stores into the daemon's pool on its own GPU
   (`KVStoreClient.store_to_gpu`), the consumer loads from there over peer access; timed as the
   arena's.
-- With lent blocks (`bench/handover_lent.py`): the consumer copies the producer's blocks: one copy.
+- With lent blocks (`bench/handover_lent.py`): the consumer copies the producer's blocks: one copy,
+  found by the prompt's keys, and from the producer's ticket (the daemon answered during the copy).
 - Every round's loaded bytes are compared with the producer's (column `ok`; `ok_device_copies`,
   `ok_pool`, `ok_lent`).
 
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvstore_kernels  # noqa: E402
 from bench.common import print_table, running_daemon, write_results  # noqa: E402
-from bench.handover_lent import LENT_ROW, lent_handover  # noqa: E402
+from bench.handover_lent import LENT_ROWS, lent_rows  # noqa: E402
 from bench.transfer_cases import daemon_config, make_spec, wait_reserved  # noqa: E402
 from kvstore_client import KVStoreClient  # noqa: E402
 
@@ -160,9 +161,7 @@ def run_tokens(tokens: int, producer: torch.device, consumer: torch.device, reps
     if producer.type == "cuda":
         row["ok_pool"] = pool_handover(spec, source, target, table, chunks, tokens, devices, walls, reps)
         with running_daemon(daemon_config(page_bytes, 4)) as daemon:
-            walls[LENT_ROW], row["ok_lent"], row["lent_ms"], _ = lent_handover(
-                daemon.address, spec, tokens, devices, reps
-            )
+            row["ok_lent"], row["lent_ms"] = lent_rows(daemon.address, spec, tokens, devices, reps, walls)
     row["ms"] = {name: statistics.median(values) for name, values in walls.items()}
     row["walls_ms"] = walls
     peer = row["ms"].get("peer copy producer->consumer")
@@ -374,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
             mib, gbps = round(row["bytes"] / 2**20, 1), round(row["bytes"] / ms / 1e6, 2)
             ratio = row.get("x_peer_copy", {}).get(name)
             ok = row.get("ok_device_copies") if name in DEVICE_ROWS else row.get("ok")
-            ok = row.get("ok_pool") if name == POOL_ROW else row.get("ok_lent") if name == LENT_ROW else ok
+            ok = row.get("ok_pool") if name == POOL_ROW else row.get("ok_lent") if name in LENT_ROWS else ok
             table.append(
                 [
                     row["tokens"],

@@ -9,6 +9,18 @@ stream, then one call to the daemon), the signal to the consumer (a pipe: what a
 would cost, tens of microseconds), the consumer's `load` (Lookup, the copy, Returned). Two
 processes, as in a deployment: a process cannot open its own CUDA IPC export.
 
+Two ways (`ticket`): keyed, the consumer's leased Lookup finds the lend by the prompt's keys and
+its answer names the blocks (the signal leaves once the Lend is answered); with a ticket, the
+producer signals the ticket `lend(meanwhile=...)` hands it while the daemon records the lend, and
+the consumer copies from it at once, its Lookup answered during the copy
+(`kvstore_client.lent_tickets`). A round's first (untimed) load is keyed either way: it brings the
+consumer's read slots.
+
+Run alone (`python bench/handover_lent.py --tokens 8192 32768 --rounds 2 --spin-us 0 200`), it
+times the peer copy of the same bytes, then both ways, in each of `--rounds` rounds, one daemon for
+all, the keyed way once per `--spin-us` (`$KVSTORE_LOCAL_SPIN_US`: how long a call spins for its
+reply before sleeping); writes bench/results/handover-lent.json (`--name`).
+
 Each round the consumer's cache is poisoned first and compared with the producer's bytes after
 (both made from the same seeded CPU generator), and the producer waits until `lends_done` names
 the lend before the next round.
@@ -16,18 +28,29 @@ the lend before the next round.
 
 from __future__ import annotations
 
+import argparse
 import cProfile
+import functools
 import multiprocessing as mp
+import os
 import statistics
+import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.handover_profile import instrument
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import print_table, running_daemon, write_results  # noqa: E402
+from bench.handover_profile import instrument  # noqa: E402
+from bench.transfer_cases import daemon_config, make_spec  # noqa: E402
 
 LENT_ROW = "hand-over, lent blocks (one copy over the link)"
+TICKET_ROW = "hand-over, lent blocks from a ticket (one copy over the link)"
+LENT_ROWS = {LENT_ROW: False, TICKET_ROW: True}  # row -> ticket
 # Where a round's time goes, median ms: the producer's lend (its stream waited for, the Lend call),
 # the signal to the consumer, its load up to the copy's enqueue (the leased Lookup), the copy and
 # its Returned.
@@ -49,7 +72,15 @@ def seeded_cache(spec: Any, tokens: int, device: torch.device, seed: int | None)
 
 
 def _producer(
-    address: str, spec: Any, tokens: int, device: int, reps: int, pipe: Any, out: Any, profiled: bool
+    address: str,
+    spec: Any,
+    tokens: int,
+    device: int,
+    reps: int,
+    pipe: Any,
+    out: Any,
+    profiled: bool,
+    ticket: bool,
 ) -> None:
     from kvstore_client import KVStoreClient
 
@@ -69,10 +100,14 @@ def _producer(
                 started = time.monotonic()
                 if profiler is not None and attempt:
                     profiler.enable()
-                lend_id, lent = client.lend(None, cache, table, keys=keys)
+                tell = functools.partial(_tell, pipe, started) if ticket else None
+                lend_id, lent = client.lend(None, cache, table, keys=keys, meanwhile=tell)
                 if profiler is not None:
                     profiler.disable()
-                pipe.send((started, lend_id, lent, time.monotonic()))
+                if not ticket:
+                    pipe.send((started, None, time.monotonic()))
+                if lent != tokens:
+                    raise RuntimeError(f"lent {lent} tokens of {tokens}")
                 if timers is not None:
                     timers.next_round(keep=attempt > 0)
                 if pipe.recv() is None:  # the consumer has loaded
@@ -90,8 +125,20 @@ def _producer(
         pipe.send(None)  # the consumer stops waiting
 
 
+def _tell(pipe: Any, started: float, ticket: bytes) -> None:
+    pipe.send((started, ticket, time.monotonic()))
+
+
 def _consumer(
-    address: str, spec: Any, tokens: int, device: int, reps: int, pipe: Any, out: Any, profiled: bool
+    address: str,
+    spec: Any,
+    tokens: int,
+    device: int,
+    reps: int,
+    pipe: Any,
+    out: Any,
+    profiled: bool,
+    ticket: bool,
 ) -> None:
     from kvstore_client import KVStoreClient
 
@@ -104,6 +151,7 @@ def _consumer(
         walls, ok = [], True
         phases: dict[str, list[float]] = {}
         with KVStoreClient.connect(address, spec, name="lent-consumer") as client:
+            returned_before = client.stats()["counters"].get("lent_reads_returned", 0)  # an earlier run's
             cache = client.register_kv_caches(target)
             keys = client.keys(list(range(tokens)))
             timers = instrument(client, "consumer") if profiled else None
@@ -117,10 +165,10 @@ def _consumer(
                 if message is None:
                     raise RuntimeError("the producer failed")
                 received = time.monotonic()
-                started, _, lent, lent_at = message
+                started, lent_ticket, lent_at = message
                 if profiler is not None and attempt:
                     profiler.enable()
-                handle = client.load_async(None, cache, table, keys=keys)
+                handle = client.load_async(None, cache, table, keys=keys, lent=lent_ticket)
                 enqueued = time.monotonic()
                 loaded = handle.wait()
                 if profiler is not None:
@@ -134,13 +182,13 @@ def _consumer(
                     torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                     for a, b in zip(target, expected, strict=True)
                 )
-                ok = ok and lent == tokens and loaded == tokens and same
+                ok = ok and loaded == tokens and same
                 if attempt:
                     walls.append((ended - started) * 1e3)
                     marks = (started, lent_at, received, enqueued, ended)
                     for name, a, b in zip(PHASES, marks, marks[1:], strict=False):
                         phases.setdefault(name, []).append((b - a) * 1e3)
-            lent_reads = client.stats()["counters"].get("lent_reads_returned", 0)
+            lent_reads = client.stats()["counters"].get("lent_reads_returned", 0) - returned_before
         medians = {name: statistics.median(values) for name, values in phases.items()}
         steps = timers.medians() if timers is not None else {}
         if profiler is not None:
@@ -158,14 +206,18 @@ def lent_handover(
     devices: tuple[torch.device, torch.device],
     reps: int,
     profiled: bool = False,
+    ticket: bool = False,
 ) -> tuple[list[float], bool, dict[str, float], dict[str, float]]:
-    """The wall ms of `reps` lent hand-overs between two processes, whether every round lent and
-    loaded the whole prompt, the producer's bytes, as a lent read, the median ms of each of
-    `PHASES`, and (`profiled`) of each host step `bench.handover_profile.instrument` times."""
+    """The wall ms of `reps` lent hand-overs between two processes (`ticket`: from the producer's
+    ticket), whether every round lent and loaded the whole prompt, the producer's bytes, as a lent
+    read, the median ms of each of `PHASES`, and (`profiled`) of each host step
+    `bench.handover_profile.instrument` times."""
     context = mp.get_context("spawn")
     ends, out = context.Pipe(), context.Queue()
     processes = [
-        context.Process(target=role, args=(address, spec, tokens, device.index, reps, end, out, profiled))
+        context.Process(
+            target=role, args=(address, spec, tokens, device.index, reps, end, out, profiled, ticket)
+        )
         for role, device, end in zip((_producer, _consumer), devices, ends, strict=True)
     ]
     for process in processes:
@@ -182,3 +234,77 @@ def lent_handover(
             raise RuntimeError(f"the {role} failed:\n{result}")
     walls, ok, phases, steps = results["consumer"]
     return walls, ok, phases, {**results["producer"], **steps}
+
+
+def lent_rows(
+    address: str, spec: Any, tokens: int, devices: Any, reps: int, walls: dict[str, list[float]]
+) -> tuple[bool, dict[str, dict[str, float]]]:
+    """Both ways of `LENT_ROWS` into `walls`: (whether every round of both was right, each way's
+    phases)."""
+    ok, phases = True, {}
+    for row, ticket in LENT_ROWS.items():
+        walls[row], good, phases[row], _ = lent_handover(address, spec, tokens, devices, reps, ticket=ticket)
+        ok = ok and good
+    return ok, phases
+
+
+def rounds(tokens: int, rounds: int, reps: int, spins: list[float]) -> list[dict[str, Any]]:
+    """Each round: the peer copy, the keyed way at each spin, the ticket way (no spin)."""
+    spec = make_spec("flash_attn")
+    devices = (torch.device("cuda", 0), torch.device("cuda", 1))
+    moved = tokens // spec.chunk_tokens * spec.page.page_bytes
+    flat_p = torch.randint(0, 256, (moved,), dtype=torch.uint8, device=devices[0])
+    flat_c = torch.empty(moved, dtype=torch.uint8, device=devices[1])
+    ways = [(LENT_ROW, False, spin) for spin in spins] + [(TICKET_ROW, True, 0.0)]
+    rows = []
+    with running_daemon(daemon_config(spec.page.page_bytes, 4)) as daemon:
+        for number in range(rounds):
+            peers = []
+            for attempt in range(reps + 1):
+                torch.cuda.synchronize(devices[0])
+                started = time.perf_counter()
+                flat_c.copy_(flat_p, non_blocking=True)
+                torch.cuda.synchronize(devices[1])
+                if attempt:
+                    peers.append((time.perf_counter() - started) * 1e3)
+            peer = statistics.median(peers)
+            for row, ticket, spin in ways:
+                os.environ["KVSTORE_LOCAL_SPIN_US"] = str(spin)  # the two processes read it at connect
+                walls, ok, phases, _ = lent_handover(
+                    daemon.address, spec, tokens, devices, reps, ticket=ticket
+                )
+                ms = statistics.median(walls)
+                rows.append(
+                    {"round": number, "tokens": tokens, "path": row, "spin_us": spin, "ms": ms,
+                     "peer_ms": peer, "x_peer_copy": peer / ms, "ok": ok, "phases_ms": phases,
+                     "walls_ms": walls}
+                )  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", nargs="+", type=int, default=[8192, 32768])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--spin-us", nargs="+", type=float, default=[0.0], help="the keyed way's spins")
+    parser.add_argument("--name", default="handover-lent")
+    args = parser.parse_args(argv)
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("bench/handover_lent.py needs two CUDA GPUs")
+    rows = [row for tokens in args.tokens for row in rounds(tokens, args.rounds, args.reps, args.spin_us)]
+    table = [
+        [r["round"], r["tokens"], r["path"], r["spin_us"], round(r["peer_ms"], 3), round(r["ms"], 3),
+         round(r["x_peer_copy"], 3), "PASS" if r["ok"] else "FAIL"]
+        for r in rows
+    ]  # fmt: skip
+    print_table(["round", "tokens", "path", "spin us", "peer copy ms", "ms", "x peer copy", "ok"], table)
+    print(
+        write_results(args.name, {"config": vars(args), "gpus": torch.cuda.get_device_name(0), "rows": rows})
+    )
+
+
+if __name__ == "__main__":
+    main()

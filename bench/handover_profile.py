@@ -71,6 +71,7 @@ def instrument(client: Any, role: str) -> Timers:
     """The timers of `role`'s host steps ("producer" or "consumer"), installed on `client`."""
     import kvstore_kernels
     from kvstore.shared.channel import LocalChannel
+    from kvstore_client import lent_tickets
     from kvstore_client.handles import LoadHandle
     from kvstore_client.lends import LendPath
     from kvstore_client.lent import LentCaches
@@ -103,6 +104,10 @@ def instrument(client: Any, role: str) -> Timers:
     timers.wrap(blocks.staging, "to_device", "copy_blocks: block ids to the GPU")
     timers.wrap(LoadHandle, "wait", "wait (copy, Returned)")
     timers.wrap(LendPath, "_finish", "wait: Returned")
+    timers.wrap(LendPath, "_finish_in_place", "wait: read slot checked, Returned sent")
+    timers.wrap(lent_tickets, "read_ticket", "ticket: Lookup sent, copy enqueued")
+    timers.wrap(lent_tickets, "_answered", "ticket: Lookup's answer, slot checked, Returned sent")
+    timers.wrap(LocalChannel, "begin", "ticket: Lookup sent")
     return timers
 
 
@@ -130,7 +135,9 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def profile(tokens: int, producer: int, consumer: int, reps: int, poll_ms: float) -> dict[str, Any]:
+def profile(
+    tokens: int, producer: int, consumer: int, reps: int, poll_ms: float, ticket: bool
+) -> dict[str, Any]:
     import torch
 
     from bench.handover_lent import lent_handover
@@ -142,7 +149,9 @@ def profile(tokens: int, producer: int, consumer: int, reps: int, poll_ms: float
     devices = (torch.device("cuda", producer), torch.device("cuda", consumer))
     with running_daemon(config) as daemon:
         before = daemon_rpc_ms(metrics)
-        walls, ok, phases, steps = lent_handover(daemon.address, spec, tokens, devices, reps, profiled=True)
+        walls, ok, phases, steps = lent_handover(
+            daemon.address, spec, tokens, devices, reps, profiled=True, ticket=ticket
+        )
         after = daemon_rpc_ms(metrics)
     daemon_ms = {
         f"daemon: {method}": (after[method][0] - before.get(method, (0.0, 0))[0])
@@ -154,6 +163,7 @@ def profile(tokens: int, producer: int, consumer: int, reps: int, poll_ms: float
     return {
         "tokens": tokens,
         "local_poll_ms": poll_ms,
+        "ticket": ticket,
         "ok": ok,
         "wall_ms": statistics.median(walls),
         "phases_ms": phases,
@@ -171,10 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--consumer", type=int, default=1)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--poll-ms", nargs="+", type=float, default=[0.0], help="server.local_poll_ms")
+    parser.add_argument(
+        "--ticket", action="store_true", help="the consumer copies from the producer's ticket"
+    )
     parser.add_argument("--name", default="handover_profile")
     args = parser.parse_args(argv)
     rows = [
-        profile(tokens, args.producer, args.consumer, args.reps, poll)
+        profile(tokens, args.producer, args.consumer, args.reps, poll, args.ticket)
         for poll in args.poll_ms
         for tokens in args.tokens
     ]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import kvstore_kernels
@@ -259,6 +259,7 @@ class KVStoreClient(Session):
         keys: Sequence[bytes] | None = None,
         hold_s: float | None = None,
         tail: bool = False,
+        meanwhile: Callable[[bytes], Any] | None = None,
     ) -> tuple[int, int]:
         """Lend the KV-cache blocks of the whole chunks of `token_ids` to workers on other GPUs of
         this host: their loads copy them device to device (prefill to decode). Returns (lend id,
@@ -268,8 +269,12 @@ class KVStoreClient(Session):
         caller must keep those blocks unchanged until `lends_done` names the lend: read by a
         worker, withdrawn, or `hold_s` (default 30 s) passed with no read in flight. Needs the
         local channel and a cache that CUDA IPC can export (not expandable segments).
+        `meanwhile(ticket)` runs while the daemon records the lend: hand the ticket to the
+        reader (`load_async(lent=ticket)`), which then copies without waiting for the daemon.
         """
-        return self._lends.lend(token_ids, kv_caches, block_ids, keys=keys, hold_s=hold_s, tail=tail)
+        return self._lends.lend(
+            token_ids, kv_caches, block_ids, keys=keys, hold_s=hold_s, tail=tail, meanwhile=meanwhile
+        )
 
     def lends_done(
         self, lend_ids: Sequence[int], *, withdraw: bool = False, revoke: bool = False
@@ -304,6 +309,7 @@ class KVStoreClient(Session):
         layerwise: bool = False,
         keys: Sequence[bytes] | None = None,
         tail: bool = False,
+        lent: bytes | None = None,
     ) -> LoadHandle:
         """Pin the longest stored prefix and enqueue its scatter; `wait()` releases it.
 
@@ -317,7 +323,9 @@ class KVStoreClient(Session):
         cannot be reached gives an empty load (0 tokens, logged), never an exception.
         With `tail`, a stored trailing partial chunk of `token_ids` is loaded too (its whole
         page: the KV cache and block table must reach to the end of that chunk), and the
-        tokens count only up to the end of `token_ids`.
+        tokens count only up to the end of `token_ids`. `lent`: a lender's ticket (`lend`'s
+        `meanwhile`): its blocks are copied at once, and count if the daemon's answer, read after
+        the copy, is a read of that lend that held; else 0 (load again from the tiers).
         """
         return self._loads.load_async(
             token_ids,
@@ -328,6 +336,7 @@ class KVStoreClient(Session):
             layerwise=layerwise,
             keys=keys,
             tail=tail,
+            lent=lent,
         )
 
     def lookup(self, token_ids: Any, *, keys: Sequence[bytes] | None = None, tail: bool = False) -> int:

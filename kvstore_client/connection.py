@@ -209,13 +209,19 @@ class Connection:
         self._handshake = handshake
         self._on_gone = on_gone
 
-    def rpc(self, method: str, request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
+    def rpc(
+        self,
+        method: str,
+        request: Any,
+        meanwhile: Callable[[], Any] | None = None,
+        fds: list[int] | None = None,
+    ) -> Any:
         """The reply to `request`; `meanwhile()` runs while the daemon answers (over the local
-        channel; before the call over gRPC)."""
+        channel; before the call over gRPC). `fds`: see `LocalChannel.call`."""
         if self.local is not None:
             first_reply = not self.local.answered
             try:
-                return self.local.call(method, request, meanwhile)
+                return self.local.call(method, request, meanwhile, fds)
             except (Refused, ResourceExhausted) as exc:
                 if not is_refusal(exc, first_reply):
                     raise
@@ -239,12 +245,18 @@ class Connection:
         if not self._token:
             self.use_credential(credential_of_refusal(path, self.timeout_s))
 
-    def call(self, method: str, make_request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
+    def call(
+        self,
+        method: str,
+        make_request: Any,
+        meanwhile: Callable[[], Any] | None = None,
+        fds: list[int] | None = None,
+    ) -> Any:
         if self.outage:
             self.reconnect()
         for again in (False, True):
             try:
-                return self.rpc(method, make_request(), meanwhile)
+                return self.rpc(method, make_request(), meanwhile, fds)
             except KVStoreError as exc:
                 # A daemon that restarted no longer knows the credential it issued: connect again.
                 if not (is_outage(exc) or (self._credential and isinstance(exc, Unauthenticated))):

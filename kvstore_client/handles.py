@@ -106,11 +106,24 @@ class LoadHandle(TransferHandle):
         tokens: int,
         layers: range = range(0),
         layer_events: dict[int, torch.cuda.Event | None] | None = None,
+        early: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(event, finish, fail)
         self.tokens = tokens  # tokens being loaded, if every chunk arrives
         self.layers = layers
         self.layer_events = layer_events if layer_events is not None else dict.fromkeys(layers, event)
+        self._early = early  # run by the first wait(), before it waits for the copy (a lent read's answer)
+
+    def wait(self) -> int:
+        early, self._early = self._early, None
+        if early is not None and self._result is None and self._error is None:
+            try:
+                early()
+            except BaseException as exc:
+                self._error = exc
+                self._fail(exc)
+                raise
+        return super().wait()
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         """Makes `stream` (default: the current CUDA stream) wait until `layer`'s KV is in place.

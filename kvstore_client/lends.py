@@ -13,9 +13,10 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.shared.cudart import CudaError, CudaUnavailable
 from kvstore.shared.errors import KVStoreError
 from kvstore.shared.keys import pack_keys
+from kvstore.shared.read_slots import SlotView
 from kvstore_client.handles import LoadHandle
 from kvstore_client.lent import LentCaches, describe
 from kvstore_client.session import Session
@@ -36,6 +38,18 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HOLD_S = 30.0
 MIN_HOLD_S, MAX_HOLD_S = 0.001, 600.0  # the daemon's bounds
+
+
+def ticket(descriptor: bytes, bus: str, blocks: bytes) -> bytes:
+    """What a reader needs to copy a lend's blocks before the daemon answers for them
+    (`KVStoreClient.load_async(lent=...)`): the lender's cache, its GPU, the block ids."""
+    return pb.LentRead(cache=descriptor, device_pci_bus_id=bus, blocks=blocks).SerializeToString()
+
+
+def _once(call: Callable[[bytes], Any], value: bytes, ran: list[bool]) -> None:
+    if not ran:  # a call made again after an outage does not tell the reader twice
+        ran.append(True)
+        call(value)
 
 
 class LendPath:
@@ -61,8 +75,10 @@ class LendPath:
         keys: Sequence[bytes] | None = None,
         hold_s: float | None = None,
         tail: bool = False,
+        meanwhile: Callable[[bytes], Any] | None = None,
     ) -> tuple[int, int]:
-        """`KVStoreClient.lend`: (lend id, tokens lent); (0, 0) where nothing could be lent."""
+        """`KVStoreClient.lend`: (lend id, tokens lent); (0, 0) where nothing could be lent.
+        `meanwhile(ticket)` runs once, while the daemon records the lend (its request sent)."""
         keys = self._s._keys_of(token_ids, keys, tail)
         per_chunk = self._s.spec.blocks_per_chunk
         table = np.asarray(
@@ -94,7 +110,8 @@ class LendPath:
                 hold_ms=hold_ms,
             )
 
-        reply = self._s._conn.call("Lend", request)
+        told = meanwhile and functools.partial(_once, meanwhile, ticket(descriptor, bus, blocks), [])
+        reply = self._s._conn.call("Lend", request, told)
         with self._lock:
             if len(self._safe_at) >= 4096:  # lends never asked about: the daemon answers for them
                 now = time.monotonic()
@@ -178,32 +195,14 @@ class LendPath:
         layers: range,
         stream: Any,
         caches: LentCaches,
+        asked: float,
     ) -> LoadHandle | None:
-        """Copies the lent blocks of a Lookup's reply into the KV cache; None where they cannot be
-        read here (the read is returned, and the caller loads from the tiers)."""
+        """Copies the lent blocks of a Lookup's reply (asked for at `asked`, monotonic) into the KV
+        cache; None where they cannot be read here (the read is returned, and the caller loads
+        from the tiers)."""
         lent, chunks = reply.lent, reply.hit_chunks
-        per_chunk = self._s.spec.blocks_per_chunk
-        device = cache_device(kv_caches)
         try:
-            source_blocks = np.frombuffer(lent.blocks, dtype="<i4").astype(np.int64)
-            table = np.asarray(
-                block_ids.cpu() if isinstance(block_ids, torch.Tensor) else block_ids, dtype=np.int64
-            )
-            if source_blocks.size != chunks * per_chunk or table.size < chunks * per_chunk:
-                raise ValueError(f"{source_blocks.size} lent block ids for {chunks} chunks")
-            source = caches.open(self._s.spec, lent.cache, lent.device_pci_bus_id, device, kv_caches)
-            stream = stream or self._s._streams.ordered_side(device)
-            kvstore_kernels.copy_blocks(
-                self._s.spec,
-                source,
-                source_blocks,
-                kv_caches,
-                table.reshape(-1)[: chunks * per_chunk],
-                layers=layers,
-                stream=stream,
-            )
-            event = torch.cuda.Event()
-            event.record(stream)
+            event = self.copy(lent, chunks, kv_caches, block_ids, layers, stream, caches)
         except Exception as exc:  # noqa: BLE001 - a descriptor or a device this reader cannot use
             log.warning(
                 "lent blocks from %s not read (%s): loading from the tiers", lent.device_pci_bus_id, exc
@@ -213,13 +212,81 @@ class LendPath:
             return None
         self.expect_lent = True
         tokens = self._s._covered(token_ids, chunks)
-        finish = functools.partial(self._finish, lent.read_id, tokens)
+        local = self._s._conn.local
+        if lent.slot and local is not None and local.read_slots is not None:  # checked in place
+            deadline = asked + lent.ttl_ms / 1000  # the daemon's is later: it took the read after
+            finish = functools.partial(
+                self._finish_in_place, lent.read_id, tokens, local, lent.slot - 1, deadline
+            )
+        else:
+            finish = functools.partial(self._finish, lent.read_id, tokens)
         return LoadHandle(event, finish, lambda exc: self._returned(lent.read_id), tokens, layers)
+
+    def copy(
+        self,
+        lent: Any,
+        chunks: int,
+        kv_caches: Any,
+        block_ids: Any,
+        layers: range,
+        stream: Any,
+        caches: LentCaches,
+    ) -> torch.cuda.Event:
+        """Enqueues the copy of `chunks` chunks of the lent blocks `lent` names (a LentRead: a
+        Lookup's, or a lender's ticket) into the KV cache; its event."""
+        per_chunk = self._s.spec.blocks_per_chunk
+        device = cache_device(kv_caches)
+        source_blocks = np.frombuffer(lent.blocks, dtype="<i4").astype(np.int64)
+        table = np.asarray(
+            block_ids.cpu() if isinstance(block_ids, torch.Tensor) else block_ids, dtype=np.int64
+        )
+        if source_blocks.size != chunks * per_chunk or table.size < chunks * per_chunk:
+            raise ValueError(f"{source_blocks.size} lent block ids for {chunks} chunks")
+        source = caches.open(self._s.spec, lent.cache, lent.device_pci_bus_id, device, kv_caches)
+        stream = stream or self._s._streams.ordered_side(device)
+        kvstore_kernels.copy_blocks(
+            self._s.spec,
+            source,
+            source_blocks,
+            kv_caches,
+            table.reshape(-1)[: chunks * per_chunk],
+            layers=layers,
+            stream=stream,
+        )
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _finish_in_place(self, read_id: int, tokens: int, local: Any, slot: int, deadline: float) -> int:
+        """`_finish`, its answer read from the read's slot (`kvstore.shared.read_slots`) with the
+        read's TTL on this process's clock; the Returned is sent without waiting for its reply."""
+        held = local.holds(slot, read_id) and time.monotonic() < deadline
+        try:
+            local.send("Returned", pb.ReturnedRequest(namespace=self._s.namespace, read_id=read_id))
+        except KVStoreError as exc:  # the daemon is gone: the read lapses with it
+            log.debug("Returned %d: %s", read_id, exc)
+        return tokens if held else self._lapsed(read_id)
+
+    def take_slots(self, fds: list[int]) -> None:
+        """Maps the read slots a lent Lookup's reply carried for this connection."""
+        local = self._s._conn.local
+        try:
+            if fds and local is not None and local.read_slots is None:
+                local.read_slots = SlotView(fds.pop())
+        except (OSError, ValueError) as exc:  # reads are then answered by Returned, as over gRPC
+            log.warning("read slots not mapped: %s", exc)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _finish(self, read_id: int, tokens: int) -> int:
         """The copy is done: its tokens if the lend held the blocks until now, else 0."""
         if self._returned(read_id):
             return tokens
+        return self._lapsed(read_id)
+
+    @staticmethod
+    def _lapsed(read_id: int) -> int:
         log.warning(
             "lent read %d lapsed during the copy (the lender went away, or the read's TTL ended); "
             "reporting no tokens loaded",

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+import kvstore_client.lent_tickets as lent_tickets
 import kvstore_kernels
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.shared.channel import LocalChannel
@@ -106,18 +107,25 @@ class LoadPath:
         layerwise: bool = False,
         keys: Sequence[bytes] | None = None,
         tail: bool = False,
+        lent: bytes | None = None,
     ) -> LoadHandle:
         """`KVStoreClient.load_async`."""
         moved = self._s._layer_range(layers)
         keys = self._s._keys_of(token_ids, keys, tail)
         asked = time.monotonic()  # the daemon's lease deadline is at least this + lease_ttl_s
+        if lent is not None:  # a lender's ticket: copied now, the daemon asked meanwhile
+            ticketed = lent_tickets.read_ticket(
+                self._s, lent, token_ids, keys, kv_caches, block_ids, moved, stream, asked
+            )
+            if ticketed is not None:
+                return ticketed
         targets = _LoadTargets(block_ids, stream, layerwise)
         reply = self._lookup_leased(keys, kv_caches, moved, targets, lent=True) if keys else None
         if reply is not None and not reply.HasField("lent"):
             self._s._lends.expect_lent = False
         if reply is not None and reply.HasField("lent"):  # another GPU's blocks: copied device to device
             lent = self._s._lends.read(
-                reply, token_ids, kv_caches, block_ids, moved, stream, self._s._link.lent
+                reply, token_ids, kv_caches, block_ids, moved, stream, self._s._link.lent, asked
             )
             if lent is not None:
                 return lent
@@ -180,6 +188,10 @@ class LoadPath:
         this cache's device reaches may answer it (`kvstore_client.lends`)."""
         device = cache_device(kv_caches)
         lent_devices = self._s._lends.devices(device) if lent and device.type == "cuda" else ()
+        local = self._s._conn.local  # its read slots come with the first lent read that asks
+        slots: list[int] | None = (
+            [] if lent_devices and local is not None and local.read_slots is None else None
+        )
 
         def request() -> pb.LookupRequest:
             return pb.LookupRequest(
@@ -190,15 +202,19 @@ class LoadPath:
                 acquire=self._s.arena is not None,
                 epoch=self._s.epoch,
                 lent_devices=lent_devices,
+                read_slots=slots is not None,
             )
 
         meanwhile = functools.partial(targets.ready, self._s, kv_caches, len(keys), layers)
         if self._s.arena is None or (lent_devices and self._s._lends.expect_lent):
             meanwhile = None  # readied after the reply, where it is needed
         try:
-            return self._s._conn.call("Lookup", request, meanwhile)
+            return self._s._conn.call("Lookup", request, meanwhile, slots)
         except Unavailable:
             return None
+        finally:
+            if slots:
+                self._s._lends.take_slots(slots)
 
     def _scatter(
         self,

@@ -299,9 +299,9 @@ def count_connects(client: KVStoreClient) -> list[str]:
     calls: list[str] = []
     rpc = client._conn.rpc
 
-    def recording(method: str, request: Any, meanwhile: Any = None) -> Any:
+    def recording(method: str, request: Any, meanwhile: Any = None, fds: Any = None) -> Any:
         calls.append(method)
-        return rpc(method, request, meanwhile)
+        return rpc(method, request, meanwhile, fds)
 
     client._conn.rpc = recording  # type: ignore[method-assign]
     return calls

@@ -7,6 +7,7 @@ intact or the copy disowned), never wrong bytes. The protocol alone is `test_len
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -69,6 +70,10 @@ def _lender(address: str, device: int, commands: Any, out: Any) -> None:
                 command = commands.get(timeout=120)
                 if command == "done":
                     out.put(("done", client.lends_done([lend_id])))
+                elif command == "lend":  # again, the ticket sent while the daemon records it
+                    tell = functools.partial(_tell, out)
+                    lend_id, tokens = client.lend(list(range(TOKENS)), cache, LENDER_TABLE, meanwhile=tell)
+                    out.put(("lent", lend_id, tokens))
                 elif command == "die":
                     os.kill(os.getpid(), signal.SIGKILL)
                 else:
@@ -76,6 +81,10 @@ def _lender(address: str, device: int, commands: Any, out: Any) -> None:
         out.put(("closed",))
     except BaseException:  # noqa: BLE001 - reported to the test
         out.put(("error", traceback.format_exc()))
+
+
+def _tell(out: Any, ticket: bytes) -> None:
+    out.put(("ticket", ticket))
 
 
 class Lender:
@@ -96,6 +105,16 @@ class Lender:
     def done(self) -> list[int]:
         self.commands.put("done")
         return self.get()[1]
+
+    def lend(self) -> tuple[int, bytes]:
+        """Lends the prompt again: (lend id, the ticket it handed over meanwhile)."""
+        self.commands.put("lend")
+        ticket = self.get()
+        assert ticket[0] == "ticket", ticket
+        lent = self.get()
+        assert lent[0] == "lent" and lent[2] == TOKENS, lent
+        self.lend_id = lent[1]
+        return lent[1], ticket[1]
 
     def kill(self) -> None:
         self.commands.put("die")
@@ -170,12 +189,14 @@ def test_a_lender_killed_before_the_read_hands_over_nothing(
         assert all(bool((layer.view(torch.uint8) == 0xA5).all()) for layer in target)
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["read slot", "Returned"])
 @pytest.mark.parametrize(("lender_gpu", "reader_gpu"), devices_pairs())
 def test_a_lender_killed_during_the_read_disowns_the_copy(
-    daemon: Daemon, lenders: Callable[[str, int], Lender], lender_gpu: int, reader_gpu: int
+    daemon: Daemon, lenders: Callable[[str, int], Lender], lender_gpu: int, reader_gpu: int, in_place: bool
 ) -> None:
     """The read is taken, the lender dies and is reaped, then the copy runs from the dead
-    process's memory (still mapped here): it must neither crash nor count."""
+    process's memory (still mapped here): it must neither crash nor count, whether the reader
+    learns it from its read slot or from Returned's answer."""
     lender = lenders(daemon.address, lender_gpu)
     device = torch.device("cuda", reader_gpu)
     with torch.cuda.device(device), KVStoreClient.connect(daemon.address, SPEC) as reader:
@@ -185,15 +206,27 @@ def test_a_lender_killed_during_the_read_disowns_the_copy(
             keys=pack_keys(keys),
             lease=True,
             lent_devices=reader._lends.devices(device),
+            read_slots=in_place,
         )
-        reply = reader._conn.rpc("Lookup", request)
+        fds: list[int] = []
+        asked = time.monotonic()
+        reply = reader._conn.rpc("Lookup", request, fds=fds)
+        reader._lends.take_slots(fds)
         assert reply.HasField("lent") and reply.hit_chunks == len(keys)
+        assert bool(reply.lent.slot) == in_place
         target = seeded(device, seed=None)
         reader._link.lent.open(
             SPEC, reply.lent.cache, reply.lent.device_pci_bus_id, device, target
         )  # mapped here: the copy may start
         lender.kill()
-        handle = reader._lends.read(reply, None, target, READER_TABLE, range(4), None, reader._link.lent)
+        query = pb.LookupRequest(namespace=reader.namespace, keys=pack_keys(keys), lent_devices=["*"])
+        deadline = time.monotonic() + 30
+        while reader._conn.rpc("Lookup", query).hit_chunks:  # the daemon saw the lender go
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        handle = reader._lends.read(
+            reply, None, target, READER_TABLE, range(4), None, reader._link.lent, asked
+        )
         assert handle is not None and handle.wait() == 0
         torch.cuda.synchronize(device)
         assert reader.load(list(range(TOKENS)), seeded(device, seed=None), READER_TABLE) == 0
@@ -215,3 +248,67 @@ def test_a_restarted_daemon_knows_no_lend(
     while lender.done() != [lender.lend_id]:  # the lender's client connects again, then learns
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_read_past_its_ttl_on_the_readers_clock_counts_nothing(
+    daemon: Daemon, lenders: Callable[[str, int], Lender]
+) -> None:
+    """The slot still holds the read (the daemon ends lapsed reads lazily), but the reader's own
+    clock says its TTL is over: a lender that gave up waiting may have reused the blocks."""
+    lenders(daemon.address, 0)
+    device = torch.device("cuda", 0)
+    with torch.cuda.device(device), KVStoreClient.connect(daemon.address, SPEC) as reader:
+        keys = reader.keys(list(range(TOKENS)))
+        request = pb.LookupRequest(
+            namespace=reader.namespace,
+            keys=pack_keys(keys),
+            lease=True,
+            lent_devices=reader._lends.devices(device),
+            read_slots=True,
+        )
+        fds: list[int] = []
+        reply = reader._conn.rpc("Lookup", request, fds=fds)
+        reader._lends.take_slots(fds)
+        assert reply.lent.slot and reader._conn.local.holds(reply.lent.slot - 1, reply.lent.read_id)
+        asked = time.monotonic() - reply.lent.ttl_ms / 1000  # as if asked a TTL ago
+        target = seeded(device, seed=None)
+        handle = reader._lends.read(
+            reply, None, target, READER_TABLE, range(4), None, reader._link.lent, asked
+        )
+        assert handle is not None and handle.wait() == 0
+
+
+@pytest.mark.parametrize(("lender_gpu", "reader_gpu"), devices_pairs())
+def test_a_ticket_is_copied_before_the_daemon_answers_and_counts_only_its_lend(
+    daemon: Daemon, lenders: Callable[[str, int], Lender], lender_gpu: int, reader_gpu: int
+) -> None:
+    """A reader given the lender's ticket copies at once and counts the copy once the daemon's
+    answer shows a read of that very lend that held: byte for byte; a ticket whose blocks are not
+    the lend's, or whose lend is over, counts 0."""
+    lender = lenders(daemon.address, lender_gpu)
+    device = torch.device("cuda", reader_gpu)
+    prompt = list(range(TOKENS))
+    with torch.cuda.device(device), KVStoreClient.connect(daemon.address, SPEC, name="reader") as reader:
+        assert reader.load(prompt, seeded(device, seed=None), READER_TABLE) == TOKENS  # its read slots come
+        _, ticket = lender.lend()
+        target = seeded(device, seed=None)
+        assert reader.load_async(prompt, target, READER_TABLE, lent=ticket).wait() == TOKENS
+        assert same_prompt(target, seeded(torch.device("cpu"), seed=11))
+        assert lender.done() == [lender.lend_id]
+        assert reader.load_async(prompt, seeded(device, seed=None), READER_TABLE, lent=ticket).wait() == 0
+
+        lend_id, ticket = lender.lend()
+        forged = pb.LentRead.FromString(ticket)
+        forged.blocks = (5).to_bytes(4, "little") + forged.blocks[4:]  # one block another than lent
+        assert (
+            reader.load_async(
+                prompt, seeded(device, seed=None), READER_TABLE, lent=forged.SerializeToString()
+            ).wait()
+            == 0
+        )
+        assert lender.done() == []  # given back unused: the lend still waits for its reader
+        target = seeded(device, seed=None)
+        assert reader.load_async(prompt, target, READER_TABLE, lent=ticket).wait() == TOKENS
+        assert same_prompt(target, seeded(torch.device("cpu"), seed=11))
+        with pytest.raises(ValueError, match="ticket"):
+            reader.load_async(prompt, target, READER_TABLE, lent=b"\xff not a ticket")

@@ -52,9 +52,9 @@ def calls_of(client: KVStoreClient) -> list[str]:
     made: list[str] = []
     rpc = client._conn.rpc
 
-    def recording(method: str, request: Any, meanwhile: Any = None) -> Any:
+    def recording(method: str, request: Any, meanwhile: Any = None, fds: Any = None) -> Any:
         made.append(method)
-        return rpc(method, request, meanwhile)
+        return rpc(method, request, meanwhile, fds)
 
     client._conn.rpc = recording  # type: ignore[method-assign]
     local = client._local

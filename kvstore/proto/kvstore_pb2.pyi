@@ -63,18 +63,22 @@ class LendsResponse(_message.Message):
     def __init__(self, done: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LentRead(_message.Message):
-    __slots__ = ("read_id", "cache", "device_pci_bus_id", "blocks", "ttl_ms")
+    __slots__ = ("read_id", "cache", "device_pci_bus_id", "blocks", "ttl_ms", "slot", "read_slots_sent")
     READ_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    READ_SLOTS_SENT_FIELD_NUMBER: _ClassVar[int]
     read_id: int
     cache: bytes
     device_pci_bus_id: str
     blocks: bytes
     ttl_ms: int
-    def __init__(self, read_id: _Optional[int] = ..., cache: _Optional[bytes] = ..., device_pci_bus_id: _Optional[str] = ..., blocks: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    slot: int
+    read_slots_sent: bool
+    def __init__(self, read_id: _Optional[int] = ..., cache: _Optional[bytes] = ..., device_pci_bus_id: _Optional[str] = ..., blocks: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., slot: _Optional[int] = ..., read_slots_sent: _Optional[bool] = ...) -> None: ...
 
 class ReturnedRequest(_message.Message):
     __slots__ = ("namespace", "read_id", "unused")
@@ -230,7 +234,7 @@ class GpuPool(_message.Message):
     def __init__(self, device: _Optional[int] = ..., pci_bus_id: _Optional[str] = ..., ipc_handle: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms", "gpu_pools", "acquire", "epoch", "each", "lent_devices")
+    __slots__ = ("namespace", "keys", "lease", "lease_ttl_ms", "gpu_pools", "acquire", "epoch", "each", "lent_devices", "read_slots")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +244,7 @@ class LookupRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EACH_FIELD_NUMBER: _ClassVar[int]
     LENT_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    READ_SLOTS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: bytes
     lease: bool
@@ -249,7 +254,8 @@ class LookupRequest(_message.Message):
     epoch: int
     each: bool
     lent_devices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., gpu_pools: _Optional[_Iterable[int]] = ..., acquire: _Optional[bool] = ..., epoch: _Optional[int] = ..., each: _Optional[bool] = ..., lent_devices: _Optional[_Iterable[str]] = ...) -> None: ...
+    read_slots: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., gpu_pools: _Optional[_Iterable[int]] = ..., acquire: _Optional[bool] = ..., epoch: _Optional[int] = ..., each: _Optional[bool] = ..., lent_devices: _Optional[_Iterable[str]] = ..., read_slots: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_chunks", "tiers", "lease_id", "acquired", "lent")

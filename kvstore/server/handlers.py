@@ -174,7 +174,7 @@ class Handlers:
             return pb.LookupResponse(hit_chunks=leading, tiers=tiers)
         lease = request.lease
         if request.lent_devices and store.lends:  # lent blocks, where they cover the stored prefix
-            lent = lent_reply(store, request)
+            lent = lent_reply(store, request, caller)
             if lent is not None:
                 return lent
         if lease and request.acquire:  # the Acquire too, when it needs no waiting

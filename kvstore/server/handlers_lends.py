@@ -2,19 +2,23 @@
 
 - `lend_reply(store, request, peer)`: records a Lend; only a local-channel caller (`peer`) may
   lend, since the lend ends with the lender's process.
-- `lent_reply(store, request)`: a Lookup that names `lent_devices`, answered from lent blocks
-  when they cover at least the stored prefix (the lent copy is device to device): with a lease,
-  a read of them; without, their count (a scheduler's query, "*" for any GPU). None otherwise,
-  and the Lookup is answered from the tiers.
+- `lent_reply(store, request, caller)`: a Lookup that names `lent_devices`, answered from lent
+  blocks when they cover at least the stored prefix (the lent copy is device to device): with a
+  lease, a read of them; without, their count (a scheduler's query, "*" for any GPU). None
+  otherwise, and the Lookup is answered from the tiers. A read on the local channel takes a slot
+  in its connection's read slots (`kvstore.shared.read_slots`, made at the first Lookup that
+  asks for them, and sent with its reply by `kvstore.server.local`).
 """
 
 from __future__ import annotations
 
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.server.tenants import Caller
 from kvstore.shared.domain import Tier
 from kvstore.shared.errors import FailedPrecondition
 from kvstore.shared.keys import unpack_keys
 from kvstore.shared.peers import Peer
+from kvstore.shared.read_slots import ReadSlots
 from kvstore.store.store import Store
 
 
@@ -38,7 +42,19 @@ def lend_reply(store: Store, request: pb.LendRequest, peer: Peer | None) -> pb.L
     return pb.LendResponse(lend_id=lend_id)
 
 
-def lent_reply(store: Store, request: pb.LookupRequest) -> pb.LookupResponse | None:
+def read_slots(caller: Caller | None, asked: bool) -> ReadSlots | None:
+    """The caller's connection's read slots: local-channel callers only, made when first asked for."""
+    peer = caller.peer if caller is not None else None
+    if peer is None or not peer.connected:  # gRPC: no connection of its own to check against
+        return None
+    if peer.read_slots is None and asked:
+        peer.read_slots = ReadSlots()
+    return peer.read_slots
+
+
+def lent_reply(
+    store: Store, request: pb.LookupRequest, caller: Caller | None = None
+) -> pb.LookupResponse | None:
     keys = unpack_keys(request.keys)
     store.namespaces.registered(request.namespace)
 
@@ -51,11 +67,13 @@ def lent_reply(store: Store, request: pb.LookupRequest) -> pb.LookupResponse | N
             return None
         return pb.LookupResponse(hit_chunks=lent_chunks, tiers=bytes([Tier.LENT]) * lent_chunks)
 
-    hit = store.lends.lookup(request.namespace, keys, request.lent_devices, lambda: max(1, stored()))
+    slots = read_slots(caller, request.read_slots)
+    hit = store.lends.lookup(request.namespace, keys, request.lent_devices, lambda: max(1, stored()), slots)
     if hit is None:
         return None
     reply = pb.LookupResponse(hit_chunks=hit.chunks, tiers=bytes([Tier.LENT]) * hit.chunks)
     lent = reply.lent  # filled in place: the descriptor copied once
     lent.read_id, lent.cache, lent.device_pci_bus_id = hit.read_id, hit.cache, hit.device
-    lent.blocks, lent.ttl_ms = hit.blocks, int(hit.ttl_s * 1000)
+    lent.blocks, lent.ttl_ms, lent.slot = hit.blocks, int(hit.ttl_s * 1000), hit.slot
+    lent.read_slots_sent = bool(hit.slot and request.read_slots)
     return reply

@@ -154,6 +154,9 @@ class LocalChannelServer:
             if name == "Connect" and reply.arena.shm_path.startswith(MEMFD_PREFIX):
                 answer = WithFd(answer)
                 answer.fds = [self.handlers.arena_fd(caller)]
+            elif name == "Lookup" and reply.lent.read_slots_sent and caller is not None:
+                answer = WithFd(answer)  # the connection's read slots, with the first lent read that asks
+                answer.fds = [caller.peer.read_slots.fd]
             elif name == "ArenaSlabs" and reply.count:
                 answer = WithFd(answer)
                 answer.fds = self.handlers.arena_slab_fds(caller, reply)
@@ -213,7 +216,13 @@ class _Session(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._server.caps.forget(self)
         self._transport = None
-        self.peer.connected = False
+        peer = self.peer
+        peer.connected = False
+        for store in self._server.handlers.stores.values():
+            if len(store.lends):  # its lends end, and their readers' slots say so, now
+                store.lends.closed(peer)
+        if peer.read_slots is not None:
+            peer.read_slots.close()
 
     def close(self) -> None:
         if self._transport is not None:

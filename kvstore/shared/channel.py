@@ -6,10 +6,22 @@ frame each way. `kvstore_client` and `kvctl` both call the daemon through it.
 - `send(method, request)`: send a request without waiting: its reply is read with the next
   call's (the daemon answers in order), and an error in it is logged then. For calls whose
   outcome the caller does not need (a load's Release once the copy is known to be valid).
+- `begin(method, request)`: send a request now and take its reply later (`Pending.result()`),
+  the channel free for other calls meanwhile (a reader's Lookup while its copy of lent blocks
+  runs: `kvstore_client.lends`).
   `frame(method, request)` makes the bytes ahead and `send_frame` sends them (a load makes
   its Release while the copy runs).
 - `call_with_fds(method, request)`: the reply and the descriptors that came with it (an
-  ArenaSlabs': the pinned arena's slabs), which the caller then owns.
+  ArenaSlabs': the pinned arena's slabs), which the caller then owns; `call(..., fds=[])` the
+  same for a call that may carry some (a lent Lookup's: the connection's read slots).
+- `holds(slot, read_id)`: whether a lent read still holds its lend, read in place from this
+  connection's read slots (`kvstore.shared.read_slots`, kept in `read_slots`), while the
+  connection is open: a closed one (a daemon gone) holds nothing.
+
+A call's reply is awaited spinning for up to `spin_s` (`$KVSTORE_LOCAL_SPIN_US`, default
+`DEFAULT_SPIN_US`) before the thread sleeps in recv: the daemon answers most calls in tens of
+microseconds, less than a sleeping thread takes to be woken on a virtual machine's vCPU
+(bench/NOTES-handover.md), so a worker's call costs about the daemon's time, not a wake-up.
 """
 
 from __future__ import annotations
@@ -18,8 +30,10 @@ import array
 import contextlib
 import logging
 import os
+import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +46,22 @@ log = logging.getLogger(__name__)
 RECV_BYTES = 1 << 16
 _MAX_FDS = ARENA_SLABS_PER_CALL + 4  # room for descriptors with a reply (a Connect's one, an ArenaSlabs')
 _WITH_FDS = ("Connect", "ArenaSlabs")
+DEFAULT_SPIN_US = 0.0
+_CLOSED = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0x2000)
+
+
+def spin_from_env() -> float:
+    """Seconds a call spins for its reply: `$KVSTORE_LOCAL_SPIN_US` (0 never spins)."""
+    raw = os.environ.get("KVSTORE_LOCAL_SPIN_US", "").strip()
+    if not raw:
+        return DEFAULT_SPIN_US / 1e6
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1e6:
+        raise ValueError(f"KVSTORE_LOCAL_SPIN_US: expected 0..1000000 microseconds, got {raw!r}")
+    return value / 1e6
 
 
 class Refused(Unavailable):
@@ -44,30 +74,65 @@ class Refused(Unavailable):
         self.ran_meanwhile = ran_meanwhile
 
 
+class Pending:
+    """A call sent with `LocalChannel.begin`: `result()` is its reply (read then, if no later
+    call on the channel read it first), or raises its error."""
+
+    def __init__(self, channel: LocalChannel, method: str) -> None:
+        self._channel, self.method = channel, method
+        self._answer: tuple[int, bytes] | None = None
+        self._reply: Any = None
+
+    def result(self) -> Any:
+        if self._reply is not None:
+            return self._reply
+        if self._answer is None:
+            self._channel._read_until(self)
+        assert self._answer is not None
+        status, body = self._answer
+        if status:
+            raise error_for(status, self.method, body.decode(errors="replace"))
+        self._reply = UNARY_METHODS[self.method][1].FromString(body)  # type: ignore[attr-defined]
+        return self._reply
+
+
 class LocalChannel:
-    def __init__(self, path: str, timeout_s: float) -> None:
+    def __init__(self, path: str, timeout_s: float, spin_s: float | None = None) -> None:
         self.path = path
         self.answered = False  # a reply came: a failure from now on is the daemon's outage
+        self.spin_s = spin_from_env() if spin_s is None else spin_s
+        self.read_slots: Any = None  # this connection's `kvstore.shared.read_slots.SlotView`, once sent
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_s)
         self._sock.connect(path)
+        self._poller = select.poll()
+        self._poller.register(self._sock.fileno(), select.POLLIN | _CLOSED)
+        self._closed = False
         self._lock = threading.RLock()  # a failed call closes the channel while holding it
-        self._unread: list[str] = []  # methods sent without waiting whose replies are still unread
+        self._unread: list[str | Pending] = []  # calls sent without waiting whose replies are still unread
         self._buffer = bytearray()  # received bytes not yet taken as a reply
         self._fds: list[int] = []  # descriptors received with replies (a Connect's: the arena)
         self._with_fds = False  # reading a reply that may carry descriptors
         self._fds_truncated = False  # the kernel dropped some (MSG_CTRUNC)
 
-    def call(self, method: str, request: Any, meanwhile: Callable[[], Any] | None = None) -> Any:
+    def call(
+        self,
+        method: str,
+        request: Any,
+        meanwhile: Callable[[], Any] | None = None,
+        fds: list[int] | None = None,
+    ) -> Any:
         """The reply to `request`; `meanwhile()` runs while the daemon works on it (the channel
         stays held for this call: keep it short). An error it raises is raised once the reply
-        is read, so the channel stays in step."""
+        is read, so the channel stays in step. `fds`: a list the descriptors the reply carries
+        are added to (the caller owns them)."""
         payload = request.SerializeToString()
         failed: BaseException | None = None
         ran = False
         try:
             with self._lock:
-                self._with_fds = method in _WITH_FDS
+                self._with_fds = fds is not None or method in _WITH_FDS
+                before = len(self._fds)
                 self._sock.sendall(HEADER.pack(len(payload), METHOD_IDS[method]) + payload)
                 self._read_unread()  # the daemon works on this request meanwhile
                 if meanwhile is not None:
@@ -78,6 +143,9 @@ class LocalChannel:
                         failed = exc
                 status, body = self._reply()
                 self.answered = True
+                if fds is not None:
+                    fds.extend(self._fds[before:])
+                    del self._fds[before:]
         except OSError as exc:
             self.close()
             if not self.answered:
@@ -134,13 +202,49 @@ class LocalChannel:
                 f"{method}: the daemon's local channel {self.path} closed ({exc}); it stopped or restarted"
             ) from None
 
+    def begin(self, method: str, request: Any) -> Pending:
+        """Sends `request`; its reply is the returned `Pending`'s `result()`."""
+        pending = Pending(self, method)
+        frame = self.frame(method, request)
+        try:
+            with self._lock:
+                self._sock.sendall(frame)
+                self._unread.append(pending)
+        except OSError as exc:
+            self.close()
+            raise Unavailable(
+                f"{method}: the daemon's local channel {self.path} closed ({exc}); it stopped or restarted"
+            ) from None
+        return pending
+
+    def _read_until(self, pending: Pending) -> None:
+        try:
+            with self._lock:
+                self._with_fds = False  # replies of calls begun or sent carry none
+                while pending._answer is None:
+                    if not self._unread:  # the channel failed, and dropped what it awaited
+                        raise OSError("the reply was lost with the connection")
+                    self._take_one()
+        except OSError as exc:
+            self.close()
+            raise Unavailable(
+                f"{pending.method}: the daemon's local channel {self.path} closed ({exc}); "
+                "it stopped or restarted"
+            ) from None
+
+    def _take_one(self) -> None:
+        entry = self._unread[0]
+        status, body = self._reply()
+        del self._unread[0]
+        if isinstance(entry, Pending):
+            entry._answer = (status, body)
+        elif status:
+            error = error_for(status, entry, body.decode(errors="replace"))
+            log.warning("%s (sent without waiting for its reply) failed: %s", entry, error)
+
     def _read_unread(self) -> None:
-        for method in self._unread:
-            status, body = self._reply()
-            if status:
-                error = error_for(status, method, body.decode(errors="replace"))
-                log.warning("%s (sent without waiting for its reply) failed: %s", method, error)
-        self._unread.clear()
+        while self._unread:
+            self._take_one()
 
     def _reply(self) -> tuple[int, bytes]:
         """The next reply frame: (status, body). One recv usually brings a whole reply."""
@@ -156,6 +260,11 @@ class LocalChannel:
         return status, body
 
     def _fill(self) -> None:
+        if self.spin_s > 0:  # the reply usually comes before a sleeping thread would be woken
+            deadline = time.perf_counter() + self.spin_s
+            poll = self._poller.poll
+            while not poll(0) and time.perf_counter() < deadline:
+                pass
         if self._with_fds:
             part, ancillary, flags, _ = self._sock.recvmsg(RECV_BYTES, socket.CMSG_SPACE(_MAX_FDS * 4))
             if flags & socket.MSG_CTRUNC:  # the kernel dropped descriptors: this process is out of them
@@ -171,6 +280,17 @@ class LocalChannel:
             raise ConnectionError("connection closed")
         self._buffer += part
 
+    def holds(self, slot: int, read_id: int) -> bool:
+        """Whether the lent read `read_id` (in `slot` of this connection's read slots) still holds
+        its lend: the daemon has not ended it, and the connection is open."""
+        with self._lock:
+            if self._closed or self.read_slots is None:
+                return False
+            for _, events in self._poller.poll(0):
+                if events & _CLOSED:  # the daemon is gone: it writes no slot any more
+                    return False
+            return bool(self.read_slots.holds(slot, read_id))
+
     def take_fd(self) -> int | None:
         """The descriptor the last Connect's reply carried (the caller owns it), if any."""
         with self._lock:
@@ -185,7 +305,12 @@ class LocalChannel:
         with contextlib.suppress(OSError):  # not connected any more
             self._sock.shutdown(socket.SHUT_RDWR)
         with self._lock:
+            self._closed = True
+            self._unread.clear()
             self._sock.close()
             for fd in self._fds:
                 os.close(fd)
             self._fds = []
+            if self.read_slots is not None:
+                self.read_slots.close()
+                self.read_slots = None

@@ -64,6 +64,7 @@ class Peer:
     start_time: int = 0  # 0: unknown
     connected: bool = False  # its connection is open (known for local-channel peers only)
     groups: tuple[int, ...] = ()  # supplementary groups (local-channel peers only)
+    read_slots: Any = None  # its connection's `kvstore.shared.read_slots.ReadSlots`, once it read lent blocks
 
     @classmethod
     def of_socket(cls, sock: Any) -> Peer:

@@ -20,6 +20,10 @@ What each side may rely on:
 - Lends live in the daemon's memory: a restarted daemon knows none, answers their reads 0 and
   reports their ids done (`LendsResponse.done` includes unknown ids); ids are random per daemon
   start, so an id of the last run never names a lend of this one.
+- A read taken on a local-channel connection also takes a slot in that connection's read slots
+  (`kvstore.shared.read_slots`): the read's id while it holds its lend, 0 from the moment
+  anything ends the lend or the read, written before that is answered to anyone. The reader
+  checks it after its copy instead of waiting for Returned's answer.
 - Bounded: at most `max_lends` lends, `max_keys` lent chunks and `max_bytes` at once, a descriptor of at most
   `MAX_CACHE_BYTES`, blocks of at most a chunk's tokens a chunk, `MAX_READS` reads in flight a
   lend; a lend past the caps is refused as ResourceExhausted, never stored. Ids are random.
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 
 from kvstore.shared.errors import InvalidArgument, ResourceExhausted
 from kvstore.shared.peers import Peer
+from kvstore.shared.read_slots import ReadSlots
 
 MAX_CACHE_BYTES = 256 << 10
 MAX_HOLD_S = 600.0
@@ -65,6 +70,7 @@ class LentHit:
     device: str
     blocks: bytes
     ttl_s: float
+    slot: int = 0  # 1 + its index in the reader's read slots; 0: none
 
 
 class Lends:
@@ -86,6 +92,7 @@ class Lends:
         self._lends: dict[int, Lend] = {}
         self._by_key: dict[tuple[bytes, bytes], tuple[Lend, int]] = {}  # (ns, key) -> lend, position
         self._reads: dict[int, Lend] = {}
+        self._slots: dict[int, tuple[ReadSlots, int]] = {}  # read id -> its slot, where it has one
         self._keys = 0
         self.counters = {"lends": 0, "lent_reads": 0, "lent_reads_returned": 0, "lent_reads_lapsed": 0}
 
@@ -152,10 +159,12 @@ class Lends:
         keys: Sequence[bytes],
         devices: Sequence[str],
         at_least: Callable[[], int] = lambda: 1,
+        slots: ReadSlots | None = None,
     ) -> LentHit | None:
         """The longest leading run of `keys` lent in order by one live lend on one of `devices`,
-        as a read that holds the lend; None when the first key is not lent so, or the run is
-        shorter than `at_least()` (the stored prefix: asked only when the first key is lent)."""
+        as a read that holds the lend (in a slot of `slots`, the reader's connection's, where one
+        is free); None when the first key is not lent so, or the run is shorter than
+        `at_least()` (the stored prefix: asked only when the first key is lent)."""
         if not keys:
             return None
         found = self._by_key.get((ns, keys[0]))
@@ -174,9 +183,14 @@ class Lends:
         lend.reads[read_id] = now + self.read_ttl_s
         self._reads[read_id] = lend
         self.counters["lent_reads"] += 1
+        slot = slots.take(read_id) if slots is not None else None
+        if slot is not None:
+            self._slots[read_id] = (slots, slot)  # type: ignore[assignment]
         step = 4 * lend.blocks_per_chunk
         blocks = lend.blocks[first * step : (first + chunks) * step]
-        return LentHit(chunks, read_id, lend.cache, lend.device, blocks, self.read_ttl_s)
+        return LentHit(
+            chunks, read_id, lend.cache, lend.device, blocks, self.read_ttl_s, 0 if slot is None else slot + 1
+        )
 
     def peek(self, ns: bytes, keys: Sequence[bytes], devices: Sequence[str]) -> int:
         """How many leading `keys` one live lend on one of `devices` ("*": any) holds, taking no
@@ -211,7 +225,7 @@ class Lends:
         if lend is None or lend.ns != ns:  # unknown, lapsed, or another namespace's: not this caller's
             self.counters["lent_reads_lapsed"] += 1
             return False
-        del self._reads[read_id]
+        self._drop_read(read_id)
         deadline = lend.reads.pop(read_id, None)
         now = self._clock()
         held = deadline is not None and now < deadline and not lend.done and not self._lender_gone(lend)
@@ -253,9 +267,27 @@ class Lends:
         for lend in [lend for lend in self._lends.values() if lend.ns == ns]:
             self._end(lend)
 
+    def closed(self, peer: Peer) -> None:
+        """`peer`'s connection closed: its lends end now (their readers' slots say so before
+        anyone learns the lend is done)."""
+        for lend in [lend for lend in self._lends.values() if lend.lender is peer and not lend.done]:
+            self._end(lend)
+
     def _end(self, lend: Lend) -> None:
-        """Done now: no new read, and a read in flight counts 0 (its Returned finds it done)."""
+        """Done now: no new read, and a read in flight counts 0 (its Returned finds it done, its
+        slot holds 0 from now on)."""
         lend.done = True
+        for read_id in lend.reads:
+            found = self._slots.get(read_id)
+            if found is not None:
+                found[0].end(found[1])
+
+    def _drop_read(self, read_id: int) -> None:
+        """Forgets a read (returned, lapsed, or its lend forgotten) and frees its slot."""
+        self._reads.pop(read_id, None)
+        found = self._slots.pop(read_id, None)
+        if found is not None:
+            found[0].free(found[1])
 
     def _settle(self, lend: Lend, now: float) -> bool:
         """Ends lapsed reads, and marks `lend` done when nothing holds it any more."""
@@ -264,13 +296,13 @@ class Lends:
         for read_id, deadline in list(lend.reads.items()):
             if deadline <= now:
                 del lend.reads[read_id]
-                self._reads.pop(read_id, None)
+                self._drop_read(read_id)
         gone = self._lender_gone(lend)
         if gone or (not lend.reads and (lend.read_back or lend.withdrawn or now >= lend.hold_until)):
-            lend.done = True
+            self._end(lend)
             if gone:
                 for read_id in lend.reads:
-                    self._reads.pop(read_id, None)
+                    self._drop_read(read_id)
                 lend.reads.clear()
         return lend.done
 
@@ -293,7 +325,7 @@ class Lends:
             self._keys -= len(lend.keys)
             self._bytes -= len(lend.blocks) + len(lend.cache) + 64 * len(lend.keys)
         for read_id in lend.reads:
-            self._reads.pop(read_id, None)
+            self._drop_read(read_id)
 
     def _new_id(self) -> int:
         """A random id, unused here: not guessable by another reader, unknown to another daemon run."""
