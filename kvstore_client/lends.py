@@ -14,6 +14,7 @@ import functools
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,10 +41,13 @@ DEFAULT_HOLD_S = 30.0
 MIN_HOLD_S, MAX_HOLD_S = 0.001, 600.0  # the daemon's bounds
 
 
-def ticket(descriptor: bytes, bus: str, blocks: bytes) -> bytes:
+def ticket(descriptor: bytes, bus: str, blocks: bytes, nonce: int) -> bytes:
     """What a reader needs to copy a lend's blocks before the daemon answers for them
-    (`KVStoreClient.load_async(lent=...)`): the lender's cache, its GPU, the block ids."""
-    return pb.LentRead(cache=descriptor, device_pci_bus_id=bus, blocks=blocks).SerializeToString()
+    (`KVStoreClient.load_async(lent=...)`): the lender's cache, its GPU, the block ids, and the
+    lend's nonce, which tells that lend from a later one of the same blocks."""
+    return pb.LentRead(
+        cache=descriptor, device_pci_bus_id=bus, blocks=blocks, nonce=nonce
+    ).SerializeToString()
 
 
 def _once(call: Callable[[bytes], Any], value: bytes, ran: list[bool]) -> None:
@@ -99,6 +103,7 @@ class LendPath:
             raise ValueError(f"hold_s: expected {MIN_HOLD_S}..{MAX_HOLD_S} seconds, got {hold!r}")
         hold_ms = math.ceil(hold * 1000)
         packed, blocks = pack_keys(keys[:chunks]), moved.astype("<i4").tobytes()
+        nonce = secrets.randbits(63) | 1
 
         def request() -> pb.LendRequest:
             return pb.LendRequest(
@@ -108,9 +113,10 @@ class LendPath:
                 cache=descriptor,
                 device_pci_bus_id=bus,
                 hold_ms=hold_ms,
+                nonce=nonce,
             )
 
-        told = meanwhile and functools.partial(_once, meanwhile, ticket(descriptor, bus, blocks), [])
+        told = meanwhile and functools.partial(_once, meanwhile, ticket(descriptor, bus, blocks, nonce), [])
         reply = self._s._conn.call("Lend", request, told)
         with self._lock:
             if len(self._safe_at) >= 4096:  # lends never asked about: the daemon answers for them

@@ -4,16 +4,18 @@ hand-over's critical path.
 
 The lender hands its reader a ticket (`lends.ticket`: its cache's descriptor, its GPU, the block
 ids) while the daemon records the lend (`lend(..., meanwhile=...)`: the Lend request is already
-sent). The reader enqueues the copy from the ticket at once, then sends its leased Lookup
-without waiting for the answer (`LocalChannel.begin`), which comes during the copy. Once the
-copy is done (the answer read just before waiting for it): the copied
-chunks count only where the daemon gave this reader a read of that very lend (the same cache,
-GPU and block ids) and the read's slot still holds it (`kvstore.shared.read_slots`) within its TTL
-on the reader's clock; else the load counts 0 and the caller loads again, or recomputes.
+sent). The reader enqueues the copy from the ticket at once; the handle's `wait()` sends its
+leased Lookup (`LocalChannel.begin`), whose answer comes during the copy, and reads it before it
+blocks on the copy. Once the copy is done, the copied chunks count only where the daemon gave this reader a
+read of that very lend (the same cache, GPU and block ids, and the lend's nonce) and the read's
+slot still holds it (`kvstore.shared.read_slots`) within its TTL on the reader's clock; else the
+load counts 0 and the caller loads again, or recomputes.
 
 Why bytes counted so are the lender's: the lender wrote them before it sent the Lend, hence before
 the ticket left it, and it may change them only once the daemon lets it (the lend done or
-revoked, or the lender gone), which the daemon writes into the read's slot first. The copy
+revoked, or the lender gone), which the daemon writes into the read's slot first. The nonce
+makes the read one of the ticket's own lend: a later lend of the same blocks (reused meanwhile,
+then lent again) does not vouch for a copy that may have overlapped the reuse. The copy
 started after the ticket came and ended before the slot was found holding the read, so it ran
 entirely while the blocks were the lend's. A ticket that names other blocks than the lend's,
 or a lend the daemon never recorded, counts nothing (whatever was copied stays uncounted, as a
@@ -39,7 +41,7 @@ from kvstore.shared.channel import LocalChannel, Pending
 from kvstore.shared.errors import KVStoreError
 from kvstore.shared.keys import pack_keys
 from kvstore_client.handles import LoadHandle
-from kvstore_client.session import Session, ignore, log
+from kvstore_client.session import Session, log
 from kvstore_client.transfers import cache_device
 
 
@@ -74,34 +76,42 @@ def read_ticket(
     except Exception as exc:  # noqa: BLE001 - a ticket or a device this reader cannot use
         log.warning("lent blocks of a ticket from %s not read (%s)", lent.device_pci_bus_id, exc)
         return None
-    request = pb.LookupRequest(  # sent once the copy is under way: answered long before it ends
+    request = pb.LookupRequest(
         namespace=session.namespace,
         keys=pack_keys(keys[:chunks]),
         lease=True,
         lent_devices=lends.devices(device),
     )
-    try:
-        pending = local.begin("Lookup", request)
-    except KVStoreError as exc:  # no daemon to vouch for the copy: it counts nothing
-        log.warning("the Lookup of a ticket's lend failed (%s): reporting no tokens loaded", exc)
-        return LoadHandle(event, lambda: 0, ignore, 0, layers)
+    asking = _Asking(local, request)
     tokens = session._covered(token_ids, chunks)
-    finish = functools.partial(_answered, session, local, pending, lent, chunks, asked, token_ids=token_ids)
-    fail = functools.partial(_failed, session, local, pending, lent)
-    # The answer came during the copy: read before the wait, only the slot is left after it.
-    return LoadHandle(event, finish, fail, tokens, layers, early=functools.partial(_taken, pending))
+    finish = functools.partial(_answered, session, local, asking, lent, chunks, asked, token_ids=token_ids)
+    fail = functools.partial(_failed, session, local, asking, lent)
+    return LoadHandle(event, finish, fail, tokens, layers, early=asking.ask)
 
 
-def _taken(pending: Pending) -> None:
-    """Reads the Lookup's answer now (an error in it is raised by `_answered`)."""
-    with contextlib.suppress(KVStoreError):
-        pending.result()
+class _Asking:
+    """The Lookup that vouches for a ticket's copy: sent by the handle's first wait(), while the
+    copy runs (the load returns without it; the daemon answers well before a copy of any size
+    ends), its answer read before that wait blocks, so that only the slot is left to read after."""
+
+    def __init__(self, local: LocalChannel, request: Any) -> None:
+        self._local, self._request = local, request
+        self._pending: Pending | None = None
+
+    def ask(self) -> None:
+        with contextlib.suppress(KVStoreError):  # an error is raised again by `result()`
+            self.result()
+
+    def result(self) -> Any:
+        if self._pending is None:
+            self._pending = self._local.begin("Lookup", self._request)
+        return self._pending.result()
 
 
 def _answered(
     session: Session,
     local: LocalChannel,
-    pending: Pending,
+    pending: _Asking,
     lent: Any,
     chunks: int,
     asked: float,
@@ -125,7 +135,8 @@ def _answered(
     got, step = reply.lent, 4 * session.spec.blocks_per_chunk
     counted = min(reply.hit_chunks, chunks)
     same = (
-        got.cache == lent.cache
+        got.nonce == lent.nonce != 0  # that very lend, not a later one of the same blocks
+        and got.cache == lent.cache
         and got.device_pci_bus_id == lent.device_pci_bus_id
         and got.blocks[: counted * step] == lent.blocks[: counted * step]
     )
@@ -150,7 +161,7 @@ def _answered(
     return 0
 
 
-def _failed(session: Session, local: LocalChannel, pending: Pending, lent: Any, exc: BaseException) -> None:
+def _failed(session: Session, local: LocalChannel, pending: _Asking, lent: Any, exc: BaseException) -> None:
     """The wait failed (`exc`): the read is given back, the Lookup's answer taken."""
     _answered(session, local, pending, lent, 0, time.monotonic(), unused=True)
 

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 from kvstore.shared.cudart import CudaRuntime, CudaUnavailable, load_runtime
 
+_ready: list[CudaRuntime] = []  # once torch has set CUDA up, it stays so
+
 
 def runtime() -> CudaRuntime:
+    if _ready:  # asked on every transfer: torch's checks once
+        return _ready[0]
     import torch
 
     if not torch.cuda.is_available():
         raise CudaUnavailable("the copy engines need CUDA; torch sees no CUDA device")
     torch.cuda.init()
-    return load_runtime()
+    _ready.append(load_runtime())
+    return _ready[0]

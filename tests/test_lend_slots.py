@@ -201,3 +201,30 @@ def test_a_begun_call_is_answered_in_order_around_other_calls(daemon: Daemon) ->
         local.close()
         with pytest.raises(Unavailable):
             lost.result()
+
+
+def test_a_lends_nonce_comes_with_each_of_its_reads(daemon: Daemon) -> None:
+    """The lender's number for a lend (what its ticket carries) names that lend to its readers,
+    and a later lend of the same keys and blocks carries its own."""
+    with (
+        KVStoreClient.connect(daemon.address, SPEC) as lender,
+        KVStoreClient.connect(daemon.address, SPEC) as c,
+    ):
+        reader = Reader(c)
+        keys = lender.keys(list(range(SPEC.chunk_tokens)))
+        nonces = []
+        for nonce in (7, 2**63 + 1):
+            request = pb.LendRequest(
+                namespace=lender.namespace,
+                keys=pack_keys(keys),
+                blocks=blocks_of(1),
+                cache=b'{"version":1}',
+                device_pci_bus_id=BUS,
+                nonce=nonce,
+            )
+            lend_id = lender._conn.rpc("Lend", request).lend_id
+            reply = reader.lookup(keys)
+            nonces.append(reply.lent.nonce)
+            assert returned(c, reply.lent.read_id) == 1
+            assert done(lender, [lend_id]) == [lend_id]
+        assert nonces == [7, 2**63 + 1]

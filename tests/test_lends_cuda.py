@@ -284,7 +284,7 @@ def test_a_ticket_is_copied_before_the_daemon_answers_and_counts_only_its_lend(
 ) -> None:
     """A reader given the lender's ticket copies at once and counts the copy once the daemon's
     answer shows a read of that very lend that held: byte for byte; a ticket whose blocks are not
-    the lend's, or whose lend is over, counts 0."""
+    the lend's, whose lend is over, or that names an earlier lend of the same blocks, counts 0."""
     lender = lenders(daemon.address, lender_gpu)
     device = torch.device("cuda", reader_gpu)
     prompt = list(range(TOKENS))
@@ -309,6 +309,12 @@ def test_a_ticket_is_copied_before_the_daemon_answers_and_counts_only_its_lend(
         assert lender.done() == []  # given back unused: the lend still waits for its reader
         target = seeded(device, seed=None)
         assert reader.load_async(prompt, target, READER_TABLE, lent=ticket).wait() == TOKENS
+        assert same_prompt(target, seeded(torch.device("cpu"), seed=11))
+
+        _, fresh = lender.lend()  # the same blocks lent again: the old ticket names an earlier lend
+        assert reader.load_async(prompt, seeded(device, seed=None), READER_TABLE, lent=ticket).wait() == 0
+        target = seeded(device, seed=None)
+        assert reader.load_async(prompt, target, READER_TABLE, lent=fresh).wait() == TOKENS
         assert same_prompt(target, seeded(torch.device("cpu"), seed=11))
         with pytest.raises(ValueError, match="ticket"):
             reader.load_async(prompt, target, READER_TABLE, lent=b"\xff not a ticket")

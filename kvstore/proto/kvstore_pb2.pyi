@@ -23,20 +23,22 @@ TIER_REMOTE: Tier
 TIER_LENT: Tier
 
 class LendRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "blocks", "cache", "device_pci_bus_id", "hold_ms")
+    __slots__ = ("namespace", "keys", "blocks", "cache", "device_pci_bus_id", "hold_ms", "nonce")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
     HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: bytes
     blocks: bytes
     cache: bytes
     device_pci_bus_id: str
     hold_ms: int
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., blocks: _Optional[bytes] = ..., cache: _Optional[bytes] = ..., device_pci_bus_id: _Optional[str] = ..., hold_ms: _Optional[int] = ...) -> None: ...
+    nonce: int
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., blocks: _Optional[bytes] = ..., cache: _Optional[bytes] = ..., device_pci_bus_id: _Optional[str] = ..., hold_ms: _Optional[int] = ..., nonce: _Optional[int] = ...) -> None: ...
 
 class LendResponse(_message.Message):
     __slots__ = ("lend_id",)
@@ -63,7 +65,7 @@ class LendsResponse(_message.Message):
     def __init__(self, done: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LentRead(_message.Message):
-    __slots__ = ("read_id", "cache", "device_pci_bus_id", "blocks", "ttl_ms", "slot", "read_slots_sent")
+    __slots__ = ("read_id", "cache", "device_pci_bus_id", "blocks", "ttl_ms", "slot", "read_slots_sent", "nonce")
     READ_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +73,7 @@ class LentRead(_message.Message):
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     READ_SLOTS_SENT_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     read_id: int
     cache: bytes
     device_pci_bus_id: str
@@ -78,7 +81,8 @@ class LentRead(_message.Message):
     ttl_ms: int
     slot: int
     read_slots_sent: bool
-    def __init__(self, read_id: _Optional[int] = ..., cache: _Optional[bytes] = ..., device_pci_bus_id: _Optional[str] = ..., blocks: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., slot: _Optional[int] = ..., read_slots_sent: _Optional[bool] = ...) -> None: ...
+    nonce: int
+    def __init__(self, read_id: _Optional[int] = ..., cache: _Optional[bytes] = ..., device_pci_bus_id: _Optional[str] = ..., blocks: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., slot: _Optional[int] = ..., read_slots_sent: _Optional[bool] = ..., nonce: _Optional[int] = ...) -> None: ...
 
 class ReturnedRequest(_message.Message):
     __slots__ = ("namespace", "read_id", "unused")

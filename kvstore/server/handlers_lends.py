@@ -38,6 +38,7 @@ def lend_reply(store: Store, request: pb.LendRequest, peer: Peer | None) -> pb.L
         request.hold_ms / 1000 if request.hold_ms else None,
         peer,
         max_blocks_per_chunk=ns.spec.chunk_tokens,  # a block holds at least a token
+        nonce=request.nonce,
     )
     return pb.LendResponse(lend_id=lend_id)
 
@@ -76,4 +77,5 @@ def lent_reply(
     lent.read_id, lent.cache, lent.device_pci_bus_id = hit.read_id, hit.cache, hit.device
     lent.blocks, lent.ttl_ms, lent.slot = hit.blocks, int(hit.ttl_s * 1000), hit.slot
     lent.read_slots_sent = bool(hit.slot and request.read_slots)
+    lent.nonce = hit.nonce
     return reply

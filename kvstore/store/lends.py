@@ -56,6 +56,7 @@ class Lend:
     device: str
     lender: Peer | None
     hold_until: float
+    nonce: int = 0  # the lender's number for it (LendRequest.nonce)
     reads: dict[int, float] = field(default_factory=dict)  # read id -> its deadline
     read_back: bool = False  # a read returned in time
     withdrawn: bool = False
@@ -71,6 +72,7 @@ class LentHit:
     blocks: bytes
     ttl_s: float
     slot: int = 0  # 1 + its index in the reader's read slots; 0: none
+    nonce: int = 0
 
 
 class Lends:
@@ -109,6 +111,7 @@ class Lends:
         hold_s: float | None,
         lender: Peer | None,
         max_blocks_per_chunk: int = 1 << 16,
+        nonce: int = 0,
     ) -> int:
         """Records a lend of `keys` (each the same number of int32 block ids in `blocks`); returns
         its id. A key lent before is read from this lend from now on."""
@@ -142,9 +145,8 @@ class Lends:
                 f"wait for some to be read or to expire, or store instead"
             )
         lend_id = self._new_id()
-        lend = Lend(
-            lend_id, ns, list(keys), blocks, blocks_per_chunk, cache, device, lender, self._clock() + hold
-        )
+        until = self._clock() + hold
+        lend = Lend(lend_id, ns, list(keys), blocks, blocks_per_chunk, cache, device, lender, until, nonce)
         self._lends[lend_id] = lend
         for position, key in enumerate(lend.keys):
             self._by_key[(ns, key)] = (lend, position)
@@ -189,7 +191,14 @@ class Lends:
         step = 4 * lend.blocks_per_chunk
         blocks = lend.blocks[first * step : (first + chunks) * step]
         return LentHit(
-            chunks, read_id, lend.cache, lend.device, blocks, self.read_ttl_s, 0 if slot is None else slot + 1
+            chunks,
+            read_id,
+            lend.cache,
+            lend.device,
+            blocks,
+            self.read_ttl_s,
+            0 if slot is None else slot + 1,
+            lend.nonce,
         )
 
     def peek(self, ns: bytes, keys: Sequence[bytes], devices: Sequence[str]) -> int:
