@@ -59,16 +59,16 @@ PROFILES = "/tmp/handover-{role}-{tokens}.prof"  # cProfile of the timed rounds'
 
 
 def seeded_cache(spec: Any, tokens: int, device: torch.device, seed: int | None) -> list[torch.Tensor]:
-    """A flash_attn cache: bytes from a seeded CPU generator (the same in every process), or poison."""
+    """A flash_attn cache: bytes from a seeded CPU generator for one layer, each layer that plus its
+    index (mod 256) on `device` (the same bytes in every process; random bytes for every layer on
+    the CPU took tens of seconds at 32k tokens), or poison."""
     shape = (2, tokens // spec.block_size, spec.block_size, spec.num_kv_heads, spec.head_dim * 2)  # bytes
     if seed is None:
         return [torch.full(shape, 0xA5, dtype=torch.uint8, device=device).view(torch.bfloat16)
                 for _ in range(spec.num_layers)]  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(device).view(torch.bfloat16)
-        for _ in range(spec.num_layers)
-    ]
+    base = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(device)
+    return [(base + layer).view(torch.bfloat16) for layer in range(spec.num_layers)]  # uint8 wraps
 
 
 def _producer(
@@ -279,6 +279,8 @@ def rounds(tokens: int, rounds: int, reps: int, spins: list[float]) -> list[dict
                      "peer_ms": peer, "x_peer_copy": peer / ms, "ok": ok, "phases_ms": phases,
                      "walls_ms": walls}
                 )  # fmt: skip
+                print(f"round {number}, {tokens} tokens, {row}, spin {spin} us: {ms:.3f} ms, peer copy "
+                      f"{peer:.3f} ms ({peer / ms:.3f}), {'PASS' if ok else 'FAIL'}", flush=True)  # fmt: skip
     return rows
 
 
