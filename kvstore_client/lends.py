@@ -10,6 +10,7 @@ TTL with 0, so no reader can count bytes copied after that. An outage alone neve
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -48,12 +49,6 @@ def ticket(descriptor: bytes, bus: str, blocks: bytes, nonce: int) -> bytes:
     return pb.LentRead(
         cache=descriptor, device_pci_bus_id=bus, blocks=blocks, nonce=nonce
     ).SerializeToString()
-
-
-def _once(call: Callable[[bytes], Any], value: bytes, ran: list[bool]) -> None:
-    if not ran:  # a call made again after an outage does not tell the reader twice
-        ran.append(True)
-        call(value)
 
 
 class LendPath:
@@ -116,8 +111,11 @@ class LendPath:
                 nonce=nonce,
             )
 
-        told = meanwhile and functools.partial(_once, meanwhile, ticket(descriptor, bus, blocks, nonce), [])
-        reply = self._s._conn.call("Lend", request, told)
+        local = self._s._conn.local
+        if meanwhile is None or local is None or self._s._conn.outage:
+            reply = self._s._conn.call("Lend", request)
+        else:
+            reply = self._told(local, request(), meanwhile, ticket(descriptor, bus, blocks, nonce))
         with self._lock:
             if len(self._safe_at) >= 4096:  # lends never asked about: the daemon answers for them
                 now = time.monotonic()
@@ -126,6 +124,19 @@ class LendPath:
             # read's TTL after that (a millisecond for the TTL's rounding to milliseconds).
             self._safe_at[reply.lend_id] = time.monotonic() + hold_ms / 1000 + self._s.lease_ttl_s + 0.001
         return reply.lend_id, self._s._covered(token_ids, chunks)
+
+    def _told(self, local: Any, request: Any, meanwhile: Callable[[bytes], Any], lent: bytes) -> Any:
+        """The Lend's reply, `meanwhile(lent)` run once the request is sent, outside the channel
+        (it may call the daemon itself). If it raises, the lend the daemon recorded is revoked
+        before the error is: the caller, told the lend failed, may reuse its blocks at once."""
+        pending = local.begin("Lend", request)
+        try:
+            meanwhile(lent)
+        except BaseException:
+            with contextlib.suppress(KVStoreError):  # not recorded, or its connection closed: over
+                self.done([pending.result().lend_id], revoke=True)
+            raise
+        return pending.result()
 
     def _descriptor(self, kv_caches: Any) -> tuple[bytes, str]:
         last = self._last_described  # a registered cache keeps its tensors: described once
@@ -273,11 +284,13 @@ class LendPath:
             log.debug("Returned %d: %s", read_id, exc)
         return tokens if held else self._lapsed(read_id)
 
-    def take_slots(self, fds: list[int]) -> None:
-        """Maps the read slots a lent Lookup's reply carried for this connection."""
-        local = self._s._conn.local
+    def take_slots(self, fds: list[int], local: Any = None) -> None:
+        """Maps the read slots a lent Lookup's reply on `local` (default: the current local
+        channel) carried; none if another connection has replaced it since."""
+        current = self._s._conn.local
+        local = current if local is None else local
         try:
-            if fds and local is not None and local.read_slots is None:
+            if fds and local is current and local is not None and local.read_slots is None:
                 local.read_slots = SlotView(fds.pop())
         except (OSError, ValueError) as exc:  # reads are then answered by Returned, as over gRPC
             log.warning("read slots not mapped: %s", exc)

@@ -140,16 +140,14 @@ def _answered(
         and got.device_pci_bus_id == lent.device_pci_bus_id
         and got.blocks[: counted * step] == lent.blocks[: counted * step]
     )
-    held = (
-        not unused
-        and same
-        and got.slot > 0
-        and local.holds(got.slot - 1, got.read_id)
-        and time.monotonic() < asked + got.ttl_ms / 1000
-    )
-    given_back = unused or not same  # not read: the lend stays for a reader of its own blocks
-    returned = pb.ReturnedRequest(namespace=namespace, read_id=got.read_id, unused=given_back)
-    local_send(local, "Returned", returned)
+    in_time = time.monotonic() < asked + got.ttl_ms / 1000
+    if same and not unused and not got.slot:  # no slot was free: the daemon's answer to Returned
+        held = session._lends._returned(got.read_id) and in_time
+    else:
+        held = not unused and same and in_time and local.holds(got.slot - 1, got.read_id)
+        given_back = unused or not same  # not read: the lend stays for a reader of its own blocks
+        returned = pb.ReturnedRequest(namespace=namespace, read_id=got.read_id, unused=given_back)
+        local_send(local, "Returned", returned)
     if held:
         return session._covered(token_ids, counted)
     if not unused:

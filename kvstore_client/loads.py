@@ -213,8 +213,8 @@ class LoadPath:
         except Unavailable:
             return None
         finally:
-            if slots:
-                self._s._lends.take_slots(slots)
+            if slots:  # mapped for the channel they came on, only
+                self._s._lends.take_slots(slots, local)
 
     def _scatter(
         self,

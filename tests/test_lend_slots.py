@@ -9,14 +9,17 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import socket
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from kvstore.proto import kvstore_pb2 as pb
+from kvstore.server.handlers_lends import MAX_SLOTS_SENT
 from kvstore.shared.errors import InvalidArgument, Unavailable
 from kvstore.shared.keys import pack_keys
+from kvstore.shared.peers import Peer
 from kvstore.shared.read_slots import SLOTS, SlotView
 from kvstore.store.lends import MAX_READS
 from kvstore_client import KVStoreClient
@@ -228,3 +231,113 @@ def test_a_lends_nonce_comes_with_each_of_its_reads(daemon: Daemon) -> None:
             assert returned(c, reply.lent.read_id) == 1
             assert done(lender, [lend_id]) == [lend_id]
         assert nonces == [7, 2**63 + 1]
+
+
+def test_a_lenders_exit_frees_the_slots_of_its_reads_in_flight(daemon: Daemon) -> None:
+    """Reads of a lend that ended (here: its lender gone) give their slots back at once, so a
+    reader that never returned them is not left without slots for later lends."""
+    lends = SLOTS // MAX_READS + 1
+    with KVStoreClient.connect(daemon.address, SPEC) as c:
+        reader = Reader(c)
+        lender = KVStoreClient.connect(daemon.address, SPEC)
+        *keys, spare = lender.keys(list(range((lends + 1) * SPEC.chunk_tokens)))
+        for i, key in enumerate(keys):
+            lend(lender, [key], first=100 + i * SPEC.blocks_per_chunk)
+        replies = [reader.lookup([key]) for key in keys for _ in range(MAX_READS)]
+        assert sum(1 for r in replies if r.lent.slot) == SLOTS  # every slot taken, none returned
+        lender.close()
+        with KVStoreClient.connect(daemon.address, SPEC) as second:
+            lend(second, [spare])
+            fresh = wait_until(lambda: reader.lookup([spare]))
+            assert fresh.lent.slot and reader.holds(fresh)
+            assert not any(reader.holds(r) for r in replies if r.lent.slot)
+            assert returned(c, fresh.lent.read_id) == 1
+
+
+def test_the_slots_descriptor_goes_with_a_few_replies_at_most(daemon: Daemon) -> None:
+    """A worker that asks for its read slots again and again, never keeping them, gets them with
+    `MAX_SLOTS_SENT` replies: the daemon's descriptors in flight stay bounded."""
+    with (
+        KVStoreClient.connect(daemon.address, SPEC) as lender,
+        KVStoreClient.connect(daemon.address, SPEC) as c,
+    ):
+        keys = lender.keys(list(range(SPEC.chunk_tokens)))
+        request = pb.LookupRequest(
+            namespace=c.namespace, keys=pack_keys(keys), lease=True, lent_devices=[BUS], read_slots=True
+        )
+        sent = 0
+        for _ in range(MAX_SLOTS_SENT + 4):
+            lend(lender, keys)
+            fds: list[int] = []
+            reply = c._conn.local.call("Lookup", request, fds=fds)
+            assert reply.HasField("lent") and len(fds) == int(reply.lent.read_slots_sent)
+            sent += len(fds)
+            for fd in fds:
+                os.close(fd)
+            assert returned(c, reply.lent.read_id) == 1
+        assert sent == MAX_SLOTS_SENT
+
+
+def test_a_closed_connection_is_seen_before_the_event_loop_sees_it() -> None:
+    """`Peer.hung_up`: a lender that gave up on its call closed its channel before reusing its
+    blocks; the daemon refuses its Lend and grants no read of its lends from then on, even with
+    its last frames still unread."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        peer = Peer(connected=True)
+        peer.socket_fd = mine.fileno()
+        assert not peer.hung_up()
+        theirs.sendall(b"a Lend frame, not read yet")
+        assert not peer.hung_up()
+        theirs.close()
+        assert peer.hung_up()
+        peer.connected = False
+        assert peer.hung_up()
+    finally:
+        mine.close()
+
+
+def test_a_ticket_handed_over_by_a_callback_that_fails_leaves_no_lend(daemon: Daemon) -> None:
+    """`lend(meanwhile=...)`: the Lend is sent before the callback runs (outside the channel, so
+    the callback may call the daemon itself); if it raises, the recorded lend is revoked before
+    the error reaches the lender, which may then reuse its blocks at once."""
+    with (
+        KVStoreClient.connect(daemon.address, SPEC) as lender,
+        KVStoreClient.connect(daemon.address, SPEC) as c,
+    ):
+        reader = Reader(c)
+        keys = lender.keys(list(range(2 * SPEC.chunk_tokens)))
+
+        def request() -> pb.LendRequest:
+            return pb.LendRequest(
+                namespace=lender.namespace,
+                keys=pack_keys(keys),
+                blocks=blocks_of(2),
+                cache=b'{"version":1}',
+                device_pci_bus_id=BUS,
+                nonce=5,
+            )
+
+        def failing(ticket: bytes) -> None:
+            assert pb.LentRead.FromString(ticket).nonce == 5
+            assert lender.stats()["counters"]["lends"] >= 1  # a call of its own, on the same channel
+            raise RuntimeError("the router is gone")
+
+        with pytest.raises(RuntimeError, match="router"):
+            lender._lends._told(
+                lender._conn.local, request(), failing, pb.LentRead(nonce=5).SerializeToString()
+            )
+        assert not reader.lookup(keys).HasField("lent")  # revoked before the error came out
+
+        seen: list[int] = []
+        reply = lender._lends._told(
+            lender._conn.local,
+            request(),
+            lambda ticket: seen.append(lender.stats()["counters"]["lends"]),
+            b"",
+        )
+        assert seen == [2] and reply.lend_id
+        got = reader.lookup(keys)
+        assert got.lent.nonce == 5 and reader.holds(got)
+        assert returned(c, got.lent.read_id) == 1
+        assert done(lender, [reply.lend_id]) == [reply.lend_id]

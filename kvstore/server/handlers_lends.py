@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.tenants import Caller
 from kvstore.shared.domain import Tier
@@ -20,6 +22,9 @@ from kvstore.shared.keys import unpack_keys
 from kvstore.shared.peers import Peer
 from kvstore.shared.read_slots import ReadSlots
 from kvstore.store.store import Store
+
+log = logging.getLogger(__name__)
+MAX_SLOTS_SENT = 8  # a connection's read slots go with at most this many replies
 
 
 def lend_reply(store: Store, request: pb.LendRequest, peer: Peer | None) -> pb.LendResponse:
@@ -49,8 +54,12 @@ def read_slots(caller: Caller | None, asked: bool) -> ReadSlots | None:
     if peer is None or not peer.connected:  # gRPC: no connection of its own to check against
         return None
     if peer.read_slots is None and asked:
-        peer.read_slots = ReadSlots()
-    return peer.read_slots
+        try:
+            peer.read_slots = ReadSlots()
+        except OSError as exc:  # out of descriptors or memory: its reads wait for Returned's answer
+            log.warning("read slots for pid %d not made (its reads wait for Returned): %s", peer.pid, exc)
+            peer.read_slots = False  # not tried again on this connection
+    return peer.read_slots or None
 
 
 def lent_reply(
@@ -76,6 +85,9 @@ def lent_reply(
     lent = reply.lent  # filled in place: the descriptor copied once
     lent.read_id, lent.cache, lent.device_pci_bus_id = hit.read_id, hit.cache, hit.device
     lent.blocks, lent.ttl_ms, lent.slot = hit.blocks, int(hit.ttl_s * 1000), hit.slot
-    lent.read_slots_sent = bool(hit.slot and request.read_slots)
+    peer = caller.peer if caller is not None else None
+    if hit.slot and request.read_slots and peer is not None and peer.read_slots_sent < MAX_SLOTS_SENT:
+        peer.read_slots_sent += 1  # a worker that asks and never reads holds a few in flight, no more
+        lent.read_slots_sent = True
     lent.nonce = hit.nonce
     return reply

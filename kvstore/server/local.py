@@ -198,6 +198,7 @@ class _Session(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self.peer = Peer.of_socket(sock)
+            self.peer.socket_fd = sock.fileno()
         tenancy, caps = self._server.handlers.tenancy, self._server.caps
         self.caller = tenancy.of_peer(self.peer)
         # With tenants, a process in none (and no admin) takes no room under the caps from the
@@ -218,10 +219,11 @@ class _Session(asyncio.Protocol):
         self._transport = None
         peer = self.peer
         peer.connected = False
+        peer.socket_fd = -1
         for store in self._server.handlers.stores.values():
             if len(store.lends):  # its lends end, and their readers' slots say so, now
                 store.lends.closed(peer)
-        if peer.read_slots is not None:
+        if peer.read_slots:
             peer.read_slots.close()
 
     def close(self) -> None:

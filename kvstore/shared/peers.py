@@ -13,6 +13,7 @@ later one that reused its pid.
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 
 _UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid (ids unsigned: 2^31 and up are ids too)
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+
+_CLOSED = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0x2000)
 _MAX_GROUPS = 1024
 
 
@@ -65,6 +67,19 @@ class Peer:
     connected: bool = False  # its connection is open (known for local-channel peers only)
     groups: tuple[int, ...] = ()  # supplementary groups (local-channel peers only)
     read_slots: Any = None  # its connection's `kvstore.shared.read_slots.ReadSlots`, once it read lent blocks
+    read_slots_sent: int = 0  # times that table's descriptor went with a reply
+    socket_fd: int = -1  # its connection's socket here (local-channel peers), while connected
+
+    def hung_up(self) -> bool:
+        """Its end of the connection is closed, though the daemon may not have seen it yet (a
+        worker whose call timed out closes its channel before it goes on): known at once."""
+        if not self.connected:
+            return True
+        if self.socket_fd < 0:
+            return False
+        poller = select.poll()
+        poller.register(self.socket_fd, _CLOSED)
+        return bool(poller.poll(0))
 
     @classmethod
     def of_socket(cls, sock: Any) -> Peer:

@@ -14,8 +14,7 @@ daemon cannot write: its own clock against the read's TTL, and that its connecti
 slot given to a later read never matches an earlier one's id.
 
 - `ReadSlots` (daemon): `take(read_id)` -> slot index or None (the table is full: that reader
-  waits for Returned's answer instead), `end(index)` (0, the slot stays taken), `free(index)`,
-  `close()`.
+  waits for Returned's answer instead), `free(index)` (0, and the slot free again), `close()`.
 - `SlotView` (worker): the table mapped read-only; `holds(index, read_id)`.
 """
 
@@ -58,12 +57,8 @@ class ReadSlots:
         _WORD.pack_into(self._map, index * _WORD.size, read_id)
         return index
 
-    def end(self, index: int) -> None:
-        """The read no longer holds its lend (written before the lender may reuse the blocks)."""
-        if not self.closed:
-            _WORD.pack_into(self._map, index * _WORD.size, 0)
-
     def free(self, index: int) -> None:
+        """The read no longer holds its lend (written before the lender may reuse the blocks)."""
         if not self.closed:
             _WORD.pack_into(self._map, index * _WORD.size, 0)
             self._free.append(index)

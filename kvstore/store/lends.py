@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.shared.errors import InvalidArgument, ResourceExhausted
+from kvstore.shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.shared.peers import Peer
 from kvstore.shared.read_slots import ReadSlots
 
@@ -132,6 +132,8 @@ class Lends:
         hold = self.hold_s if hold_s is None else hold_s
         if not 0 < hold <= MAX_HOLD_S:
             raise InvalidArgument(f"Lend: hold_ms must be at most {int(MAX_HOLD_S * 1000)}")
+        if lender is not None and lender.hung_up():  # it gave up on this call: it may be reusing the blocks
+            raise FailedPrecondition("Lend: the lender's connection closed before its Lend was read")
         self._purge()
         size = len(blocks) + len(cache) + 64 * len(keys)
         if (
@@ -283,13 +285,12 @@ class Lends:
             self._end(lend)
 
     def _end(self, lend: Lend) -> None:
-        """Done now: no new read, and a read in flight counts 0 (its Returned finds it done, its
-        slot holds 0 from now on)."""
+        """Done now: no new read, and a read in flight counts 0: its slot holds 0 from now on (and
+        is free again), its Returned finds no such read."""
         lend.done = True
         for read_id in lend.reads:
-            found = self._slots.get(read_id)
-            if found is not None:
-                found[0].end(found[1])
+            self._drop_read(read_id)
+        lend.reads.clear()
 
     def _drop_read(self, read_id: int) -> None:
         """Forgets a read (returned, lapsed, or its lend forgotten) and frees its slot."""
@@ -309,17 +310,14 @@ class Lends:
         gone = self._lender_gone(lend)
         if gone or (not lend.reads and (lend.read_back or lend.withdrawn or now >= lend.hold_until)):
             self._end(lend)
-            if gone:
-                for read_id in lend.reads:
-                    self._drop_read(read_id)
-                lend.reads.clear()
         return lend.done
 
     @staticmethod
     def _lender_gone(lend: Lend) -> bool:
         """The connection the lend was made on closed: the lender exited, or gave up on a call
-        (a timed-out Lend it may not know was recorded) and holds nothing for it any more."""
-        return lend.lender is not None and not lend.lender.connected
+        (a timed-out Lend it may not know was recorded) and holds nothing for it any more. Its
+        socket says so before the event loop does: a read is never granted after that."""
+        return lend.lender is not None and lend.lender.hung_up()
 
     def _unindex(self, lend: Lend) -> None:
         """Drops `lend`'s keys from the index, once it is forgotten: a done lend's keys stay
