@@ -278,8 +278,9 @@ class LendPath:
         """`_finish`, its answer read from the read's slot (`kvstore.shared.read_slots`) with the
         read's TTL on this process's clock; the Returned is sent without waiting for its reply."""
         held = local.holds(slot, read_id) and time.monotonic() < deadline
-        try:
-            local.send("Returned", pb.ReturnedRequest(namespace=self._s.namespace, read_id=read_id))
+        try:  # a copy not counted is given back unused: the lend stays for another read
+            request = pb.ReturnedRequest(namespace=self._s.namespace, read_id=read_id, unused=not held)
+            local.send("Returned", request)
         except KVStoreError as exc:  # the daemon is gone: the read lapses with it
             log.debug("Returned %d: %s", read_id, exc)
         return tokens if held else self._lapsed(read_id)

@@ -145,7 +145,7 @@ def _answered(
         held = session._lends._returned(got.read_id) and in_time
     else:
         held = not unused and same and in_time and local.holds(got.slot - 1, got.read_id)
-        given_back = unused or not same  # not read: the lend stays for a reader of its own blocks
+        given_back = not held  # a copy not counted: the lend stays for another read of its blocks
         returned = pb.ReturnedRequest(namespace=namespace, read_id=got.read_id, unused=given_back)
         local_send(local, "Returned", returned)
     if held:
