@@ -76,13 +76,7 @@ def read_ticket(
     except Exception as exc:  # noqa: BLE001 - a ticket or a device this reader cannot use
         log.warning("lent blocks of a ticket from %s not read (%s)", lent.device_pci_bus_id, exc)
         return None
-    request = pb.LookupRequest(
-        namespace=session.namespace,
-        keys=pack_keys(keys[:chunks]),
-        lease=True,
-        lent_devices=lends.devices(device),
-    )
-    asking = _Asking(local, request)
+    asking = _Asking(local, session.namespace, keys[:chunks], lends.devices(device))
     tokens = session._covered(token_ids, chunks)
     finish = functools.partial(_answered, session, local, asking, lent, chunks, asked, token_ids=token_ids)
     fail = functools.partial(_failed, session, local, asking, lent)
@@ -94,8 +88,8 @@ class _Asking:
     copy runs (the load returns without it; the daemon answers well before a copy of any size
     ends), its answer read before that wait blocks, so that only the slot is left to read after."""
 
-    def __init__(self, local: LocalChannel, request: Any) -> None:
-        self._local, self._request = local, request
+    def __init__(self, local: LocalChannel, namespace: bytes, keys: Sequence[bytes], devices: Any) -> None:
+        self._local, self._asked = local, (namespace, keys, devices)  # the request is made when sent
         self._pending: Pending | None = None
 
     def ask(self) -> None:
@@ -104,7 +98,11 @@ class _Asking:
 
     def result(self) -> Any:
         if self._pending is None:
-            self._pending = self._local.begin("Lookup", self._request)
+            namespace, keys, devices = self._asked
+            request = pb.LookupRequest(
+                namespace=namespace, keys=pack_keys(keys), lease=True, lent_devices=devices
+            )
+            self._pending = self._local.begin("Lookup", request)
         return self._pending.result()
 
 

@@ -51,10 +51,7 @@ def ticket(keys: list[bytes], nonce: int, blocks: bytes | None = None) -> Any:
 def judged(reader: KVStoreClient, keys: list[bytes], lent: Any, asked: float | None = None) -> int:
     """The tokens a ticket's copy of `keys` counts (the copy taken as done now)."""
     local = reader._conn.local
-    request = pb.LookupRequest(
-        namespace=reader.namespace, keys=pack_keys(keys), lease=True, lent_devices=[BUS]
-    )
-    asking = _Asking(local, request)
+    asking = _Asking(local, reader.namespace, keys, [BUS])
     asking.ask()  # what the handle's wait() does before it blocks on the copy
     return _answered(reader, local, asking, lent, len(keys), time.monotonic() if asked is None else asked)
 
@@ -102,10 +99,7 @@ def test_a_ticket_whose_lend_ended_or_is_not_there_counts_nothing(daemon: Daemon
         assert c._conn.local.read_slots is not None
         lend_id = lend_with_nonce(lender, keys, nonce=4)
         local = c._conn.local
-        request = pb.LookupRequest(
-            namespace=c.namespace, keys=pack_keys(keys), lease=True, lent_devices=[BUS]
-        )
-        asking = _Asking(local, request)
+        asking = _Asking(local, c.namespace, keys, [BUS])
         asking.ask()  # the read is taken during the copy ...
         revoke = pb.LendsRequest(namespace=lender.namespace, lend_ids=[lend_id], revoke=True)
         assert list(lender._conn.rpc("Lends", revoke).done) == [lend_id]  # ... and the lend revoked
