@@ -192,30 +192,26 @@ class LocalChannel:
 
     def send_frame(self, method: str, frame: bytes) -> None:
         """`send` of a request made ahead with `frame(method, request)`."""
-        try:
-            with self._lock:
-                self._sock.sendall(frame)
-                self._unread.append(method)
-        except OSError as exc:
-            self.close()
-            raise Unavailable(
-                f"{method}: the daemon's local channel {self.path} closed ({exc}); it stopped or restarted"
-            ) from None
+        self._sent(method, frame, method)
 
     def begin(self, method: str, request: Any) -> Pending:
         """Sends `request`; its reply is the returned `Pending`'s `result()`."""
         pending = Pending(self, method)
-        frame = self.frame(method, request)
+        self._sent(method, self.frame(method, request), pending)
+        return pending
+
+    def _sent(self, method: str, frame: bytes, awaited: str | Pending) -> None:
+        """Sends `frame`, its reply awaited as `awaited` (the method: logged if it failed; a
+        `Pending`: kept for its `result()`)."""
         try:
             with self._lock:
                 self._sock.sendall(frame)
-                self._unread.append(pending)
+                self._unread.append(awaited)
         except OSError as exc:
             self.close()
             raise Unavailable(
                 f"{method}: the daemon's local channel {self.path} closed ({exc}); it stopped or restarted"
             ) from None
-        return pending
 
     def _read_until(self, pending: Pending) -> None:
         try:
