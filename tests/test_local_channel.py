@@ -337,3 +337,28 @@ def test_connections_past_the_caps_are_closed_and_clients_still_work(
                 break
         assert time.monotonic() < deadline, "the local channel did not come back"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("spin", ["0", "200", "1000000"])
+def test_a_channel_that_spins_for_its_replies_answers_alike(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, spin: str
+) -> None:
+    """`KVSTORE_LOCAL_SPIN_US`: a call spins that long for its reply before it sleeps; the replies,
+    an error among them, are the same."""
+    monkeypatch.setenv("KVSTORE_LOCAL_SPIN_US", spin)
+    channel = LocalChannel(local_path(daemon), timeout_s=10)
+    try:
+        assert channel.spin_s == float(spin) / 1e6
+        assert channel.call("Stats", pb.StatsRequest()).version
+        with pytest.raises(InvalidArgument):
+            channel.call("Lend", pb.LendRequest())
+        assert channel.call("Stats", pb.StatsRequest()).version
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("spin", ["-1", "fast", "1e7"])
+def test_a_bad_spin_is_refused_by_name(daemon: Daemon, monkeypatch: pytest.MonkeyPatch, spin: str) -> None:
+    monkeypatch.setenv("KVSTORE_LOCAL_SPIN_US", spin)
+    with pytest.raises(ValueError, match="KVSTORE_LOCAL_SPIN_US: expected 0..1000000 microseconds"):
+        LocalChannel(local_path(daemon), timeout_s=10)
