@@ -27,7 +27,7 @@ import torch
 import kvstore_kernels
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.shared.cudart import CudaError, CudaUnavailable
-from kvstore.shared.errors import KVStoreError
+from kvstore.shared.errors import KVStoreError, Unavailable
 from kvstore.shared.keys import pack_keys
 from kvstore.shared.read_slots import SlotView
 from kvstore_client.handles import LoadHandle
@@ -128,8 +128,18 @@ class LendPath:
     def _told(self, local: Any, request: Any, meanwhile: Callable[[bytes], Any], lent: bytes) -> Any:
         """The Lend's reply, `meanwhile(lent)` run once the request is sent, outside the channel
         (it may call the daemon itself). If it raises, the lend the daemon recorded is revoked
-        before the error is: the caller, told the lend failed, may reuse its blocks at once."""
-        pending = local.begin("Lend", request)
+        before the error is: the caller, told the lend failed, may reuse its blocks at once. A
+        channel found broken before anything was sent (a daemon restarted since the last call) is
+        connected again first, as any call would."""
+        try:
+            pending = local.begin("Lend", request)
+        except Unavailable as exc:
+            self._s._conn.lost(exc)
+            self._s._conn.reconnect()  # Unavailable again if the daemon still does not serve
+            local = self._s._conn.local
+            if local is None:  # no local channel now: a Lend over gRPC is refused, as without a ticket
+                return self._s._conn.call("Lend", lambda: request)
+            pending = local.begin("Lend", request)
         try:
             meanwhile(lent)
         except BaseException:

@@ -341,3 +341,31 @@ def test_a_ticket_handed_over_by_a_callback_that_fails_leaves_no_lend(daemon: Da
         assert got.lent.nonce == 5 and reader.holds(got)
         assert returned(c, got.lent.read_id) == 1
         assert done(lender, [reply.lend_id]) == [reply.lend_id]
+
+
+def test_a_ticketed_lend_after_a_daemon_restart_connects_again(daemon_factory: Callable[..., Daemon]) -> None:
+    """The lender's channel broke with the daemon it was made to: the Lend is sent on a new one,
+    and the ticket handed over once."""
+    daemon = daemon_factory("restarts")
+    with KVStoreClient.connect(daemon.address, SPEC) as lender:
+        keys = lender.keys(list(range(SPEC.chunk_tokens)))
+        assert daemon.stop() == 0
+        daemon = daemon_factory("restarts")
+        told: list[bytes] = []
+        request = pb.LendRequest(
+            namespace=lender.namespace,
+            keys=pack_keys(keys),
+            blocks=blocks_of(1),
+            cache=b'{"version":1}',
+            device_pci_bus_id=BUS,
+            nonce=8,
+        )
+        broken = lender._conn.local
+        reply = lender._lends._told(broken, request, told.append, b"the ticket")
+        assert told == [b"the ticket"] and reply.lend_id
+        assert lender._conn.local is not broken  # sent on a new channel
+        with KVStoreClient.connect(daemon.address, SPEC) as c:
+            got = Reader(c).lookup(keys)
+            assert got.lent.nonce == 8
+            assert returned(c, got.lent.read_id) == 1
+        assert done(lender, [reply.lend_id]) == [reply.lend_id]
