@@ -93,7 +93,7 @@ class Lends:
         self._clock = clock
         self._lends: dict[int, Lend] = {}
         self._by_key: dict[tuple[bytes, bytes], tuple[Lend, int]] = {}  # (ns, key) -> lend, position
-        self._reads: dict[int, Lend] = {}
+        self._reads: dict[int, tuple[Lend, ...]] = {}  # read id -> the lends it holds
         self._slots: dict[int, tuple[ReadSlots, int]] = {}  # read id -> its slot, where it has one
         self._keys = 0
         self.counters = {"lends": 0, "lent_reads": 0, "lent_reads_returned": 0, "lent_reads_lapsed": 0}
@@ -165,57 +165,69 @@ class Lends:
         at_least: Callable[[], int] = lambda: 1,
         slots: ReadSlots | None = None,
     ) -> LentHit | None:
-        """The longest leading run of `keys` lent in order by one live lend on one of `devices`,
-        as a read that holds the lend (in a slot of `slots`, the reader's connection's, where one
-        is free); None when the first key is not lent so, or the run is shorter than
+        """The longest leading run of `keys` lent in order by live lends of one cache on one of
+        `devices` (a prompt lent a step at a time, as chunked prefill makes it, is read whole), as
+        one read that holds each of them (in a slot of `slots`, the reader's connection's, where
+        one is free); None when the first key is not lent so, or the run is shorter than
         `at_least()` (the stored prefix: asked only when the first key is lent)."""
-        if not keys:
-            return None
-        found = self._by_key.get((ns, keys[0]))
-        if found is None:
-            return None
-        lend, first = found
         now = self._clock()
-        if self._settle(lend, now) or lend.withdrawn or lend.device not in devices or now >= lend.hold_until:
+        segments = self._segments(ns, keys, devices, now, reading=True)
+        if not segments:
             return None
-        if len(lend.reads) >= MAX_READS:  # readers that never return: the tiers answer the rest
-            return None
-        chunks = self._run(lend, first, keys)
+        chunks = sum(count for _, _, count in segments)
         if chunks < at_least():
             return None
         read_id = self._new_id()
-        lend.reads[read_id] = now + self.read_ttl_s
-        self._reads[read_id] = lend
+        for lend, _, _ in segments:
+            lend.reads[read_id] = now + self.read_ttl_s
+        self._reads[read_id] = tuple(lend for lend, _, _ in segments)
         self.counters["lent_reads"] += 1
         slot = slots.take(read_id) if slots is not None else None
         if slot is not None:
             self._slots[read_id] = (slots, slot)  # type: ignore[assignment]
-        step = 4 * lend.blocks_per_chunk
-        blocks = lend.blocks[first * step : (first + chunks) * step]
+        head = segments[0][0]
+        step = 4 * head.blocks_per_chunk
+        blocks = b"".join(
+            lend.blocks[first * step : (first + count) * step] for lend, first, count in segments
+        )
+        slot_number = 0 if slot is None else slot + 1
         return LentHit(
-            chunks,
-            read_id,
-            lend.cache,
-            lend.device,
-            blocks,
-            self.read_ttl_s,
-            0 if slot is None else slot + 1,
-            lend.nonce,
+            chunks, read_id, head.cache, head.device, blocks, self.read_ttl_s, slot_number, head.nonce
         )
 
     def peek(self, ns: bytes, keys: Sequence[bytes], devices: Sequence[str]) -> int:
-        """How many leading `keys` one live lend on one of `devices` ("*": any) holds, taking no
-        read (a scheduler's query: it cannot know which GPUs its workers reach)."""
-        found = self._by_key.get((ns, keys[0])) if keys else None
-        if found is None:
-            return 0
-        lend, first = found
-        now = self._clock()
-        if self._settle(lend, now) or lend.withdrawn or now >= lend.hold_until:
-            return 0
-        if lend.device not in devices and "*" not in devices:
-            return 0
-        return self._run(lend, first, keys)
+        """How many leading `keys` live lends of one cache on one of `devices` ("*": any) hold,
+        taking no read (a scheduler's query: it cannot know which GPUs its workers reach)."""
+        segments = self._segments(ns, keys, devices, self._clock(), reading=False)
+        return sum(count for _, _, count in segments)
+
+    def _segments(
+        self, ns: bytes, keys: Sequence[bytes], devices: Sequence[str], now: float, reading: bool
+    ) -> list[tuple[Lend, int, int]]:
+        """(lend, its position of the run's first key there, chunks) for each lend the leading run
+        of `keys` goes through: each live, not withdrawn, in its hold, on one of `devices`, the
+        later ones of the first's cache and GPU; with `reading`, each with room for a read."""
+        segments: list[tuple[Lend, int, int]] = []
+        covered = 0
+        while covered < len(keys):
+            found = self._by_key.get((ns, keys[covered]))
+            if found is None:
+                break
+            lend, first = found
+            if self._settle(lend, now) or lend.withdrawn or now >= lend.hold_until:
+                break
+            if lend.device not in devices and (reading or "*" not in devices):
+                break
+            if reading and len(lend.reads) >= MAX_READS:  # readers that never return: the tiers answer
+                break
+            if segments and not _continues(segments[0][0], lend, segments):
+                break
+            count = self._run(lend, first, keys[covered:])
+            segments.append((lend, first, count))
+            covered += count
+            if first + count < len(lend.keys):  # the keys part from this lend's: the run ends here
+                break
+        return segments
 
     @staticmethod
     def _run(lend: Lend, first: int, keys: Sequence[bytes]) -> int:
@@ -230,24 +242,28 @@ class Lends:
         return chunks
 
     def returned(self, ns: bytes, read_id: int, unused: bool = False) -> bool:
-        """Whether the read `read_id` held its lend until now (False: discard what it copied).
-        `unused`: given back without a copy; the lend stays for other readers."""
-        lend = self._reads.get(read_id)
-        if lend is None or lend.ns != ns:  # unknown, lapsed, or another namespace's: not this caller's
+        """Whether the read `read_id` held its lends until now (False: discard what it copied).
+        `unused`: given back without a copy; the lends stay for other readers."""
+        lends = self._reads.get(read_id)
+        if lends is None or lends[0].ns != ns:  # unknown, lapsed, or another namespace's: not this caller's
             self.counters["lent_reads_lapsed"] += 1
             return False
-        self._drop_read(read_id)
-        deadline = lend.reads.pop(read_id, None)
         now = self._clock()
-        held = deadline is not None and now < deadline and not lend.done and not self._lender_gone(lend)
+        held = all(
+            now < lend.reads.get(read_id, now) and not lend.done and not self._lender_gone(lend)
+            for lend in lends
+        )
+        self._drop_read(read_id)
         if unused:
             held = False
         elif held:
-            lend.read_back = True
+            for lend in lends:
+                lend.read_back = True
             self.counters["lent_reads_returned"] += 1
         else:
             self.counters["lent_reads_lapsed"] += 1
-        self._settle(lend, now)
+        for lend in lends:
+            self._settle(lend, now)
         return held
 
     def done(
@@ -288,13 +304,15 @@ class Lends:
         """Done now: no new read, and a read in flight counts 0: its slot holds 0 from now on (and
         is free again), its Returned finds no such read."""
         lend.done = True
-        for read_id in lend.reads:
+        for read_id in list(lend.reads):  # a read of several lends ends with any of them
             self._drop_read(read_id)
         lend.reads.clear()
 
     def _drop_read(self, read_id: int) -> None:
-        """Forgets a read (returned, lapsed, or its lend forgotten) and frees its slot."""
-        self._reads.pop(read_id, None)
+        """Forgets a read (returned, lapsed, or a lend of it ended) in each of its lends, and frees
+        its slot."""
+        for lend in self._reads.pop(read_id, ()):
+            lend.reads.pop(read_id, None)
         found = self._slots.pop(read_id, None)
         if found is not None:
             found[0].free(found[1])
@@ -331,7 +349,7 @@ class Lends:
         if self._lends.pop(lend.id, None) is not None:
             self._keys -= len(lend.keys)
             self._bytes -= len(lend.blocks) + len(lend.cache) + 64 * len(lend.keys)
-        for read_id in lend.reads:
+        for read_id in list(lend.reads):
             self._drop_read(read_id)
 
     def _new_id(self) -> int:
@@ -353,3 +371,14 @@ class Lends:
         for lend in list(self._lends.values()):
             if self._settle(lend, now) and now >= lend.hold_until:
                 self._forget(lend)
+
+
+def _continues(head: Lend, lend: Lend, segments: list[tuple[Lend, int, int]]) -> bool:
+    """Whether a run read from `head` may go on into `lend`: the same cache and GPU (one copy
+    reads them all), the same blocks a chunk, and not a lend the run went through already."""
+    return (
+        lend.cache == head.cache
+        and lend.device == head.device
+        and lend.blocks_per_chunk == head.blocks_per_chunk
+        and all(lend is not seen for seen, _, _ in segments)
+    )
