@@ -27,6 +27,18 @@ from tests.harness import Daemon
 from tests.test_lends import BUS, SPEC, blocks_of, done, lend, returned, wait_until
 
 
+def lend_request(client: KVStoreClient, keys: list[bytes], nonce: int) -> pb.LendRequest:
+    """A Lend of `keys` at blocks 100 on, with the lender's `nonce` (test_lends' descriptor and GPU)."""
+    return pb.LendRequest(
+        namespace=client.namespace,
+        keys=pack_keys(keys),
+        blocks=blocks_of(len(keys)),
+        cache=b'{"version":1}',
+        device_pci_bus_id=BUS,
+        nonce=nonce,
+    )
+
+
 class Reader:
     """A reader's connection and the read slots its daemon sent it."""
 
@@ -217,15 +229,7 @@ def test_a_lends_nonce_comes_with_each_of_its_reads(daemon: Daemon) -> None:
         keys = lender.keys(list(range(SPEC.chunk_tokens)))
         nonces = []
         for nonce in (7, 2**63 + 1):
-            request = pb.LendRequest(
-                namespace=lender.namespace,
-                keys=pack_keys(keys),
-                blocks=blocks_of(1),
-                cache=b'{"version":1}',
-                device_pci_bus_id=BUS,
-                nonce=nonce,
-            )
-            lend_id = lender._conn.rpc("Lend", request).lend_id
+            lend_id = lender._conn.rpc("Lend", lend_request(lender, keys, nonce)).lend_id
             reply = reader.lookup(keys)
             nonces.append(reply.lent.nonce)
             assert returned(c, reply.lent.read_id) == 1
@@ -309,14 +313,7 @@ def test_a_ticket_handed_over_by_a_callback_that_fails_leaves_no_lend(daemon: Da
         keys = lender.keys(list(range(2 * SPEC.chunk_tokens)))
 
         def request() -> pb.LendRequest:
-            return pb.LendRequest(
-                namespace=lender.namespace,
-                keys=pack_keys(keys),
-                blocks=blocks_of(2),
-                cache=b'{"version":1}',
-                device_pci_bus_id=BUS,
-                nonce=5,
-            )
+            return lend_request(lender, keys, nonce=5)
 
         def failing(ticket: bytes) -> None:
             assert pb.LentRead.FromString(ticket).nonce == 5
@@ -352,14 +349,7 @@ def test_a_ticketed_lend_after_a_daemon_restart_connects_again(daemon_factory: C
         assert daemon.stop() == 0
         daemon = daemon_factory("restarts")
         told: list[bytes] = []
-        request = pb.LendRequest(
-            namespace=lender.namespace,
-            keys=pack_keys(keys),
-            blocks=blocks_of(1),
-            cache=b'{"version":1}',
-            device_pci_bus_id=BUS,
-            nonce=8,
-        )
+        request = lend_request(lender, keys, nonce=8)
         broken = lender._conn.local
         reply = lender._lends._told(broken, request, told.append, b"the ticket")
         assert told == [b"the ticket"] and reply.lend_id

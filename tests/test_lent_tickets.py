@@ -21,22 +21,14 @@ from kvstore.store.lends import MAX_READS
 from kvstore_client import KVStoreClient
 from kvstore_client.lent_tickets import _answered, _Asking
 from tests.harness import Daemon
-from tests.test_lend_slots import Reader
+from tests.test_lend_slots import Reader, lend_request
 from tests.test_lends import BUS, SPEC, blocks_of, done, lend
 
 CACHE = b'{"version":1}'  # test_lends' lend() sends this descriptor
 
 
 def lend_with_nonce(client: KVStoreClient, keys: list[bytes], nonce: int) -> int:
-    request = pb.LendRequest(
-        namespace=client.namespace,
-        keys=pack_keys(keys),
-        blocks=blocks_of(len(keys)),
-        cache=CACHE,
-        device_pci_bus_id=BUS,
-        nonce=nonce,
-    )
-    return client._conn.rpc("Lend", request).lend_id
+    return client._conn.rpc("Lend", lend_request(client, keys, nonce)).lend_id
 
 
 def ticket(keys: list[bytes], nonce: int, blocks: bytes | None = None) -> Any:
