@@ -325,10 +325,13 @@ class MappedArena:
         """Whether the arena is being registered (its slabs are, or will be, pinned)."""
         return self.registrar is not None
 
-    def transfer_options(self, offsets: list[int], on_cuda: bool = True) -> TransferOptions | None:
+    def transfer_options(
+        self, offsets: list[int], on_cuda: bool = True, device: int | None = None
+    ) -> TransferOptions | None:
         """None where the pages at `offsets` may move by the kernels' auto rule (their slabs are
         registered, or nothing is registered here); else `UNPINNED`. `on_cuda`: the KV cache is
-        on a GPU (else the CPU moves the pages: a pinned arena's slabs are opened to it first)."""
+        on a GPU, `device` (else the CPU moves the pages); a pinned arena's slabs are opened to
+        that GPU, or the CPU, first where the mapping did not give it them."""
         registrar = self.registrar
         if registrar is None or not offsets:
             return None
@@ -336,8 +339,10 @@ class MappedArena:
         slabs = registrar.slabs_of(offsets) | {0}
         imported = self._shared.imported if self._shared is not None else None
         if registrar.ready(slabs, self.wait_s):
-            if imported is not None and (not on_cuda or kvstore_kernels.backend_name() == "torch"):
-                imported.importer.grant_host(slabs)  # the CPU moves these pages
+            if imported is not None:  # None: the CPU moves these pages
+                cpu = not on_cuda or kvstore_kernels.backend_name() == "torch"
+                gpu = torch.cuda.current_device() if device is None else device
+                imported.importer.grant(slabs, None if cpu else gpu)
             return None
         if imported is not None:  # no memory to fall back on
             raise Unavailable(

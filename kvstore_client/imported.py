@@ -3,8 +3,8 @@
 The daemon allocated each slab pinned through CUDA and hands its descriptor over the local
 channel (`ArenaSlabs`, SCM_RIGHTS). Here the worker reserves one address range for the whole
 arena and maps each slab into it as its turn comes (`cuMemImportFromShareableHandle`,
-`cuMemMap`, `cuMemSetAccess` for the GPUs; for the CPU too only where a transfer needs it,
-`grant_host`): nothing is faulted in or registered, a
+`cuMemMap`, `cuMemSetAccess` for the worker's own GPU; for another GPU of the process or its
+CPU only where a transfer needs it, `grant`): nothing is faulted in or registered, a
 256 MiB slab maps in ~7 ms on the H200 host, and the memory is pinned, so the kernels move
 its pages at PCIe speed (bench/host_alloc.py).
 
@@ -24,9 +24,11 @@ its pages at PCIe speed (bench/host_alloc.py).
   the daemon hands out no page in it), or while no fetch can reach the daemon (its local
   channel is closed in an outage until the client connects again). A refusal (another epoch:
   the daemon restarted; PERMISSION_DENIED) fails the slab. Its `unregister` keeps the slab
-  mapped: the range goes with its last view. `grant_host(slabs)`: the CPU may then read and
-  write those slabs (a KV cache in host memory moves its pages with the CPU); no other CPU
-  access touches the range.
+  mapped: the range goes with its last view. A slab is mapped for the importer's GPU alone
+  (every location granted is the driver's work on every slab of every worker: granting all
+  GPUs would be 8 times it per worker on an 8-GPU host). `grant(slabs, device)`: another GPU of this
+  process (a KV cache on it), or the CPU (`device` None: a KV cache in host memory moves its
+  pages with the CPU), may then read and write those slabs; nothing else touches the range.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class SlabImporter:
         self._fds: dict[int, int] = {}  # slab -> descriptor fetched and not yet imported
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        self._host: set[int] = set()  # slabs this process's CPU may touch (`grant_host`)
+        self._granted: dict[int | None, set[int]] = {}  # another GPU, or None: the CPU -> its slabs
 
     def seed(self, first: int, fds: list[int]) -> None:
         """Descriptors of slabs first.. fetched already (at connect); this importer owns them."""
@@ -176,23 +178,28 @@ class SlabImporter:
                 vmm.release(handle)
                 raise
             self._mapped[address] = handle
-            # The GPUs only: granting the CPU too costs the driver about as much again, and,
-            # beside a fill, lost 34-42% of it against 10% (bench/host_alloc.py); `grant_host`
-            # adds the CPU where a transfer needs it.
-            vmm.set_access(address, size, range(vmm.device_count), host=False)
+            # This GPU only: granting the CPU too costs the driver about as much again, and,
+            # beside a fill, lost 34-42% of it against 10% (bench/host_alloc.py); `grant` adds
+            # another GPU, or the CPU, where a transfer needs it.
+            vmm.set_access(address, size, (self.device,), host=False)
 
-    def grant_host(self, slabs: Iterable[int]) -> None:
-        """Lets this process's CPU read and write `slabs` (mapped already), once each."""
+    def grant(self, slabs: Iterable[int], device: int | None) -> None:
+        """Lets GPU `device` of this process (None: its CPU) read and write `slabs` (mapped
+        already), once each; the importer's own GPU has them all."""
+        if device == self.device:
+            return
         vmm = self._vmm
         with self._lock:
-            missing = sorted(set(slabs) - self._host)
+            granted = self._granted.setdefault(device, set())
+            missing = sorted(set(slabs) - granted)
             if not missing:
                 return
+            gpus = () if device is None else (device,)
             with vmm.on_device(self.device):
                 for slab in missing:
                     address = self._base + slab * self._slab_bytes
-                    vmm.set_access(address, self._slab_bytes, range(vmm.device_count), host=True)
-                    self._host.add(slab)
+                    vmm.set_access(address, self._slab_bytes, gpus, host=device is None)
+                    granted.add(slab)
 
     def unregister(self, address: int) -> None:
         """Nothing: the slab stays mapped until the range's last view goes (`ImportedRange`)."""

@@ -45,7 +45,7 @@ class ArenaFacts(Protocol):
     def bounce_for(self, offsets: list[int], page_bytes: int, on_cuda: bool) -> Any: ...
 
     def transfer_options(
-        self, offsets: list[int], on_cuda: bool = True
+        self, offsets: list[int], on_cuda: bool = True, device: int | None = None
     ) -> kvstore_kernels.TransferOptions | None: ...
 
 
@@ -62,10 +62,11 @@ def store_route(
     page_bytes: int,
     on_cuda: bool,
     whole_pages: bool,
+    device: int | None = None,
 ) -> StoreRoute:
     """How a store's new pages at `offsets` are written: `in_pool`, its Reserve put them in a GPU
     pool; `arena`, the mapped arena (None: none); `whole_pages`, the store writes every layer of
-    its pages (a bounce slot is copied whole)."""
+    its pages (a bounce slot is copied whole); `device`, the KV cache's GPU (`on_cuda`)."""
     if in_pool:
         return StoreRoute("pool")
     if arena is None:
@@ -73,13 +74,15 @@ def store_route(
     ring = arena.bounce_for(offsets, page_bytes, on_cuda) if whole_pages else None
     if ring is not None:
         return StoreRoute("bounce", ring=ring)
-    return arena_route(arena, offsets, on_cuda)
+    return arena_route(arena, offsets, on_cuda, device)
 
 
-def arena_route(arena: ArenaFacts, offsets: list[int], on_cuda: bool = True) -> StoreRoute:
+def arena_route(
+    arena: ArenaFacts, offsets: list[int], on_cuda: bool = True, device: int | None = None
+) -> StoreRoute:
     """The kernels' way into the arena once the slabs at `offsets` are registered (waiting for
     them), or the torch reference where they could not be."""
-    options = arena.transfer_options(offsets, on_cuda)
+    options = arena.transfer_options(offsets, on_cuda, device)
     return StoreRoute("kernels" if options is None else "unpinned", options=options)
 
 

@@ -142,8 +142,9 @@ class StorePath:
         offsets = [reply.offsets[i] for i in chunks]
         device = cache_device(kv_caches)
         mapped = self._s._mapped if self._s.arena is not None else None
+        on_cuda = device.type == "cuda"
         route = store_route(
-            reply.in_gpu_pool, mapped, offsets, self._s.page_bytes, device.type == "cuda", layers is None
+            reply.in_gpu_pool, mapped, offsets, self._s.page_bytes, on_cuda, layers is None, device.index
         )
         if route.way == "pool":  # device to device, into the pool: one Commit once written
             pool, gather = self._s._gpu_pools.tensors[reply.gpu_pool], kvstore_kernels.gather
@@ -171,7 +172,7 @@ class StorePath:
             if completion is not None:
                 return completion, None
             # The ring closed meanwhile: every slab registered.
-            route = arena_route(self._s._mapped, offsets, device.type == "cuda")
+            route = arena_route(self._s._mapped, offsets, on_cuda, device.index)
         return self._gather_to_arena(
             self._s.arena, route.options, chunks, offsets, kv_caches, block_ids, layers, ahead
         )

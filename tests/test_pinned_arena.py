@@ -154,6 +154,78 @@ def test_workers_map_the_pinned_arena_and_move_exact_bytes_across_a_restart(tmp_
         daemon.stop()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_kv_cache_on_another_gpu_of_the_worker_moves_exact_bytes(tmp_path: Path) -> None:
+    """The worker maps the slabs for the GPU current at connect (0); a KV cache on GPU 1 of the
+    same process gets its slabs opened to GPU 1 as its transfers reach them."""
+    options = {"tiers__cpu__pinned": True, "tiers__cpu__bytes": "1GiB", "tiers__cpu__slab_bytes": "256MiB"}
+    daemon = start_daemon(tmp_path, **options)
+    try:
+        torch.cuda.set_device(0)
+        with KVStoreClient.connect(daemon.address, SPEC) as client:
+            importer = client._mapped._shared.imported.importer
+            assert importer.device == 0
+            tokens = torch.randint(0, 50_000, (4096,)).tolist()
+            with torch.cuda.device(1):
+                source = [t.to("cuda:1") for t in cache(512)]
+                assert client.store(tokens, source, torch.arange(256, 512)) == 16
+                back = [torch.full_like(t, -3.0) for t in source]
+                assert client.load(tokens, back, torch.arange(256)) == 4096
+            assert all(torch.equal(b[:, :256], s[:, 256:]) for b, s in zip(back, source, strict=True))
+            target = cache(256, fill=-7.0)  # GPU 0, the mapping's own: its bytes too
+            assert client.load(tokens, target, torch.arange(256)) == 4096
+            assert all(torch.equal(t.cpu(), s[:, 256:].cpu()) for t, s in zip(target, source, strict=True))
+            assert importer._granted.get(1) and 0 not in importer._granted
+    finally:
+        daemon.stop()
+
+
+def test_slabs_are_mapped_for_the_workers_gpu_alone_and_opened_to_others_once() -> None:
+    """The driver's calls a slab costs (a recording stand-in for libcuda, which CI lacks): one
+    access grant for the importer's GPU when mapped; another GPU, or the CPU, granted once per
+    slab, only where asked."""
+    import contextlib
+
+    from kvstore_client.imported import SlabImporter
+
+    class Driver:
+        device_count = 8
+
+        def __init__(self) -> None:
+            self.access: list[tuple[int, tuple[int, ...], bool]] = []
+
+        @contextlib.contextmanager
+        def on_device(self, device: int):  # type: ignore[no-untyped-def]
+            yield
+
+        def import_fd(self, fd: int) -> int:
+            return fd
+
+        def map(self, address: int, size: int, handle: int) -> None:
+            pass
+
+        def set_access(self, address: int, size: int, devices, host: bool) -> None:  # type: ignore[no-untyped-def]
+            self.access.append((address, tuple(devices), host))
+
+    driver, slab = Driver(), 1 << 20
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(3)]
+    importer = SlabImporter(driver, lambda first, count: [], 3, 0, slab, 3, {})  # type: ignore[arg-type]
+    importer.seed(0, fds)
+    for index in range(3):
+        importer.register(index * slab, slab)
+    assert driver.access == [(0, (3,), False), (slab, (3,), False), (2 * slab, (3,), False)]
+    driver.access.clear()
+    importer.grant([0, 1], 3)  # its own GPU has them
+    importer.grant([0, 1], 5)
+    importer.grant([1, 2], 5)  # slab 1 is 5's already
+    importer.grant([2], None)  # the CPU
+    importer.grant([2], None)
+    five = [(index * slab, (5,), False) for index in range(3)]
+    assert driver.access == [*five, (2 * slab, (), True)]
+    importer.close()
+
+
 @needs_cuda
 @pytest.mark.gpu
 def test_arena_slabs_hands_each_pinned_slab_once_asked_and_refuses_bad_counts(tmp_path: Path) -> None:
