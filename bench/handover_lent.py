@@ -16,10 +16,12 @@ the consumer copies from it at once, its Lookup answered during the copy
 (`kvstore_client.lent_tickets`). A round's first (untimed) load is keyed either way: it brings the
 consumer's read slots.
 
-Run alone (`python bench/handover_lent.py --tokens 8192 32768 --rounds 2 --spin-us 0 200`), it
-times the peer copy of the same bytes, then both ways, in each of `--rounds` rounds, one daemon for
-all, the keyed way once per `--spin-us` (`$KVSTORE_LOCAL_SPIN_US`: how long a call spins for its
-reply before sleeping); writes bench/results/handover-lent.json (`--name`).
+Run alone (`python bench/handover_lent.py --tokens 8192 32768 --rounds 2 --spin-us 0 200
+--block-copy auto kernel`), it times the peer copy of the same bytes, then both ways, in each of
+`--rounds` rounds, one daemon for all, the keyed way once per `--spin-us` (`$KVSTORE_LOCAL_SPIN_US`:
+how long a call spins for its reply before sleeping), all of it once per `--block-copy`
+(`$KVSTORE_BLOCK_COPY`: the reader's copy by the copy engines where the blocks allow, or always
+by the kernel); writes bench/results/handover-lent.json (`--name`).
 
 Each round the consumer's cache is poisoned first and compared with the producer's bytes after
 (both made from the same seeded CPU generator), and the producer waits until `lends_done` names
@@ -248,14 +250,21 @@ def lent_rows(
     return ok, phases
 
 
-def rounds(tokens: int, rounds: int, reps: int, spins: list[float]) -> list[dict[str, Any]]:
-    """Each round: the peer copy, the keyed way at each spin, the ticket way (no spin)."""
+def rounds(
+    tokens: int, rounds: int, reps: int, spins: list[float], copies: list[str]
+) -> list[dict[str, Any]]:
+    """Each round: the peer copy, then for each of `copies` (`KVSTORE_BLOCK_COPY`) the keyed way
+    at each spin and the ticket way (no spin)."""
     spec = make_spec("flash_attn")
     devices = (torch.device("cuda", 0), torch.device("cuda", 1))
     moved = tokens // spec.chunk_tokens * spec.page.page_bytes
     flat_p = torch.randint(0, 256, (moved,), dtype=torch.uint8, device=devices[0])
     flat_c = torch.empty(moved, dtype=torch.uint8, device=devices[1])
-    ways = [(LENT_ROW, False, spin) for spin in spins] + [(TICKET_ROW, True, 0.0)]
+    ways = [
+        (row, ticket, spin, copy)
+        for copy in copies
+        for row, ticket, spin in [*((LENT_ROW, False, spin) for spin in spins), (TICKET_ROW, True, 0.0)]
+    ]
     rows = []
     with running_daemon(daemon_config(spec.page.page_bytes, 4)) as daemon:
         for number in range(rounds):
@@ -268,19 +277,21 @@ def rounds(tokens: int, rounds: int, reps: int, spins: list[float]) -> list[dict
                 if attempt:
                     peers.append((time.perf_counter() - started) * 1e3)
             peer = statistics.median(peers)
-            for row, ticket, spin in ways:
+            for row, ticket, spin, copy in ways:
                 os.environ["KVSTORE_LOCAL_SPIN_US"] = str(spin)  # the two processes read it at connect
+                os.environ["KVSTORE_BLOCK_COPY"] = copy
                 walls, ok, phases, _ = lent_handover(
                     daemon.address, spec, tokens, devices, reps, ticket=ticket
                 )
                 ms = statistics.median(walls)
                 rows.append(
-                    {"round": number, "tokens": tokens, "path": row, "spin_us": spin, "ms": ms,
-                     "peer_ms": peer, "x_peer_copy": peer / ms, "ok": ok, "phases_ms": phases,
+                    {"round": number, "tokens": tokens, "path": row, "spin_us": spin, "block_copy": copy,
+                     "ms": ms, "peer_ms": peer, "x_peer_copy": peer / ms, "ok": ok, "phases_ms": phases,
                      "walls_ms": walls}
                 )  # fmt: skip
-                print(f"round {number}, {tokens} tokens, {row}, spin {spin} us: {ms:.3f} ms, peer copy "
-                      f"{peer:.3f} ms ({peer / ms:.3f}), {'PASS' if ok else 'FAIL'}", flush=True)  # fmt: skip
+                verdict = "PASS" if ok else "FAIL"
+                print(f"round {number}, {tokens} tokens, {row}, {copy}, spin {spin} us: {ms:.3f} ms, "
+                      f"peer copy {peer:.3f} ms ({peer / ms:.3f}), {verdict}", flush=True)  # fmt: skip
     return rows
 
 
@@ -292,17 +303,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--spin-us", nargs="+", type=float, default=[0.0], help="the keyed way's spins")
+    parser.add_argument(
+        "--block-copy",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "kernel"],
+        help="KVSTORE_BLOCK_COPY, each",
+    )
     parser.add_argument("--name", default="handover-lent")
     args = parser.parse_args(argv)
     if torch.cuda.device_count() < 2:
         raise SystemExit("bench/handover_lent.py needs two CUDA GPUs")
-    rows = [row for tokens in args.tokens for row in rounds(tokens, args.rounds, args.reps, args.spin_us)]
+    rows = [
+        row
+        for tokens in args.tokens
+        for row in rounds(tokens, args.rounds, args.reps, args.spin_us, args.block_copy)
+    ]
     table = [
-        [r["round"], r["tokens"], r["path"], r["spin_us"], round(r["peer_ms"], 3), round(r["ms"], 3),
-         round(r["x_peer_copy"], 3), "PASS" if r["ok"] else "FAIL"]
+        [r["round"], r["tokens"], r["path"], r["block_copy"], r["spin_us"], round(r["peer_ms"], 3),
+         round(r["ms"], 3), round(r["x_peer_copy"], 3), "PASS" if r["ok"] else "FAIL"]
         for r in rows
     ]  # fmt: skip
-    print_table(["round", "tokens", "path", "spin us", "peer copy ms", "ms", "x peer copy", "ok"], table)
+    print_table(
+        ["round", "tokens", "path", "block copy", "spin us", "peer copy ms", "ms", "x peer copy", "ok"], table
+    )
     print(
         write_results(args.name, {"config": vars(args), "gpus": torch.cuda.get_device_name(0), "rows": rows})
     )

@@ -14,12 +14,13 @@ spec (layout, dtype, shape but the block count), so their runs match byte for by
 neither (hf's DynamicCache, views whose blocks have gaps) are refused with a ValueError naming
 the layout, so a caller can fall back to a gather and a scatter through a buffer.
 
-The kernel runs on the destination's device, on its current stream (or `stream`), and returns without
-waiting. The caller orders the source's writes before it (an event the destination's stream
-waits for) and keeps both caches alive, and the blocks unchanged, until it has run. CPU caches
-(or `KVSTORE_KERNELS=torch`) take the torch reference (`reference.copy_blocks`);
-`KVSTORE_KERNELS=triton` forces the kernel, on CPU tensors in Triton's interpreter
-(`TRITON_INTERPRET=1` set before this module is imported).
+The copy runs on the destination's device, on its current stream (or `stream`), and returns
+without waiting: between two GPUs by the copy engines where the blocks come in long runs
+(`block_engines`), else by the kernel. The caller orders the source's writes before it (an event
+the destination's stream waits for) and keeps both caches alive, and the blocks unchanged, until
+it has run. CPU caches (or `KVSTORE_KERNELS=torch`) take the torch reference
+(`reference.copy_blocks`); `KVSTORE_KERNELS=triton` forces the kernel, on CPU tensors in
+Triton's interpreter (`TRITON_INTERPRET=1` set before this module is imported).
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ import triton.language as tl
 from kvstore.shared.spec import DTYPE_ITEMSIZE, KVSpec
 
 from . import peer, reference, staging
+from .block_engines import copy_by_engines
 from .cache_facts import CacheFacts, RegisteredCaches, cache_facts, is_packed_run
 from .layouts import KVCaches, kv_views, layer_tensors
 from .routing import backend_name
 from .triton_copy import _int_kind, no_launch_hooks
 from .triton_kernel import WORDS
-from .validate_args import check_layers, int_array
+from .validate_args import check_layers
+from .validate_blocks import block_ids, check_overlap, check_pairs
 
 TILE_BYTES = 32768  # bytes per load per run, at most
 # Bytes in flight per program: a step loads several runs at once (small runs: up to MAX_SEGMENTS).
@@ -81,15 +84,19 @@ def copy_blocks(
     is a ValueError naming the argument at fault, raised before any byte moves.
     """
     plan = _plan(spec, src_caches, dst_caches, check_layers(spec, layers))
-    src_ids = _block_ids("src_blocks", src_blocks, plan.src_num_blocks, "src_caches")
-    dst_ids = _block_ids("dst_blocks", dst_blocks, plan.dst_num_blocks, "dst_caches")
-    _check_pairs(src_ids, dst_ids)
+    src_ids = block_ids("src_blocks", src_blocks, plan.src_num_blocks, "src_caches")
+    dst_ids = block_ids("dst_blocks", dst_blocks, plan.dst_num_blocks, "dst_caches")
+    check_pairs(src_ids, dst_ids)
     if plan.shared:
-        _check_overlap(src_ids, dst_ids)
+        check_overlap(src_ids, dst_ids)
     if not src_ids.size or not plan.moved:
         return
     if _uses_kernel(plan.device):
-        _launch(plan, src_ids, dst_ids, stream)
+        if not (
+            plan.across
+            and copy_by_engines(plan.src_runs, plan.dst_runs, src_ids, dst_ids, plan.device, stream)
+        ):
+            _launch(plan, src_ids, dst_ids, stream)
     else:
         sources = _run_tensors(spec, src_caches, plan.moved, plan.whole)
         targets = _run_tensors(spec, dst_caches, plan.moved, plan.whole)
@@ -110,6 +117,7 @@ class _Plan(NamedTuple):
     shared: bool  # the two caches share a run (one cache): no block both read and written
     src_runs: Runs
     dst_runs: Runs
+    across: bool  # the source is on another GPU
 
 
 MAX_PLANS = 16  # per destination cache: its lenders, say
@@ -141,8 +149,9 @@ def _plan(spec: KVSpec, src_caches: KVCaches, dst_caches: KVCaches, layers: rang
     dst_runs = _runs(spec, dst_caches, dst, moved, whole)
     shared = not set(src_runs.addresses).isdisjoint(dst_runs.addresses)
     plan = _Plan(
-        src_caches, spec, moved, whole, device, src.num_blocks, dst.num_blocks, shared, src_runs, dst_runs
-    )
+        src_caches, spec, moved, whole, device, src.num_blocks, dst.num_blocks, shared, src_runs, dst_runs,
+        src.device != device,
+    )  # fmt: skip
     if kept:
         if len(plans) >= MAX_PLANS:
             plans.clear()
@@ -177,42 +186,6 @@ def _device(src: torch.device, dst: torch.device) -> torch.device:
         if reason is not None:
             raise ValueError(f"src_caches: on {src}, which the destination's {dst} cannot reach: {reason}")
     return dst
-
-
-def _block_ids(name: str, values: Any, num_blocks: int, cache: str) -> np.ndarray:
-    """`values` as int64 block ids on the host, each inside a cache of `num_blocks` blocks."""
-    usual = type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1 and values.size
-    if usual and int(values.min()) >= 0 and int(values.max()) < num_blocks:  # checked at once
-        return values
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        raise ValueError(
-            f"{name}: on {values.device}; pass the block ids on the host (list, numpy, CPU tensor), "
-            "where they are checked"
-        )
-    ids = int_array(name, values)
-    if ids.size and int(ids.max()) >= num_blocks:
-        index = int(np.flatnonzero(ids >= num_blocks)[0])
-        raise ValueError(
-            f"{name}[{index}]: block {int(ids[index])} is outside 0..{num_blocks - 1}, the blocks of {cache}"
-        )
-    return ids
-
-
-def _check_pairs(src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-    """One destination per source block, each destination block written once."""
-    if src_ids.size != dst_ids.size:
-        raise ValueError(
-            f"src_blocks and dst_blocks: {src_ids.size} source blocks but {dst_ids.size} destination "
-            "blocks; give one destination block per source block"
-        )
-    if dst_ids.size > 1:
-        ordered = dst_ids if bool((dst_ids[1:] > dst_ids[:-1]).all()) else np.sort(dst_ids)
-        repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
-        if repeated.size:
-            raise ValueError(
-                f"dst_blocks: block {int(ordered[repeated[0]])} appears twice; each destination block "
-                "is written once"
-            )
 
 
 def _whole_layers(
@@ -272,16 +245,6 @@ def _run_tensors(spec: KVSpec, caches: KVCaches, moved: tuple[int, ...], whole: 
     if whole:
         return [caches[layer] for layer in moved]
     return [view for layer in moved for view in kv_views(spec, caches, layer)]
-
-
-def _check_overlap(src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-    """A copy within one cache (a forked prefix, say): no block is both read and written."""
-    both = np.intersect1d(src_ids, dst_ids)
-    if both.size:
-        raise ValueError(
-            f"dst_blocks: block {int(both[0])} is also among src_blocks, in the same cache; a block "
-            "cannot be read while it is written"
-        )
 
 
 def _uses_kernel(device: torch.device) -> bool:

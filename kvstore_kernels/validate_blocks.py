@@ -7,6 +7,9 @@
   cache), looked up on the device for a device table (the kernel skips one outside it); for
   the hf layout, the sequence slots themselves, checked against the cache's length.
 - `check_unique(blocks)`: a host table's blocks each once (a scatter writes each block once).
+- `copy_blocks`'s: `block_ids(name, values, num_blocks, cache)` (host ids, each inside the cache),
+  `check_pairs(src_ids, dst_ids)` (one destination per source, each written once),
+  `check_overlap(src_ids, dst_ids)` (within one cache, none both read and written).
 
 Every problem is a `ValueError` that names the entry at fault and what was expected.
 """
@@ -19,6 +22,8 @@ import numpy as np
 import torch
 
 from kvstore.shared.spec import KVSpec, PageSpec
+
+from .validate_args import int_array
 
 
 def block_table(
@@ -102,3 +107,49 @@ def check_unique(blocks: np.ndarray | torch.Tensor) -> None:
                 f"block_ids: block {int(values[counts > 1][0])} appears twice among the chunks' blocks; "
                 "scatter would write it twice"
             )
+
+
+def block_ids(name: str, values: Any, num_blocks: int, cache: str) -> np.ndarray:
+    """`values` as int64 block ids on the host, each inside a cache of `num_blocks` blocks."""
+    usual = type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1 and values.size
+    if usual and int(values.min()) >= 0 and int(values.max()) < num_blocks:  # checked at once
+        return values
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        raise ValueError(
+            f"{name}: on {values.device}; pass the block ids on the host (list, numpy, CPU tensor), "
+            "where they are checked"
+        )
+    ids = int_array(name, values)
+    if ids.size and int(ids.max()) >= num_blocks:
+        index = int(np.flatnonzero(ids >= num_blocks)[0])
+        raise ValueError(
+            f"{name}[{index}]: block {int(ids[index])} is outside 0..{num_blocks - 1}, the blocks of {cache}"
+        )
+    return ids
+
+
+def check_pairs(src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+    """One destination per source block, each destination block written once."""
+    if src_ids.size != dst_ids.size:
+        raise ValueError(
+            f"src_blocks and dst_blocks: {src_ids.size} source blocks but {dst_ids.size} destination "
+            "blocks; give one destination block per source block"
+        )
+    if dst_ids.size > 1:
+        ordered = dst_ids if bool((dst_ids[1:] > dst_ids[:-1]).all()) else np.sort(dst_ids)
+        repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
+        if repeated.size:
+            raise ValueError(
+                f"dst_blocks: block {int(ordered[repeated[0]])} appears twice; each destination block "
+                "is written once"
+            )
+
+
+def check_overlap(src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+    """A copy within one cache (a forked prefix, say): no block is both read and written."""
+    both = np.intersect1d(src_ids, dst_ids)
+    if both.size:
+        raise ValueError(
+            f"dst_blocks: block {int(both[0])} is also among src_blocks, in the same cache; a block "
+            "cannot be read while it is written"
+        )

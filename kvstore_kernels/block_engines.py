@@ -1,0 +1,97 @@
+"""`copy_blocks` between two GPUs by the copy engines, where the blocks come in long runs.
+
+A prompt's blocks in a paged cache are often consecutive ids (where the engine's free list hands
+them out in order, as a fresh vLLM engine's does), and in every layout `copy_blocks` takes, a
+run's consecutive blocks lie one after the other. A stretch of ids consecutive on both sides is
+then one contiguous piece per run: a handful of large copies, for the copy engines, which move a
+flat peer copy at the link's full rate where the kernel's SM loads reach 0.86-0.95 of it
+(bench/NOTES-handover.md), with no kernel launch and no table of block ids uploaded first. All
+the pieces go in one `cudaMemcpyBatchAsync` on the copy's stream, in stream order, asking to
+leave the SMs to the decode instance's compute.
+
+- `copy_by_engines(src_runs, dst_runs, src_ids, dst_ids, device, stream)`: True where it enqueued
+  the copy; False where the kernel should move it instead (the same GPU, pieces too small or too
+  many, blocks with gaps between them, no batch call in this CUDA, the legacy default stream,
+  `KVSTORE_BLOCK_COPY=kernel`, or `KVSTORE_KERNELS` set).
+
+`KVSTORE_BLOCK_COPY`: `auto` (unset) as above, or `kernel`: always the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.shared.cudart import CudaError, CudaUnavailable
+
+from . import cudart
+from .routing import backend_name
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "kernel")
+MIN_PIECE_BYTES = 1 << 20  # the mean piece at least this (a layer's K for 32+ blocks of 32 KiB)
+MAX_PIECES = 4096  # one batch call's arrays, 96 KiB
+_failed: list[str] = []  # a batch call the runtime refused once: the kernel from then on
+
+
+def mode() -> str:
+    name = os.environ.get("KVSTORE_BLOCK_COPY", "").strip().lower() or "auto"
+    if name not in MODES:
+        raise ValueError(f"KVSTORE_BLOCK_COPY: expected one of {', '.join(MODES)}, got {name!r}")
+    return name
+
+
+def copy_by_engines(
+    src_runs: Any, dst_runs: Any, src_ids: np.ndarray, dst_ids: np.ndarray, device: torch.device, stream: Any
+) -> bool:
+    """Enqueues the copy of blocks `src_ids` into `dst_ids` of every run as contiguous pieces on
+    `stream` (or `device`'s current one); False where it is not for the copy engines (see the
+    module). The runs are `blocks.Runs`: `addresses`, `strides` and `run_bytes`."""
+    if _failed or mode() != "auto" or backend_name() != "auto" or not _consecutive_blocks(src_runs, dst_runs):
+        return False
+    size = src_runs.run_bytes
+    breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    num_runs = len(src_runs.addresses)
+    pieces = starts.size * num_runs
+    if pieces > MAX_PIECES or src_ids.size * size < starts.size * MIN_PIECE_BYTES:
+        return False
+    try:
+        runtime = cudart.runtime()
+    except CudaUnavailable:
+        return False
+    handle = (stream or torch.cuda.current_stream(device)).cuda_stream
+    if not runtime.can_batch or not handle:
+        return False
+    lengths = np.diff(np.append(starts, src_ids.size)) * size
+    srcs = np.add.outer(np.asarray(src_runs.addresses, np.int64), src_ids[starts] * size).ravel()
+    dsts = np.add.outer(np.asarray(dst_runs.addresses, np.int64), dst_ids[starts] * size).ravel()
+    try:
+        if torch.cuda.current_device() != device.index:
+            with torch.cuda.device(device):
+                runtime.memcpy_batch_async(dsts, srcs, np.tile(lengths, num_runs), handle)
+        else:
+            runtime.memcpy_batch_async(dsts, srcs, np.tile(lengths, num_runs), handle)
+    except CudaError as exc:  # refused before any byte moved: the kernel moves this copy, and later ones
+        _failed.append(str(exc))
+        log.warning("block copies between GPUs go by the kernel from now on: %s", exc)
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=64)
+def _consecutive_blocks(src_runs: Any, dst_runs: Any) -> bool:
+    """Whether a run's block i + 1 starts where its block i ends, in both caches."""
+    size = src_runs.run_bytes
+    return (
+        size > 0
+        and dst_runs.run_bytes == size
+        and all(stride == size for stride in src_runs.strides)
+        and all(stride == size for stride in dst_runs.strides)
+    )

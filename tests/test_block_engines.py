@@ -1,0 +1,133 @@
+"""Blocks copied between two GPUs by the copy engines (`kvstore_kernels.block_engines`): where the
+block ids come in long stretches, consecutive on both sides, `copy_blocks` moves each run's
+stretch as one piece in one batch call; elsewhere the kernel moves them.
+
+Each GPU case poisons the destination (0xA5, then 0x5A), checks every byte of it against the
+oracle of `tests.test_kernels_blocks` (the named blocks hold the source's bytes, every other byte
+the poison), and records which way the copy went.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import kvstore_kernels
+from kvstore_kernels import block_engines, blocks
+from tests.kernel_cases import CUDA, POISONS, as_bytes, build, gpu, make_spec
+from tests.test_kernels_blocks import expected_copy
+
+PEERS = CUDA and torch.cuda.device_count() >= 2 and torch.cuda.can_device_access_peer(0, 1)
+needs_peers = pytest.mark.skipif(not PEERS, reason="needs two CUDA devices with peer access")
+SRC_BLOCKS, DST_BLOCKS = 600, 700
+ONE_STRETCH = (np.arange(10, 522), np.arange(100, 612))
+# Three stretches of 100, 100 and 50 blocks, the second's source before the first's.
+STRETCHES = (
+    np.concatenate([np.arange(300, 400), np.arange(0, 100), np.arange(150, 200)]),
+    np.concatenate([np.arange(0, 100), np.arange(200, 300), np.arange(500, 550)]),
+)
+SCATTERED = (
+    np.random.default_rng(5).permutation(SRC_BLOCKS)[:300],
+    np.random.default_rng(6).permutation(DST_BLOCKS)[:300],
+)
+
+
+def test_a_bad_setting_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTORE_BLOCK_COPY", "engines")
+    with pytest.raises(ValueError, match="KVSTORE_BLOCK_COPY: expected one of auto, kernel, got 'engines'"):
+        block_engines.mode()
+    monkeypatch.setenv("KVSTORE_BLOCK_COPY", " Kernel ")
+    assert block_engines.mode() == "kernel"
+    monkeypatch.delenv("KVSTORE_BLOCK_COPY")
+    assert block_engines.mode() == "auto"
+
+
+def copy_and_check(
+    monkeypatch: pytest.MonkeyPatch,
+    spec: Any,
+    ids: tuple[np.ndarray, np.ndarray],
+    src_on: str,
+    dst_on: str,
+    register: bool = False,
+) -> list[bool]:
+    """`ids` copied from `src_on` into a poisoned cache on `dst_on`, every byte checked; whether
+    each copy went by the engines."""
+    ways: list[bool] = []
+    engines = blocks.copy_by_engines
+
+    def recorded(*args: Any) -> bool:
+        ways.append(engines(*args))
+        return ways[-1]
+
+    monkeypatch.setattr(blocks, "copy_by_engines", recorded)
+    _, src = build(spec, src_on, num_blocks=SRC_BLOCKS, seed=3)
+    _, src_cpu = build(spec, "cpu", num_blocks=SRC_BLOCKS, seed=3)
+    for poison in POISONS:
+        bases, dst = build(spec, dst_on, num_blocks=DST_BLOCKS, fill=poison)
+        want_bases, want = build(spec, "cpu", num_blocks=DST_BLOCKS, fill=poison)
+        target = kvstore_kernels.register(spec, dst) if register else dst
+        torch.cuda.synchronize(src_on)
+        kvstore_kernels.copy_blocks(spec, src, ids[0], target, ids[1])
+        torch.cuda.synchronize(dst_on)
+        expected_copy(spec, src_cpu, ids[0], want, ids[1])
+        for index, (got, wanted) in enumerate(zip(as_bytes(bases), as_bytes(want_bases), strict=True)):
+            assert torch.equal(got, wanted), (
+                f"poison {poison:#x}, tensor {index}: {int((got != wanted).sum())} differ"
+            )
+    return ways
+
+
+@gpu
+@needs_peers
+@pytest.mark.parametrize(("src_on", "dst_on"), [("cuda:1", "cuda:0"), ("cuda:0", "cuda:1")])
+@pytest.mark.parametrize(
+    ("layout", "dtype"), [("vllm_rows", "bfloat16"), ("flash_attn", "float8_e5m2"), ("mla", "bfloat16")]
+)
+def test_long_stretches_go_by_the_engines_byte_for_byte(
+    monkeypatch: pytest.MonkeyPatch, layout: str, dtype: str, src_on: str, dst_on: str
+) -> None:
+    monkeypatch.delenv("KVSTORE_BLOCK_COPY", raising=False)
+    monkeypatch.delenv("KVSTORE_KERNELS", raising=False)
+    spec = make_spec(layout, dtype, num_layers=4, block_size=16, head_dim=128, sharing={3: 1})
+    assert copy_and_check(monkeypatch, spec, ONE_STRETCH, src_on, dst_on) == [True, True]
+    assert copy_and_check(monkeypatch, spec, STRETCHES, src_on, dst_on, register=True) == [True, True]
+
+
+@gpu
+@needs_peers
+def test_scattered_blocks_the_same_gpu_and_kernel_setting_go_by_the_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVSTORE_KERNELS", raising=False)
+    spec = make_spec("vllm_rows", "bfloat16", num_layers=4, block_size=16, head_dim=128)
+    assert copy_and_check(monkeypatch, spec, SCATTERED, "cuda:1", "cuda:0") == [False, False]
+    assert copy_and_check(monkeypatch, spec, ONE_STRETCH, "cuda:0", "cuda:0") == []  # not asked
+    monkeypatch.setenv("KVSTORE_BLOCK_COPY", "kernel")
+    assert copy_and_check(monkeypatch, spec, ONE_STRETCH, "cuda:1", "cuda:0") == [False, False]
+
+
+@gpu
+@needs_peers
+def test_the_engines_copy_is_queued_on_the_given_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a side stream behind a long sleep: the destination's default stream does not see the copy
+    until the side stream has run it."""
+    monkeypatch.delenv("KVSTORE_BLOCK_COPY", raising=False)
+    monkeypatch.delenv("KVSTORE_KERNELS", raising=False)
+    spec = make_spec("vllm_rows", "bfloat16", num_layers=4, block_size=16, head_dim=128)
+    _, src = build(spec, "cuda:1", num_blocks=SRC_BLOCKS, seed=3)
+    bases, dst = build(spec, "cuda:0", num_blocks=DST_BLOCKS, fill=0xA5)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    stream = torch.cuda.Stream("cuda:0")
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(500_000_000)
+    kvstore_kernels.copy_blocks(spec, src, ONE_STRETCH[0], dst, ONE_STRETCH[1], stream=stream)
+    assert all(bool((base == 0xA5).all()) for base in as_bytes(bases))  # read on the default stream
+    stream.synchronize()
+    _, src_cpu = build(spec, "cpu", num_blocks=SRC_BLOCKS, seed=3)
+    want_bases, want = build(spec, "cpu", num_blocks=DST_BLOCKS, fill=0xA5)
+    expected_copy(spec, src_cpu, ONE_STRETCH[0], want, ONE_STRETCH[1])
+    assert all(torch.equal(a, b) for a, b in zip(as_bytes(bases), as_bytes(want_bases), strict=True))
