@@ -11,8 +11,9 @@ leave the SMs to the decode instance's compute.
 
 - `copy_by_engines(src_runs, dst_runs, src_ids, dst_ids, device, stream)`: True where it enqueued
   the copy; False where the kernel should move it instead (the same GPU, pieces too small or too
-  many, blocks with gaps between them, no batch call in this CUDA, the legacy default stream,
-  `KVSTORE_BLOCK_COPY=kernel`, or `KVSTORE_KERNELS` set).
+  many, blocks with gaps between them, no batch call in this CUDA, `KVSTORE_BLOCK_COPY=kernel`,
+  or `KVSTORE_KERNELS` set). On the legacy default stream, which the batch call refuses, the
+  batch runs on a side stream in its order.
 
 `KVSTORE_BLOCK_COPY`: `auto` (unset) as above, or `kernel`: always the kernel.
 """
@@ -66,23 +67,38 @@ def copy_by_engines(
         runtime = cudart.runtime()
     except CudaUnavailable:
         return False
-    handle = (stream or torch.cuda.current_stream(device)).cuda_stream
-    if not runtime.can_batch or not handle:
+    if not runtime.can_batch:
         return False
     lengths = np.diff(np.append(starts, src_ids.size)) * size
     srcs = np.add.outer(np.asarray(src_runs.addresses, np.int64), src_ids[starts] * size).ravel()
     dsts = np.add.outer(np.asarray(dst_runs.addresses, np.int64), dst_ids[starts] * size).ravel()
     try:
-        if torch.cuda.current_device() != device.index:
-            with torch.cuda.device(device):
-                runtime.memcpy_batch_async(dsts, srcs, np.tile(lengths, num_runs), handle)
-        else:
-            runtime.memcpy_batch_async(dsts, srcs, np.tile(lengths, num_runs), handle)
+        with torch.cuda.device(device):
+            _batch(
+                runtime, dsts, srcs, np.tile(lengths, num_runs), stream or torch.cuda.current_stream(device)
+            )
     except CudaError as exc:  # refused before any byte moved: the kernel moves this copy, and later ones
         _failed.append(str(exc))
         log.warning("block copies between GPUs go by the kernel from now on: %s", exc)
         return False
     return True
+
+
+def _batch(runtime: Any, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
+    """One batch call on `stream`; on the legacy default stream (which the call refuses), on a side
+    stream in its order."""
+    if stream.cuda_stream:
+        runtime.memcpy_batch_async(dsts, srcs, sizes, stream.cuda_stream)
+        return
+    side = _side_stream(stream.device)
+    side.wait_stream(stream)
+    runtime.memcpy_batch_async(dsts, srcs, sizes, side.cuda_stream)
+    stream.wait_stream(side)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 @functools.lru_cache(maxsize=64)
