@@ -22,12 +22,13 @@ from tests.test_kernels_blocks import expected_copy
 
 PEERS = CUDA and torch.cuda.device_count() >= 2 and torch.cuda.can_device_access_peer(0, 1)
 needs_peers = pytest.mark.skipif(not PEERS, reason="needs two CUDA devices with peer access")
-SRC_BLOCKS, DST_BLOCKS = 600, 700
+SRC_BLOCKS, DST_BLOCKS = 1000, 1100
 ONE_STRETCH = (np.arange(10, 522), np.arange(100, 612))
-# Three stretches of 100, 100 and 50 blocks, the second's source before the first's.
+# Three stretches of 300, 300 and 260 blocks, the second's source before the first's: at least 1 MiB
+# a piece on average for runs of 4 KiB (MLA's latent, fp8 K or V; `block_engines.MIN_PIECE_BYTES`).
 STRETCHES = (
-    np.concatenate([np.arange(300, 400), np.arange(0, 100), np.arange(150, 200)]),
-    np.concatenate([np.arange(0, 100), np.arange(200, 300), np.arange(500, 550)]),
+    np.concatenate([np.arange(400, 700), np.arange(0, 300), np.arange(720, 980)]),
+    np.concatenate([np.arange(0, 300), np.arange(350, 650), np.arange(800, 1060)]),
 )
 SCATTERED = (
     np.random.default_rng(5).permutation(SRC_BLOCKS)[:300],
