@@ -260,6 +260,7 @@ class KVStoreClient(Session):
         hold_s: float | None = None,
         tail: bool = False,
         meanwhile: Callable[[bytes], Any] | None = None,
+        readers: int = 1,
     ) -> tuple[int, int]:
         """Lend the KV-cache blocks of the whole chunks of `token_ids` to workers on other GPUs of
         this host: their loads copy them device to device (prefill to decode). Returns (lend id,
@@ -267,14 +268,17 @@ class KVStoreClient(Session):
 
         Waits for the work queued on the cache's current stream (the KV must be written). The
         caller must keep those blocks unchanged until `lends_done` names the lend: read by a
-        worker, withdrawn, or `hold_s` (default 30 s) passed with no read in flight. Needs the
+        worker (`readers` workers: each rank of a TP decode instance reading blocks every rank
+        holds alike, such as MLA's latent; at most 16), withdrawn, or `hold_s` (default 30 s)
+        passed with no read in flight. Needs the
         local channel and a cache that CUDA IPC can export (not expandable segments).
         `meanwhile(ticket)` runs while the daemon records the lend: hand the ticket to the
         reader (`load_async(lent=ticket)`), which then copies without waiting for the daemon.
         """
         return self._lends.lend(
-            token_ids, kv_caches, block_ids, keys=keys, hold_s=hold_s, tail=tail, meanwhile=meanwhile
-        )
+            token_ids, kv_caches, block_ids, keys=keys, hold_s=hold_s, tail=tail, meanwhile=meanwhile,
+            readers=readers,
+        )  # fmt: skip
 
     def lends_done(
         self, lend_ids: Sequence[int], *, withdraw: bool = False, revoke: bool = False

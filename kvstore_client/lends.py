@@ -75,6 +75,7 @@ class LendPath:
         hold_s: float | None = None,
         tail: bool = False,
         meanwhile: Callable[[bytes], Any] | None = None,
+        readers: int = 1,
     ) -> tuple[int, int]:
         """`KVStoreClient.lend`: (lend id, tokens lent); (0, 0) where nothing could be lent.
         `meanwhile(ticket)` runs once, while the daemon records the lend (its request sent)."""
@@ -93,10 +94,7 @@ class LendPath:
         device = cache_device(kv_caches)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # the KV is written before anyone reads it
-        hold = DEFAULT_HOLD_S if hold_s is None else hold_s
-        if not MIN_HOLD_S <= hold <= MAX_HOLD_S:
-            raise ValueError(f"hold_s: expected {MIN_HOLD_S}..{MAX_HOLD_S} seconds, got {hold!r}")
-        hold_ms = math.ceil(hold * 1000)
+        hold_ms = _hold_ms(hold_s)
         packed, blocks = pack_keys(keys[:chunks]), moved.astype("<i4").tobytes()
         nonce = secrets.randbits(63) | 1
 
@@ -109,6 +107,7 @@ class LendPath:
                 device_pci_bus_id=bus,
                 hold_ms=hold_ms,
                 nonce=nonce,
+                readers=readers,
             )
 
         local = self._s._conn.local
@@ -333,3 +332,11 @@ class LendPath:
             log.debug("Returned %d: %s", read_id, exc)
             return False
         return bool(reply.pages)
+
+
+def _hold_ms(hold_s: float | None) -> int:
+    """A lend's hold in whole milliseconds (default `DEFAULT_HOLD_S`), checked."""
+    hold = DEFAULT_HOLD_S if hold_s is None else hold_s
+    if not MIN_HOLD_S <= hold <= MAX_HOLD_S:
+        raise ValueError(f"hold_s: expected {MIN_HOLD_S}..{MAX_HOLD_S} seconds, got {hold!r}")
+    return math.ceil(hold * 1000)

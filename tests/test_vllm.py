@@ -334,6 +334,14 @@ def test_bad_extra_config_names_the_key() -> None:
         ConnectorConfig.from_extra({"lookup_timeout_s": -1})
     with pytest.raises(ValueError, match="save_to: expected one of auto, arena, gpu, lend, got 'hbm'"):
         ConnectorConfig.from_extra({"save_to": "hbm"})
+    for readers in (0, 17, "2", True):
+        with pytest.raises(
+            ValueError, match=r"lend_readers: expected the decode instance's TP size, 1\.\.16"
+        ):
+            ConnectorConfig.from_extra({"save_to": "lend", "lend_readers": readers})
+    with pytest.raises(ValueError, match="lend_readers: only with save_to 'lend'"):
+        ConnectorConfig.from_extra({"lend_readers": 2})
+    assert ConnectorConfig.from_extra({"save_to": "lend", "lend_readers": 8}).lend_readers == 8
     roles = {"kv_producer": (False, True), "kv_consumer": (True, False), "kv_both": (True, True)}
     for save_to, wanted in (("auto", ["kv_producer"]), ("gpu", list(roles)), ("arena", []), ("lend", [])):
         config = ConnectorConfig.from_extra({"save_to": save_to})
@@ -427,9 +435,9 @@ def test_a_preempted_requests_lends_are_revoked_before_its_blocks_are_reused(
         original_lend = lending.lend
         saving: list[str] = []
 
-        def lend_of(client: Any, side: Any, spec: Any, keys: Any) -> bool:
+        def lend_of(client: Any, side: Any, spec: Any, keys: Any, readers: int = 1) -> bool:
             saving.append(spec.req_id)  # whose save the client's lend below is
-            return original_lend(client, side, spec, keys)
+            return original_lend(client, side, spec, keys, readers)
 
         def lend(self: KVStoreClient, token_ids: Any, kv_caches: Any, block_ids: Any, **options: Any):  # type: ignore[no-untyped-def]
             lend_id = len(lends) + 1

@@ -124,6 +124,34 @@ def test_mla_with_tp_2_stores_one_copy_that_both_ranks_load(
     assert serve(second, "B", a) == 1  # both ranks loaded the same latent, checked byte for byte
 
 
+def test_a_lending_mla_producer_lends_rank_0_s_latent_for_every_decode_rank(
+    kvstored: Daemon, make_engine: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`save_to: lend` with `lend_readers: 2` (a decode instance of TP 2): the latent, the same on
+    every rank, is lent once, by rank 0, held for two readers; a model whose ranks hold their own
+    heads lends each rank's for one. The lend itself needs a CUDA cache (test_lends_cuda.py), and
+    the daemon's count of readers is tested against it in test_lend_readers.py; here the client
+    records what the connector asks for, with the real scheduler."""
+    asked: list[tuple[int, int]] = []
+
+    def lend(self: KVStoreClient, token_ids: Any, kv_caches: Any, block_ids: Any, **options: Any) -> Any:
+        asked.append((id(self), options["readers"]))
+        return len(asked), len(options["keys"]) * CHUNK
+
+    monkeypatch.setattr(KVStoreClient, "lend", lend)
+    monkeypatch.setattr(KVStoreClient, "lends_done", lambda self, ids, **_: list(ids))
+    extra = {"save_to": "lend", "lend_readers": 2}
+    mla = Model(num_layers=3, num_kv_heads=1, head_dim=576, kinds=("mla",) * 3, backend="TRITON_MLA")
+    engine = make_engine(kvstored, mla, tp_size=2, kv_role="kv_producer", extra=extra)
+    assert serve(engine, "A", prompt(3, 3 * CHUNK + 1)) == 3 * CHUNK + 1
+    assert asked and {readers for _, readers in asked} == {2} and len({client for client, _ in asked}) == 1
+    asked.clear()
+    gqa = Model(num_layers=2, num_kv_heads=1, kinds=("full",) * 2)
+    engine = make_engine(kvstored, gqa, tp_size=2, kv_role="kv_producer", extra=extra, name="gqa")
+    assert serve(engine, "A", prompt(4, 3 * CHUNK + 1)) == 3 * CHUNK + 1
+    assert {readers for _, readers in asked} == {1} and len({client for client, _ in asked}) == 2
+
+
 # -- sliding windows ----------------------------------------------------------
 
 

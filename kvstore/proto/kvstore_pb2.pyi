@@ -23,7 +23,7 @@ TIER_REMOTE: Tier
 TIER_LENT: Tier
 
 class LendRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "blocks", "cache", "device_pci_bus_id", "hold_ms", "nonce")
+    __slots__ = ("namespace", "keys", "blocks", "cache", "device_pci_bus_id", "hold_ms", "nonce", "readers")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class LendRequest(_message.Message):
     DEVICE_PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
     HOLD_MS_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     keys: bytes
     blocks: bytes
@@ -38,7 +39,8 @@ class LendRequest(_message.Message):
     device_pci_bus_id: str
     hold_ms: int
     nonce: int
-    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., blocks: _Optional[bytes] = ..., cache: _Optional[bytes] = ..., device_pci_bus_id: _Optional[str] = ..., hold_ms: _Optional[int] = ..., nonce: _Optional[int] = ...) -> None: ...
+    readers: int
+    def __init__(self, namespace: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., blocks: _Optional[bytes] = ..., cache: _Optional[bytes] = ..., device_pci_bus_id: _Optional[str] = ..., hold_ms: _Optional[int] = ..., nonce: _Optional[int] = ..., readers: _Optional[int] = ...) -> None: ...
 
 class LendResponse(_message.Message):
     __slots__ = ("lend_id",)

@@ -44,6 +44,7 @@ def lend_reply(store: Store, request: pb.LendRequest, peer: Peer | None) -> pb.L
         peer,
         max_blocks_per_chunk=ns.spec.chunk_tokens,  # a block holds at least a token
         nonce=request.nonce,
+        readers=request.readers or 1,
     )
     return pb.LendResponse(lend_id=lend_id)
 

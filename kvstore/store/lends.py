@@ -10,9 +10,11 @@ makes two (bench/NOTES-handover.md). Its `Returned` tells the daemon the copy is
 
 What each side may rely on:
 - A lend is **done** (`Lends.done`: its blocks may be reused) only when no read is in flight:
-  after a read returned in time, after its hold ends (`hold_s`) with no read in flight, after
-  the lender withdrew it, or once the lender's connection closed (it exited, or gave up on a
-  call). A read in flight holds the lend past its hold until the read returns or its TTL ends;
+  after its `readers` reads (1 unless the lender said more: each rank of a TP decode instance
+  reading a group every rank holds alike) returned in time, after its hold ends (`hold_s`)
+  with no read in flight, after the lender withdrew it, or once the lender's connection closed
+  (it exited, or gave up on a call). A read in flight holds the lend past its hold until the
+  read returns or its TTL ends;
   a revoked lend (the lender must reuse its blocks now) ends at once, its reads counting 0.
 - A read that returns after its TTL, or whose lend was dropped (the lender gone, a Clear, a revoke), is
   answered 0 (`Lends.returned`): the reader discards what it copied and recomputes, so a lender
@@ -57,8 +59,9 @@ class Lend:
     lender: Peer | None
     hold_until: float
     nonce: int = 0  # the lender's number for it (LendRequest.nonce)
+    readers: int = 1  # reads returned in time that end it
     reads: dict[int, float] = field(default_factory=dict)  # read id -> its deadline
-    read_back: bool = False  # a read returned in time
+    read_back: int = 0  # reads returned in time
     withdrawn: bool = False
     done: bool = False
 
@@ -112,23 +115,12 @@ class Lends:
         lender: Peer | None,
         max_blocks_per_chunk: int = 1 << 16,
         nonce: int = 0,
+        readers: int = 1,
     ) -> int:
-        """Records a lend of `keys` (each the same number of int32 block ids in `blocks`); returns
-        its id. A key lent before is read from this lend from now on."""
-        if not keys:
-            raise InvalidArgument("Lend: no keys")
-        blocks_per_chunk = len(blocks) // (4 * len(keys))
-        if not 0 < blocks_per_chunk <= max_blocks_per_chunk or len(blocks) != 4 * blocks_per_chunk * len(
-            keys
-        ):
-            raise InvalidArgument(
-                f"Lend: blocks must hold the same number (1..{max_blocks_per_chunk}) of int32 block ids "
-                f"for each of the {len(keys)} keys, got {len(blocks)} bytes"
-            )
-        if not cache or len(cache) > MAX_CACHE_BYTES:
-            raise InvalidArgument(f"Lend: cache must be 1..{MAX_CACHE_BYTES} bytes, got {len(cache)}")
-        if not device:
-            raise InvalidArgument("Lend: device_pci_bus_id must name the lender's GPU")
+        """Records a lend of `keys` (each the same number of int32 block ids in `blocks`), done
+        after `readers` reads returned in time; returns its id. A key lent before is read from
+        this lend from now on."""
+        blocks_per_chunk = _checked(keys, blocks, cache, device, readers, max_blocks_per_chunk)
         hold = self.hold_s if hold_s is None else hold_s
         if not 0 < hold <= MAX_HOLD_S:
             raise InvalidArgument(f"Lend: hold_ms must be at most {int(MAX_HOLD_S * 1000)}")
@@ -148,7 +140,9 @@ class Lends:
             )
         lend_id = self._new_id()
         until = self._clock() + hold
-        lend = Lend(lend_id, ns, list(keys), blocks, blocks_per_chunk, cache, device, lender, until, nonce)
+        lend = Lend(
+            lend_id, ns, list(keys), blocks, blocks_per_chunk, cache, device, lender, until, nonce, readers
+        )
         self._lends[lend_id] = lend
         for position, key in enumerate(lend.keys):
             self._by_key[(ns, key)] = (lend, position)
@@ -258,7 +252,7 @@ class Lends:
             held = False
         elif held:
             for lend in lends:
-                lend.read_back = True
+                lend.read_back += 1
             self.counters["lent_reads_returned"] += 1
         else:
             self.counters["lent_reads_lapsed"] += 1
@@ -326,7 +320,8 @@ class Lends:
                 del lend.reads[read_id]
                 self._drop_read(read_id)
         gone = self._lender_gone(lend)
-        if gone or (not lend.reads and (lend.read_back or lend.withdrawn or now >= lend.hold_until)):
+        read_back = lend.read_back >= lend.readers
+        if gone or (not lend.reads and (read_back or lend.withdrawn or now >= lend.hold_until)):
             self._end(lend)
         return lend.done
 
@@ -382,3 +377,24 @@ def _continues(head: Lend, lend: Lend, segments: list[tuple[Lend, int, int]]) ->
         and lend.blocks_per_chunk == head.blocks_per_chunk
         and all(lend is not seen for seen, _, _ in segments)
     )
+
+
+def _checked(keys: Sequence[bytes], blocks: bytes, cache: bytes, device: str, readers: int, most: int) -> int:
+    """A Lend's fields checked, each refusal naming its field; the block ids a chunk (at most `most`)."""
+    if not keys:
+        raise InvalidArgument("Lend: no keys")
+    if not 1 <= readers <= MAX_READS:
+        raise InvalidArgument(
+            f"Lend: readers must be 1..{MAX_READS} (the ranks that each read the lend), got {readers}"
+        )
+    blocks_per_chunk = len(blocks) // (4 * len(keys))
+    if not 0 < blocks_per_chunk <= most or len(blocks) != 4 * blocks_per_chunk * len(keys):
+        raise InvalidArgument(
+            f"Lend: blocks must hold the same number (1..{most}) of int32 block ids "
+            f"for each of the {len(keys)} keys, got {len(blocks)} bytes"
+        )
+    if not cache or len(cache) > MAX_CACHE_BYTES:
+        raise InvalidArgument(f"Lend: cache must be 1..{MAX_CACHE_BYTES} bytes, got {len(cache)}")
+    if not device:
+        raise InvalidArgument("Lend: device_pci_bus_id must name the lender's GPU")
+    return blocks_per_chunk

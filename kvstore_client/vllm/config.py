@@ -22,6 +22,10 @@ Extra-config keys, all optional:
   vLLM reuses early, sliding windows and states, is saved to the arena instead), or `"auto"`
   (default): `"gpu"` for a `kv_producer` (a prefill instance handing prompts to decode
   instances), `"arena"` otherwise.
+- `lend_readers` (with `save_to: "lend"`): how many workers read each lend of a group every TP
+  rank holds alike (MLA's latent, a shared state), which rank 0 alone lends: the decode
+  instance's TP size, 1..16 (default 1). Its blocks are held until that many have read them (or
+  30 s), so that no decode rank recomputes them.
 """
 
 from __future__ import annotations
@@ -34,7 +38,11 @@ from kvstore_client.vllm.groups import Group, chunk_tokens_of, read_groups
 
 LOAD_MODES = ("async", "layerwise")
 SAVE_TO = ("auto", "arena", "gpu", "lend")
-_KEYS = ("address", "model", "salt", "load_mode", "lookup_timeout_s", "timeout_s", "token", "save_to")
+_KEYS = (
+    "address", "model", "salt", "load_mode", "lookup_timeout_s", "timeout_s", "token", "save_to",
+    "lend_readers",
+)  # fmt: skip
+MAX_LEND_READERS = 16  # the daemon's reads in flight of one lend
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class ConnectorConfig:
     timeout_s: float = 30.0
     token: str | None = None
     save_to: str = "auto"
+    lend_readers: int = 1
 
     def saves_to_gpu(self, *, loads: bool, saves: bool) -> bool:
         """Whether a worker of this role asks for its saves to land in the GPU tier."""
@@ -78,6 +87,17 @@ class ConnectorConfig:
             raise ValueError(
                 f"kv_connector_extra_config.save_to: expected one of {', '.join(SAVE_TO)}, "
                 f"got {extra['save_to']!r}"
+            )
+        readers = extra.get("lend_readers", 1)
+        if isinstance(readers, bool) or not isinstance(readers, int) or not 1 <= readers <= MAX_LEND_READERS:
+            raise ValueError(
+                f"kv_connector_extra_config.lend_readers: expected the decode instance's TP size, "
+                f"1..{MAX_LEND_READERS}, got {readers!r}"
+            )
+        if "lend_readers" in extra and extra.get("save_to") != "lend":
+            raise ValueError(
+                "kv_connector_extra_config.lend_readers: only with save_to 'lend' (the decode ranks "
+                "that read each lent group every rank holds alike)"
             )
         if extra.get("load_mode", "async") not in LOAD_MODES:
             raise ValueError(

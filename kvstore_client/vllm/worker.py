@@ -69,6 +69,7 @@ class WorkerSide:
         self.lends = lends  # saves lend the blocks instead (`save_to: lend`; `worker_lends`)
         self._lending = Lending()
         self.layerwise = config.load_mode == "layerwise"
+        self.lend_readers = config.lend_readers  # of a lent group every rank holds alike
         self.reports = tp_rank == 0  # KV events speak of rank 0's keys
         self.handshake = Handshake()
         self._stream: Any = None
@@ -224,7 +225,12 @@ class WorkerSide:
             keys = self._keys_of(side, client, spec)
             if keys is None:
                 continue
-            if self.lends and not side.group.frees_blocks and self._lending.lend(client, side, spec, keys):
+            readers = self.lend_readers if side.group.replicated else 1  # rank 0's, read by every rank
+            if (
+                self.lends
+                and not side.group.frees_blocks
+                and self._lending.lend(client, side, spec, keys, readers)
+            ):
                 continue
             try:
                 client.store_to_gpu = self.save_to_gpu

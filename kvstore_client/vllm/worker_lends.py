@@ -22,16 +22,16 @@ class Lending:
         self._held: set[str] = set()  # finished requests whose lends are not all done yet
         self._refused: set[int] = set()  # groups whose caches cannot be lent
 
-    def lend(self, client: Any, side: Any, spec: Any, keys: Any) -> bool:
-        """Lends the blocks of one save (`SaveSpec`) of a request; False where it cannot (the
-        caller stores the save instead). A cache that cannot be lent (no CUDA IPC export, no
-        local channel) is not tried again: its saves are stored from then on, said once."""
+    def lend(self, client: Any, side: Any, spec: Any, keys: Any, readers: int = 1) -> bool:
+        """Lends the blocks of one save (`SaveSpec`) of a request, held until `readers` workers
+        have read them; False where it cannot (the caller stores the save instead). A cache that
+        cannot be lent (no CUDA IPC export, no local channel) is not tried again: its saves are
+        stored from then on, said once."""
         if id(side) in self._refused:
             return False
         try:
-            lend_id, _ = client.lend(
-                None, side.registered, side.cache.kernel_blocks(spec.block_ids), keys=keys
-            )
+            blocks = side.cache.kernel_blocks(spec.block_ids)
+            lend_id, _ = client.lend(None, side.registered, blocks, keys=keys, readers=readers)
         except (ValueError, RuntimeError, FailedPrecondition) as exc:  # this cache or channel, every time
             self._refused.add(id(side))
             log.warning(
