@@ -249,11 +249,11 @@ class LoadPath:
         pieces = self._s._gpu_pools.pieces(acquired, self._s.arena)  # the arena's chunks, each pool's
         groups = layer_groups(layers, self._s.layerwise_runs) if layerwise and layers else [layers]
         arena_offsets = [offset for buf, _, offsets in pieces if buf is self._s.arena for offset in offsets]
-        device = cache_device(kv_caches)
-        on_cuda = device.type == "cuda"
+        on_cuda = (device := cache_device(kv_caches)).type == "cuda"
         on_gpu = layerwise and self._s._mapped.registered and on_cuda
+        by_gpu = on_cuda and not (on_gpu and getattr(self._s.layerwise_options, "engine", "") == "torch")
         scatter = arena_scatter(
-            self._s._mapped.transfer_options(arena_offsets, on_cuda, device.index),  # None: registered
+            self._s._mapped.transfer_options(arena_offsets, by_gpu, device.index),  # None: registered
             self._s.layerwise_options if on_gpu else None,
             targets.arena_scatter(self._s.arena, groups[0]) if len(groups) == 1 else None,
         )

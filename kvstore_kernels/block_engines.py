@@ -1,9 +1,11 @@
 """`copy_blocks` between two GPUs by the copy engines, where the blocks come in long runs.
 
 A prompt's blocks in a paged cache are often consecutive ids (where the engine's free list hands
-them out in order, as a fresh vLLM engine's does), and in every layout `copy_blocks` takes, a
-run's consecutive blocks lie one after the other. A stretch of ids consecutive on both sides is
-then one contiguous piece per run: a handful of large copies, for the copy engines, which move a
+them out in order, as a fresh vLLM engine's does), and in most layouts a run's consecutive
+blocks lie one after the other (its block stride is its bytes: flash_attn's K and V, MLA's latent,
+vLLM's LBHNC block; not flashinfer's or cross_layer's, whose K and V interleave by block, which
+stay with the kernel). A stretch of ids consecutive on both sides is then one contiguous piece per
+run: a handful of large copies, for the copy engines, which move a
 flat peer copy at the link's full rate where the kernel's SM loads reach 0.86-0.95 of it
 (bench/NOTES-handover.md), with no kernel launch and no table of block ids uploaded first. All
 the pieces go in one `cudaMemcpyBatchAsync` on the copy's stream, in stream order, asking to
@@ -92,8 +94,10 @@ def _batch(runtime: Any, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, 
         return
     side = _side_stream(stream.device)
     side.wait_stream(stream)
-    runtime.memcpy_batch_async(dsts, srcs, sizes, side.cuda_stream)
-    stream.wait_stream(side)
+    try:
+        runtime.memcpy_batch_async(dsts, srcs, sizes, side.cuda_stream)
+    finally:  # a refused call may have enqueued some pieces: the caller's stream is after them too
+        stream.wait_stream(side)
 
 
 @functools.cache

@@ -1,8 +1,8 @@
 """A lend read by several workers (`LendRequest.readers`: each rank of a TP decode instance reads a
 group every rank holds alike, MLA's latent) against a real kvstored over its local channel: the lend
-stays until that many reads returned in time, each reader gets the same blocks, a read given back
-unused or lapsed does not count, its hold still ends it, and a count out of range is refused by
-name."""
+stays until reads of that many readers (connections) returned in time, each reader gets the same
+blocks, a read given back unused or lapsed, or a reader's second read, does not count, its hold
+still ends it, and a count out of range is refused by name."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_a_lend_for_two_readers_is_read_by_each_and_done_after_the_second(daemon
         assert not Reader(rank2).lookup(keys).HasField("lent")  # a third finds it done
 
 
-def test_reads_given_back_unused_or_lapsed_do_not_count(daemon: Daemon) -> None:
+def test_reads_given_back_unused_or_lapsed_or_by_the_same_reader_do_not_count(daemon: Daemon) -> None:
     with (
         KVStoreClient.connect(daemon.address, SPEC) as lender,
         KVStoreClient.connect(daemon.address, SPEC) as c,
@@ -68,9 +68,13 @@ def test_reads_given_back_unused_or_lapsed_do_not_count(daemon: Daemon) -> None:
         assert c._conn.rpc("Returned", request).pages == 0
         assert returned(c, 12345) == 0  # no such read
         assert done(lender, [lend_id]) == []
-        for _ in range(2):  # the same worker reading twice counts twice: one read per rank is the caller's
-            reply = reader.lookup(keys)
+        for _ in range(2):  # one worker (one connection) reading twice, as a rank whose load skips
+            reply = reader.lookup(keys)  # the cached part of its first chunk does: one reader
             assert reply.hit_chunks == 2 and returned(c, reply.lent.read_id) == 1
+        assert done(lender, [lend_id]) == []
+        with KVStoreClient.connect(daemon.address, SPEC) as other:  # the second reader
+            reply = Reader(other).lookup(keys)
+            assert returned(other, reply.lent.read_id) == 1
         assert done(lender, [lend_id]) == [lend_id]
 
 

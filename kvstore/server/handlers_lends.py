@@ -78,15 +78,16 @@ def lent_reply(
             return None
         return pb.LookupResponse(hit_chunks=lent_chunks, tiers=bytes([Tier.LENT]) * lent_chunks)
 
-    slots = read_slots(caller, request.read_slots)
-    hit = store.lends.lookup(request.namespace, keys, request.lent_devices, lambda: max(1, stored()), slots)
+    slots, peer = read_slots(caller, request.read_slots), caller.peer if caller is not None else None
+    hit = store.lends.lookup(
+        request.namespace, keys, request.lent_devices, lambda: max(1, stored()), slots, reader=peer
+    )
     if hit is None:
         return None
     reply = pb.LookupResponse(hit_chunks=hit.chunks, tiers=bytes([Tier.LENT]) * hit.chunks)
     lent = reply.lent  # filled in place: the descriptor copied once
     lent.read_id, lent.cache, lent.device_pci_bus_id = hit.read_id, hit.cache, hit.device
     lent.blocks, lent.ttl_ms, lent.slot = hit.blocks, int(hit.ttl_s * 1000), hit.slot
-    peer = caller.peer if caller is not None else None
     if hit.slot and request.read_slots and peer is not None and peer.read_slots_sent < MAX_SLOTS_SENT:
         peer.read_slots_sent += 1  # a worker that asks and never reads holds a few in flight, no more
         lent.read_slots_sent = True

@@ -10,12 +10,12 @@ makes two (bench/NOTES-handover.md). Its `Returned` tells the daemon the copy is
 
 What each side may rely on:
 - A lend is **done** (`Lends.done`: its blocks may be reused) only when no read is in flight:
-  after its `readers` reads (1 unless the lender said more: each rank of a TP decode instance
-  reading a group every rank holds alike) returned in time, after its hold ends (`hold_s`)
-  with no read in flight, after the lender withdrew it, or once the lender's connection closed
-  (it exited, or gave up on a call). A read in flight holds the lend past its hold until the
-  read returns or its TTL ends;
-  a revoked lend (the lender must reuse its blocks now) ends at once, its reads counting 0.
+  after reads of its `readers` readers (1 unless the lender said more: each rank of a TP decode
+  instance, a connection each, reading a group every rank holds alike) returned in time, after
+  its hold ends (`hold_s`) with no read in flight, after the lender withdrew it, or once the
+  lender's connection closed (it exited, or gave up on a call). A read in flight holds the lend
+  past its hold until the read returns or its TTL ends; a revoked lend (the lender must reuse
+  its blocks now) ends at once, its reads counting 0.
 - A read that returns after its TTL, or whose lend was dropped (the lender gone, a Clear, a revoke), is
   answered 0 (`Lends.returned`): the reader discards what it copied and recomputes, so a lender
   that reused its blocks after a stalled read's TTL never hands wrong bytes to a user.
@@ -27,7 +27,7 @@ What each side may rely on:
   anything ends the lend or the read, written before that is answered to anyone. The reader
   checks it after its copy instead of waiting for Returned's answer.
 - Bounded: at most `max_lends` lends, `max_keys` lent chunks and `max_bytes` at once, a descriptor of at most
-  `MAX_CACHE_BYTES`, blocks of at most a chunk's tokens a chunk, `MAX_READS` reads in flight a
+  `lend_fields.MAX_CACHE_BYTES`, blocks of at most a chunk's tokens a chunk, `MAX_READS` reads in flight a
   lend; a lend past the caps is refused as ResourceExhausted, never stored. Ids are random.
 """
 
@@ -41,10 +41,9 @@ from dataclasses import dataclass, field
 from kvstore.shared.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.shared.peers import Peer
 from kvstore.shared.read_slots import ReadSlots
+from kvstore.store.lend_fields import MAX_READS, checked
 
-MAX_CACHE_BYTES = 256 << 10
 MAX_HOLD_S = 600.0
-MAX_READS = 16  # reads in flight of one lend
 
 
 @dataclass(eq=False)
@@ -59,9 +58,9 @@ class Lend:
     lender: Peer | None
     hold_until: float
     nonce: int = 0  # the lender's number for it (LendRequest.nonce)
-    readers: int = 1  # reads returned in time that end it
+    readers: int = 1  # readers (connections) whose reads returned in time end it
     reads: dict[int, float] = field(default_factory=dict)  # read id -> its deadline
-    read_back: int = 0  # reads returned in time
+    read_by: set[object] = field(default_factory=set)  # who returned a read in time
     withdrawn: bool = False
     done: bool = False
 
@@ -97,6 +96,7 @@ class Lends:
         self._lends: dict[int, Lend] = {}
         self._by_key: dict[tuple[bytes, bytes], tuple[Lend, int]] = {}  # (ns, key) -> lend, position
         self._reads: dict[int, tuple[Lend, ...]] = {}  # read id -> the lends it holds
+        self._readers: dict[int, object] = {}  # read id -> its reader's connection (else the id)
         self._slots: dict[int, tuple[ReadSlots, int]] = {}  # read id -> its slot, where it has one
         self._keys = 0
         self.counters = {"lends": 0, "lent_reads": 0, "lent_reads_returned": 0, "lent_reads_lapsed": 0}
@@ -120,7 +120,7 @@ class Lends:
         """Records a lend of `keys` (each the same number of int32 block ids in `blocks`), done
         after `readers` reads returned in time; returns its id. A key lent before is read from
         this lend from now on."""
-        blocks_per_chunk = _checked(keys, blocks, cache, device, readers, max_blocks_per_chunk)
+        blocks_per_chunk = checked(keys, blocks, cache, device, readers, max_blocks_per_chunk)
         hold = self.hold_s if hold_s is None else hold_s
         if not 0 < hold <= MAX_HOLD_S:
             raise InvalidArgument(f"Lend: hold_ms must be at most {int(MAX_HOLD_S * 1000)}")
@@ -158,12 +158,14 @@ class Lends:
         devices: Sequence[str],
         at_least: Callable[[], int] = lambda: 1,
         slots: ReadSlots | None = None,
+        reader: object | None = None,
     ) -> LentHit | None:
         """The longest leading run of `keys` lent in order by live lends of one cache on one of
         `devices` (a prompt lent a step at a time, as chunked prefill makes it, is read whole), as
         one read that holds each of them (in a slot of `slots`, the reader's connection's, where
         one is free); None when the first key is not lent so, or the run is shorter than
-        `at_least()` (the stored prefix: asked only when the first key is lent)."""
+        `at_least()` (the stored prefix: asked only when the first key is lent). `reader`: its
+        connection (a lend for several readers counts one read of each)."""
         now = self._clock()
         segments = self._segments(ns, keys, devices, now, reading=True)
         if not segments:
@@ -175,6 +177,7 @@ class Lends:
         for lend, _, _ in segments:
             lend.reads[read_id] = now + self.read_ttl_s
         self._reads[read_id] = tuple(lend for lend, _, _ in segments)
+        self._readers[read_id] = read_id if reader is None else reader
         self.counters["lent_reads"] += 1
         slot = slots.take(read_id) if slots is not None else None
         if slot is not None:
@@ -247,12 +250,13 @@ class Lends:
             now < lend.reads.get(read_id, now) and not lend.done and not self._lender_gone(lend)
             for lend in lends
         )
+        who = self._readers.get(read_id, read_id)
         self._drop_read(read_id)
         if unused:
             held = False
         elif held:
             for lend in lends:
-                lend.read_back += 1
+                lend.read_by.add(who)
             self.counters["lent_reads_returned"] += 1
         else:
             self.counters["lent_reads_lapsed"] += 1
@@ -305,6 +309,7 @@ class Lends:
     def _drop_read(self, read_id: int) -> None:
         """Forgets a read (returned, lapsed, or a lend of it ended) in each of its lends, and frees
         its slot."""
+        self._readers.pop(read_id, None)
         for lend in self._reads.pop(read_id, ()):
             lend.reads.pop(read_id, None)
         found = self._slots.pop(read_id, None)
@@ -320,7 +325,7 @@ class Lends:
                 del lend.reads[read_id]
                 self._drop_read(read_id)
         gone = self._lender_gone(lend)
-        read_back = lend.read_back >= lend.readers
+        read_back = len(lend.read_by) >= lend.readers
         if gone or (not lend.reads and (read_back or lend.withdrawn or now >= lend.hold_until)):
             self._end(lend)
         return lend.done
@@ -377,24 +382,3 @@ def _continues(head: Lend, lend: Lend, segments: list[tuple[Lend, int, int]]) ->
         and lend.blocks_per_chunk == head.blocks_per_chunk
         and all(lend is not seen for seen, _, _ in segments)
     )
-
-
-def _checked(keys: Sequence[bytes], blocks: bytes, cache: bytes, device: str, readers: int, most: int) -> int:
-    """A Lend's fields checked, each refusal naming its field; the block ids a chunk (at most `most`)."""
-    if not keys:
-        raise InvalidArgument("Lend: no keys")
-    if not 1 <= readers <= MAX_READS:
-        raise InvalidArgument(
-            f"Lend: readers must be 1..{MAX_READS} (the ranks that each read the lend), got {readers}"
-        )
-    blocks_per_chunk = len(blocks) // (4 * len(keys))
-    if not 0 < blocks_per_chunk <= most or len(blocks) != 4 * blocks_per_chunk * len(keys):
-        raise InvalidArgument(
-            f"Lend: blocks must hold the same number (1..{most}) of int32 block ids "
-            f"for each of the {len(keys)} keys, got {len(blocks)} bytes"
-        )
-    if not cache or len(cache) > MAX_CACHE_BYTES:
-        raise InvalidArgument(f"Lend: cache must be 1..{MAX_CACHE_BYTES} bytes, got {len(cache)}")
-    if not device:
-        raise InvalidArgument("Lend: device_pci_bus_id must name the lender's GPU")
-    return blocks_per_chunk

@@ -24,8 +24,8 @@ Extra-config keys, all optional:
   instances), `"arena"` otherwise.
 - `lend_readers` (with `save_to: "lend"`): how many workers read each lend of a group every TP
   rank holds alike (MLA's latent, a shared state), which rank 0 alone lends: the decode
-  instance's TP size, 1..16 (default 1). Its blocks are held until that many have read them (or
-  30 s), so that no decode rank recomputes them.
+  instance's TP size, 1..16 (default 1). Its blocks are held until that many workers (each its
+  own connection to the daemon) have read them, or 30 s, so that no decode rank recomputes them.
 """
 
 from __future__ import annotations
