@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvstore_kernels
-from kvstore_kernels import block_engines, blocks
+from kvstore_kernels import block_engines  # not `blocks`: its Triton kernel is imported after kernel_cases
 from tests.kernel_cases import CUDA, POISONS, as_bytes, build, gpu, make_spec
 from tests.test_kernels_blocks import expected_copy
 
@@ -56,6 +56,8 @@ def copy_and_check(
 ) -> list[bool]:
     """`ids` copied from `src_on` into a poisoned cache on `dst_on`, every byte checked; whether
     each copy went by the engines."""
+    from kvstore_kernels import blocks
+
     ways: list[bool] = []
     engines = blocks.copy_by_engines
 
