@@ -12,25 +12,17 @@ import pytest
 
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.shared.errors import InvalidArgument
-from kvstore.shared.keys import pack_keys
 from kvstore_client import KVStoreClient
 from tests.harness import Daemon
-from tests.test_lend_slots import Reader
-from tests.test_lends import BUS, SPEC, blocks_of, done, returned
+from tests.test_lend_slots import Reader, lend_request
+from tests.test_lends import SPEC, blocks_of, done, returned
 
 CHUNK = SPEC.chunk_tokens
 
 
 def lend(client: KVStoreClient, keys: list[bytes], readers: int, hold_ms: int = 0) -> int:
-    request = pb.LendRequest(
-        namespace=client.namespace,
-        keys=pack_keys(keys),
-        blocks=blocks_of(len(keys)),
-        cache=b'{"version":1}',
-        device_pci_bus_id=BUS,
-        readers=readers,
-        hold_ms=hold_ms,
-    )
+    request = lend_request(client, keys, nonce=0)
+    request.readers, request.hold_ms = readers, hold_ms
     return client._conn.rpc("Lend", request).lend_id
 
 
