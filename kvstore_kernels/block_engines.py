@@ -1,15 +1,14 @@
 """`copy_blocks` between two GPUs by the copy engines, where the blocks come in long runs.
 
 A prompt's blocks in a paged cache are often consecutive ids (where the engine's free list hands
-them out in order, as a fresh vLLM engine's does), and in most layouts a run's consecutive
-blocks lie one after the other (its block stride is its bytes: flash_attn's K and V, MLA's latent,
-vLLM's LBHNC block; not flashinfer's or cross_layer's, whose K and V interleave by block, which
-stay with the kernel). A stretch of ids consecutive on both sides is then one contiguous piece per
-run: a handful of large copies, for the copy engines, which move a
-flat peer copy at the link's full rate where the kernel's SM loads reach 0.86-0.95 of it
-(bench/NOTES-handover.md), with no kernel launch and no table of block ids uploaded first. All
-the pieces go in one `cudaMemcpyBatchAsync` on the copy's stream, in stream order, asking to
-leave the SMs to the decode instance's compute.
+them out in order, as a fresh vLLM engine's does), and in most layouts a run's consecutive blocks
+lie one after the other (its block stride is its bytes: flash_attn's K and V, MLA's latent, vLLM's
+LBHNC block; not flashinfer's or cross_layer's, whose K and V interleave by block, which stay with
+the kernel). A stretch of ids consecutive on both sides is then one contiguous piece per run: a
+handful of large copies, for the copy engines, which move a flat peer copy at the link's full rate
+where the kernel's SM loads reach 0.86-0.95 of it (bench/NOTES-handover.md), with no kernel launch
+and no table of block ids uploaded first. All the pieces go in one `cudaMemcpyBatchAsync` on the
+copy's stream, in stream order, asking to leave the SMs to the decode instance's compute.
 
 - `copy_by_engines(src_runs, dst_runs, src_ids, dst_ids, device, stream)`: True where it enqueued
   the copy; False where the kernel should move it instead (the same GPU, pieces too small or too
@@ -79,7 +78,7 @@ def copy_by_engines(
             _batch(
                 runtime, dsts, srcs, np.tile(lengths, num_runs), stream or torch.cuda.current_stream(device)
             )
-    except CudaError as exc:  # refused before any byte moved: the kernel moves this copy, and later ones
+    except CudaError as exc:  # refused: the kernel moves this copy (after any piece enqueued), and later ones
         _failed.append(str(exc))
         log.warning("block copies between GPUs go by the kernel from now on: %s", exc)
         return False
