@@ -28,7 +28,8 @@ its pages at PCIe speed (bench/host_alloc.py).
   (every location granted is the driver's work on every slab of every worker: granting all
   GPUs would be 8 times it per worker on an 8-GPU host). `grant(slabs, device)`: another GPU of this
   process (a KV cache on it), or the CPU (`device` None: a KV cache in host memory moves its
-  pages with the CPU), may then read and write those slabs; nothing else touches the range.
+  pages with the CPU), may then read and write those slabs, and a GPU granted some gets every
+  slab mapped after that with the importer's own; nothing else touches the range.
 """
 
 from __future__ import annotations
@@ -180,8 +181,15 @@ class SlabImporter:
             self._mapped[address] = handle
             # This GPU only: granting the CPU too costs the driver about as much again, and,
             # beside a fill, lost 34-42% of it against 10% (bench/host_alloc.py); `grant` adds
-            # another GPU, or the CPU, where a transfer needs it.
+            # another GPU, or the CPU, where a transfer needs it. A GPU that has needed some
+            # already gets each slab mapped from then on with it.
             vmm.set_access(address, size, (self.device,), host=False)
+            with self._lock:
+                others = [device for device in self._granted if device is not None]
+                if others:
+                    vmm.set_access(address, size, others, host=False)
+                    for device in others:
+                        self._granted[device].add(slab)
 
     def grant(self, slabs: Iterable[int], device: int | None) -> None:
         """Lets GPU `device` of this process (None: its CPU) read and write `slabs` (mapped

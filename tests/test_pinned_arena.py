@@ -184,7 +184,7 @@ def test_a_kv_cache_on_another_gpu_of_the_worker_moves_exact_bytes(tmp_path: Pat
 def test_slabs_are_mapped_for_the_workers_gpu_alone_and_opened_to_others_once() -> None:
     """The driver's calls a slab costs (a recording stand-in for libcuda, which CI lacks): one
     access grant for the importer's GPU when mapped; another GPU, or the CPU, granted once per
-    slab, only where asked."""
+    slab, only where asked; a slab mapped after another GPU needed some is mapped with it."""
     import contextlib
 
     from kvstore_client.imported import SlabImporter
@@ -210,7 +210,7 @@ def test_slabs_are_mapped_for_the_workers_gpu_alone_and_opened_to_others_once() 
 
     driver, slab = Driver(), 1 << 20
     fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(3)]
-    importer = SlabImporter(driver, lambda first, count: [], 3, 0, slab, 3, {})  # type: ignore[arg-type]
+    importer = SlabImporter(driver, lambda first, count: [], 3, 0, slab, 4, {})  # type: ignore[arg-type]
     importer.seed(0, fds)
     for index in range(3):
         importer.register(index * slab, slab)
@@ -223,6 +223,11 @@ def test_slabs_are_mapped_for_the_workers_gpu_alone_and_opened_to_others_once() 
     importer.grant([2], None)
     five = [(index * slab, (5,), False) for index in range(3)]
     assert driver.access == [*five, (2 * slab, (), True)]
+    driver.access.clear()
+    importer.seed(3, [os.open(os.devnull, os.O_RDONLY)])
+    importer.register(3 * slab, slab)  # mapped after GPU 5 needed some: with GPU 5 too, not the CPU
+    importer.grant([3], 5)
+    assert driver.access == [(3 * slab, (3,), False), (3 * slab, (5,), False)]
     importer.close()
 
 
