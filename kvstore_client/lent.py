@@ -99,7 +99,7 @@ class LentCaches:
         self._last: tuple[bytes, Any, int, Any] | None = None  # (descriptor, mine, reader, cache)
         self._lock = threading.Lock()
 
-    def open(self, spec: Any, descriptor: bytes, bus: str, reader: torch.Device, mine: Any) -> Any:
+    def open(self, spec: Any, descriptor: bytes, bus: str, reader: torch.device, mine: Any) -> Any:
         """The cache of the lender on GPU `bus` as tensors on `reader` (in the form of `mine`, this
         worker's cache), after checking the descriptor against `spec` and `mine`; ValueError for
         one that differs. Made once per descriptor and registered (`kvstore_kernels.register`): a
@@ -123,7 +123,7 @@ class LentCaches:
             self._last = (descriptor, mine, reader.index, found)
         return found
 
-    def _opened(self, spec: Any, descriptor: bytes, bus: str, reader: torch.Device, mine: Any) -> Any:
+    def _opened(self, spec: Any, descriptor: bytes, bus: str, reader: torch.device, mine: Any) -> Any:
         try:
             info = json.loads(descriptor, parse_constant=_no_constant)
             tensors, form = _tensors(mine)
@@ -156,7 +156,7 @@ class LentCaches:
         info: dict[str, Any],
         entry: dict[str, Any],
         mine: torch.Tensor,
-        reader: torch.Device,
+        reader: torch.device,
         bus: str,
         keep: set[tuple[str, int]],
     ) -> Any:
@@ -191,7 +191,7 @@ class LentCaches:
         return usable.as_strided(shape, stride, offset // itemsize)
 
     def _address(
-        self, handle: str, size: int, reader: torch.Device, bus: str, keep: set[tuple[str, int]]
+        self, handle: str, size: int, reader: torch.device, bus: str, keep: set[tuple[str, int]]
     ) -> int:
         """The allocation `handle` names, mapped for `reader` (opened once; the oldest other than
         `keep`, the descriptor's own, closed past MAX_OPEN). Called under the lock."""

@@ -124,11 +124,11 @@ class LoadPath:
         if reply is not None and not reply.HasField("lent"):
             self._s._lends.expect_lent = False
         if reply is not None and reply.HasField("lent"):  # another GPU's blocks: copied device to device
-            lent = self._s._lends.read(
+            copied = self._s._lends.read(
                 reply, token_ids, kv_caches, block_ids, moved, stream, self._s._link.lent, asked
             )
-            if lent is not None:
-                return lent
+            if copied is not None:
+                return copied
             reply = self._lookup_leased(keys, kv_caches, moved, targets, lent=False)
         if reply is None or reply.hit_chunks == 0:
             return LoadHandle(None, lambda: 0, ignore, 0, moved)
@@ -205,7 +205,9 @@ class LoadPath:
                 read_slots=slots is not None,
             )
 
-        meanwhile = functools.partial(targets.ready, self._s, kv_caches, len(keys), layers)
+        meanwhile: Callable[[], None] | None = functools.partial(
+            targets.ready, self._s, kv_caches, len(keys), layers
+        )
         if self._s.arena is None or (lent_devices and self._s._lends.expect_lent):
             meanwhile = None  # readied after the reply, where it is needed
         try:

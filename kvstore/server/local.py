@@ -154,9 +154,11 @@ class LocalChannelServer:
             if name == "Connect" and reply.arena.shm_path.startswith(MEMFD_PREFIX):
                 answer = WithFd(answer)
                 answer.fds = [self.handlers.arena_fd(caller)]
-            elif name == "Lookup" and reply.lent.read_slots_sent and caller is not None:
+            elif (
+                name == "Lookup" and reply.lent.read_slots_sent and (slots := _read_slots(caller)) is not None
+            ):
                 answer = WithFd(answer)  # the connection's read slots, with the first lent read that asks
-                answer.fds = [caller.peer.read_slots.fd]
+                answer.fds = [slots.fd]
             elif name == "ArenaSlabs" and reply.count:
                 answer = WithFd(answer)
                 answer.fds = self.handlers.arena_slab_fds(caller, reply)
@@ -311,3 +313,10 @@ class _Session(asyncio.Protocol):
             self._waiting = None
             self._read_when_free()
         self._answer()
+
+
+def _read_slots(caller: Caller | None) -> Any:
+    """The caller's connection's read slots, or None (a lent Lookup's reply says they are sent only
+    where the connection has them)."""
+    peer = caller.peer if caller is not None else None
+    return (peer.read_slots or None) if peer is not None else None
