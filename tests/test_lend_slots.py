@@ -163,17 +163,22 @@ def test_each_connection_sees_its_own_slots_and_cannot_write_them(daemon: Daemon
         assert returned(b, theirs.lent.read_id) == 1
 
 
+def read_many(lender: KVStoreClient, reader: Reader, lends: int) -> tuple[list[Any], bytes]:
+    """`lends` one-chunk lends, each read MAX_READS times by `reader` (the replies), and one more
+    key, not lent."""
+    *keys, spare = lender.keys(list(range((lends + 1) * SPEC.chunk_tokens)))
+    for i, key in enumerate(keys):
+        lend(lender, [key], first=100 + i * SPEC.blocks_per_chunk)
+    return [reader.lookup([key]) for key in keys for _ in range(MAX_READS)], spare
+
+
 def test_reads_past_the_slots_are_answered_by_returned(daemon: Daemon) -> None:
-    lends = SLOTS // MAX_READS + 1
     with (
         KVStoreClient.connect(daemon.address, SPEC) as lender,
         KVStoreClient.connect(daemon.address, SPEC) as c,
     ):
         reader = Reader(c)
-        *keys, spare = lender.keys(list(range((lends + 1) * SPEC.chunk_tokens)))
-        for i, key in enumerate(keys):
-            lend(lender, [key], first=100 + i * SPEC.blocks_per_chunk)
-        replies = [reader.lookup([key]) for key in keys for _ in range(MAX_READS)]
+        replies, spare = read_many(lender, reader, SLOTS // MAX_READS + 1)
         with_slots = [r for r in replies if r.lent.slot]
         assert len(with_slots) == SLOTS and all(reader.holds(r) for r in with_slots)
         assert len({r.lent.slot for r in with_slots}) == SLOTS

@@ -21,7 +21,7 @@ from kvstore.store.lends import MAX_READS
 from kvstore_client import KVStoreClient
 from kvstore_client.lent_tickets import _answered, _Asking
 from tests.harness import Daemon
-from tests.test_lend_slots import Reader, lend_request
+from tests.test_lend_slots import Reader, lend_request, read_many
 from tests.test_lends import BUS, SPEC, blocks_of, done, lend
 
 CACHE = b'{"version":1}'  # test_lends' lend() sends this descriptor
@@ -108,16 +108,11 @@ def test_a_ticket_whose_lend_ended_or_is_not_there_counts_nothing(daemon: Daemon
 
 
 def test_a_ticket_read_without_a_slot_waits_for_returned(daemon: Daemon) -> None:
-    lends = SLOTS // MAX_READS
     with (
         KVStoreClient.connect(daemon.address, SPEC) as lender,
         KVStoreClient.connect(daemon.address, SPEC) as c,
     ):
-        reader = Reader(c)
-        *keys, last = lender.keys(list(range((lends + 1) * SPEC.chunk_tokens)))
-        for i, key in enumerate(keys):
-            lend(lender, [key], first=100 + i * SPEC.blocks_per_chunk)
-        taken = [reader.lookup([key]) for key in keys for _ in range(MAX_READS)]
+        taken, last = read_many(lender, Reader(c), SLOTS // MAX_READS)
         assert all(r.lent.slot for r in taken)  # every slot is taken now
         lend_with_nonce(lender, [last], nonce=9)
         assert judged(c, [last], ticket([last], nonce=9)) == SPEC.chunk_tokens
