@@ -76,7 +76,9 @@ def instrument(client: Any, role: str) -> Timers:
     from kvstore_client.lends import LendPath
     from kvstore_client.lent import LentCaches
     from kvstore_client.loads import LoadPath
+    from kvstore_client.session import Session
     from kvstore_client.transfers import Streams
+    from kvstore_kernels import block_engines
 
     blocks = __import__("kvstore_kernels.blocks", fromlist=["_launch"])
     timers = Timers()
@@ -108,6 +110,12 @@ def instrument(client: Any, role: str) -> Timers:
     timers.wrap(lent_tickets, "read_ticket", "ticket: Lookup sent, copy enqueued")
     timers.wrap(lent_tickets, "_answered", "ticket: Lookup's answer, slot checked, Returned sent")
     timers.wrap(LocalChannel, "begin", "ticket: Lookup sent")
+    timers.wrap(LendPath, "copy", "read: copy (ids, cache opened, copy_blocks, event)")
+    timers.wrap(blocks, "copy_by_engines", "copy_blocks: by the engines")
+    timers.wrap(blocks, "_plan", "copy_blocks: plan")
+    timers.wrap(block_engines, "_batch", "copy_blocks: the batch call")
+    timers.wrap(LoadHandle, "__init__", "load handle made")
+    timers.wrap(Session, "_covered", "tokens covered")
     return timers
 
 

@@ -118,7 +118,8 @@ class LentCaches:
                     self._caches.clear()
                     self._last = None
                 opened = self._opened(spec, descriptor, bus, reader, mine)
-                found = self._caches[key] = kvstore_kernels.register(spec, opened)
+                elsewhere = bus.lower() != load_runtime().pci_bus_id(reader.index).lower()  # the peer's GPU
+                found = self._caches[key] = kvstore_kernels.register(spec, opened, elsewhere=elsewhere)
         if type(mine) is RegisteredCaches:  # its tensors stay as they are: the same object, the same form
             self._last = (descriptor, mine, reader.index, found)
         return found

@@ -49,6 +49,15 @@ def layer_groups(layers: range, runs: int) -> list[range]:
     return groups
 
 
+def _current_stream(device: torch.device) -> int:
+    """The handle of `device`'s current stream (torch's raw call where it has one: no Stream object
+    made on the transfers' path)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device.index))
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
 class Streams:
     def __init__(self) -> None:
         self._side: dict[torch.device, Any] = {}
@@ -73,7 +82,7 @@ class Streams:
         if event is None:
             with torch.cuda.device(device):
                 event = self._ordering[device] = runtime.event_create()
-        current = torch.cuda.current_stream(device).cuda_stream
+        current = _current_stream(device)
         if current == 0 and torch.cuda.current_device() != device.index:
             with torch.cuda.device(device):  # handle 0 names the current device's default stream
                 runtime.event_record(event, current)

@@ -7,14 +7,16 @@ LBHNC block; not flashinfer's or cross_layer's, whose K and V interleave by bloc
 the kernel). A stretch of ids consecutive on both sides is then one contiguous piece per run: a
 handful of large copies, for the copy engines, which move a flat peer copy at the link's full rate
 where the kernel's SM loads reach 0.86-0.95 of it (bench/NOTES-handover.md), with no kernel launch
-and no table of block ids uploaded first. All the pieces go in one `cudaMemcpyBatchAsync` on the
-copy's stream, in stream order, asking to leave the SMs to the decode instance's compute.
+and no table of block ids uploaded first. The pieces go on the copy's stream, in stream order: the
+first ones (`LEAD_BYTES`) a `cudaMemcpyAsync` each, so that the engines start on them at once, the
+rest in one `cudaMemcpyBatchAsync` (asking to leave the SMs to the decode instance's compute),
+enqueued while the first move.
 
 - `copy_by_engines(src_runs, dst_runs, src_ids, dst_ids, device, stream)`: True where it enqueued
   the copy; False where the kernel should move it instead (the same GPU, pieces too small or too
   many, blocks with gaps between them, no batch call in this CUDA, `KVSTORE_BLOCK_COPY=kernel`,
   or `KVSTORE_KERNELS` set). On the legacy default stream, which the batch call refuses, the
-  batch runs on a side stream in its order.
+  pieces go on a side stream in its order.
 
 `KVSTORE_BLOCK_COPY`: `auto` (unset) as above, or `kernel`: always the kernel.
 """
@@ -39,6 +41,13 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "kernel")
 MIN_PIECE_BYTES = 1 << 20  # the mean piece at least this (a layer's K for 32+ blocks of 32 KiB)
 MAX_PIECES = 4096  # one batch call's arrays, 96 KiB
+# The first pieces, up to this many bytes, go in calls of their own (`cudaMemcpyAsync`, a few us of
+# host time each) and the rest in one batch call: the engines start on the first while the host
+# enqueues the rest. A batch call costs 0.12-0.28 ms of host time for 64 pieces (2x H200, a worker
+# woken by a message), which before the first byte moves was a tenth of an 8k-token hand-over; 64 MiB
+# is ~170 us of copy over an NVLink of ~390 GB/s. Pieces copied one call each run at ~0.8 of the
+# batch's rate, so only the lead goes so.
+LEAD_BYTES = 64 << 20
 _failed: list[str] = []  # a batch call the runtime refused once: the kernel from then on
 
 
@@ -55,14 +64,13 @@ def copy_by_engines(
     """Enqueues the copy of blocks `src_ids` into `dst_ids` of every run as contiguous pieces on
     `stream` (or `device`'s current one); False where it is not for the copy engines (see the
     module). The runs are `blocks.Runs`: `addresses`, `strides` and `run_bytes`."""
-    if _failed or mode() != "auto" or backend_name() != "auto" or not _consecutive_blocks(src_runs, dst_runs):
+    if _failed or mode() != "auto" or backend_name() != "auto":
         return False
-    size = src_runs.run_bytes
-    breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    num_runs = len(src_runs.addresses)
-    pieces = starts.size * num_runs
-    if pieces > MAX_PIECES or src_ids.size * size < starts.size * MIN_PIECE_BYTES:
+    pair = _addresses(src_runs, dst_runs)
+    if pair is None:
+        return False
+    pieces = _pieces(pair, src_ids, dst_ids)
+    if pieces is None:
         return False
     try:
         runtime = cudart.runtime()
@@ -70,33 +78,67 @@ def copy_by_engines(
         return False
     if not runtime.can_batch:
         return False
-    lengths = np.diff(np.append(starts, src_ids.size)) * size
-    srcs = np.add.outer(np.asarray(src_runs.addresses, np.int64), src_ids[starts] * size).ravel()
-    dsts = np.add.outer(np.asarray(dst_runs.addresses, np.int64), dst_ids[starts] * size).ravel()
+    stream = stream or torch.cuda.current_stream(device)
     try:
-        with torch.cuda.device(device):
-            _batch(
-                runtime, dsts, srcs, np.tile(lengths, num_runs), stream or torch.cuda.current_stream(device)
-            )
+        if torch.cuda.current_device() == device.index:
+            _batch(runtime, *pieces, stream)
+        else:
+            with torch.cuda.device(device):
+                _batch(runtime, *pieces, stream)
     except CudaError as exc:  # refused: the kernel moves this copy (after any piece enqueued), and later ones
         _failed.append(str(exc))
-        log.warning("block copies between GPUs go by the kernel from now on: %s", exc)
+        log.warning("block copies between GPUs go by the copy engines no more: %s", exc)
         return False
     return True
 
 
+def _pieces(
+    pair: tuple[np.ndarray, np.ndarray, int], src_ids: np.ndarray, dst_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(destinations, sources, sizes) of the pieces, uint64, run by run; None where there would be
+    too many or too small ones."""
+    src_addresses, dst_addresses, size = pair
+    count, runs = src_ids.size, src_addresses.size
+    if count > 1 and bool((np.diff(src_ids) == 1).all()) and bool((np.diff(dst_ids) == 1).all()):
+        if count * size < MIN_PIECE_BYTES:  # one stretch: a piece per run (the usual prompt)
+            return None
+        return (
+            dst_addresses + int(dst_ids[0]) * size,
+            src_addresses + int(src_ids[0]) * size,
+            np.full(runs, count * size, dtype=np.uint64),
+        )
+    breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    if starts.size * runs > MAX_PIECES or count * size < starts.size * MIN_PIECE_BYTES:
+        return None
+    lengths = (np.diff(np.append(starts, count)) * size).astype(np.uint64)
+    srcs = np.add.outer(src_addresses, (src_ids[starts] * size).astype(np.uint64)).ravel()
+    dsts = np.add.outer(dst_addresses, (dst_ids[starts] * size).astype(np.uint64)).ravel()
+    return dsts, srcs, np.tile(lengths, runs)
+
+
 def _batch(runtime: Any, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: Any) -> None:
-    """One batch call on `stream`; on the legacy default stream (which the call refuses), on a side
-    stream in its order."""
+    """The copy's calls on `stream`; on the legacy default stream (which the batch call refuses), on
+    a side stream in its order."""
     if stream.cuda_stream:
-        runtime.memcpy_batch_async(dsts, srcs, sizes, stream.cuda_stream)
+        _enqueue(runtime, dsts, srcs, sizes, stream.cuda_stream)
         return
     side = _side_stream(stream.device)
     side.wait_stream(stream)
     try:
-        runtime.memcpy_batch_async(dsts, srcs, sizes, side.cuda_stream)
+        _enqueue(runtime, dsts, srcs, sizes, side.cuda_stream)
     finally:  # a refused call may have enqueued some pieces: the caller's stream is after them too
         stream.wait_stream(side)
+
+
+def _enqueue(runtime: Any, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, handle: int) -> None:
+    """The first pieces up to `LEAD_BYTES` a call each, the rest in one batch call (see there)."""
+    moved, lead = 0, 0
+    while lead < sizes.size - 1 and moved < LEAD_BYTES:
+        runtime.memcpy_async(int(dsts[lead]), int(srcs[lead]), int(sizes[lead]), handle)
+        moved += int(sizes[lead])
+        lead += 1
+    runtime.memcpy_batch_async(dsts[lead:], srcs[lead:], sizes[lead:], handle)
 
 
 @functools.cache
@@ -105,12 +147,15 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 @functools.lru_cache(maxsize=64)
-def _consecutive_blocks(src_runs: Any, dst_runs: Any) -> bool:
-    """Whether a run's block i + 1 starts where its block i ends, in both caches."""
+def _addresses(src_runs: Any, dst_runs: Any) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """Each run's first byte in both caches (uint64) and a block's bytes, where a run's block i + 1
+    starts where its block i ends in both; else None."""
     size = src_runs.run_bytes
-    return (
+    if not (
         size > 0
         and dst_runs.run_bytes == size
         and all(stride == size for stride in src_runs.strides)
         and all(stride == size for stride in dst_runs.strides)
-    )
+    ):
+        return None
+    return np.asarray(src_runs.addresses, np.uint64), np.asarray(dst_runs.addresses, np.uint64), size

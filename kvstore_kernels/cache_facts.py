@@ -90,6 +90,9 @@ class RegisteredCaches(tuple):  # type: ignore[type-arg]
 
     geometry: tuple[Any, ...]
     _facts: dict[tuple[Any, ...], CacheFacts]
+    # Its memory lies on another GPU than its tensors' device (a peer's cache mapped over CUDA IPC):
+    # `copy_blocks` from it is a copy between GPUs, for the copy engines where its blocks allow.
+    elsewhere: bool = False
 
     def facts(
         self, spec: KVSpec, moved: Sequence[int], checked: Sequence[int], batch_index: int
@@ -101,8 +104,9 @@ class RegisteredCaches(tuple):  # type: ignore[type-arg]
         return facts
 
 
-def register(spec: KVSpec, kv_caches: KVCaches) -> KVCaches:
-    """`kv_caches` checked in full now (ValueError naming the mismatch), as `RegisteredCaches`.
+def register(spec: KVSpec, kv_caches: KVCaches, *, elsewhere: bool = False) -> KVCaches:
+    """`kv_caches` checked in full now (ValueError naming the mismatch), as `RegisteredCaches`;
+    `elsewhere`: its memory lies on another GPU than its tensors' device (see the class).
 
     A cross_layer cache (one tensor, cheap to fingerprint) is returned as it is.
     """
@@ -112,6 +116,7 @@ def register(spec: KVSpec, kv_caches: KVCaches) -> KVCaches:
     stored = spec.stored_layers
     registered = RegisteredCaches(kv_caches)
     registered.geometry = spec_geometry(spec)
+    registered.elsewhere = elsewhere
     key = (stored, stored, 0)
     registered._facts = {key: _checked_facts(spec, registered, *key)}
     return registered

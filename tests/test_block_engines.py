@@ -95,8 +95,21 @@ def test_long_stretches_go_by_the_engines_byte_for_byte(
     monkeypatch.delenv("KVSTORE_BLOCK_COPY", raising=False)
     monkeypatch.delenv("KVSTORE_KERNELS", raising=False)
     spec = make_spec(layout, dtype, num_layers=4, block_size=16, head_dim=128, sharing={3: 1})
+    calls: list[int] = []  # the pieces of each call: a batch's, or 0 for one cudaMemcpyAsync
+    runtime = block_engines.cudart.runtime()
+    batch, single = runtime.memcpy_batch_async, runtime.memcpy_async
+    monkeypatch.setattr(
+        runtime, "memcpy_batch_async", lambda d, *rest: calls.append(d.size) or batch(d, *rest)
+    )
+    monkeypatch.setattr(runtime, "memcpy_async", lambda *args: calls.append(0) or single(*args))
+    monkeypatch.setattr(block_engines, "LEAD_BYTES", 0)  # every piece in the batch
     assert copy_and_check(monkeypatch, spec, ONE_STRETCH, src_on, dst_on) == [True, True]
+    runs = calls[0]
+    assert calls == [runs, runs]
+    calls.clear()
+    monkeypatch.setattr(block_engines, "LEAD_BYTES", 1)  # the first piece in a call of its own
     assert copy_and_check(monkeypatch, spec, STRETCHES, src_on, dst_on, register=True) == [True, True]
+    assert calls == [0, 3 * runs - 1] * 2  # three stretches a run
 
 
 @gpu

@@ -55,16 +55,18 @@ def seeded(device: torch.device, seed: int | None, blocks: int = BLOCKS) -> list
 
 
 LENDER_TABLE = list(range(BLOCKS - 1, BLOCKS - 1 - TOKENS // 16, -1))  # descending, from the end
+RUNNING_TABLE = list(range(BLOCKS - TOKENS // 16, BLOCKS))  # consecutive, as READER_TABLE
 READER_TABLE = list(range(3, 3 + TOKENS // 16))
 
 
-def _lender(address: str, device: int, commands: Any, out: Any) -> None:
-    """Lends the prompt from GPU `device`, then does as told: "done" (poll lends_done), "die"."""
+def _lender(address: str, device: int, commands: Any, out: Any, table: list[int]) -> None:
+    """Lends the prompt from blocks `table` on GPU `device`, then does as told: "done" (poll
+    lends_done), "lend" (again, with a ticket), "die"."""
     try:
         torch.cuda.set_device(device)
         with KVStoreClient.connect(address, SPEC, name="lender") as client:
             cache = seeded(torch.device("cuda", device), seed=11)
-            lend_id, tokens = client.lend(list(range(TOKENS)), cache, LENDER_TABLE)
+            lend_id, tokens = client.lend(list(range(TOKENS)), cache, table)
             out.put(("lent", lend_id, tokens))
             while True:
                 command = commands.get(timeout=120)
@@ -72,7 +74,7 @@ def _lender(address: str, device: int, commands: Any, out: Any) -> None:
                     out.put(("done", client.lends_done([lend_id])))
                 elif command == "lend":  # again, the ticket sent while the daemon records it
                     tell = functools.partial(_tell, out)
-                    lend_id, tokens = client.lend(list(range(TOKENS)), cache, LENDER_TABLE, meanwhile=tell)
+                    lend_id, tokens = client.lend(list(range(TOKENS)), cache, table, meanwhile=tell)
                     out.put(("lent", lend_id, tokens))
                 elif command == "die":
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -88,10 +90,10 @@ def _tell(out: Any, ticket: bytes) -> None:
 
 
 class Lender:
-    def __init__(self, address: str, device: int) -> None:
+    def __init__(self, address: str, device: int, table: list[int]) -> None:
         context = mp.get_context("spawn")
         self.commands, self.out = context.Queue(), context.Queue()
-        self.process = context.Process(target=_lender, args=(address, device, self.commands, self.out))
+        self.process = context.Process(target=_lender, args=(address, device, self.commands, self.out, table))
         self.process.start()
         message = self.get()
         assert message[0] == "lent" and message[2] == TOKENS, message
@@ -128,11 +130,11 @@ class Lender:
 
 
 @pytest.fixture
-def lenders() -> Iterator[Callable[[str, int], Lender]]:
+def lenders() -> Iterator[Callable[..., Lender]]:
     started: list[Lender] = []
 
-    def start(address: str, device: int) -> Lender:
-        started.append(Lender(address, device))
+    def start(address: str, device: int, table: list[int] = LENDER_TABLE) -> Lender:
+        started.append(Lender(address, device, table))
         return started[-1]
 
     yield start
@@ -149,16 +151,18 @@ def devices_pairs() -> list[tuple[int, int]]:
     return pairs
 
 
-def same_prompt(reader: list[torch.Tensor], lender: list[torch.Tensor]) -> bool:
+def same_prompt(
+    reader: list[torch.Tensor], lender: list[torch.Tensor], table: list[int] = LENDER_TABLE
+) -> bool:
     return all(
-        torch.equal(r[:, READER_TABLE].cpu().view(torch.uint8), w[:, LENDER_TABLE].cpu().view(torch.uint8))
+        torch.equal(r[:, READER_TABLE].cpu().view(torch.uint8), w[:, table].cpu().view(torch.uint8))
         for r, w in zip(reader, lender, strict=True)
     )
 
 
 @pytest.mark.parametrize(("lender_gpu", "reader_gpu"), devices_pairs())
 def test_lent_blocks_land_byte_for_byte(
-    daemon: Daemon, lenders: Callable[[str, int], Lender], lender_gpu: int, reader_gpu: int
+    daemon: Daemon, lenders: Callable[..., Lender], lender_gpu: int, reader_gpu: int
 ) -> None:
     lender = lenders(daemon.address, lender_gpu)
     device = torch.device("cuda", reader_gpu)
@@ -178,7 +182,7 @@ def test_lent_blocks_land_byte_for_byte(
 
 @pytest.mark.parametrize(("lender_gpu", "reader_gpu"), devices_pairs())
 def test_a_lender_killed_before_the_read_hands_over_nothing(
-    daemon: Daemon, lenders: Callable[[str, int], Lender], lender_gpu: int, reader_gpu: int
+    daemon: Daemon, lenders: Callable[..., Lender], lender_gpu: int, reader_gpu: int
 ) -> None:
     lender = lenders(daemon.address, lender_gpu)
     lender.kill()
@@ -192,7 +196,7 @@ def test_a_lender_killed_before_the_read_hands_over_nothing(
 @pytest.mark.parametrize("in_place", [True, False], ids=["read slot", "Returned"])
 @pytest.mark.parametrize(("lender_gpu", "reader_gpu"), devices_pairs())
 def test_a_lender_killed_during_the_read_disowns_the_copy(
-    daemon: Daemon, lenders: Callable[[str, int], Lender], lender_gpu: int, reader_gpu: int, in_place: bool
+    daemon: Daemon, lenders: Callable[..., Lender], lender_gpu: int, reader_gpu: int, in_place: bool
 ) -> None:
     """The read is taken, the lender dies and is reaped, then the copy runs from the dead
     process's memory (still mapped here): it must neither crash nor count, whether the reader
@@ -233,7 +237,7 @@ def test_a_lender_killed_during_the_read_disowns_the_copy(
 
 
 def test_a_restarted_daemon_knows_no_lend(
-    daemon_factory: Callable[..., Daemon], lenders: Callable[[str, int], Lender]
+    daemon_factory: Callable[..., Daemon], lenders: Callable[..., Lender]
 ) -> None:
     daemon = daemon_factory("lends")
     lender = lenders(daemon.address, 0)
@@ -251,7 +255,7 @@ def test_a_restarted_daemon_knows_no_lend(
 
 
 def test_a_read_past_its_ttl_on_the_readers_clock_counts_nothing(
-    daemon: Daemon, lenders: Callable[[str, int], Lender]
+    daemon: Daemon, lenders: Callable[..., Lender]
 ) -> None:
     """The slot still holds the read (the daemon ends lapsed reads lazily), but the reader's own
     clock says its TTL is over: a lender that gave up waiting may have reused the blocks."""
@@ -280,7 +284,7 @@ def test_a_read_past_its_ttl_on_the_readers_clock_counts_nothing(
 
 @pytest.mark.parametrize(("lender_gpu", "reader_gpu"), devices_pairs())
 def test_a_ticket_is_copied_before_the_daemon_answers_and_counts_only_its_lend(
-    daemon: Daemon, lenders: Callable[[str, int], Lender], lender_gpu: int, reader_gpu: int
+    daemon: Daemon, lenders: Callable[..., Lender], lender_gpu: int, reader_gpu: int
 ) -> None:
     """A reader given the lender's ticket copies at once and counts the copy once the daemon's
     answer shows a read of that very lend that held: byte for byte; a ticket whose blocks are not
@@ -318,3 +322,33 @@ def test_a_ticket_is_copied_before_the_daemon_answers_and_counts_only_its_lend(
         assert same_prompt(target, seeded(torch.device("cpu"), seed=11))
         with pytest.raises(ValueError, match="ticket"):
             reader.load_async(prompt, target, READER_TABLE, lent=b"\xff not a ticket")
+
+
+@pytest.mark.skipif(len(devices_pairs()) < 2, reason="needs two GPUs with peer access")
+def test_a_read_from_another_gpu_goes_by_the_copy_engines_where_the_blocks_run_on(
+    daemon: Daemon, lenders: Callable[..., Lender], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lender's cache is another GPU's memory, though opened as tensors on the reader's GPU:
+    where the block ids run on consecutively on both sides, the read is a copy between GPUs by the
+    copy engines (one batch call, no kernel), keyed and from a ticket, byte for byte, the blocks
+    around the prompt's untouched."""
+    from kvstore_kernels import block_engines, blocks
+
+    monkeypatch.setattr(block_engines, "MIN_PIECE_BYTES", 0)  # this small cache's pieces: 256 KiB
+    ways: list[bool] = []
+    engines = blocks.copy_by_engines
+    monkeypatch.setattr(blocks, "copy_by_engines", lambda *args: ways.append(engines(*args)) or ways[-1])
+    lender = lenders(daemon.address, 0, RUNNING_TABLE)
+    device, prompt = torch.device("cuda", 1), list(range(TOKENS))
+    untouched = [b for b in range(BLOCKS) if b not in READER_TABLE]
+    with torch.cuda.device(device), KVStoreClient.connect(daemon.address, SPEC, name="reader") as reader:
+        target = seeded(device, seed=None)
+        assert reader.load(prompt, target, READER_TABLE) == TOKENS
+        assert same_prompt(target, seeded(torch.device("cpu"), seed=11), RUNNING_TABLE)
+        assert all(bool((layer[:, untouched].view(torch.uint8) == 0xA5).all()) for layer in target)
+        _, ticket = lender.lend()
+        target = seeded(device, seed=None)
+        assert reader.load_async(prompt, target, READER_TABLE, lent=ticket).wait() == TOKENS
+        assert same_prompt(target, seeded(torch.device("cpu"), seed=11), RUNNING_TABLE)
+        assert all(bool((layer[:, untouched].view(torch.uint8) == 0xA5).all()) for layer in target)
+    assert ways == [True, True]
