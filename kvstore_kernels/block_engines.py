@@ -46,9 +46,10 @@ MAX_PIECES = 4096  # one batch call's arrays, 96 KiB
 # enqueues the rest. A batch call costs 0.12-0.28 ms of host time for 64 pieces (2x H200, a worker
 # woken by a message), which before the first byte moves was a tenth of an 8k-token hand-over; 64 MiB
 # is ~170 us of copy over an NVLink of ~390 GB/s. Pieces copied one call each run at ~0.8 of the
-# batch's rate, so only the lead goes so.
+# batch's rate, so only the lead goes so, and at most `LEAD_CALLS` of them (many short stretches).
 LEAD_BYTES = 64 << 20
-_failed: list[str] = []  # a batch call the runtime refused once: the kernel from then on
+LEAD_CALLS = 8
+_failed: list[str] = []  # a copy call the runtime refused once: the kernel from then on
 
 
 def mode() -> str:
@@ -95,25 +96,24 @@ def copy_by_engines(
 def _pieces(
     pair: tuple[np.ndarray, np.ndarray, int], src_ids: np.ndarray, dst_ids: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(destinations, sources, sizes) of the pieces, uint64, run by run; None where there would be
-    too many or too small ones."""
+    """(destinations, sources, sizes) of the pieces, uint64, run by run, for block ids on the host
+    (each within its cache, as `copy_blocks` checks them); None where there would be too many or
+    too small ones."""
     src_addresses, dst_addresses, size = pair
     count, runs = src_ids.size, src_addresses.size
-    if count > 1 and bool((np.diff(src_ids) == 1).all()) and bool((np.diff(dst_ids) == 1).all()):
-        if count * size < MIN_PIECE_BYTES:  # one stretch: a piece per run (the usual prompt)
-            return None
+    breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)) + 1
+    if breaks.size * runs + runs > MAX_PIECES or count * size < (breaks.size + 1) * MIN_PIECE_BYTES:
+        return None
+    if not breaks.size:  # one stretch, the usual prompt: a piece per run, a few numpy calls
         return (
             dst_addresses + int(dst_ids[0]) * size,
             src_addresses + int(src_ids[0]) * size,
             np.full(runs, count * size, dtype=np.uint64),
         )
-    breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)) + 1
     starts = np.concatenate(([0], breaks))
-    if starts.size * runs > MAX_PIECES or count * size < starts.size * MIN_PIECE_BYTES:
-        return None
-    lengths = (np.diff(np.append(starts, count)) * size).astype(np.uint64)
-    srcs = np.add.outer(src_addresses, (src_ids[starts] * size).astype(np.uint64)).ravel()
-    dsts = np.add.outer(dst_addresses, (dst_ids[starts] * size).astype(np.uint64)).ravel()
+    lengths = np.diff(np.append(starts, count)).astype(np.uint64) * np.uint64(size)
+    srcs = np.add.outer(src_addresses, src_ids[starts].astype(np.uint64) * np.uint64(size)).ravel()
+    dsts = np.add.outer(dst_addresses, dst_ids[starts].astype(np.uint64) * np.uint64(size)).ravel()
     return dsts, srcs, np.tile(lengths, runs)
 
 
@@ -132,9 +132,10 @@ def _batch(runtime: Any, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, 
 
 
 def _enqueue(runtime: Any, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, handle: int) -> None:
-    """The first pieces up to `LEAD_BYTES` a call each, the rest in one batch call (see there)."""
-    moved, lead = 0, 0
-    while lead < sizes.size - 1 and moved < LEAD_BYTES:
+    """The first pieces up to `LEAD_BYTES` (the piece that reaches it whole, at most `LEAD_CALLS`)
+    a call each, the rest in one batch call (see there)."""
+    moved, lead, last = 0, 0, min(sizes.size - 1, LEAD_CALLS)
+    while lead < last and moved < LEAD_BYTES:
         runtime.memcpy_async(int(dsts[lead]), int(srcs[lead]), int(sizes[lead]), handle)
         moved += int(sizes[lead])
         lead += 1
@@ -150,7 +151,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 def _addresses(src_runs: Any, dst_runs: Any) -> tuple[np.ndarray, np.ndarray, int] | None:
     """Each run's first byte in both caches (uint64) and a block's bytes, where a run's block i + 1
     starts where its block i ends in both; else None."""
-    size = src_runs.run_bytes
+    size = int(src_runs.run_bytes)
     if not (
         size > 0
         and dst_runs.run_bytes == size
@@ -158,4 +159,6 @@ def _addresses(src_runs: Any, dst_runs: Any) -> tuple[np.ndarray, np.ndarray, in
         and all(stride == size for stride in dst_runs.strides)
     ):
         return None
-    return np.asarray(src_runs.addresses, np.uint64), np.asarray(dst_runs.addresses, np.uint64), size
+    src, dst = np.asarray(src_runs.addresses, np.uint64), np.asarray(dst_runs.addresses, np.uint64)
+    src.flags.writeable = dst.flags.writeable = False  # shared by every copy between the two caches
+    return src, dst, size

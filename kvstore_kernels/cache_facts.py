@@ -108,7 +108,8 @@ def register(spec: KVSpec, kv_caches: KVCaches, *, elsewhere: bool = False) -> K
     """`kv_caches` checked in full now (ValueError naming the mismatch), as `RegisteredCaches`;
     `elsewhere`: its memory lies on another GPU than its tensors' device (see the class).
 
-    A cross_layer cache (one tensor, cheap to fingerprint) is returned as it is.
+    A cross_layer cache (one tensor, cheap to fingerprint) is returned as it is (`elsewhere` is
+    then moot: its K and V interleave by block, which the copy engines never move).
     """
     _check_container(spec, kv_caches)
     if spec.layout == "cross_layer":

@@ -147,3 +147,48 @@ def test_the_engines_copy_is_queued_on_the_given_stream(monkeypatch: pytest.Monk
     want_bases, want = build(spec, "cpu", num_blocks=DST_BLOCKS, fill=0xA5)
     expected_copy(spec, src_cpu, ONE_STRETCH[0], want, ONE_STRETCH[1])
     assert all(torch.equal(a, b) for a, b in zip(as_bytes(bases), as_bytes(want_bases), strict=True))
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        ONE_STRETCH,
+        STRETCHES,
+        (np.arange(300, 0, -1), np.arange(300)),  # descending on one side: a piece a block
+        (np.array([7]), np.array([900])),
+        (np.arange(300, 600), np.concatenate([np.arange(0, 150), np.arange(151, 301)])),
+    ],
+)
+def test_the_pieces_cover_each_block_of_each_run_exactly(ids: tuple[np.ndarray, np.ndarray]) -> None:
+    """The batch's pieces, block by block, against the mapping they stand for: every run's source
+    block `src[i]` lands on its destination block `dst[i]`, nothing else (CPU: no copy made)."""
+    size = 1 << 20  # at least MIN_PIECE_BYTES a piece, however the ids break
+    src_runs = (0x7F00_0000_0000 + np.arange(6, dtype=np.uint64) * (1 << 36)).tolist()
+    dst_runs = (0x7E00_0000_0000 + np.arange(6, dtype=np.uint64) * (1 << 36)).tolist()
+    src_ids, dst_ids = (np.asarray(i, dtype=np.int64) for i in ids)
+    pair = (np.array(src_runs, np.uint64), np.array(dst_runs, np.uint64), size)
+    pieces = block_engines._pieces(pair, src_ids, dst_ids)
+    assert pieces is not None
+    dsts, srcs, sizes = pieces
+    assert dsts.dtype == srcs.dtype == sizes.dtype == np.uint64
+    moved = {
+        (int(s) + k * size, int(d) + k * size)
+        for d, s, n in zip(dsts, srcs, sizes, strict=True)
+        for k in range(int(n) // size)
+    }
+    wanted = {
+        (s_run + int(s) * size, d_run + int(d) * size)
+        for s_run, d_run in zip(src_runs, dst_runs, strict=True)
+        for s, d in zip(src_ids, dst_ids, strict=True)
+    }
+    assert moved == wanted
+    assert int(sizes.sum()) == len(src_runs) * src_ids.size * size  # no block twice
+
+
+def test_pieces_too_small_or_too_many_are_left_to_the_kernel() -> None:
+    pair = (np.array([1 << 40], np.uint64), np.array([1 << 41], np.uint64), 32768)
+    assert block_engines._pieces(pair, np.arange(16), np.arange(16)) is None  # 512 KiB
+    assert block_engines._pieces(pair, np.arange(32), np.arange(32)) is not None  # 1 MiB
+    scattered = np.arange(0, 2 * (block_engines.MAX_PIECES + 1), 2)
+    big = (pair[0], pair[1], 1 << 20)
+    assert block_engines._pieces(big, scattered, scattered) is None
