@@ -37,9 +37,6 @@ block table, chunks, offsets and buffer: a fraction of the first call's host tim
 `register(spec, kv_caches)` checks an engine's tensors once and returns them as
 `RegisteredCaches`: calls given that object skip the fingerprints too (the engine promises
 the tensors keep their storage, shape and strides, as vLLM's `register_kv_caches` does).
-`register(..., elsewhere=True)`: the tensors' memory is another GPU's (a peer's cache mapped
-over CUDA IPC), so `copy_blocks` from it is a copy between GPUs (the copy engines' where the
-blocks allow).
 `prepare(spec, kv_caches, block_ids, chunks, buffer, layers, to_page=...)` checks a transfer of
 every chunk and sets it up (the staged path's kernel arguments too) before its page offsets are
 known; `Prepared.run(pages, offsets)` then moves the pages that turn out to be wanted, with
