@@ -135,8 +135,8 @@ def check_pairs(src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
             f"src_blocks and dst_blocks: {src_ids.size} source blocks but {dst_ids.size} destination "
             "blocks; give one destination block per source block"
         )
-    if dst_ids.size > 1:
-        ordered = dst_ids if bool((dst_ids[1:] > dst_ids[:-1]).all()) else np.sort(dst_ids)
+    if dst_ids.size > 1 and not bool((dst_ids[1:] > dst_ids[:-1]).all()):  # rising: none twice
+        ordered = np.sort(dst_ids)
         repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
         if repeated.size:
             raise ValueError(
