@@ -49,6 +49,13 @@ def layer_groups(layers: range, runs: int) -> list[range]:
     return groups
 
 
+# cudaStreamLegacy: the legacy default stream by name, after the work of every blocking stream of
+# the context (torch's default stream among them). Recorded through this binding, handle 0 was
+# found to name a stream that torch's default-stream work does not reach (torch 2.11, CUDA 13):
+# the side stream then ran ahead of the forward it had to follow.
+LEGACY_STREAM = 1
+
+
 def _current_stream(device: torch.device) -> int:
     """The handle of `device`'s current stream (torch's raw call where it has one: no Stream object
     made on the transfers' path)."""
@@ -83,9 +90,9 @@ class Streams:
             with torch.cuda.device(device):
                 event = self._ordering[device] = runtime.event_create()
         current = _current_stream(device)
-        if current == 0 and torch.cuda.current_device() != device.index:
-            with torch.cuda.device(device):  # handle 0 names the current device's default stream
-                runtime.event_record(event, current)
+        if current == 0:  # torch's default stream: handle 0 names another stream through this binding
+            with torch.cuda.device(device):
+                runtime.event_record(event, LEGACY_STREAM)
         else:
             runtime.event_record(event, current)
         runtime.stream_wait_event(stream.cuda_stream, event)

@@ -89,3 +89,22 @@ def test_cuda_bytes_path_matches_shared_memory(daemon: Daemon) -> None:
         target = cuda_cache(spec, 64, fill=0.5)
         assert reader.load(tokens, target, blocks) == 1024
         assert torch.equal(blocks_of(target, blocks, "flash_attn"), blocks_of(source, blocks, "flash_attn"))
+
+
+def test_the_side_stream_waits_for_the_default_stream() -> None:
+    """What every transfer and hand-over is ordered by: work queued on torch's default stream (a
+    forward writing the KV) runs before anything the side stream is given after `ordered_side`."""
+    from kvstore_client.transfers import Streams
+
+    device = torch.device("cuda", 0)
+    streams = Streams()
+    with torch.cuda.device(device):
+        streams.ordered_side(device)  # the first call sets the runtime up: slower than the sleep below
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1 << 31)  # about a second
+        side = streams.ordered_side(device)
+        after = torch.cuda.Event()
+        after.record(side)
+        assert after.query() is False
+        after.synchronize()
+        assert torch.cuda.current_stream(device).query() is True
