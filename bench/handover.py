@@ -21,7 +21,8 @@ prompt's KV from a producer on one GPU to a consumer on another costs through th
   (`KVStoreClient.store_to_gpu`), the consumer loads from there over peer access; timed as the
   arena's.
 - With lent blocks (`bench/handover_lent.py`): the consumer copies the producer's blocks: one copy,
-  found by the prompt's keys, and from the producer's ticket (the daemon answered during the copy).
+  found by the prompt's keys, from the producer's ticket (the daemon answered during the copy),
+  and pushed by the producer into blocks the consumer set aside (`bench/handover_push.py`).
 - Every round's loaded bytes are compared with the producer's (column `ok`; `ok_device_copies`,
   `ok_pool`, `ok_lent`).
 

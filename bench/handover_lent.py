@@ -16,6 +16,9 @@ the consumer copies from it at once, its Lookup answered during the copy
 (`kvstore_client.lent_tickets`). A round's first (untimed) load is keyed either way: it brings the
 consumer's read slots.
 
+A third way, pushed (`bench/handover_push.py`): the consumer hands the producer a receipt for
+blocks it set aside, and the producer's GPU writes the prompt into them (`expect` / `deliver`).
+
 Run alone (`python bench/handover_lent.py --tokens 8192 32768 --rounds 2 --spin-us 0 200
 --block-copy auto kernel`), it times the peer copy of the same bytes, then both ways, in each of
 `--rounds` rounds, one daemon for all, the keyed way once per `--spin-us` (`$KVSTORE_LOCAL_SPIN_US`:
@@ -52,7 +55,8 @@ from bench.transfer_cases import daemon_config, make_spec  # noqa: E402
 
 LENT_ROW = "hand-over, lent blocks (one copy over the link)"
 TICKET_ROW = "hand-over, lent blocks from a ticket (one copy over the link)"
-LENT_ROWS = {LENT_ROW: False, TICKET_ROW: True}  # row -> ticket
+PUSH_ROW = "hand-over, pushed into the consumer's blocks (one copy over the link)"
+LENT_ROWS = {LENT_ROW: False, TICKET_ROW: True, PUSH_ROW: None}  # row -> ticket (None: pushed)
 # Where a round's time goes, median ms: the producer's lend (its stream waited for, the Lend call),
 # the signal to the consumer, its load up to the copy's enqueue (the leased Lookup), the copy and
 # its Returned.
@@ -241,11 +245,18 @@ def lent_handover(
 def lent_rows(
     address: str, spec: Any, tokens: int, devices: Any, reps: int, walls: dict[str, list[float]]
 ) -> tuple[bool, dict[str, dict[str, float]]]:
-    """Both ways of `LENT_ROWS` into `walls`: (whether every round of both was right, each way's
+    """The ways of `LENT_ROWS` into `walls`: (whether every round of each was right, each way's
     phases)."""
+    from bench.handover_push import push_handover
+
     ok, phases = True, {}
     for row, ticket in LENT_ROWS.items():
-        walls[row], good, phases[row], _ = lent_handover(address, spec, tokens, devices, reps, ticket=ticket)
+        if ticket is None:
+            walls[row], good, phases[row] = push_handover(address, spec, tokens, devices, reps)
+        else:
+            walls[row], good, phases[row], _ = lent_handover(
+                address, spec, tokens, devices, reps, ticket=ticket
+            )
         ok = ok and good
     return ok, phases
 
@@ -254,16 +265,22 @@ def rounds(
     tokens: int, rounds: int, reps: int, spins: list[float], copies: list[str]
 ) -> list[dict[str, Any]]:
     """Each round: the peer copy, then for each of `copies` (`KVSTORE_BLOCK_COPY`) the keyed way
-    at each spin and the ticket way (no spin)."""
+    at each spin, the ticket way (no spin), and the pushed way (`bench.handover_push`)."""
     spec = make_spec("flash_attn")
     devices = (torch.device("cuda", 0), torch.device("cuda", 1))
     moved = tokens // spec.chunk_tokens * spec.page.page_bytes
     flat_p = torch.randint(0, 256, (moved,), dtype=torch.uint8, device=devices[0])
     flat_c = torch.empty(moved, dtype=torch.uint8, device=devices[1])
+    from bench.handover_push import push_handover
+
     ways = [
         (row, ticket, spin, copy)
         for copy in copies
-        for row, ticket, spin in [*((LENT_ROW, False, spin) for spin in spins), (TICKET_ROW, True, 0.0)]
+        for row, ticket, spin in [
+            *((LENT_ROW, False, spin) for spin in spins),
+            (TICKET_ROW, True, 0.0),
+            (PUSH_ROW, False, 0.0),
+        ]
     ]
     rows = []
     with running_daemon(daemon_config(spec.page.page_bytes, 4)) as daemon:
@@ -280,9 +297,12 @@ def rounds(
             for row, ticket, spin, copy in ways:
                 os.environ["KVSTORE_LOCAL_SPIN_US"] = str(spin)  # the two processes read it at connect
                 os.environ["KVSTORE_BLOCK_COPY"] = copy
-                walls, ok, phases, _ = lent_handover(
-                    daemon.address, spec, tokens, devices, reps, ticket=ticket
-                )
+                if row == PUSH_ROW:
+                    walls, ok, phases = push_handover(daemon.address, spec, tokens, devices, reps)
+                else:
+                    walls, ok, phases, _ = lent_handover(
+                        daemon.address, spec, tokens, devices, reps, ticket=ticket
+                    )
                 ms = statistics.median(walls)
                 rows.append(
                     {"round": number, "tokens": tokens, "path": row, "spin_us": spin, "block_copy": copy,

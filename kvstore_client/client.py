@@ -45,12 +45,13 @@ from kvstore.shared.keys import pack_keys
 from kvstore.shared.spec import KVSpec
 from kvstore.shared.wire import page_spec_message, stats_to_dict
 from kvstore_client.connection import ClientTls, default_address
+from kvstore_client.deliveries import HandOver
 from kvstore_client.gpu_pools import device_bus_id
 from kvstore_client.handles import LoadHandle, StoreHandle
 from kvstore_client.lends import LendPath
 from kvstore_client.loads import LoadPath
 from kvstore_client.routes import LAYERWISE_TRANSFER
-from kvstore_client.session import Link, Session
+from kvstore_client.session import Link
 from kvstore_client.stores import StorePath
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,11 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0
 # Runs of a layer-wise load: the first layer, then the rest. Each run is a call whose host
 # time the forward waits for where the forward is host-bound (HF eager), so few runs are best
-# there; more runs pay only where the copy outlasts the forward (32k tokens).
-# bench/NOTES-ttft.md.
+# there; more runs pay only where the copy outlasts the forward (32k tokens; bench/NOTES-ttft.md).
 LAYERWISE_RUNS = 2
 
 
-class KVStoreClient(Session):
+class KVStoreClient(HandOver):
     def __init__(self, link: Link, spec: KVSpec, name: str) -> None:
         """A client of `spec`'s namespace on `link` (made by `connect`, or shared: `sibling`)."""
         self._link = link

@@ -117,7 +117,7 @@ class _Plan(NamedTuple):
     shared: bool  # the two caches share a run (one cache): no block both read and written
     src_runs: Runs
     dst_runs: Runs
-    across: bool  # the source is on another GPU (or its memory is: `RegisteredCaches.elsewhere`)
+    across: bool  # a cache's memory is another GPU's (the source's device, `RegisteredCaches.elsewhere`)
 
 
 MAX_PLANS = 16  # per destination cache: its lenders, say
@@ -150,7 +150,7 @@ def _plan(spec: KVSpec, src_caches: KVCaches, dst_caches: KVCaches, layers: rang
     shared = not set(src_runs.addresses).isdisjoint(dst_runs.addresses)
     plan = _Plan(
         src_caches, spec, moved, whole, device, src.num_blocks, dst.num_blocks, shared, src_runs, dst_runs,
-        src.device != device or bool(getattr(src_caches, "elsewhere", False)),
+        src.device != device or any(getattr(c, "elsewhere", False) for c in (src_caches, dst_caches)),
     )  # fmt: skip
     if kept:
         if len(plans) >= MAX_PLANS:

@@ -99,7 +99,7 @@ def test_the_side_stream_waits_for_the_default_stream() -> None:
     device = torch.device("cuda", 0)
     streams = Streams()
     with torch.cuda.device(device):
-        streams.ordered_side(device)  # the first call sets the runtime up: slower than the sleep below
+        streams.ordered_side(device)  # a process's first call sets the runtime and the stream up
         torch.cuda.synchronize()
         torch.cuda._sleep(1 << 31)  # about a second
         side = streams.ordered_side(device)
