@@ -49,10 +49,8 @@ def layer_groups(layers: range, runs: int) -> list[range]:
     return groups
 
 
-# cudaStreamLegacy: the legacy default stream by name, after the work of every blocking stream of
-# the context (torch's default stream among them). Recorded through this binding, handle 0 was
-# found to name a stream that torch's default-stream work does not reach (torch 2.11, CUDA 13):
-# the side stream then ran ahead of the forward it had to follow.
+# cudaStreamLegacy: the legacy default stream (torch's default stream, handle 0) named as such, so
+# that the record means that stream whatever default-stream mode the binding's calls would get.
 LEGACY_STREAM = 1
 
 
@@ -90,7 +88,7 @@ class Streams:
             with torch.cuda.device(device):
                 event = self._ordering[device] = runtime.event_create()
         current = _current_stream(device)
-        if current == 0:  # torch's default stream: handle 0 names another stream through this binding
+        if current == 0:  # torch's default stream
             with torch.cuda.device(device):
                 runtime.event_record(event, LEGACY_STREAM)
         else:
