@@ -26,8 +26,10 @@ is claimed (hand over through the arena instead: `store`, then `load`, or `lend`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import secrets
 import struct
 import threading
@@ -41,7 +43,7 @@ import torch
 import kvstore_kernels
 from kvstore.shared.cudart import CudaError
 from kvstore.shared.keys import KEY_BYTES, pack_keys
-from kvstore_client.inbox import DONE, SIZE, Inbox, Inboxes
+from kvstore_client.inbox import SIZE, Inbox, Inboxes
 from kvstore_client.inbox import mine as my_inbox
 from kvstore_client.lent import LentCaches
 from kvstore_client.session import Session
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 _HEAD = struct.Struct("<4sHHQIIQ16sIIIHI")  # magic, version, 0, nonce, pid, fd, inode, id, slot,
 MAGIC, VERSION = b"KVRC", 1  # chunks, blocks per chunk, bus bytes, descriptor bytes; then the
 MAX_CHUNKS, MAX_DESCRIPTOR = 1 << 16, 1 << 20  # keys, the block ids (i32), the bus, the descriptor
+MAX_PER_CHUNK = 1 << 12
 FLAGS = 256  # words of `done` a sender's GPU copies from, per device, used in turn
 SPIN_S = 0.05  # a wait reads the slot without sleeping this long, then sleeps a little between reads
 
@@ -70,7 +73,9 @@ class Receipt:
             raise ValueError("receipt: not a kvstore receipt (or another version's)")
         if not 0 < self.chunks <= MAX_CHUNKS or descriptor_bytes > MAX_DESCRIPTOR or not self.nonce:
             raise ValueError("receipt: malformed")
-        self.inbox = (pid, fd, inode, inbox_id)
+        if not 0 < per_chunk <= MAX_PER_CHUNK:
+            raise ValueError("receipt: malformed")
+        self.raw, self.inbox = data, (pid, fd, inode, inbox_id)
         self.per_chunk = per_chunk
         sizes = (self.chunks * KEY_BYTES, self.chunks * per_chunk * 4, bus_bytes, descriptor_bytes)
         if len(data) != _HEAD.size + sum(sizes):
@@ -107,6 +112,11 @@ class Receiving:
         self._tokens = tokens  # tokens covered by 0..chunks chunks
         self._result: int | None = None
         self._closed = False
+
+    def __del__(self) -> None:  # a receipt dropped unread: its slot back where nothing can land
+        if self._result is None and not self._closed:
+            with contextlib.suppress(Exception):  # at collection: nothing to tell
+                self.cancel()
 
     def poll(self) -> int | None:
         """The tokens delivered, or None while nothing has landed."""
@@ -181,6 +191,7 @@ class _Sender:
     into the inboxes (one process-wide set: a worker's clients share them)."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()
         self.inboxes = Inboxes()
         self.caches = LentCaches()
         self._flags: dict[torch.device, tuple[torch.Tensor, list[Any]]] = {}
@@ -248,8 +259,10 @@ class HandOver(Session):
         descriptor, bus = self._lends._descriptor(kv_caches)
         box = my_inbox()
         nonce = secrets.randbits(62) | 1
-        slot = box.post(nonce)
-        receipt = Receipt.make(nonce, box.address(), slot, keys[:chunks], blocks, bus, descriptor)
+        address = box.address()
+        slot, receipt = box.post(
+            nonce, lambda slot: Receipt.make(nonce, address, slot, keys[:chunks], blocks, bus, descriptor)
+        )
         tokens = [self._covered(token_ids, n) for n in range(chunks + 1)]
         return Receiving(box, slot, nonce, chunks, tokens, receipt)
 
@@ -289,7 +302,7 @@ class HandOver(Session):
         except CudaError as exc:  # a cache of this very process, or of a GPU out of reach
             raise ValueError(f"receipt: the receiver's KV cache cannot be opened here ({exc})") from None
         try:
-            opened = state.inboxes.claim(got.inbox, got.slot, got.nonce)
+            opened = state.inboxes.claim(got.inbox, got.slot, got.nonce, got.raw)
         except OSError as exc:
             raise ValueError(
                 f"receipt: the receiver's inbox (process {got.inbox[0]}) is out of reach: {exc}"
@@ -298,9 +311,8 @@ class HandOver(Session):
             log.debug("receipt of slot %d: delivered, cancelled or replaced before", got.slot)
             return Delivery(0)
         finished = functools.partial(state.inboxes.finished, opened, got.slot)
-        if not chunks:
-            opened.words[got.slot, DONE] = got.nonce  # nothing to copy: said from the host
-            finished()
+        if not chunks:  # nothing to copy: said from the host
+            state.inboxes.abandon(opened, got.slot, got.nonce)
             return Delivery(0)
         moved, stream = chunks * per_chunk, None
         try:
@@ -310,7 +322,7 @@ class HandOver(Session):
                     state, opened, got, chunks, device, stream, table[:moved], kv_caches, theirs
                 )
         except BaseException:
-            _abandon(stream, opened, got, finished)
+            _abandon(state, stream, opened, got)
             raise
         return Delivery(self._covered(token_ids, chunks), event, finished)
 
@@ -326,7 +338,7 @@ class HandOver(Session):
         return state.tell(device, got.nonce + chunks, opened.done_address(got.slot), stream)
 
 
-def _abandon(stream: Any, opened: Any, got: Receipt, finished: Any) -> None:
+def _abandon(state: _Sender, stream: Any, opened: Any, got: Receipt) -> None:
     """A delivery that failed after its claim: once what it enqueued has run, the receiver is told
     that nothing landed. Where the stream cannot be waited for, the claim stays: the receiver's
     blocks stay set aside until this process is gone."""
@@ -336,8 +348,7 @@ def _abandon(stream: Any, opened: Any, got: Receipt, finished: Any) -> None:
     except Exception:  # noqa: BLE001 - the caller gets the first error
         log.error("a failed delivery's copies cannot be waited for: slot %d stays claimed", got.slot)
         return
-    opened.words[got.slot, DONE] = got.nonce
-    finished()
+    state.inboxes.abandon(opened, got.slot, got.nonce)
 
 
 def _shared(mine: bytes, theirs: bytes, limit: int) -> int:
@@ -363,8 +374,9 @@ _sender_lock = threading.Lock()
 
 
 def sender() -> _Sender:
+    """This process's sending state (a forked child makes its own: locks are not inherited)."""
     global _sender
     with _sender_lock:
-        if _sender is None:
+        if _sender is None or _sender.pid != os.getpid():
             _sender = _Sender()
         return _sender

@@ -20,45 +20,81 @@ CONTEXT = mp.get_context("spawn")
 KEYS = [bytes([i]) * KEY_BYTES for i in range(3)]
 
 
-def _sender(address: Any, slot: int, nonce: int, done: int | None, pipe: Any) -> None:
-    """Claims `slot` of the inbox at `address`; writes `done` into it from the host (where not
-    None); reports whether the claim held, then waits to be told to exit."""
+def _sender(address: Any, slot: int, nonce: int, receipt: bytes, done: int | None, pipe: Any) -> None:
+    """Claims `slot` of the inbox at `address` for `receipt`; writes `done` into it from the host
+    (where not None); reports whether the claim held, then does as told: "again" (claim the same
+    receipt again), "forged" (open the same inbox by a forged id), "finish" (end the claim),
+    "claim" (a new receipt: (slot, nonce, receipt)), "exit"."""
+    boxes = inboxes.Inboxes()
     try:
-        opened = inboxes.Inboxes().claim(address, slot, nonce)
+        opened = boxes.claim(address, slot, nonce, receipt)
     except (OSError, ValueError) as exc:
         pipe.send(repr(exc))
         return
     if opened is not None and done is not None:
         opened.words[slot, inboxes.DONE] = done
     pipe.send(opened is not None)
-    pipe.recv()
+    while (command := pipe.recv()) != "exit":
+        if command == "again":
+            pipe.send(boxes.claim(address, slot, nonce, receipt) is not None)
+        elif command == "forged":
+            pid, fd, inode, _ = address
+            try:
+                boxes.claim((pid, fd, inode, bytes(16)), slot, nonce, receipt)
+            except ValueError as exc:
+                pipe.send(repr(exc))
+        elif command == "finish":
+            assert opened is not None
+            inboxes.Inboxes.finished(opened, slot)
+            pipe.send(True)
+        else:
+            slot, nonce, receipt = command
+            pipe.send(boxes.claim(address, slot, nonce, receipt) is not None)
 
 
 class Sender:
     """A sender process that claims a slot and stays alive until stopped."""
 
-    def __init__(self, address: Any, slot: int, nonce: int, done: int | None = None) -> None:
+    def __init__(self, address: Any, slot: int, nonce: int, receipt: bytes, done: int | None = None) -> None:
         self.pipe, theirs = CONTEXT.Pipe()
-        self.process = CONTEXT.Process(target=_sender, args=(address, slot, nonce, done, theirs))
+        args = (address, slot, nonce, receipt, done, theirs)
+        self.process = CONTEXT.Process(target=_sender, args=args)
         self.process.start()
+        self.claimed = self.answer()
+
+    def answer(self) -> Any:
         assert self.pipe.poll(60), "the sender did not answer"
-        self.claimed = self.pipe.recv()
+        return self.pipe.recv()
+
+    def ask(self, command: Any) -> Any:
+        self.pipe.send(command)
+        return self.answer()
 
     def stop(self, kill: bool = False) -> None:
         if kill:
             os.kill(self.process.pid, signal.SIGKILL)
-        else:
+        elif self.process.is_alive():
             self.pipe.send("exit")
         self.process.join(60)
         assert self.process.exitcode is not None
 
 
-def receiving(box: inboxes.Inbox, chunks: int = 3) -> Receiving:
-    nonce = 0x1234_5678_9ABC | 1
-    slot = box.post(nonce)
-    receipt = Receipt.make(
-        nonce, box.address(), slot, KEYS[:chunks], list(range(chunks * 2)), "0000:01:00.0", b"{}"
+def claiming(pending: Receiving, done: int | None = None, **changes: Any) -> Sender:
+    """A sender claiming `pending`'s receipt (with `changes` to what it names)."""
+    got = Receipt(pending.receipt)
+    address = changes.get("address", got.inbox)
+    return Sender(
+        address, changes.get("slot", got.slot), changes.get("nonce", got.nonce), pending.receipt, done
     )
+
+
+def receiving(box: inboxes.Inbox, chunks: int = 3, nonce: int = 0x1234_5678_9ABC | 1) -> Receiving:
+    def make(slot: int) -> bytes:
+        return Receipt.make(
+            nonce, box.address(), slot, KEYS[:chunks], list(range(chunks * 2)), "0000:01:00.0", b"{}"
+        )
+
+    slot, receipt = box.post(nonce, make)
     return Receiving(box, slot, nonce, chunks, [n * 256 for n in range(chunks + 1)], receipt)
 
 
@@ -84,9 +120,9 @@ def test_a_slot_is_claimed_once_and_its_delivery_counts_only_its_chunks() -> Non
     pending = receiving(box)
     got = Receipt(pending.receipt)
     assert pending.poll() is None and pending.wait(timeout_s=0.01) is None
-    first = Sender(got.inbox, got.slot, got.nonce, done=got.nonce + 2)
-    second = Sender(got.inbox, got.slot, got.nonce)  # the same receipt again
-    wrong = Sender(got.inbox, got.slot, got.nonce + 2)  # another nonce
+    first = claiming(pending, done=got.nonce + 2)
+    second = claiming(pending)  # the same receipt again, from another process
+    wrong = claiming(pending, nonce=got.nonce + 2)  # another nonce
     try:
         assert (first.claimed, second.claimed, wrong.claimed) == (True, False, False)
         assert pending.wait(timeout_s=30) == 512  # two chunks of 256 tokens
@@ -96,11 +132,25 @@ def test_a_slot_is_claimed_once_and_its_delivery_counts_only_its_chunks() -> Non
             sender.stop()
 
 
+def test_a_receipt_altered_on_its_way_is_not_claimed() -> None:
+    box = inboxes.Inbox()
+    pending = receiving(box)
+    got = Receipt(pending.receipt)
+    at = pending.receipt.index(KEYS[1])
+    altered = pending.receipt[:at] + bytes(KEY_BYTES) + pending.receipt[at + KEY_BYTES :]  # another prompt
+    sender = Sender(got.inbox, got.slot, got.nonce, altered, done=got.nonce + 3)
+    try:
+        assert sender.claimed is False and pending.poll() is None
+        assert pending.cancel() is True  # nobody claimed it
+    finally:
+        sender.stop()
+
+
 def test_a_done_word_out_of_range_or_of_another_nonce_counts_nothing() -> None:
     box = inboxes.Inbox()
     pending = receiving(box, chunks=2)
     got = Receipt(pending.receipt)
-    sender = Sender(got.inbox, got.slot, got.nonce, done=got.nonce + 3)  # more chunks than asked for
+    sender = claiming(pending, done=got.nonce + 3)  # more chunks than asked for
     try:
         assert sender.claimed is True and pending.poll() is None
         assert box.delivered(got.slot, got.nonce + 1, 2) is None
@@ -113,7 +163,7 @@ def test_a_receipt_cancelled_before_a_claim_frees_its_blocks_and_cannot_be_claim
     pending = receiving(box)
     got = Receipt(pending.receipt)
     assert pending.cancel() is True
-    late = Sender(got.inbox, got.slot, got.nonce, done=got.nonce + 3)
+    late = claiming(pending, done=got.nonce + 3)
     try:
         assert late.claimed is False and pending.poll() is None
         assert box.delivered(got.slot, got.nonce, 3) is None  # the slot's nonce is cleared
@@ -125,7 +175,7 @@ def test_blocks_claimed_by_a_live_sender_stay_held_until_it_is_gone() -> None:
     box = inboxes.Inbox()
     pending = receiving(box)
     got = Receipt(pending.receipt)
-    sender = Sender(got.inbox, got.slot, got.nonce)  # claims, never writes done
+    sender = claiming(pending)  # claims, never writes done
     assert sender.claimed is True
     try:
         assert pending.cancel() is False  # its copy may still land
@@ -141,11 +191,45 @@ def test_blocks_claimed_by_a_live_sender_stay_held_until_it_is_gone() -> None:
 def test_a_sender_that_exits_cleanly_without_delivering_frees_the_blocks_too() -> None:
     box = inboxes.Inbox()
     pending = receiving(box)
-    got = Receipt(pending.receipt)
-    sender = Sender(got.inbox, got.slot, got.nonce)
+    sender = claiming(pending)
     assert pending.cancel() is False
     sender.stop()
     assert pending.cancel() is True
+
+
+def test_a_sender_keeps_its_claim_through_a_refused_retry_and_a_forged_open() -> None:
+    """A refused claim of the same receipt, and an open of the same inbox by a forged id (closed
+    again at once), leave the first claim's liveness lock in place."""
+    box = inboxes.Inbox()
+    pending = receiving(box)
+    sender = claiming(pending)
+    try:
+        assert sender.claimed is True
+        assert sender.ask("again") is False
+        assert pending.cancel() is False
+        assert "not the receipt's inbox" in sender.ask("forged")
+        assert pending.cancel() is False  # still claimed by a live sender
+        assert sender.ask("finish") is True
+        assert pending.cancel() is True  # its claim is over and nothing landed
+    finally:
+        sender.stop()
+
+
+def test_ending_an_earlier_claim_of_a_slot_keeps_a_later_one_alive() -> None:
+    box = inboxes.Inbox()
+    first = receiving(box, nonce=0x1111 | 1)
+    got = Receipt(first.receipt)
+    sender = claiming(first, done=got.nonce + 3)
+    try:
+        assert first.wait(timeout_s=30) == 768  # read: the slot is released
+        second = receiving(box, nonce=0x2222 | 1)
+        assert Receipt(second.receipt).slot == got.slot  # the same slot, posted again
+        assert sender.ask((got.slot, 0x2222 | 1, second.receipt)) is True
+        assert sender.ask("finish") is True  # the first claim ends; the second runs on
+        assert second.cancel() is False
+    finally:
+        sender.stop()
+    assert second.cancel() is True
 
 
 def test_an_inbox_of_another_identity_is_refused() -> None:
@@ -159,31 +243,35 @@ def test_an_inbox_of_another_identity_is_refused() -> None:
         ((pid, 0, inode, inbox_id), "not the receipt's inbox"),  # stdin: not the memfd
         ((2**31 - 1, fd, inode, inbox_id), "No such file"),
     ):
-        sender = Sender(address, got.slot, got.nonce)
+        sender = claiming(pending, address=address)
         try:
             assert isinstance(sender.claimed, str) and match in sender.claimed, sender.claimed
         finally:
             sender.stop()
     with pytest.raises(ValueError, match="outside the inbox"):
-        inboxes.Inboxes().claim(got.inbox, inboxes.SLOTS, got.nonce)
+        inboxes.Inboxes().claim(got.inbox, inboxes.SLOTS, got.nonce, pending.receipt)
     assert pending.cancel() is True
 
 
 def test_an_inbox_with_every_slot_awaiting_a_sender_refuses_another_receipt() -> None:
     box = inboxes.Inbox()
-    held = [box.post(n + 1) for n in range(inboxes.SLOTS)]
+    held = [box.post(n + 1, lambda slot: b"r%d" % slot)[0] for n in range(inboxes.SLOTS)]
     assert sorted(held) == list(range(inboxes.SLOTS))
     with pytest.raises(inboxes.InboxFull, match="await their senders"):
-        box.post(7)
+        box.post(7, lambda slot: b"r")
     assert box.cancel(held[5], 6, 1) is True
-    assert box.post(7) == held[5]
+    assert box.post(7, lambda slot: b"r")[0] == held[5]
+    assert box.cancel(held[6], 7, 1) is True
+    with pytest.raises(ZeroDivisionError):  # a receipt that cannot be made leaves the slot free
+        box.post(8, lambda slot: bytes(1 // 0))
+    assert box.post(9, lambda slot: b"r")[0] == held[6]
 
 
 def test_a_delivery_that_lands_as_the_receipt_is_given_up_still_counts() -> None:
     box = inboxes.Inbox()
     pending = receiving(box)
     got = Receipt(pending.receipt)
-    sender = Sender(got.inbox, got.slot, got.nonce, done=got.nonce + 3)
+    sender = claiming(pending, done=got.nonce + 3)
     try:
         assert box.cancel(got.slot, got.nonce, 3) is False  # landed: not freed by the cancel
         assert pending.cancel() is False and pending.wait(timeout_s=0) == 768
