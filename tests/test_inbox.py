@@ -280,3 +280,23 @@ def test_a_delivery_that_lands_as_the_receipt_is_given_up_still_counts() -> None
         sender.stop()
     again = receiving(box)  # the slot was released once its delivery was read
     assert Receipt(again.receipt).slot == got.slot
+
+
+def test_receipts_with_bytes_changed_at_random_are_refused_or_read_within_their_length() -> None:
+    """Any bytes: a ValueError, or a receipt whose parts are all within the bytes given."""
+    import random
+
+    good = receiving(inboxes.Inbox()).receipt
+    rng = random.Random(7)
+    for _ in range(3000):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 6)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            data = data[: rng.randrange(len(data) + 1)]
+        try:
+            got = Receipt(bytes(data))
+        except ValueError:
+            continue
+        assert len(got.keys) == got.chunks * KEY_BYTES and got.blocks.size == got.chunks * got.per_chunk
+        assert len(got.raw) == len(data) and 0 < got.per_chunk <= 4096
