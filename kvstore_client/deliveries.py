@@ -247,6 +247,10 @@ class HandOver(Session):
         The blocks are the sender's to write until `wait()` returns tokens or `cancel()` returns
         True: the caller neither writes nor frees them before. The cache must be one CUDA IPC
         can export (as for `lend`)."""
+        if cache_device(kv_caches).type != "cuda":
+            raise ValueError(
+                "expect: the KV cache must be on a CUDA device (a pushed hand-over is GPU to GPU)"
+            )
         keys = self._keys_of(token_ids, keys, tail)
         per_chunk = self.spec.blocks_per_chunk
         table = _table(block_ids)
@@ -292,7 +296,9 @@ class HandOver(Session):
         chunks = _shared(pack_keys(keys[:limit]), got.keys, limit)
         device = cache_device(kv_caches)
         if device.type != "cuda":
-            raise ValueError("deliver: the KV cache must be on a CUDA device")
+            raise ValueError(
+                "deliver: the KV cache must be on a CUDA device (a pushed hand-over is GPU to GPU)"
+            )
         state = sender()
         # The receiver's cache, opened before the claim: one this GPU cannot reach claims nothing.
         try:

@@ -15,6 +15,7 @@ import pytest
 from kvstore.shared.keys import KEY_BYTES
 from kvstore_client import inbox as inboxes
 from kvstore_client.deliveries import Receipt, Receiving
+from tests.harness import Daemon
 
 CONTEXT = mp.get_context("spawn")
 KEYS = [bytes([i]) * KEY_BYTES for i in range(3)]
@@ -300,3 +301,21 @@ def test_receipts_with_bytes_changed_at_random_are_refused_or_read_within_their_
             continue
         assert len(got.keys) == got.chunks * KEY_BYTES and got.blocks.size == got.chunks * got.per_chunk
         assert len(got.raw) == len(data) and 0 < got.per_chunk <= 4096
+
+
+def test_a_cache_off_the_gpu_and_a_receipt_of_another_geometry_are_refused_by_name(daemon: Daemon) -> None:
+    import torch
+
+    from kvstore_client import KVStoreClient
+    from tests.test_lends import SPEC
+
+    cache = [torch.zeros((2, 64, 16, SPEC.num_kv_heads, SPEC.head_dim), dtype=torch.float16)]
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        with pytest.raises(ValueError, match="expect: the KV cache must be on a CUDA device"):
+            client.expect(list(range(256)), cache, list(range(16)))
+        pending = receiving(inboxes.Inbox())  # 2 blocks a chunk: this spec's are 16
+        with pytest.raises(ValueError, match="receipt: 2 blocks a chunk"):
+            client.deliver(pending.receipt, list(range(768)), cache, list(range(48)))
+        with pytest.raises(ValueError, match="not a kvstore receipt"):
+            client.deliver(b"XXXX" + pending.receipt[4:], list(range(768)), cache, list(range(48)))
+        assert pending.cancel() is True  # nothing was claimed
