@@ -294,19 +294,9 @@ class HandOver(Session):
         table = _table(block_ids)
         limit = min(got.chunks, len(keys), table.size // per_chunk)
         chunks = _shared(pack_keys(keys[:limit]), got.keys, limit)
-        device = cache_device(kv_caches)
-        if device.type != "cuda":
-            raise ValueError(
-                "deliver: the KV cache must be on a CUDA device (a pushed hand-over is GPU to GPU)"
-            )
-        state = sender()
+        device, state = cache_device(kv_caches), sender()
         # The receiver's cache, opened before the claim: one this GPU cannot reach claims nothing.
-        try:
-            theirs = (
-                state.caches.open(self.spec, got.descriptor, got.bus, device, kv_caches) if chunks else None
-            )
-        except CudaError as exc:  # a cache of this very process, or of a GPU out of reach
-            raise ValueError(f"receipt: the receiver's KV cache cannot be opened here ({exc})") from None
+        theirs = _theirs(self.spec, state, got, device, kv_caches, chunks)
         try:
             opened = state.inboxes.claim(got.inbox, got.slot, got.nonce, got.raw)
         except OSError as exc:
@@ -342,6 +332,20 @@ class HandOver(Session):
         kvstore_kernels.copy_blocks(self.spec, kv_caches, mine, theirs, their_ids, stream=stream)
         state.register(opened)
         return state.tell(device, got.nonce + chunks, opened.done_address(got.slot), stream)
+
+
+def _theirs(
+    spec: Any, state: _Sender, got: Receipt, device: torch.device, kv_caches: Any, chunks: int
+) -> Any:
+    """The receiver's KV cache, opened on `device` (this worker's cache's); None for no chunks."""
+    if device.type != "cuda":
+        raise ValueError("deliver: the KV cache must be on a CUDA device (a pushed hand-over is GPU to GPU)")
+    if not chunks:
+        return None
+    try:
+        return state.caches.open(spec, got.descriptor, got.bus, device, kv_caches)
+    except CudaError as exc:  # a cache of this very process, or of a GPU out of reach
+        raise ValueError(f"receipt: the receiver's KV cache cannot be opened here ({exc})") from None
 
 
 def _abandon(state: _Sender, stream: Any, opened: Any, got: Receipt) -> None:
