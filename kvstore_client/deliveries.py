@@ -26,7 +26,6 @@ is claimed (hand over through the arena instead: `store`, then `load`, or `lend`
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -113,10 +112,9 @@ class Receiving:
         self._result: int | None = None
         self._closed = False
 
-    def __del__(self) -> None:  # a receipt dropped unread: its slot back where nothing can land
+    def __del__(self) -> None:  # a receipt dropped unread: its slot back once nothing can land
         if self._result is None and not self._closed:
-            with contextlib.suppress(Exception):  # at collection: nothing to tell
-                self.cancel()
+            self._box.drop(self._slot, self._nonce, self._chunks)
 
     def poll(self) -> int | None:
         """The tokens delivered, or None while nothing has landed."""

@@ -87,6 +87,7 @@ class Inbox:
         self._map[: len(MAGIC) + 16] = MAGIC + self.id
         self._words = np.frombuffer(self._map, dtype="<u8", count=SLOTS * 8, offset=HEADER).reshape(SLOTS, 8)
         self._free = list(range(SLOTS - 1, -1, -1))
+        self._dropped: list[tuple[int, int, int]] = []  # receipts given up unread (`drop`)
         self._lock = threading.Lock()
 
     def address(self) -> tuple[int, int, int, bytes]:
@@ -96,6 +97,7 @@ class Inbox:
     def post(self, nonce: int, make: Callable[[int], bytes]) -> tuple[int, bytes]:
         """(a free slot, the receipt `make(slot)` made for it), posted there: a sender may claim
         it now. InboxFull where no slot is free; what `make` raises, with the slot left free."""
+        self._reap()
         with self._lock:
             if not self._free:
                 raise InboxFull(f"all {SLOTS} hand-over slots of this process await their senders")
@@ -127,6 +129,21 @@ class Inbox:
             row[NONCE] = 0  # a sender that reads it now finds the receipt stale
             self._free.append(slot)
             return True
+
+    def drop(self, slot: int, nonce: int, chunks: int) -> None:
+        """`slot`'s receipt is given up unread (its handle collected): cancelled by a later `post`,
+        once nothing can land (no lock is taken here: a collection may run inside any call)."""
+        self._dropped.append((slot, nonce, chunks))
+
+    def _reap(self) -> None:
+        while self._dropped:
+            slot, nonce, chunks = self._dropped.pop()
+            done = self.cancel(slot, nonce, chunks)
+            if done is None:  # a sender's copy may still land: asked again at the next post
+                self._dropped.insert(0, (slot, nonce, chunks))
+                return
+            if done is False:  # landed, unread
+                self.release(slot, nonce)
 
     def release(self, slot: int, nonce: int) -> None:
         """`slot` is done with (its delivery read): free for another receipt."""

@@ -319,3 +319,26 @@ def test_a_cache_off_the_gpu_and_a_receipt_of_another_geometry_are_refused_by_na
         with pytest.raises(ValueError, match="not a kvstore receipt"):
             client.deliver(b"XXXX" + pending.receipt[4:], list(range(768)), cache, list(range(48)))
         assert pending.cancel() is True  # nothing was claimed
+
+
+def test_a_receipt_dropped_unread_frees_its_slot_at_a_later_post_once_nothing_can_land() -> None:
+    import gc
+
+    box = inboxes.Inbox()
+    free = receiving(box)
+    free_slot = Receipt(free.receipt).slot
+    del free
+    gc.collect()
+    claimed = receiving(box, nonce=0x3333 | 1)
+    got = Receipt(claimed.receipt)
+    assert got.slot == free_slot  # nobody had claimed it: free again at this post
+    sender = claiming(claimed)
+    try:
+        assert sender.claimed is True
+        del claimed
+        gc.collect()
+        assert Receipt(receiving(box).receipt).slot != got.slot  # a live sender's copy may land
+    finally:
+        sender.stop(kill=True)
+    later = [Receipt(receiving(box, nonce=n | 1).receipt).slot for n in range(0x100, 0x103)]
+    assert got.slot in later  # the sender is gone: the slot came back
