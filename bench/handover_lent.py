@@ -218,13 +218,22 @@ def lent_handover(
     ticket), whether every round lent and loaded the whole prompt, the producer's bytes, as a lent
     read, the median ms of each of `PHASES`, and (`profiled`) of each host step
     `bench.handover_profile.instrument` times."""
+    roles = (_producer, _consumer)
+    results = run_pair(roles, devices, lambda device, end, out: (address, spec, tokens, device.index, reps,
+                       end, out, profiled, ticket))  # fmt: skip
+    walls, ok, phases, steps = results["consumer"]
+    return walls, ok, phases, {**results["producer"], **steps}
+
+
+def run_pair(roles: Any, devices: Any, args: Any) -> dict[str, Any]:
+    """Runs the producer and the consumer (`roles`, each on its device, `args(device, pipe end,
+    queue)` its arguments) in processes of their own, joined by a pipe; what each put on the
+    queue, by role ("producer", "consumer"). RuntimeError with the traceback of a role that failed."""
     context = mp.get_context("spawn")
     ends, out = context.Pipe(), context.Queue()
     processes = [
-        context.Process(
-            target=role, args=(address, spec, tokens, device.index, reps, end, out, profiled, ticket)
-        )
-        for role, device, end in zip((_producer, _consumer), devices, ends, strict=True)
+        context.Process(target=role, args=args(device, end, out))
+        for role, device, end in zip(roles, devices, ends, strict=True)
     ]
     for process in processes:
         process.start()
@@ -238,8 +247,7 @@ def lent_handover(
     for role, result in results.items():
         if isinstance(result, str):
             raise RuntimeError(f"the {role} failed:\n{result}")
-    walls, ok, phases, steps = results["consumer"]
-    return walls, ok, phases, {**results["producer"], **steps}
+    return results
 
 
 def lent_rows(

@@ -14,7 +14,6 @@ producer's timed `deliver` calls.
 from __future__ import annotations
 
 import cProfile
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.handover_lent import seeded_cache
+from bench.handover_lent import run_pair, seeded_cache
 
 PUSH_PHASES = ("deliver", "copy until landed")
 
@@ -108,23 +107,10 @@ def push_handover(
 ) -> tuple[list[float], bool, dict[str, float]]:
     """The wall ms of `reps` pushed hand-overs between two processes, whether every one landed
     the whole prompt byte for byte, and the median ms of each of `PUSH_PHASES`."""
-    context = mp.get_context("spawn")
-    ends, out = context.Pipe(), context.Queue()
-    processes = [
-        context.Process(target=role, args=(address, spec, tokens, device.index, reps, end, out))
-        for role, device, end in zip((_producer, _consumer), devices, ends, strict=True)
-    ]
-    for process in processes:
-        process.start()
-    try:
-        results = dict(out.get(timeout=600) for _ in processes)
-    finally:
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
-    for role, result in results.items():
-        if isinstance(result, str):
-            raise RuntimeError(f"the {role} failed:\n{result}")
+    results = run_pair(
+        (_producer, _consumer),
+        devices,
+        lambda device, end, out: (address, spec, tokens, device.index, reps, end, out),
+    )
     walls, ok, phases = results["consumer"]
     return walls, ok, phases
