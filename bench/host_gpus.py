@@ -14,8 +14,11 @@ phase at the same moment (a barrier before each), `--prompts` prompts per worker
 - `client`: `KVStoreClient.store` of each prompt (distinct keys per worker, prompt and round),
   then `load` of each, through the daemon's arena, one call after the other.
 - `client async`: the same with `store_async` / `load_async` of every prompt of the round started
-  before any is waited for, as an engine's connector does: what an engine gets. At the end a prompt is
-  loaded into a poisoned cache and compared byte for byte with the cache it was stored from.
+  before any is waited for, as an engine's connector does.
+- `client registered`: the same again with the caches registered once
+  (`KVStoreClient.register_kv_caches`), as the vLLM connector and the SGLang backend do: what an
+  engine gets. At the end a prompt of each way is loaded into a poisoned cache and compared byte
+  for byte with the cache it was stored from.
 - `client + model` (GPUs): the client phases again while a stream of bf16 8192^3 products runs
   on each GPU; "model slowdown" is the products' median time beside them over alone.
 
@@ -46,11 +49,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_meta, print_table, running_daemon, write_results  # noqa: E402
+from bench.common import print_table, running_daemon, write_results  # noqa: E402
 
 CHUNK_TOKENS = 256  # make_spec's (bench.transfer_cases)
 SLAB_BYTES = 256 << 20
-PHASES = ("memcpy", "kernel", "copy_engine", "staged", "client", "client async")
+PHASES = ("memcpy", "kernel", "copy_engine", "staged", "client", "client async", "client registered")
 
 
 def llama_spec() -> Any:
@@ -203,7 +206,7 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
         owner = 999 if tp else rank  # TP ranks store one prompt's shares; workers their own prompts
 
         def prompt_keys(batch: int) -> list[list[bytes]]:
-            base = (owner * 16 + batch) * prompts * tokens  # under 2**31 for 999 owners and 16 rounds
+            base = (owner * 16 + batch) * prompts * tokens  # under 2**31 for 999 owners and 16 batches
             return [client.keys([base + p * tokens + t for t in range(tokens)]) for p in range(prompts)]
 
         # the first batch warms up, the last is stored beside the model: every store stores anew
@@ -236,6 +239,17 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
         runs["client async load"] = lambda batch: [
             handle.wait() for handle in [client.load_async(None, target, table, keys=k) for k in later[batch]]
         ]
+        # As the vLLM connector and the SGLang backend drive it: the caches registered once.
+        sources, targets = client.register_kv_caches(source), client.register_kv_caches(target)
+        again = [prompt_keys(2 * rounds + 3 + batch) for batch in range(rounds + 1)]
+        runs["client registered store"] = lambda batch: [
+            handle.wait()
+            for handle in [client.store_async(None, sources, table, keys=k) for k in again[batch]]
+        ]
+        runs["client registered load"] = lambda batch: [
+            handle.wait()
+            for handle in [client.load_async(None, targets, table, keys=k) for k in again[batch]]
+        ]
         for batch in range(rounds + 1):  # round 0 warms every path up (Triton's compile too), untimed
             for name, run in runs.items():
                 if batch == 0:
@@ -262,7 +276,7 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
             }
         # The last prompt of the first round, stored one way and the other, into a poisoned cache.
         loaded_tokens, prefix_ok = tokens, True
-        for keys in (loaded[-1], later[0][-1]):
+        for keys in (loaded[-1], later[0][-1], again[0][-1]):
             for layer in target:
                 layer.view(torch.uint8).fill_(0xA5)
             got = client.load(None, target, table, keys=keys)
@@ -378,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
         "--dry-run", action="store_true", help="on CPU: one worker, it runs and bytes are right"
     )
     args = parser.parse_args(argv)
+    if not 1 <= args.rounds <= 4:
+        parser.error("--rounds: 1 to 4 (each round's prompts get keys of their own, 16 batches in all)")
     import torch
 
     if not torch.cuda.is_available() and not args.dry_run:
@@ -387,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt_bytes = llama_spec().page.page_bytes * (args.tokens // CHUNK_TOKENS)
     # Room for every run's prompts: the daemon keeps them all (a TP group stores one worker's bytes).
     groups = sum(counts) + len([c for c in args.tp if c <= available])
-    arena = int(args.arena_gib * (1 << 30)) or groups * (2 * args.rounds + 3) * args.prompts * prompt_bytes
+    arena = int(args.arena_gib * (1 << 30)) or groups * (3 * args.rounds + 4) * args.prompts * prompt_bytes
     arena = -(-arena // SLAB_BYTES) * SLAB_BYTES + 2 * SLAB_BYTES
     config = {"chunk_tokens": CHUNK_TOKENS, "tiers": {"cpu": {"bytes": arena, "slab_bytes": SLAB_BYTES}}}
     settings = {
@@ -402,6 +418,8 @@ def main(argv: list[str] | None = None) -> None:
         for count, tp in [(c, False) for c in counts] + [(c, True) for c in args.tp if c <= available]:
             runs.append(run_count(count, {**settings, "tp": tp}, daemon.address))
             print(f"{count} GPU(s){' as TP ranks' if tp else ''} done", flush=True)
+            # each count as it ends: a run cut short (a device call's time limit) keeps what it measured
+            write_results(args.name, {"arena_bytes": arena, **settings, "runs": runs, "partial": True})
     rows = []
     for run in runs:
         names = [*PHASES, "client + model"] if "client store + model" in run["phases"] else PHASES
@@ -437,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     headers = ["GPUs", "worker", "GPU NUMA node", "CPUs", "registration s", "model slowdown", "bytes"]
     print_table(headers, worker_rows)
-    path = write_results(args.name, {"meta": machine_meta(), "arena_bytes": arena, **settings, "runs": runs})
+    path = write_results(args.name, {"arena_bytes": arena, **settings, "runs": runs})
     print(f"wrote {path}")
     workers = [w for run in runs for w in run["workers"]]
     if not all(w["prefix_ok"] for w in workers):
