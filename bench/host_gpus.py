@@ -274,7 +274,7 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
                 "slowdown": statistics.median(beside) / statistics.median(alone),
                 "products_beside": len(beside),
             }
-        # The last prompt of the first round, stored one way and the other, into a poisoned cache.
+        # The last prompt of the first round, stored each of the three ways, into a poisoned cache.
         loaded_tokens, prefix_ok = tokens, True
         for keys in (loaded[-1], later[0][-1], again[0][-1]):
             for layer in target:
