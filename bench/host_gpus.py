@@ -30,7 +30,10 @@ as the TP ranks of one model (each its 2 of the 8 KV heads, the same prompts).
 A phase's aggregate GB/s is every worker's bytes over the time from the first worker's start
 to the last worker's end; "x memcpy" divides it by the same direction's `memcpy` aggregate
 of the same count in the same run. Each worker also reports its GPU's NUMA node, the CPUs it
-ran on and how long the arena's registration took from its connect.
+ran on and how long the arena's registration took from its connect (7-22 s a count on the
+shared-memory arena, 4x H200). `--pinned` has the daemon pin the arena (`tiers.cpu.pinned`, as
+on a GPU host): it pins it once, and each count's workers map its slabs instead of registering
+it.
 
     python bench/host_gpus.py --gpus 1 2 4 --tp 4 --name host_gpus-h100x4
     python bench/host_gpus.py --gpus 1 --tokens 1024 --prompts 2 --dry-run   # CPU: it runs, bytes right
@@ -385,6 +388,11 @@ def main(argv: list[str] | None = None) -> None:
         "--tp", type=int, nargs="*", default=[], help="also these counts as TP ranks of one model"
     )
     parser.add_argument("--no-products", dest="products", action="store_false", help="no model beside")
+    parser.add_argument(
+        "--pinned",
+        action="store_true",
+        help="the daemon pins the arena (tiers.cpu.pinned): no worker registers it, each maps it",
+    )
     parser.add_argument("--arena-gib", type=float, default=0, help="0: room for every worker's prompts")
     parser.add_argument("--name", default="host_gpus")
     parser.add_argument("--timeout-s", type=float, default=900.0)
@@ -405,13 +413,15 @@ def main(argv: list[str] | None = None) -> None:
     groups = sum(counts) + len([c for c in args.tp if c <= available])
     arena = int(args.arena_gib * (1 << 30)) or groups * (3 * args.rounds + 4) * args.prompts * prompt_bytes
     arena = -(-arena // SLAB_BYTES) * SLAB_BYTES + 2 * SLAB_BYTES
-    config = {"chunk_tokens": CHUNK_TOKENS, "tiers": {"cpu": {"bytes": arena, "slab_bytes": SLAB_BYTES}}}
+    cpu = {"bytes": arena, "slab_bytes": SLAB_BYTES, **({"pinned": True} if args.pinned else {})}
+    config = {"chunk_tokens": CHUNK_TOKENS, "tiers": {"cpu": cpu}}
     settings = {
         "tokens": args.tokens,
         "prompts": args.prompts,
         "rounds": args.rounds,
         "products": args.products,
         "timeout_s": args.timeout_s,
+        "pinned": args.pinned,
     }
     runs = []
     with running_daemon(config) as daemon:
