@@ -5,8 +5,8 @@ channel (`ArenaSlabs`, SCM_RIGHTS). Here the worker reserves one address range f
 arena and maps each slab into it as its turn comes (`cuMemImportFromShareableHandle`,
 `cuMemMap`, `cuMemSetAccess` for the worker's own GPU; for another GPU of the process or its
 CPU only where a transfer needs it, `grant`): nothing is faulted in or registered, a
-256 MiB slab maps in ~7 ms on the H200 host, and the memory is pinned, so the kernels move
-its pages at PCIe speed (bench/host_alloc.py).
+256 MiB slab maps in 2.3 ms on the H200 host (3-4 ms beside stores: bench/pinned_grants.py),
+and the memory is pinned, so the kernels move its pages at PCIe speed (bench/host_alloc.py).
 
 - `ImportedRange(size, slab_bytes, fetchers, device)`: the reserved range (`base`) and `buffer`,
   its bytes as a ctypes array (the tensor the client views them through keeps it alive; once
@@ -227,7 +227,7 @@ def map_pinned(
     """Maps a pinned arena of `size` (whole slabs): its first descriptors fetched now (the
     daemon's refusal, a `KVStoreError`, comes here: a caller its mode keeps out sends bytes
     inline), the range reserved, and every slab mapped behind the transfers by a
-    `SlabRegistrar` at full speed (~7 ms a slab: nothing to fault in, no pause rule)."""
+    `SlabRegistrar` at full speed (2-4 ms a slab: nothing to fault in, no pause rule)."""
     first = fetchers(0, min(ARENA_SLABS_PER_CALL, size // slab_bytes))
     try:
         imported = ImportedRange(size, slab_bytes, fetchers, device)
