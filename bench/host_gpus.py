@@ -17,10 +17,12 @@ phase at the same moment (a barrier before each), `--prompts` prompts per worker
   before any is waited for, as an engine's connector does.
 - `client registered`: the same again with the caches registered once
   (`KVStoreClient.register_kv_caches`), as the vLLM connector and the SGLang backend do: what an
-  engine gets. At the end a prompt of each way is loaded into a poisoned cache and compared byte
+  engine gets. After these a prompt of each way is loaded into a poisoned cache and compared byte
   for byte with the cache it was stored from.
-- `client + model` (GPUs): the client phases again while a stream of bf16 8192^3 products runs
-  on each GPU; "model slowdown" is the products' median time beside them over alone.
+- `client registered + model` (GPUs): the namespace cleared (every store moves its bytes), the
+  registered stores, then loads, `--rounds` rounds each, while a stream of bf16 8192^3 products
+  runs on each GPU; "model slowdown" is the products' median time beside the stores (the loads)
+  over alone (a second before and after), the larger of the two.
 
 Each phase runs once untimed (warm-up: Triton's compile, first touches), then `--rounds` times,
 timed; the median round is reported. A probe process makes 64-key Lookups back to back
@@ -96,17 +98,18 @@ class Timeline:
 
 
 class Products:
-    """bf16 8192^3 products on a stream of their own, queued by a thread while `running`, each
-    timed with events (the GPU's time, whatever the host does): the model beside the transfers."""
+    """bf16 n^3 products (8192: a prefill's large GEMMs) on a stream of their own, queued by a
+    thread while `running`, each timed with events (the GPU's time, whatever the host does): the
+    model beside the transfers."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, n: int = 8192) -> None:
         import threading
 
         import torch
 
         gen = torch.Generator(device=device).manual_seed(0)
-        self.a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16, generator=gen)
-        self.b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16, generator=gen)
+        self.a = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=gen)
+        self.b = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=gen)
         self.out = torch.empty_like(self.a)
         self.stream = torch.cuda.Stream(device)
         self.events: list[tuple[Any, Any]] = []
@@ -142,6 +145,43 @@ class Products:
         return [begin.elapsed_time(end) for begin, end in self.events]
 
 
+def model_beside(
+    client: Any, device: str, runs: dict[str, Any], rounds: int, timeline: Timeline, synchronize: Any
+) -> dict[str, Any]:
+    """The engine's way (caches registered, every prompt's transfer started, then all waited for)
+    beside a model on every GPU: `rounds` rounds of stores, then of loads, each in a window of the
+    model's products of its own; the products alone for a second before and after."""
+    import statistics
+
+    products = Products(device)
+
+    def alone() -> list[float]:
+        products.start()
+        time.sleep(1.0)
+        return products.stop()[3:]
+
+    client.clear()  # every worker's, before the barrier: every store beside the model moves its bytes
+    timeline.barrier.wait()
+    products_ms: dict[str, list[float]] = {"alone": alone()}
+    for direction in ("store", "load"):
+        products.start()
+        for batch in range(1, rounds + 1):
+            run = runs[f"client registered {direction}"]
+            timeline.phase(
+                f"client {direction} + model", lambda run=run, batch=batch: run(batch), synchronize
+            )
+        products_ms[direction] = products.stop()[3:-3]
+    products_ms["alone"] += alone()
+    base = statistics.median(products_ms["alone"])
+    beside = {f"{d}_slowdown": statistics.median(products_ms[d]) / base for d in ("store", "load")}
+    return {
+        "alone_ms": base,
+        **beside,
+        "slowdown": max(beside.values()),
+        "products": {window: len(ms) for window, ms in products_ms.items()},
+    }
+
+
 def worker(rank: int, count: int, args: dict[str, Any], address: str, barrier: Any, out: Any) -> None:
     try:
         out.put((rank, run_worker(rank, count, args, address, barrier)))
@@ -152,7 +192,6 @@ def worker(rank: int, count: int, args: dict[str, Any], address: str, barrier: A
 
 def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrier: Any) -> dict[str, Any]:
     import dataclasses
-    import statistics
 
     import numpy as np
     import torch
@@ -212,8 +251,8 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
             base = (owner * 16 + batch) * prompts * tokens  # under 2**31 for 999 owners and 16 batches
             return [client.keys([base + p * tokens + t for t in range(tokens)]) for p in range(prompts)]
 
-        # the first batch warms up, the last is stored beside the model: every store stores anew
-        batches = [prompt_keys(batch) for batch in range(rounds + 2)]
+        # the first batch warms up: every store stores anew
+        batches = [prompt_keys(batch) for batch in range(rounds + 1)]
         loaded: list[list[bytes]] = batches[0]
         runs: dict[str, Any] = {
             "memcpy store": lambda _: [host.copy_(flat, non_blocking=True) for _ in range(prompts)],
@@ -260,23 +299,6 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
                     synchronize()
                 else:
                     timeline.phase(name, lambda run=run, batch=batch: run(batch), synchronize)
-        model: dict[str, Any] = {}
-        if cuda and args["products"]:  # the model beside the client's transfers, against it alone
-            products = Products(device)
-            barrier.wait()
-            products.start()
-            time.sleep(1.0)
-            alone = products.stop()[3:]
-            products.start()
-            timeline.phase("client store + model", lambda: runs["client store"](rounds + 1), synchronize)
-            timeline.phase("client load + model", lambda: runs["client load"](rounds + 1), synchronize)
-            beside = products.stop()[3:-3]
-            model = {
-                "alone_ms": statistics.median(alone),
-                "beside_ms": statistics.median(beside),
-                "slowdown": statistics.median(beside) / statistics.median(alone),
-                "products_beside": len(beside),
-            }
         # The last prompt of the first round, stored each of the three ways, into a poisoned cache.
         loaded_tokens, prefix_ok = tokens, True
         for keys in (loaded[-1], later[0][-1], again[0][-1]):
@@ -290,6 +312,11 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
                 torch.equal(a[:, hit].view(torch.uint8), b[:, hit].view(torch.uint8))
                 for a, b in zip(source, target, strict=True)
             )
+        model = (
+            model_beside(client, device, runs, rounds, timeline, synchronize)
+            if cuda and args["products"]
+            else {}
+        )
         ok = loaded_tokens == tokens and prefix_ok
         cpus = sorted(os.sched_getaffinity(0))
         return {
@@ -409,9 +436,10 @@ def main(argv: list[str] | None = None) -> None:
     available = torch.cuda.device_count() if torch.cuda.is_available() else 1
     counts = [c for c in args.gpus if c <= available]
     prompt_bytes = llama_spec().page.page_bytes * (args.tokens // CHUNK_TOKENS)
-    # Room for every run's prompts: the daemon keeps them all (a TP group stores one worker's bytes).
-    groups = sum(counts) + len([c for c in args.tp if c <= available])
-    arena = int(args.arena_gib * (1 << 30)) or groups * (3 * args.rounds + 4) * args.prompts * prompt_bytes
+    # Room for the largest run's prompts (a TP group stores one worker's bytes): a run's evict the
+    # earlier runs', which are done with.
+    groups = max(counts + [1 for c in args.tp if c <= available])
+    arena = int(args.arena_gib * (1 << 30)) or groups * (3 * args.rounds + 3) * args.prompts * prompt_bytes
     arena = -(-arena // SLAB_BYTES) * SLAB_BYTES + 2 * SLAB_BYTES
     cpu = {"bytes": arena, "slab_bytes": SLAB_BYTES, **({"pinned": True} if args.pinned else {})}
     config = {"chunk_tokens": CHUNK_TOKENS, "tiers": {"cpu": cpu}}
@@ -425,6 +453,10 @@ def main(argv: list[str] | None = None) -> None:
     }
     runs = []
     with running_daemon(config) as daemon:
+        from bench.connect_processes import ReserveWatch
+
+        reserved_s = ReserveWatch(daemon, time.perf_counter()).wait(args.timeout_s)  # warm-up is part 1's
+        print(f"the daemon's arena of {arena / (1 << 30):.0f} GiB reserved in {reserved_s} s", flush=True)
         for count, tp in [(c, False) for c in counts] + [(c, True) for c in args.tp if c <= available]:
             runs.append(run_count(count, {**settings, "tp": tp}, daemon.address))
             print(f"{count} GPU(s){' as TP ranks' if tp else ''} done", flush=True)
@@ -432,11 +464,11 @@ def main(argv: list[str] | None = None) -> None:
             write_results(args.name, {"arena_bytes": arena, **settings, "runs": runs, "partial": True})
     rows = []
     for run in runs:
-        names = [*PHASES, "client + model"] if "client store + model" in run["phases"] else PHASES
+        names = [*PHASES, "client registered + model"] if "client store + model" in run["phases"] else PHASES
         for name in names:
-            key = name.replace(" + model", "")
-            store = run["phases"][f"{key} store{' + model' if name != key else ''}"]
-            load = run["phases"][f"{key} load{' + model' if name != key else ''}"]
+            key = "client" if name.endswith(" + model") else name
+            suffix = " + model" if name.endswith(" + model") else ""
+            store, load = run["phases"][f"{key} store{suffix}"], run["phases"][f"{key} load{suffix}"]
             label = f"{run['gpus']}{' TP' if run['tp'] else ''}"
             rows.append([label, name, f"{store['gbps']:.1f}", f"{store['x_memcpy']:.2f}",
                          f"{load['gbps']:.1f}", f"{load['x_memcpy']:.2f}"])  # fmt: skip
@@ -455,7 +487,7 @@ def main(argv: list[str] | None = None) -> None:
             w["numa_node"],
             w["cpus"],
             f"{w['registered_s']:.2f}",
-            f"{w['model'].get('slowdown', float('nan')):.3f}",
+            " / ".join(f"{w['model'].get(f'{d}_slowdown', float('nan')):.3f}" for d in ("store", "load")),
             "PASS"
             if w["ok"]
             else f"FAIL ({w['loaded_tokens']} tokens, prefix {'equal' if w['prefix_ok'] else 'DIFFERS'})",
@@ -463,7 +495,15 @@ def main(argv: list[str] | None = None) -> None:
         for run in runs
         for w in run["workers"]
     ]
-    headers = ["GPUs", "worker", "GPU NUMA node", "CPUs", "registration s", "model slowdown", "bytes"]
+    headers = [
+        "GPUs",
+        "worker",
+        "GPU NUMA node",
+        "CPUs",
+        "registration s",
+        "model slowdown (store / load)",
+        "bytes",
+    ]
     print_table(headers, worker_rows)
     path = write_results(args.name, {"arena_bytes": arena, **settings, "runs": runs})
     print(f"wrote {path}")

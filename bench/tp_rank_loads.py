@@ -99,7 +99,7 @@ def measure(tp: int, trace: bool, tokens: int, rounds: int) -> dict[str, Any]:
 
     def synchronize() -> None:
         if on == "cuda":
-            synchronize()
+            torch.cuda.synchronize()
 
     spec = llama_spec()
     spec = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // tp, tp_rank=0, tp_size=tp)

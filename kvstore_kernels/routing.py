@@ -52,8 +52,9 @@ class TransferOptions:
     measured default of the path); it applies to the kernel and to the staged path's pack and
     unpack. `engine`: "kernel", "copy_engine", "staged", "torch" (the reference), or "auto"
     (the module's rule).
-    `staging_bytes`: the staged path's device ring per direction (`staged.NUM_SLOTS` slots);
-    allocated on the first staged transfer, it grows to the largest slot asked for.
+    `staging_bytes`: the staged path's device ring per direction (`staged.NUM_SLOTS` slots, or
+    as many as it holds of smaller pieces, up to `MAX_SLOTS`); allocated on the first staged
+    transfer, it grows to the largest slot asked for.
     """
 
     max_programs: int | None = None

@@ -9,7 +9,8 @@
   of microseconds), then one `cudaMemcpyAsync` moves the slot to its place in the pinned
   buffer on a copy engine. Scatter: the reverse (copy into a slot, then unpack).
 - `StagingRing` (`staged_ring`), `ring_for(device, to_page)`: the per-device, per-direction
-  ring of `NUM_SLOTS` slots, allocated on first use and reused.
+  ring of `NUM_SLOTS` slots (more, up to `MAX_SLOTS`, where pieces are smaller than a slot of
+  `staging_bytes / NUM_SLOTS`), allocated on first use and reused.
 
 Why: the kernel alone must issue PCIe reads and writes from the SMs, which holds SMs for
 the whole transfer and slows the model's kernels; the copy engines alone move 1-D copies
@@ -227,6 +228,7 @@ class Staged:
         self.spec, self.plan, self.to_page = spec, plan, to_page
         self.programs = programs_of(max_programs)
         self.per_piece = layers_per_piece(spec, plan, staging_bytes)
+        self.staging_bytes = staging_bytes
         self.ring = ring_for(plan.device, to_page)
         self.cuda = plan.device.type == "cuda"
         with self.ring.lock, torch.cuda.device(plan.device) if self.cuda else nullcontext():
@@ -237,7 +239,7 @@ class Staged:
         from . import triton_copy
 
         plan, ring = self.plan, self.ring
-        ring.reserve(self.per_piece * plan.page.layer_bytes)
+        ring.reserve(self.per_piece * plan.page.layer_bytes, self.staging_bytes)
         self.memory = ring.memory
         staged_plan, geometry = _staged_geometry(self.spec, plan, ring)
         self.kernel = triton_copy.Launch(self.spec, staged_plan, geometry, to_page=self.to_page, staged=True)

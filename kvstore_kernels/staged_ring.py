@@ -1,10 +1,10 @@
-"""The staged path's device staging ring (`staged`): `NUM_SLOTS` equal slots, handed out in turn.
+"""The staged path's device staging ring (`staged`): equal slots, handed out in turn.
 
 - `StagingRing(device)`: slots of device memory (CPU memory for tests) and, on CUDA, an event
   per slot that says when its last use has run (`free`), one that hands a filled slot from one
-  stream to the other (`ready`), and `started`; `reserve(slot_bytes)` grows the slots, `take()`
-  names the next slot, `address(slot)` where it starts.
-- `NUM_SLOTS`: the slots of a ring.
+  stream to the other (`ready`), and `started`; `reserve(slot_bytes, ring_bytes)` grows the
+  slots, `take()` names the next slot, `address(slot)` where it starts.
+- `NUM_SLOTS`, `MAX_SLOTS`: the fewest and most slots of a ring.
 """
 
 from __future__ import annotations
@@ -14,14 +14,18 @@ import threading
 import torch
 
 # 4 slots of a whole page each: as fast alone as half-page slots, and faster beside matrix
-# products (the H100 with 8B-geometry pages of 32 MiB: bench/NOTES-transfer.md, item 8). The
-# ring is sized by the largest piece, so small pages take 4 small slots whatever the cap.
+# products (the H100 with 8B-geometry pages of 32 MiB: bench/NOTES-transfer.md, item 8).
+# Smaller pages (a TP rank's share of the heads) take as many slots as the ring's bytes hold, up
+# to 16: beside a model's products each unpack (pack) waits for SMs, and the copy engines run
+# only as far ahead as the ring holds bytes (bench/NOTES-host-gpus.md, beside a model).
 NUM_SLOTS = 4
+MAX_SLOTS = 16
 _SLOT_ALIGN = 4096
 
 
 class StagingRing:
-    """`NUM_SLOTS` equal slots of device (or, for tests, CPU) memory, handed out in turn.
+    """`NUM_SLOTS` to `MAX_SLOTS` equal slots of device (or, for tests, CPU) memory, handed out
+    in turn.
 
     Each slot has a `free` event, recorded after the last use of its contents, and a `ready`
     event that hands a filled slot from one stream to the other; `started` orders a scatter's
@@ -35,6 +39,7 @@ class StagingRing:
         self.lock = threading.Lock()
         self.memory = torch.empty(0, dtype=torch.uint8, device=device)
         self.slot_bytes = 0
+        self.slots = NUM_SLOTS
         self._next = 0
         self.free: list[int] = []
         self.ready: list[int] = []
@@ -44,13 +49,17 @@ class StagingRing:
 
             runtime = cudart.runtime()
             with torch.cuda.device(device):
-                self.free = [runtime.event_create() for _ in range(NUM_SLOTS)]
-                self.ready = [runtime.event_create() for _ in range(NUM_SLOTS)]
+                self.free = [runtime.event_create() for _ in range(MAX_SLOTS)]
+                self.ready = [runtime.event_create() for _ in range(MAX_SLOTS)]
                 self.started = runtime.event_create()
 
-    def reserve(self, slot_bytes: int) -> None:
-        """Slots of at least `slot_bytes`; a larger ring replaces the old one once nothing uses it."""
-        if self.slot_bytes >= slot_bytes:
+    def reserve(self, slot_bytes: int, ring_bytes: int) -> None:
+        """Slots of at least `slot_bytes`, as many as `ring_bytes` holds (`NUM_SLOTS` to
+        `MAX_SLOTS`, of the largest slot asked for so far); a new ring replaces the old one once
+        nothing uses it."""
+        size = -(-max(slot_bytes, self.slot_bytes) // _SLOT_ALIGN) * _SLOT_ALIGN
+        slots = min(MAX_SLOTS, max(NUM_SLOTS, ring_bytes // size))
+        if size == self.slot_bytes and slots <= self.slots:
             return
         if self.free:
             from . import cudart
@@ -58,15 +67,14 @@ class StagingRing:
             runtime = cudart.runtime()
             for event in self.free:
                 runtime.event_synchronize(event)  # the old slots' last uses have run (at once if never)
-        size = -(-slot_bytes // _SLOT_ALIGN) * _SLOT_ALIGN
         self.memory = torch.empty(0, dtype=torch.uint8, device=self.device)  # the old ring goes first
-        self.memory = torch.empty(NUM_SLOTS * size, dtype=torch.uint8, device=self.device)
-        self.slot_bytes = size
+        self.memory = torch.empty(slots * size, dtype=torch.uint8, device=self.device)
+        self.slot_bytes, self.slots, self._next = size, slots, 0
 
     def take(self) -> int:
         """The next slot's index."""
         index = self._next
-        self._next = (index + 1) % NUM_SLOTS
+        self._next = (index + 1) % self.slots
         return index
 
     def address(self, slot: int) -> int:

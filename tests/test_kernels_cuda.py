@@ -386,16 +386,18 @@ def _many_pages(num_pages: int) -> tuple[KVSpec, Any, list[int], list[int], list
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("overlap", "copy_streams"), [(True, 1), (True, 2), (False, 1)])
-@pytest.mark.parametrize("layers_per_slot", [1, 4])
+@pytest.mark.parametrize(("layers_per_slot", "slots"), [(1, 4), (4, 4), (16, 16)])
 def test_cuda_staged_ring_is_not_overwritten_in_flight(
-    overlap: bool, copy_streams: int, layers_per_slot: int
+    monkeypatch: pytest.MonkeyPatch, overlap: bool, copy_streams: int, layers_per_slot: int, slots: int
 ) -> None:
-    """24 pages through 4 slots, queued behind a busy stream: each slot's copy (or unpack) runs
-    before the slot is refilled, or pages would hold other pages' bytes (copies on one side
-    stream, on two in turn, or on the caller's stream)."""
+    """24 pages through 4 slots (16 where the ring's bytes hold 16 of the pages), queued behind a
+    busy stream: each slot's copy (or unpack) runs before the slot is refilled, or pages would
+    hold other pages' bytes (copies on one side stream, on two in turn, or on the caller's
+    stream)."""
     from kvstore_kernels import staged
     from kvstore_kernels.validate import plan_transfer
 
+    monkeypatch.setattr(staged, "_rings", {})  # fresh rings, sized by this test's calls
     spec, caches, table, chunks, offsets, size = _many_pages(24)
     staging_bytes = staged_options(spec, layers_per_slot).staging_bytes
     expected = expected_buffer(spec, caches, table, chunks, offsets, size)
@@ -415,6 +417,8 @@ def test_cuda_staged_ring_is_not_overwritten_in_flight(
         spec, back, to_page=False, staging_bytes=staging_bytes, overlap=overlap, copy_streams=copy_streams
     )
     torch.cuda.synchronize()
+    assert staged.ring_for(torch.device("cuda", 0), True).slots == slots
+    assert staged.ring_for(torch.device("cuda", 0), False).slots == slots
     assert torch.equal(buffer, torch.where(expected < 0, 0xA5, expected).to(torch.uint8))
     again = torch.full((size,), 0xA5, dtype=torch.uint8).pin_memory()
     kvstore_kernels.gather(
