@@ -15,6 +15,10 @@ calls each:
   load's Lookup; `plain_lookup_512`: a Lookup that is a query (no lease, not a use);
 - `respond_lookup_64`: the local channel's whole answer to a 64-key Lookup frame
   (`LocalChannelServer.respond`: parse, handler, reply frame);
+- `reserve_32`, `commit_8`, `leased_lookup_32`: a TP 4 rank's 8k-token prompt of Llama-3.1-8B's
+  geometry (32 pages of 8 MiB) stored and loaded as the client does it: its Reserve (with the
+  writer named), each of its four Commits of 8 pages, its leased Lookup + Release (a fresh
+  prompt each time, in an arena with room for all of them: no eviction);
 
 and, with INDEX_PAGES > 0, `index_bytes_per_page` at that many pages (`bench/policy.py`'s
 `store_bytes_per_page`: a steady state of 64-page chains, as many evicted as held).
@@ -82,7 +86,51 @@ def measure(calls: int) -> dict[str, float]:
                 raise RuntimeError("the 512 stored keys did not all stay stored and in the policy")
         finally:
             arena.close(unlink=True)
+        figures |= prompt_calls(Path(tmp), calls)
     return figures
+
+
+def prompt_calls(tmp: Path, calls: int) -> dict[str, float]:
+    """p50 µs of a TP 4 rank's prompt's Reserve, Commit (of 8 pages) and leased Lookup + Release."""
+    import os
+
+    from kvstore.config.root import EvictionConfig
+    from kvstore.shared.peers import Peer
+    from kvstore.shared.spec_page import PageSpec
+    from kvstore.store.policy import make_policy
+    from kvstore.store.store import Store
+    from kvstore.store.store_settings import StoreSettings
+    from kvstore.tiers.cpu import Arena, CpuTier
+
+    page = PageSpec(
+        model="8b", num_layers=32, num_kv_heads=2, head_dim=128, dtype="bfloat16", chunk_tokens=256
+    )
+    prompts = min(calls, 400)
+    size = (prompts * 32 * page.page_bytes // (256 << 20) + 1) * (256 << 20)  # sparse: never touched
+    arena = Arena(tmp / "prompts", size, prefault=False)
+    try:
+        store = Store(CpuTier(arena, size), make_policy(EvictionConfig().policy), StoreSettings(60.0, 600.0))
+        ns = store.connect(page).id
+        writer = Peer(pid=os.getpid(), uid=os.getuid(), start_time=1, connected=True)
+        times: dict[str, list[float]] = {"reserve_32": [], "commit_8": [], "leased_lookup_32": []}
+        for prompt in range(prompts):
+            keys = [(prompt * 32 + k).to_bytes(16, "little") for k in range(32)]
+            begun = time.perf_counter()
+            lease = store.reserve(ns, keys, None, writer).lease_id
+            reserved = time.perf_counter()
+            for _ in range(4):
+                store.commit(ns, lease, 8)
+            committed = time.perf_counter()
+            store.release(ns, store.lookup(ns, keys, lease=True).lease_id)
+            times["reserve_32"].append(reserved - begun)
+            times["commit_8"].append((committed - reserved) / 4)
+            times["leased_lookup_32"].append(time.perf_counter() - committed)
+        if store.lookup(ns, keys).hit_chunks != 32:
+            raise RuntimeError("the last prompt's 32 pages are not all stored")
+    finally:
+        arena.close(unlink=True)
+    skip = prompts // 10  # warm-up
+    return {name: statistics.median(ts[skip:]) * 1e6 for name, ts in times.items()}
 
 
 def compare(this: Path, baseline: Path | None, rounds: int, calls: int, index_pages: int) -> dict[str, Any]:

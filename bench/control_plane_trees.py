@@ -62,6 +62,9 @@ def report_host(host: dict[str, Any]) -> None:
         ("leased_lookup_512", "leased Lookup + Release, 512 keys"),
         ("plain_lookup_512", "plain Lookup, 512 keys"),
         ("respond_lookup_64", "local channel answer, 64-key Lookup"),
+        ("reserve_32", "Reserve, a TP 4 prompt's 32 pages"),
+        ("commit_8", "Commit of 8 of them"),
+        ("leased_lookup_32", "leased Lookup + Release, the 32"),
         ("index_bytes_per_page", f"index bytes per page (<= {TARGET_INDEX_BYTES})"),
     ]
     medians = host["medians"]

@@ -198,12 +198,13 @@ class PageSpec:
         """The "tokens" a page holds per layer: the chunk's, or one state for a state page."""
         return 1 if self.state else self.chunk_tokens
 
-    @property
+    @functools.cached_property
     def layer_bytes(self) -> int:
-        """Bytes of one stored layer of one page: its contiguous span."""
+        """Bytes of one stored layer of one page: its contiguous span (kept: the daemon reads it
+        for every page it reserves, commits and frees)."""
         return self.kv_factor * self.page_tokens * self.token_bytes
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         return self.num_stored_layers * self.layer_bytes
 
