@@ -143,7 +143,7 @@ def _launch(
         return False  # the general path launches it (and compiles the kernel, for the next call)
     grid = max(1, min(-(-segments // shape.segments), triton_copy.DEVICE_MAX_PROGRAMS))
     triton_copy.run_compiled(
-        compiled, grid, handle, (*pointers, *starts[1:]), 0, segments, 0, shape.constants
+        compiled, grid, handle, (*pointers, *starts[1:]), 0, segments, (0, 0), shape.constants
     )
     return True
 

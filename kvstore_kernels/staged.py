@@ -1,13 +1,15 @@
 """Staged copy-engine path: pages packed on the GPU, moved over PCIe by the copy engines.
 
 - `why_not(spec, plan, staging_bytes)`: None when the staged path can move `plan`, else why.
-- `pieces(spec, plan, staging_bytes)`: the transfer cut into `Piece`s, each one contiguous
-  run of a page's stored layers that fits one staging slot (a whole page when it fits).
+- `pieces(spec, plan, staging_bytes)` (`staged_pieces`): the transfer cut into `Piece`s, each
+  one contiguous run of a page's stored layers that fits one staging slot (a whole page when
+  it fits); where a page takes at most half a slot, a slot moves several whole pages.
 - `launch(spec, plan, *, to_page, max_programs, staging_bytes, overlap)`: run a validated
   transfer. Gather: per piece, the Triton kernel packs the piece from the KV cache into a
   slot of a device staging ring (device to device, `max_programs` programs for a few tens
   of microseconds), then one `cudaMemcpyAsync` moves the slot to its place in the pinned
-  buffer on a copy engine. Scatter: the reverse (copy into a slot, then unpack).
+  buffer on a copy engine (one per run of its pages that lie one after another there).
+  Scatter: the reverse (copy into a slot, then unpack).
 - `StagingRing` (`staged_ring`), `ring_for(device, to_page)`: the per-device, per-direction
   ring of `NUM_SLOTS` slots (more, up to `MAX_SLOTS`, where pieces are smaller than a slot of
   `staging_bytes / NUM_SLOTS`), allocated on first use and reused.
@@ -40,15 +42,18 @@ from __future__ import annotations
 import copy
 import ctypes
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from kvstore.shared.spec import KVSpec, PageSpec
 
 from .geometry import Geometry
+from .staged_pieces import Piece, layers_per_piece, pages_per_slot, pieces, slot_pieces
+
+__all__ = ["Staged", "launch", "pieces", "ring_for", "why_not"]
 from .staged_ring import NUM_SLOTS, StagingRing
 from .validate import Transfer
 
@@ -62,20 +67,6 @@ DEFAULT_STAGING_BYTES = 128 << 20  # per direction and device: 4 slots of 32 MiB
 DEFAULT_PROGRAMS = 32  # pack/unpack programs, so SMs, for the few tens of microseconds of a burst
 OVERLAP = True  # copies on a side stream, so packing the next piece overlaps the copy of this one
 COPY_STREAMS = 1
-
-
-class Piece(NamedTuple):
-    """Stored layers `first_layer..stop_layer-1` (indices into the plan's moved layers) of page `page`."""
-
-    page: int
-    first_layer: int
-    stop_layer: int
-
-
-def layers_per_piece(spec: KVSpec, plan: Transfer, staging_bytes: int) -> int:
-    """Moved layers one slot holds: all of them when a page fits, else as many as fit (0: none)."""
-    slot_bytes = staging_bytes // NUM_SLOTS
-    return min(len(plan.layers), slot_bytes // plan.page.layer_bytes)
 
 
 def why_not(spec: KVSpec, plan: Transfer, staging_bytes: int) -> str | None:
@@ -97,24 +88,6 @@ def why_not(spec: KVSpec, plan: Transfer, staging_bytes: int) -> str | None:
             f"less than one stored layer of a page ({plan.page.layer_bytes} bytes)"
         )
     return None
-
-
-def pieces(spec: KVSpec, plan: Transfer, staging_bytes: int) -> list[Piece]:
-    """Every page's moved layers, in runs of at most `layers_per_piece`, page after page."""
-    return list(_pieces(plan, layers_per_piece(spec, plan, staging_bytes)))
-
-
-def _pieces(plan: Transfer, per_piece: int) -> Iterator[Piece]:
-    for page in range(len(plan.offsets)):
-        yield from _page_pieces(page, len(plan.layers), per_piece)
-
-
-def _page_pieces(page: int, count: int, per_piece: int) -> Iterator[Piece]:
-    """Page `page`'s `count` moved layers in runs of at most `per_piece`."""
-    if not per_piece:
-        return
-    for first in range(0, count, per_piece):
-        yield Piece(page, first, min(first + per_piece, count))
 
 
 def _staged_geometry(spec: KVSpec, plan: Transfer, ring: StagingRing) -> tuple[Transfer, Geometry]:
@@ -229,6 +202,8 @@ class Staged:
         self.programs = programs_of(max_programs)
         self.per_piece = layers_per_piece(spec, plan, staging_bytes)
         self.staging_bytes = staging_bytes
+        self.page_span = self.per_piece * plan.page.layer_bytes
+        self.per_slot = pages_per_slot(plan, self.per_piece, staging_bytes)
         self.ring = ring_for(plan.device, to_page)
         self.cuda = plan.device.type == "cuda"
         with self.ring.lock, torch.cuda.device(plan.device) if self.cuda else nullcontext():
@@ -239,7 +214,7 @@ class Staged:
         from . import triton_copy
 
         plan, ring = self.plan, self.ring
-        ring.reserve(self.per_piece * plan.page.layer_bytes, self.staging_bytes)
+        ring.reserve(self.per_slot * self.page_span, self.staging_bytes)
         self.memory = ring.memory
         staged_plan, geometry = _staged_geometry(self.spec, plan, ring)
         self.kernel = triton_copy.Launch(self.spec, staged_plan, geometry, to_page=self.to_page, staged=True)
@@ -287,41 +262,66 @@ class Staged:
             pages = list(pages)
             if len(pages) != len(offsets):
                 raise ValueError(f"pages and offsets: {len(pages)} pages but {len(offsets)} offsets")
-            count, per_piece = len(plan.layers), self.per_piece
-            work = (piece for j in range(len(pages)) for piece in _page_pieces(j, count, per_piece))
+            work = slot_pieces(pages, len(plan.layers), self.per_piece, self.per_slot)
+            page_span = self.page_span
 
             def pack(piece: Piece, slot: int) -> None:
                 first = pages[piece.page] * segments_per_page + piece.first_layer * segments_per_layer
-                end = first + (piece.stop_layer - piece.first_layer) * segments_per_layer
+                end = (
+                    pages[piece.page + piece.pages - 1] * segments_per_page
+                    + piece.stop_layer * segments_per_layer
+                )
                 base = ring_base + slot * slot_bytes - piece.first_layer * layer_bytes
-                kernel.run(first, end, programs, base, stream)
+                kernel.run(first, end, programs, (base, page_span), stream)
 
-            def span(piece: Piece) -> tuple[int, int]:
-                """(host address, bytes) of a piece in the buffer."""
+            def span(piece: Piece) -> list[tuple[int, int, int]]:
+                """(host address, offset in the slot, bytes) of each run of the piece's pages that
+                lie one after another in the buffer: one copy each."""
                 position = plan.positions[piece.first_layer]
-                at = host + offsets[piece.page] + position * layer_bytes
-                return at, (piece.stop_layer - piece.first_layer) * layer_bytes
+                size = (piece.stop_layer - piece.first_layer) * layer_bytes
+                runs: list[tuple[int, int, int]] = []
+                for k in range(piece.pages):
+                    at = host + offsets[piece.page + k] + position * layer_bytes
+                    if runs and runs[-1][0] + runs[-1][2] == at:  # whole pages: the slot's follow too
+                        runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + size)
+                    else:
+                        runs.append((at, k * page_span, size))
+                return runs
 
             if stream is not None:
                 streams = max(1, copy_streams) if overlap else 0
                 _issue_cuda(ring, work, pack, span, stream, to_page=to_page, copy_streams=streams)
             else:
-                for piece in work:
-                    slot = ring.take()
-                    at, size = span(piece)
-                    if to_page:
-                        pack(piece, slot)
-                        ctypes.memmove(at, ring.address(slot), size)
-                    else:
-                        ctypes.memmove(ring.address(slot), at, size)
-                        pack(piece, slot)
+                _issue_cpu(ring, work, pack, span, to_page=to_page)
+
+
+def _issue_cpu(
+    ring: StagingRing,
+    work: Iterable[Piece],
+    pack: Callable[[Piece, int], None],
+    span: Callable[[Piece], list[tuple[int, int, int]]],
+    *,
+    to_page: bool,
+) -> None:
+    """Every piece in turn with CPU tensors (tests): pack then `memmove`s, or the reverse."""
+    for piece in work:
+        slot = ring.take()
+        if to_page:
+            pack(piece, slot)
+        for at, within, size in span(piece):
+            if to_page:
+                ctypes.memmove(at, ring.address(slot) + within, size)
+            else:
+                ctypes.memmove(ring.address(slot) + within, at, size)
+        if not to_page:
+            pack(piece, slot)
 
 
 def _issue_cuda(
     ring: StagingRing,
     work: Iterable[Piece],
     pack: Callable[[Piece, int], None],
-    span: Callable[[Piece], tuple[int, int]],
+    span: Callable[[Piece], list[tuple[int, int, int]]],
     current: int,
     *,
     to_page: bool,
@@ -347,19 +347,21 @@ def _issue_cuda(
         slot = ring.take()
         copies = sides[index % len(sides)]
         free, ready, address = ring.free[slot], ring.ready[slot], ring.address(slot)
-        at, size = span(piece)
+        runs = span(piece)
         if to_page:
             wait(current, free)  # the copy out of this slot's last contents has run
             pack(piece, slot)
             if overlap:
                 record(ready, current)
                 wait(copies, ready)
-            memcpy(at, address, size, copies)
+            for at, within, size in runs:
+                memcpy(at, address + within, size, copies)
             record(free, copies)
             last[copies] = slot
         else:
             wait(copies, free)  # the unpack of this slot's last contents has run
-            memcpy(address, at, size, copies)
+            for at, within, size in runs:
+                memcpy(address + within, at, size, copies)
             if overlap:
                 record(ready, copies)
                 wait(current, ready)

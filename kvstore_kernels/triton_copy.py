@@ -4,7 +4,7 @@
   (`validate.Transfer`) in one launch; `kvstore_kernels.gather`/`scatter` call it where
   the route (`routing`) picks the kernel.
 - `Launch(spec, plan, geometry, to_page=..., tuning=..., staged=...)`: the kernel's arguments,
-  tables uploaded once; `Launch.run(first, end, programs, stage_base)` moves segments
+  tables uploaded once; `Launch.run(first, end, programs, stage)` moves segments
   `first..end-1` (the staged path, `staged`, runs one launch per piece of a page).
 - `Tuning`: the kernel's shape (bytes per load, segments per step, warps, cache hints);
   `DEFAULT_TUNING` is the measured choice, other values are for benchmarks.
@@ -198,27 +198,28 @@ class Launch:
         return other
 
     def run(
-        self, first: int, end: int, max_programs: int, stage_base: int = 0, stream: int | None = None
+        self, first: int, end: int, programs: int, stage: tuple[int, int] = (0, 0), stream: int | None = None
     ) -> Any:
-        """Move segments `first..end-1` with at most `max_programs` programs, on the current stream
+        """Move segments `first..end-1` with at most `programs` programs, on the current stream
         (`stream`: its handle, when the caller has it).
 
-        `stage_base` (staged launches only): the address that stands for each page's start.
+        `stage` (staged launches only): the address that stands for the first page's start, and
+        the bytes from each page of the launch to the next.
         The first launch of a specialisation goes through Triton's dispatch, which compiles or
         finds the kernel; later ones (every piece of the staged path, and later calls with the
         same geometry) call its launcher directly: equal `_key`s (the device, the tables' alignment
         and offsets, `Shape.key`) mean the same compiled kernel."""
-        grid = max(1, min(triton.cdiv(end - first, self.segments_per_step), max_programs))
-        kinds = (_int_kind(first), _int_kind(end), _int_kind(stage_base))
+        grid = max(1, min(triton.cdiv(end - first, self.segments_per_step), programs))
+        kinds = (_int_kind(first), _int_kind(end), *map(_int_kind, stage))
         compiled = self._kernels.get(kinds)
         if compiled is None and FAST_LAUNCH and self._key is not None:
             compiled = self._kernels[kinds] = _compiled.get((self._key, kinds))
         if compiled is not None and no_launch_hooks():
             if stream is None:
                 stream = torch.cuda.current_stream().cuda_stream
-            run_compiled(compiled, grid, stream, self._pointers, first, end, stage_base, self._constants)
+            run_compiled(compiled, grid, stream, self._pointers, first, end, stage, self._constants)
             return compiled
-        compiled = triton_kernel.copy_pages[(grid,)](*self._args, first, end, stage_base, **self._kwargs)
+        compiled = triton_kernel.copy_pages[(grid,)](*self._args, first, end, *stage, **self._kwargs)
         if FAST_LAUNCH and self._key is not None and hasattr(compiled, "packed_metadata"):
             _compiled[(self._key, kinds)] = self._kernels[kinds] = compiled
         return compiled
@@ -228,15 +229,15 @@ class Launch:
 # specialisation, most of a launch's host time (bench/NOTES-transfer.md, item 9b);
 # KVSTORE_TRITON_DISPATCH=1 turns it off.
 FAST_LAUNCH = os.environ.get("KVSTORE_TRITON_DISPATCH", "") in ("", "0") and list(
-    getattr(triton_kernel.copy_pages, "arg_names", [])[5:8]
-) == ["first_segment", "num_segments", "stage_base"]
+    getattr(triton_kernel.copy_pages, "arg_names", [])[5:9]
+) == ["first_segment", "num_segments", "stage_base", "stage_stride"]
 _compiled: dict[tuple[Any, ...], Any] = {}  # specialisation (`Launch._key` + int kinds) -> kernel
 
 
 def specialisation(
     device: int, pointers: tuple[int, int], starts: Sequence[int], shape: Shape
 ) -> tuple[Any, ...]:
-    """What Triton specialises a launch of `copy_pages` on, but the three unspecialised integers'
+    """What Triton specialises a launch of `copy_pages` on, but the four unspecialised integers'
     kinds: the device, the tables' 16-byte alignment (`pointers`: the tables', the block ids'),
     the tables' offsets after the block ids (`starts`) and the shape. Equal keys (with equal int
     kinds): the same compiled kernel, in `_compiled`."""
@@ -244,8 +245,9 @@ def specialisation(
 
 
 def compiled_for(key: tuple[Any, ...], first: int, end: int, stage_base: int = 0) -> Any:
-    """The kernel compiled for `key` (`specialisation`) and these integers, or None (not yet)."""
-    return _compiled.get((key, (_int_kind(first), _int_kind(end), _int_kind(stage_base))))
+    """The kernel compiled for `key` (`specialisation`) and these integers (a stride of 0), or
+    None (not yet)."""
+    return _compiled.get((key, (_int_kind(first), _int_kind(end), _int_kind(stage_base), _int_kind(0))))
 
 
 def run_compiled(
@@ -255,14 +257,14 @@ def run_compiled(
     pointers: Sequence[int],
     first: int,
     end: int,
-    stage_base: int,
+    stage: tuple[int, int],
     constants: tuple[Any, ...],
 ) -> None:
     """Launch a compiled `copy_pages` through its launcher: `pointers` are the tables', the block
     ids' and the three table offsets; `constants` a `Shape`'s."""
     compiled.run(
         grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-        *pointers, first, end, stage_base, *constants,
+        *pointers, first, end, *stage, *constants,
     )  # fmt: skip
 
 
@@ -307,9 +309,9 @@ def shape_of(
     # The launcher takes every kernel argument in order, constexprs included (it skips them),
     # and pointers as plain addresses (a tensor costs it a driver call to check).
     names = getattr(triton_kernel.copy_pages, "arg_names", [])
-    constants = tuple(kwargs[name] for name in names[8:])
+    constants = tuple(kwargs[name] for name in names[9:])
     # What Triton may specialise a launch on, beyond the pointers' alignment, the tables' offsets
-    # and the three unspecialised integers: the exact value of every other integer (Triton looks at
+    # and the four unspecialised integers: the exact value of every other integer (Triton looks at
     # divisibility by 16 and equality to 1 only: a superset), every constant and option.
     shape = Shape(segments, kwargs, constants, tuple(kwargs.items()))
     with _shapes_lock:

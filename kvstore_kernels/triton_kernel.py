@@ -27,7 +27,7 @@ WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
 
 # Per-launch values of the staged path: not specialised, so one compiled kernel serves every piece.
-@triton.jit(do_not_specialize=["first_segment", "num_segments", "stage_base"])
+@triton.jit(do_not_specialize=["first_segment", "num_segments", "stage_base", "stage_stride"])
 def copy_pages(
     tables,  # int64: page addresses, then the parts that start at the *_at offsets
     blocks,  # int64 [pages, blocks_per_chunk]: a part of `tables`, or a device tensor
@@ -36,7 +36,8 @@ def copy_pages(
     layer_page_offsets_at,
     first_segment,  # this launch moves segments first_segment..num_segments-1
     num_segments,
-    stage_base,  # STAGED: every page of this launch starts here (a staging slot, less its offset)
+    stage_base,  # STAGED: this launch's first page starts here (a staging slot, less its offset)
+    stage_stride,  # STAGED: bytes from one page of this launch to the next in the slot
     num_layer_kv,  # runtime, not constexpr: a new layer range must not recompile
     blocks_per_chunk,
     num_blocks,
@@ -75,7 +76,11 @@ def copy_pages(
         cache_addr = tl.load(layer_addrs + layer_kv, mask=live, other=0) + block * tl.load(
             layer_strides + layer_kv * 4, mask=live, other=0
         )
-        page_base = stage_base.to(tl.int64) if STAGED else tl.load(tables + page, mask=live, other=0)
+        if STAGED:  # the launch's pages one after the other in its slot
+            first_page = first_segment // (blocks_per_chunk * num_layer_kv)
+            page_base = stage_base.to(tl.int64) + (page - first_page).to(tl.int64) * stage_stride
+        else:
+            page_base = tl.load(tables + page, mask=live, other=0)
         page_addr = (
             page_base
             + tl.load(layer_page_offsets + layer_kv, mask=writes, other=0)

@@ -266,3 +266,65 @@ def test_prepared_registered_caches_check_every_table() -> None:
         twice = table.clone()
         twice[0] = twice[1]
         kvstore_kernels.prepare(spec, registered, twice, [0, 1], buffer, to_page=False)
+
+
+@pytest.mark.parametrize("to_page", [True, False])
+@pytest.mark.parametrize("layers", [None, range(1, 3)])
+@pytest.mark.parametrize("apart", [0, 24])
+def test_staged_slots_of_several_whole_pages(
+    monkeypatch: pytest.MonkeyPatch, to_page: bool, layers: range | None, apart: int
+) -> None:
+    """Where a page's moved layers take at most half a staging slot, one slot and one launch move
+    several whole pages that follow one another in the plan (runs of them at offsets one after
+    another in the buffer in one copy): pages named in a run longer than a slot, singly, and in
+    an order that does not follow the plan; at offsets adjacent and `apart`; poisoned twice."""
+    from kvstore_kernels import staged, triton_copy
+
+    spec = make_spec("flash_attn", "bfloat16", num_layers=4)
+    chunks = [5, 1, 2, 3, 4, 0, 6, 7]
+    table = block_table(8 * spec.blocks_per_chunk, 8 * spec.blocks_per_chunk, seed=4)
+    moved = len(layers or range(4))
+    options = staged_options(spec, 3 * moved)  # a slot holds 3 pages' moved layers
+    parts = [[1, 2, 3, 4, 5], [7], [6, 0]]  # slots: 1-3, 4-5; 7; 6; 0
+    page, at, offsets = spec.page.page_bytes, 8, []
+    for part in parts:
+        offsets.append([])
+        for _ in part:
+            offsets[-1].append(at)
+            at += page + apart
+    size = at + 64
+    monkeypatch.setattr(staged, "_rings", {})  # a ring of this test's slots
+    launches: list[tuple[int, int]] = []
+    real_run = triton_copy.Launch.run
+
+    def counted(self: Any, first: int, end: int, *args: Any, **kwargs: Any) -> Any:
+        launches.append((first, end))
+        return real_run(self, first, end, *args, **kwargs)
+
+    monkeypatch.setattr(triton_copy.Launch, "run", counted)
+    wanted = [chunks[p] for part in parts for p in part]
+    source = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+    for poison in POISONS:
+        bases, caches = build(
+            spec, device_of("staged"), num_blocks=len(table), fill=None if to_page else poison
+        )
+        buffer = buffer_of("staged", torch.full((size,), poison, dtype=torch.uint8) if to_page else source)
+        prepared = kvstore_kernels.prepare(
+            spec, caches, table, chunks, buffer, layers, to_page=to_page, options=options
+        )
+        launches.clear()
+        for part, part_offsets in zip(parts, offsets, strict=True):
+            prepared.run(part, part_offsets)
+        settle("staged")
+        assert len(launches) == 5, launches  # 1-3, 4-5, 7, 6, 0
+        if to_page:
+            expected = expected_buffer(spec, caches, table, wanted, sum(offsets, []), size, layers)
+            want = torch.where(expected < 0, poison, expected).to(torch.uint8)
+            assert torch.equal(buffer.cpu(), want), (
+                f"poison {poison:#x}: {int((buffer.cpu() != want).sum())} differ"
+            )
+        else:
+            want_bases, want = build(spec, "cpu", num_blocks=len(table), fill=poison)
+            write_expected(spec, want, table, wanted, source, sum(offsets, []), layers)
+            for index, (got, exp) in enumerate(zip(as_bytes(bases), as_bytes(want_bases), strict=True)):
+                assert torch.equal(got.cpu(), exp), f"poison {poison:#x}, tensor {index} differs"
