@@ -51,9 +51,8 @@ import torch
 from kvstore.shared.spec import KVSpec, PageSpec
 
 from .geometry import Geometry
-from .staged_pieces import Piece, layers_per_piece, pages_per_slot, pieces, slot_pieces
-
-__all__ = ["Staged", "launch", "pieces", "ring_for", "why_not"]
+from .staged_pieces import Piece, layers_per_piece, pages_per_slot, slot_pieces
+from .staged_pieces import pieces as pieces  # staged.pieces, as before it moved
 from .staged_ring import NUM_SLOTS, StagingRing
 from .validate import Transfer
 
@@ -277,22 +276,29 @@ class Staged:
             def span(piece: Piece) -> list[tuple[int, int, int]]:
                 """(host address, offset in the slot, bytes) of each run of the piece's pages that
                 lie one after another in the buffer: one copy each."""
-                position = plan.positions[piece.first_layer]
+                at = host + plan.positions[piece.first_layer] * layer_bytes
                 size = (piece.stop_layer - piece.first_layer) * layer_bytes
-                runs: list[tuple[int, int, int]] = []
-                for k in range(piece.pages):
-                    at = host + offsets[piece.page + k] + position * layer_bytes
-                    if runs and runs[-1][0] + runs[-1][2] == at:  # whole pages: the slot's follow too
-                        runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + size)
-                    else:
-                        runs.append((at, k * page_span, size))
-                return runs
+                return _runs([at + offsets[piece.page + k] for k in range(piece.pages)], size, page_span)
 
             if stream is not None:
                 streams = max(1, copy_streams) if overlap else 0
                 _issue_cuda(ring, work, pack, span, stream, to_page=to_page, copy_streams=streams)
             else:
                 _issue_cpu(ring, work, pack, span, to_page=to_page)
+
+
+def _runs(addresses: list[int], size: int, stride: int) -> list[tuple[int, int, int]]:
+    """(host address, offset in the slot, bytes) of each run of a slot's pages (`size` bytes at
+    each of `addresses` in the buffer, `stride` apart in the slot) that lie one after another on
+    both sides: one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for k, at in enumerate(addresses):
+        last = runs[-1] if runs else None
+        if last and last[0] + last[2] == at and last[1] + last[2] == k * stride:
+            runs[-1] = (last[0], last[1], last[2] + size)
+        else:
+            runs.append((at, k * stride, size))
+    return runs
 
 
 def _issue_cpu(
