@@ -4,8 +4,8 @@
   (`validate.Transfer`) in one launch; `kvstore_kernels.gather`/`scatter` call it where
   the route (`routing`) picks the kernel.
 - `Launch(spec, plan, geometry, to_page=..., tuning=..., staged=...)`: the kernel's arguments,
-  tables uploaded once; `Launch.run(first, end, programs, stage)` moves segments
-  `first..end-1` (the staged path, `staged`, runs one launch per piece of a page).
+  tables uploaded once; `Launch.run(first, end, programs, stage)` moves segments `first..end-1`
+  (the staged path, `staged`, runs one launch per slot: a piece of a page, or several pages).
 - `Tuning`: the kernel's shape (bytes per load, segments per step, warps, cache hints);
   `DEFAULT_TUNING` is the measured choice, other values are for benchmarks.
 - `shape_of`, `specialisation`, `compiled_for`, `run_compiled`: a launch's arguments made once
