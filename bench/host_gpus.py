@@ -155,15 +155,21 @@ def model_beside(
 
     products = Products(device)
 
+    windows: list[tuple[str, float, float]] = []  # (window, start, stop) on CLOCK_MONOTONIC
+
     def alone() -> list[float]:
+        begun = time.monotonic()
         products.start()
         time.sleep(1.0)
-        return products.stop()[3:]
+        ms = products.stop()[3:]
+        windows.append(("alone", begun, time.monotonic()))
+        return ms
 
     client.clear()  # every worker's, before the barrier: every store beside the model moves its bytes
     timeline.barrier.wait()
     products_ms: dict[str, list[float]] = {"alone": alone()}
     for direction in ("store", "load"):
+        begun = time.monotonic()
         products.start()
         for batch in range(1, rounds + 1):
             run = runs[f"client registered {direction}"]
@@ -171,6 +177,7 @@ def model_beside(
                 f"client {direction} + model", lambda run=run, batch=batch: run(batch), synchronize
             )
         products_ms[direction] = products.stop()[3:-3]
+        windows.append((direction, begun, time.monotonic()))
     products_ms["alone"] += alone()
     base = statistics.median(products_ms["alone"])
     beside = {f"{d}_slowdown": statistics.median(products_ms[d]) / base for d in ("store", "load")}
@@ -179,6 +186,7 @@ def model_beside(
         **beside,
         "slowdown": max(beside.values()),
         "products": {window: len(ms) for window, ms in products_ms.items()},
+        "windows": windows,
     }
 
 
