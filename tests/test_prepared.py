@@ -328,3 +328,25 @@ def test_staged_slots_of_several_whole_pages(
             write_expected(spec, want, table, wanted, source, sum(offsets, []), layers)
             for index, (got, exp) in enumerate(zip(as_bytes(bases), as_bytes(want_bases), strict=True)):
                 assert torch.equal(got.cpu(), exp), f"poison {poison:#x}, tensor {index} differs"
+
+
+def test_staging_ring_slots_follow_the_largest_slot_and_the_ring_bytes() -> None:
+    """A ring's slots: at least `NUM_SLOTS`, as many as its bytes hold of the largest slot asked
+    for so far, at most `MAX_SLOTS`; a new ring (memory) whenever the slots change, handed out in
+    turn from the first."""
+    from kvstore_kernels.staged_ring import MAX_SLOTS, NUM_SLOTS, StagingRing
+
+    mib = 1 << 20
+    ring = StagingRing(torch.device("cpu"))
+    ring.reserve(3 * mib, 16 * mib)
+    assert (ring.slots, ring.slot_bytes, ring.memory.numel()) == (5, 3 * mib, 15 * mib)
+    assert [ring.take() for _ in range(7)] == [0, 1, 2, 3, 4, 0, 1]
+    first = ring.memory
+    ring.reserve(2 * mib, 16 * mib)  # smaller slots asked for: the ring stays
+    assert ring.memory is first and ring.slots == 5
+    ring.reserve(8 * mib, 16 * mib)  # larger: fewer of them, never under NUM_SLOTS
+    assert (ring.slots, ring.slot_bytes) == (NUM_SLOTS, 8 * mib) and ring.memory is not first
+    assert ring.take() == 0
+    ring.reserve(1 * mib, 1 << 30)  # the largest slot so far, as many as the bytes hold, capped
+    assert (ring.slots, ring.slot_bytes, ring.memory.numel()) == (MAX_SLOTS, 8 * mib, MAX_SLOTS * 8 * mib)
+    assert ring.address(3) == ring.memory.data_ptr() + 3 * 8 * mib
