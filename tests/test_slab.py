@@ -121,3 +121,40 @@ def test_slabs_not_reserved_yet_are_not_handed_out() -> None:
     assert [slots.alloc(256 * KIB), slots.alloc(256 * KIB)] == [256 * KIB, 768 * KIB]
     with pytest.raises(MemoryError):
         slots.alloc(256 * KIB)
+
+
+def test_alloc_many_gives_what_as_many_allocs_give_or_nothing() -> None:
+    """`alloc_many(size, n)` against `n` calls of `alloc` on a twin allocator, through random churn
+    of three sizes (freed slots reused, slabs carved, handed back and taken by another size):
+    the same offsets in the same order, the same accounting; and where fewer than `n` slots are
+    left, MemoryError with nothing taken."""
+    rng = random.Random(11)
+    many = SlabAllocator(capacity=4096 * KIB, slab_bytes=256 * KIB)
+    one = SlabAllocator(capacity=4096 * KIB, slab_bytes=256 * KIB)
+    sizes = [4 * KIB, 20 * KIB, 100 * KIB]
+    live: dict[int, int] = {}
+    refused = 0
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            for offset in rng.sample(list(live), min(len(live), rng.randint(1, 8))):
+                many.free(offset)
+                one.free(offset)
+                del live[offset]
+            continue
+        size, count = rng.choice(sizes), rng.randint(1, 40)
+        if count > one.available(size):
+            before = (many.bytes_used, many.available(size), many.available(4 * KIB))
+            with pytest.raises(MemoryError):
+                many.alloc_many(size, count)
+            assert (many.bytes_used, many.available(size), many.available(4 * KIB)) == before
+            refused += 1
+            continue
+        offsets = many.alloc_many(size, count)
+        assert offsets == [one.alloc(size) for _ in range(count)]
+        assert not set(offsets) & set(live)
+        live.update(dict.fromkeys(offsets, size))
+        assert many.bytes_used == one.bytes_used == sum(live.values())
+        assert all(many.available(s) == one.available(s) for s in sizes)
+    assert refused > 10  # the arena was full often enough to refuse
+    spans = sorted((o, o + s) for o, s in live.items())
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))

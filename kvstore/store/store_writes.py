@@ -102,8 +102,10 @@ class Writes:
         `pool` only, with no arena slot until the page moves down."""
         entries = []
         if slots is None:
-            for key in keys:
-                entry = ns.new_entry(key, self.state.cpu.slots.alloc(ns.spec.page_bytes))
+            for key, offset in zip(
+                keys, self.state.cpu.slots.alloc_many(ns.spec.page_bytes, len(keys)), strict=True
+            ):
+                entry = ns.new_entry(key, offset)
                 ns.entries[key] = entry
                 entries.append(entry)
         else:

@@ -9,6 +9,7 @@ slot is freed, so namespaces with different page sizes share the arena.
   reserved in the background, `reserve`); slabs go out lowest first.
 - `alloc(page_bytes)` / `free(offset)`: O(1) (slabs are carved lazily with a
   bump index; returning a slab costs what its allocations already paid).
+  `alloc_many(page_bytes, count)`: what `count` calls of `alloc` give, or nothing.
 - `available(page_bytes)`: slots that can be allocated without eviction.
 - `plan_free(page_bytes, count, candidates)`: which of the candidates (in
   eviction order) to free so that `count` slots of that size become available,
@@ -97,6 +98,37 @@ class SlabAllocator:
         self._used[offset // self.slab_bytes] += 1
         self.bytes_used += cls.page_bytes
         return offset
+
+    def alloc_many(self, page_bytes: int, count: int) -> list[int]:
+        """The offsets `count` calls of `alloc` would give, in that order; MemoryError, with none
+        taken, where fewer are left. A run carved from one slab is taken at once (a Reserve's
+        pages: the daemon's work per page is most of a Reserve's)."""
+        cls = self._class(page_bytes)
+        if count > self.available(page_bytes):
+            raise MemoryError(f"no free slot for {count} pages of {page_bytes} bytes")
+        offsets: list[int] = []
+        used, slab_bytes, stride = self._used, self.slab_bytes, cls.stride
+        while cls.free and len(offsets) < count:
+            offset, _ = cls.free.popitem()
+            used[offset // slab_bytes] += 1
+            offsets.append(offset)
+        while len(offsets) < count:
+            if not cls.carving:
+                slab = self._free_slabs.pop()
+                self._owner[slab] = cls
+                self._carved[slab] = 0
+                cls.carving[slab] = None
+            slab = next(iter(cls.carving))
+            carved = self._carved[slab]
+            take = min(count - len(offsets), cls.slots_per_slab - carved)
+            start = slab * slab_bytes + carved * stride
+            offsets.extend(range(start, start + take * stride, stride))
+            self._carved[slab] = carved + take
+            used[slab] += take
+            if carved + take == cls.slots_per_slab:
+                del cls.carving[slab]
+        self.bytes_used += count * cls.page_bytes
+        return offsets
 
     def free(self, offset: int) -> None:
         slab = offset // self.slab_bytes
