@@ -271,8 +271,9 @@ def test_prepared_registered_caches_check_every_table() -> None:
 @pytest.mark.parametrize("to_page", [True, False])
 @pytest.mark.parametrize("layers", [None, range(1, 3)])
 @pytest.mark.parametrize("apart", [0, 24])
+@pytest.mark.parametrize("layout", ["flash_attn", "mla", "cross_layer"])
 def test_staged_slots_of_several_whole_pages(
-    monkeypatch: pytest.MonkeyPatch, to_page: bool, layers: range | None, apart: int
+    monkeypatch: pytest.MonkeyPatch, to_page: bool, layers: range | None, apart: int, layout: str
 ) -> None:
     """Where a page's moved layers take at most half a staging slot, one slot and one launch move
     several whole pages that follow one another in the plan (runs of them at offsets one after
@@ -280,7 +281,7 @@ def test_staged_slots_of_several_whole_pages(
     an order that does not follow the plan; at offsets adjacent and `apart`; poisoned twice."""
     from kvstore_kernels import staged, triton_copy
 
-    spec = make_spec("flash_attn", "bfloat16", num_layers=4)
+    spec = make_spec(layout, "float8_e4m3fn" if layout == "mla" else "bfloat16", num_layers=4)
     chunks = [5, 1, 2, 3, 4, 0, 6, 7]
     table = block_table(8 * spec.blocks_per_chunk, 8 * spec.blocks_per_chunk, seed=4)
     moved = len(layers or range(4))
