@@ -271,7 +271,7 @@ def test_prepared_registered_caches_check_every_table() -> None:
 @pytest.mark.parametrize("to_page", [True, False])
 @pytest.mark.parametrize("layers", [None, range(1, 3)])
 @pytest.mark.parametrize("apart", [0, 24])
-@pytest.mark.parametrize("layout", ["flash_attn", "mla", "cross_layer"])
+@pytest.mark.parametrize("layout", ["flash_attn", "mla", "cross_layer", "hf"])
 def test_staged_slots_of_several_whole_pages(
     monkeypatch: pytest.MonkeyPatch, to_page: bool, layers: range | None, apart: int, layout: str
 ) -> None:
