@@ -15,9 +15,10 @@ import torch
 
 # 4 slots of a whole page each: as fast alone as half-page slots, and faster beside matrix
 # products (the H100 with 8B-geometry pages of 32 MiB: bench/NOTES-transfer.md, item 8).
-# Smaller pages (a TP rank's share of the heads) take as many slots as the ring's bytes hold, up
-# to 16: beside a model's products each unpack (pack) waits for SMs, and the copy engines run
-# only as far ahead as the ring holds bytes (bench/NOTES-host-gpus.md, beside a model).
+# Slots smaller than a quarter of the ring (pages that fill a slot only partly, whole pages a slot
+# as `staged_pieces.pages_per_slot` packs them) come as many as the ring's bytes hold, up to 16:
+# beside a model's products each unpack (pack) waits for SMs, and the copy engines run only as
+# far ahead as the ring holds bytes (bench/NOTES-host-gpus.md, beside a model).
 NUM_SLOTS = 4
 MAX_SLOTS = 16
 _SLOT_ALIGN = 4096
