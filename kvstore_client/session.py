@@ -27,7 +27,7 @@ from kvstore.proto import kvstore_pb2 as pb
 from kvstore.shared.domain import PINNED_PREFIX
 from kvstore.shared.errors import KVStoreError, Unavailable
 from kvstore.shared.keys import chunk_keys
-from kvstore.shared.peers import process_start_time
+from kvstore.shared.peers import boot_id, process_start_time
 from kvstore.shared.spec import KVSpec
 from kvstore_client.arena import MappedArena
 from kvstore_client.connection import ClientTls, Connection, is_outage
@@ -177,7 +177,11 @@ class Link:
             if mapped.tensor is not None:  # same host: the GPU tier's pools can be opened too
                 self.gpu_pools = GpuPools.open(reply.gpu_pools)
         self._seen = seen
-        same_host = self.want_local_channel is not False and mapped.tensor is not None
+        # Same host: the arena is mapped, or it is a pinned one of this boot that this client
+        # chose not to map (an engine's scheduler, which moves no bytes, still asks locally).
+        here = bool(reply.arena.boot_id) and reply.arena.boot_id == boot_id()
+        pinned_here = here and reply.arena.shm_path.startswith(PINNED_PREFIX)
+        same_host = self.want_local_channel is not False and (mapped.tensor is not None or pinned_here)
         self.conn.open_local(reply.local_socket if same_host else "")
         if self.conn.local is not None and not connected_locally:
             self.conn.check_local(request, reply.namespace)

@@ -154,6 +154,40 @@ def test_workers_map_the_pinned_arena_and_move_exact_bytes_across_a_restart(tmp_
         daemon.stop()
 
 
+@needs_cuda
+@pytest.mark.gpu
+def test_a_client_that_maps_no_slab_still_asks_over_the_local_channel(tmp_path: Path) -> None:
+    """An engine's scheduler connects with `pin_arena=False`: it maps none of the pinned arena
+    (no slab granted to a GPU for a process that moves no bytes), yet its Lookups go over the
+    daemon's local channel as a worker's do, and bytes it sends inline load back exact."""
+    options = {"tiers__cpu__pinned": True, "tiers__cpu__bytes": "1GiB", "tiers__cpu__slab_bytes": "256MiB"}
+    daemon = start_daemon(tmp_path, **options)
+    try:
+        with (
+            KVStoreClient.connect(daemon.address, SPEC) as worker,
+            KVStoreClient.connect(daemon.address, SPEC, pin_arena=False, name="scheduler") as scheduler,
+        ):
+            assert scheduler.arena is None and not scheduler.shared_memory
+            assert scheduler._conn.local is not None  # the same host: control calls stay local
+            tokens = torch.randint(0, 50_000, (2048,)).tolist()
+            assert scheduler.lookup(tokens) == 0
+            store_and_load(worker, tokens, 128)
+            assert scheduler.lookup(tokens) == 2048
+            assert scheduler.lookup(tokens + [1] * 256) == 2048
+            # Its own bytes go inline and are the bytes a worker then loads.
+            host = [torch.randn(2, 32, 16, 2, 64).bfloat16() for _ in range(SPEC.num_layers)]
+            inline = torch.randint(0, 50_000, (512,)).tolist()
+            assert scheduler.store(inline, host, torch.arange(32)) == 2
+            target = cache(64, fill=-3.0)
+            assert worker.load(inline, target, torch.arange(32, 64)) == 512
+            assert all(
+                torch.equal(t[:, 32:64].cpu().view(torch.uint8), h.view(torch.uint8))
+                for t, h in zip(target, host, strict=True)
+            )
+    finally:
+        daemon.stop()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_a_kv_cache_on_another_gpu_of_the_worker_moves_exact_bytes(tmp_path: Path) -> None:
