@@ -58,6 +58,7 @@ from bench.common import print_table, running_daemon, write_results  # noqa: E40
 
 CHUNK_TOKENS = 256  # make_spec's (bench.transfer_cases)
 SLAB_BYTES = 256 << 20
+DIRECTIONS = ("store", "load")
 PHASES = ("memcpy", "kernel", "copy_engine", "staged", "client", "client async", "client registered")
 
 
@@ -144,6 +145,13 @@ class Products:
         self.stream.synchronize()
         return [begin.elapsed_time(end) for begin, end in self.events]
 
+    def gaps(self) -> list[float]:
+        """The ms the stream sat idle before each product after the first (after `stop`): the
+        thread that queues them fell behind, and that product's time may hold the wait for its
+        launch."""
+        pairs = zip(self.events, self.events[1:], strict=False)
+        return [end.elapsed_time(begin) for (_, end), (begin, _) in pairs]
+
 
 def model_beside(
     client: Any, device: str, runs: dict[str, Any], rounds: int, timeline: Timeline, synchronize: Any
@@ -157,15 +165,27 @@ def model_beside(
 
     windows: list[tuple[str, float, float]] = []  # (window, start, stop) on CLOCK_MONOTONIC
 
+    series: dict[str, list[dict[str, Any]]] = {}  # each window's products: ms and idle ms before
+
+    def record(window: str, ms: list[float]) -> None:
+        gaps = [0.0, *products.gaps()]
+        series.setdefault(window, []).append(
+            {"ms": [round(m, 4) for m in ms], "gap_ms": [round(g, 4) for g in gaps]}
+        )
+
     def alone() -> list[float]:
         begun = time.monotonic()
         products.start()
         time.sleep(1.0)
-        ms = products.stop()[3:]
+        ms = products.stop()
+        record("alone", ms)
         windows.append(("alone", begun, time.monotonic()))
-        return ms
+        return ms[3:]
 
-    client.clear()  # every worker's, before the barrier: every store beside the model moves its bytes
+    # The namespace is every worker's: cleared once all have checked their bytes (a worker still
+    # loading its prompts would find them gone), so that every store beside the model moves its bytes.
+    timeline.barrier.wait()
+    client.clear()
     timeline.barrier.wait()
     products_ms: dict[str, list[float]] = {"alone": alone()}
     for direction in ("store", "load"):
@@ -176,7 +196,9 @@ def model_beside(
             timeline.phase(
                 f"client {direction} + model", lambda run=run, batch=batch: run(batch), synchronize
             )
-        products_ms[direction] = products.stop()[3:-3]
+        ms = products.stop()
+        record(direction, ms)
+        products_ms[direction] = ms[3:-3]
         windows.append((direction, begun, time.monotonic()))
     products_ms["alone"] += alone()
     base = statistics.median(products_ms["alone"])
@@ -187,6 +209,11 @@ def model_beside(
         "slowdown": max(beside.values()),
         "products": {window: len(ms) for window, ms in products_ms.items()},
         "windows": windows,
+        "series": series,
+        # products that waited for their launch (the stream idle over 50 us before them), a window
+        "launch_waits": {
+            w: sum(g > 0.05 for row in rows for g in row["gap_ms"]) for w, rows in series.items()
+        },
     }
 
 
@@ -208,9 +235,10 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
     from kvstore_client import KVStoreClient
 
     cuda = torch.cuda.is_available()
-    device = f"cuda:{rank}" if cuda else "cpu"
+    gpu = (rank + args["rotate"]) % torch.cuda.device_count() if cuda else 0
+    device = f"cuda:{gpu}" if cuda else "cpu"
     if cuda:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(gpu)
 
     def synchronize() -> None:
         if cuda:
@@ -329,7 +357,8 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
         cpus = sorted(os.sched_getaffinity(0))
         return {
             "rank": rank,
-            "numa_node": numa_node(rank),
+            "gpu": gpu,
+            "numa_node": numa_node(gpu),
             "cpus": f"{cpus[0]}-{cpus[-1]} ({len(cpus)})" if cpus else "",
             "registered_s": registered_s,
             "spans": timeline.spans,
@@ -350,7 +379,8 @@ def lookup_probe(address: str, stop: Any, out: Any) -> None:
 
     spec = llama_spec()
     samples = []
-    with KVStoreClient.connect(address, spec, name="host-gpus-probe") as client:
+    # It moves no bytes (as an engine's scheduler): no arena mapped, no CUDA context of its own.
+    with KVStoreClient.connect(address, spec, name="host-gpus-probe", pin_arena=False) as client:
         keys = client.keys(list(range(64 * CHUNK_TOKENS)))
         while not stop.is_set():
             begin = time.monotonic()
@@ -429,6 +459,14 @@ def main(argv: list[str] | None = None) -> None:
         help="the daemon pins the arena (tiers.cpu.pinned): no worker registers it, each maps it",
     )
     parser.add_argument("--arena-gib", type=float, default=0, help="0: room for every worker's prompts")
+    parser.add_argument("--rotate", type=int, default=0, help="worker r runs on GPU (r + ROTATE) mod GPUs")
+    parser.add_argument(
+        "--daemon-gpu",
+        type=int,
+        default=None,
+        help="the GPU the daemon's CUDA context (a pinned arena's) is made on (its device 0): "
+        "CUDA_VISIBLE_DEVICES reordered for the daemon alone",
+    )
     parser.add_argument("--name", default="host_gpus")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument(
@@ -458,9 +496,20 @@ def main(argv: list[str] | None = None) -> None:
         "products": args.products,
         "timeout_s": args.timeout_s,
         "pinned": args.pinned,
+        "rotate": args.rotate,
+        "daemon_gpu": args.daemon_gpu,
     }
     runs = []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if args.daemon_gpu is not None:
+        gpus = visible.split(",") if visible else [str(d) for d in range(available)]
+        first = gpus[args.daemon_gpu]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join([first, *(g for g in gpus if g != first)])
     with running_daemon(config) as daemon:
+        if visible is None:  # the daemon has started: the workers see every GPU in order
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
         from bench.connect_processes import ReserveWatch
 
         reserved_s = ReserveWatch(daemon, time.perf_counter()).wait(args.timeout_s)  # warm-up is part 1's
@@ -491,11 +540,12 @@ def main(argv: list[str] | None = None) -> None:
     worker_rows = [
         [
             f"{run['gpus']}{' TP' if run['tp'] else ''}",
-            w["rank"],
+            f"{w['rank']} (GPU {w['gpu']})",
             w["numa_node"],
             w["cpus"],
             f"{w['registered_s']:.2f}",
             " / ".join(f"{w['model'].get(f'{d}_slowdown', float('nan')):.3f}" for d in ("store", "load")),
+            " / ".join(str(w["model"].get("launch_waits", {}).get(d, "-")) for d in ("alone", *DIRECTIONS)),
             "PASS"
             if w["ok"]
             else f"FAIL ({w['loaded_tokens']} tokens, prefix {'equal' if w['prefix_ok'] else 'DIFFERS'})",
@@ -510,6 +560,7 @@ def main(argv: list[str] | None = None) -> None:
         "CPUs",
         "registration s",
         "model slowdown (store / load)",
+        "products after an idle stream (alone / store / load)",
         "bytes",
     ]
     print_table(headers, worker_rows)

@@ -92,11 +92,13 @@ class Tree:
         path = os.pathsep.join(filter(None, [str(self.names), os.environ.get("PYTHONPATH")]))
         self.env = {**os.environ, "PYTHONPATH": path}  # the tree's packages ahead of any other
 
-    def run(self, args: list[str], cwd: Path, script: Path | None = None) -> subprocess.Popen[str]:
-        """`script` (this module by default) run with the tree's packages."""
+    def run(
+        self, args: list[str], cwd: Path, script: Path | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        """`script` (this module by default) run with the tree's packages (and `env` added)."""
         return subprocess.Popen(
             [sys.executable, str(script or Path(__file__).resolve()), *args],
-            env=self.env,
+            env={**self.env, **(env or {})},
             cwd=cwd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -105,9 +107,16 @@ class Tree:
 
 
 def storm(
-    tree: Path, work_dir: Path, processes: int, seconds: float, num_keys: int, grpc_only: bool
+    tree: Path,
+    work_dir: Path,
+    processes: int,
+    seconds: float,
+    num_keys: int,
+    grpc_only: bool,
+    spin_us: float | None = None,
 ) -> dict[str, Any]:
-    """One round: the tree's daemon, `processes` workers for `seconds`."""
+    """One round: the tree's daemon, `processes` workers for `seconds` (each spinning up to
+    `spin_us` for a reply: `$KVSTORE_LOCAL_SPIN_US`; None: the environment's)."""
     work_dir.mkdir(parents=True)
     names = Tree(tree, work_dir)
     setup = names.run(["--setup", str(work_dir), str(num_keys)], work_dir)
@@ -115,7 +124,8 @@ def storm(
     ready = json.loads(setup.stdout.readline())
     try:
         args = ["--worker", ready["address"], ready["keys"], repr(seconds), str(int(grpc_only))]
-        workers = [names.run(args, work_dir) for _ in range(processes)]
+        spin = {} if spin_us is None else {"KVSTORE_LOCAL_SPIN_US": repr(spin_us)}
+        workers = [names.run(args, work_dir, env=spin) for _ in range(processes)]
         for w in workers:  # each has imported its client and connected
             assert w.stdout is not None and w.stdin is not None
             if w.stdout.readline().strip() != "ready":
@@ -147,6 +157,7 @@ def storm(
         "seconds": seconds,
         "keys": num_keys,
         "transport": "grpc" if grpc_only else "local",
+        "spin_us": spin_us,
         "calls": len(times),
         "calls_per_s": len(times) / seconds,
         "p50_us": _percentile(times, 0.50),
@@ -218,16 +229,23 @@ def compare(
     num_keys: int,
     rounds: int,
     grpc_only: bool,
+    spins: list[float] | None = None,
 ) -> dict[str, Any]:
-    trees = {"this": this} | ({"baseline": other} if other is not None else {})
+    """Each tree (and with `spins`, this tree at each spin) in turns, `rounds` times."""
+    variants: dict[str, tuple[Path, float | None]] = {"this": (this, None)}
+    if spins:
+        variants = {f"this spin {spin:g} us": (this, spin) for spin in spins}
+    if other is not None:
+        variants["baseline"] = (other, None)
+    trees = {name: tree for name, (tree, _) in variants.items()}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory(prefix="kvstore-storm-") as tmp:
         for round_ in range(rounds):
             order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
             for name in order:
-                result = storm(
-                    trees[name], Path(tmp) / f"{name}-{round_}", processes, seconds, num_keys, grpc_only
-                )
+                tree, spin = variants[name]
+                folder = Path(tmp) / f"{name.replace(' ', '-')}-{round_}"
+                result = storm(tree, folder, processes, seconds, num_keys, grpc_only, spin)
                 runs[name].append(result)
                 figures = (
                     f"{result['calls_per_s']:,.0f} Lookups/s, p50 {result['p50_us']:.0f} µs, "
@@ -263,6 +281,12 @@ def main() -> None:
     parser.add_argument(
         "--against", type=Path, help="another kvstore source tree, run in turns with this one"
     )
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        nargs="+",
+        help="this tree once per value, its workers spinning that long for a reply, in turns",
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     results = compare(
@@ -273,6 +297,7 @@ def main() -> None:
         args.keys,
         args.rounds,
         args.grpc,
+        args.spin_us,
     )
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1))
