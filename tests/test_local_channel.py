@@ -267,6 +267,65 @@ def test_work_done_while_a_call_is_in_flight_keeps_the_channel_in_step(daemon: D
         assert channel.call("Lookup", lookup).hit_chunks == 1
 
 
+def stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_lookup_that_arrives_with_lease_calls_is_answered_before_them(
+    daemon_factory: Callable[..., Daemon], loop: str
+) -> None:
+    """Lease calls (Reserve, Commit, Abort, Release) are answered one a turn of the daemon's loop,
+    after the other calls that came with them: frames that reach a stopped daemon together find,
+    when it resumes, the Lookup and Stats of one connection answered before the Release another
+    sent first. Each connection's replies stay in order, and the bytes load back exact."""
+    import signal
+
+    daemon = daemon_factory(server__event_loop=loop)
+    pid = daemon.process.pid
+    with KVStoreClient.connect(daemon.address, SPEC) as client:
+        tokens = list(range(512))
+        cache = [torch.randn(2, 32, 16, 2, 16).half() for _ in range(2)]
+        assert client.store(tokens, cache, torch.arange(32)) == 2
+        namespace, keys = client.namespace, pack_keys(client.keys(tokens))
+        holder, asker = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+        with holder, asker:
+            for sock in (holder, asker):
+                sock.settimeout(30)
+                sock.connect(local_path(daemon))
+            holder.sendall(frame_of("Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease=True)))
+            status, body = read_reply(holder)
+            found = pb.LookupResponse.FromString(body)
+            assert status == 0 and found.hit_chunks == 2
+            lease = pb.LeaseRequest(namespace=namespace, lease_id=found.lease_id, epoch=client._mapped.epoch)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 30
+                while not stopped(pid):
+                    assert time.monotonic() < deadline, "the daemon did not stop"
+                    time.sleep(0.001)
+                # The Release first, then a Lookup and a Stats on another connection, and a Stats
+                # behind the Release on its own: all waiting in the sockets when it resumes.
+                holder.sendall(frame_of("Release", lease) + frame_of("Stats", pb.StatsRequest()))
+                asker.sendall(
+                    frame_of("Lookup", pb.LookupRequest(namespace=namespace, keys=keys))
+                    + frame_of("Stats", pb.StatsRequest())
+                )
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            status, body = read_reply(asker)
+            assert status == 0 and pb.LookupResponse.FromString(body).hit_chunks == 2
+            status, body = read_reply(asker)
+            assert status == 0 and pb.StatsResponse.FromString(body).counters["active_leases"] == 1
+            status, body = read_reply(holder)
+            assert status == 0 and pb.LeaseResponse.FromString(body).pages == 2
+            status, body = read_reply(holder)  # behind the Release on its connection: after it
+            assert status == 0 and pb.StatsResponse.FromString(body).counters["active_leases"] == 0
+        target = [torch.zeros_like(t) for t in cache]
+        assert client.load(tokens, target, torch.arange(32)) == 512
+        assert all(torch.equal(a, b) for a, b in zip(target, cache, strict=True))
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process `pid` so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -47,6 +47,7 @@ too), the status codes, error replies and descriptor passing in `local_frames`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -64,6 +65,7 @@ from kvstore.shared.peers import Peer
 from kvstore.shared.wire import (
     HEADER,
     MAX_REQUEST_BYTES,
+    METHOD_IDS,
     METHOD_NAMES,
     UNARY_METHODS,
     frame,
@@ -71,6 +73,12 @@ from kvstore.shared.wire import (
 )
 
 __all__ = ["ADMIN_RESERVE", "LOCAL_CHANNEL_FULL", "METHOD_NAMES", "LocalChannelServer", "WithFd"]
+
+# The calls that cost the daemon most (a prompt's pages reserved, committed, aborted or
+# released: tens of microseconds each): answered one a turn of the event loop, after the calls
+# that came with them (`LocalChannelServer.defer`), so a Lookup that arrives while four TP ranks
+# store waits for one of them, not all four.
+LEASE_METHODS = frozenset(METHOD_IDS[name] for name in ("Reserve", "Commit", "Abort", "Release"))
 
 
 class LocalChannelServer:
@@ -91,6 +99,10 @@ class LocalChannelServer:
         self._server: asyncio.Server | None = None
         self._poll_until = 0.0
         self._polling = False
+        self._deferred: collections.deque[tuple[_Session, int, bytes, asyncio.Future[None]]] = (
+            collections.deque()
+        )
+        self._pending: set[asyncio.Task[None]] = set()  # replies awaited for connections gone
         self.polls = 0  # turns of the loop spent polling (stats, tests)
         # Each method by its wire index: its name, request type and handler, looked up once here
         # rather than by name for every frame.
@@ -117,6 +129,31 @@ class LocalChannelServer:
             loop.call_soon(self._poll)
         else:
             self._polling = False
+
+    def defer(self, session: _Session, method: int, payload: bytes) -> asyncio.Future[None]:
+        """Answers a lease call at a later turn of the loop, in the order they came: done once
+        answered. Each turn answers one, and the loop reads every socket between two."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._deferred.append((session, method, payload, done))
+        if len(self._deferred) == 1:
+            loop.call_soon(self._answer_deferred)
+        return done
+
+    def _answer_deferred(self) -> None:
+        session, method, payload, done = self._deferred.popleft()
+        if self._deferred:  # the next at the next turn: a callback queued now runs after its poll
+            asyncio.get_running_loop().call_soon(self._answer_deferred)
+        try:
+            session.answer_deferred(method, payload)
+        finally:
+            done.set_result(None)
+
+    def keep_pending(self, reply: Awaitable[bytes]) -> None:
+        """A reply awaited for a connection that closed: the handler's work still ends."""
+        task = asyncio.ensure_future(reply)
+        self._pending.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._pending.discard)  # type: ignore[arg-type]
 
     async def start(self, mode: int) -> None:
         remove_stale_socket(self.path)
@@ -189,8 +226,10 @@ class _Session(asyncio.Protocol):
         self._server = server
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
-        self._waiting: asyncio.Task[None] | None = None  # a reply being awaited: later frames queue
+        # a reply being awaited, or a lease call answered later: the frames behind it queue
+        self._waiting: asyncio.Future[None] | None = None
         self._paused_writing = False
+        self._paused_reading = False
         self.peer = Peer()
         self.caller: Caller | None = None
         self.refused = ""  # the cap it was refused at
@@ -244,10 +283,13 @@ class _Session(asyncio.Protocol):
 
     def _read_when_free(self) -> None:
         if self._transport is not None:
-            if self._paused_writing or self._waiting is not None:
-                self._transport.pause_reading()
-            else:
-                self._transport.resume_reading()
+            pause = self._paused_writing or self._waiting is not None
+            if pause != self._paused_reading:
+                self._paused_reading = pause
+                if pause:
+                    self._transport.pause_reading()
+                else:
+                    self._transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         transport = self._transport
@@ -257,6 +299,9 @@ class _Session(asyncio.Protocol):
             # copied through the buffer (one over MAX_REQUEST_BYTES is refused by `_answer`).
             if len(data) == HEADER.size + length and length <= MAX_REQUEST_BYTES:
                 server = self._server
+                if method in LEASE_METHODS:
+                    self._waiting = server.defer(self, method, data[HEADER.size :])
+                    return
                 reply = server.respond(method, data[HEADER.size :], self.caller)
                 server.keep_polling()
                 if type(reply) is bytes:  # the usual reply: no descriptor, nothing to await
@@ -286,10 +331,28 @@ class _Session(asyncio.Protocol):
                 buffer = self._buffer = bytearray()  # a bytearray never gives its capacity back
             else:
                 del buffer[:end]
+            if method in LEASE_METHODS:
+                self._waiting = self._server.defer(self, method, payload)
+                return
             reply = self._server.respond(method, payload, self.caller)
             self._server.keep_polling()
             if not self._send(reply):
                 return
+
+    def answer_deferred(self, method: int, payload: bytes) -> None:
+        """A lease call's turn (`LocalChannelServer.defer`): answered, then the frames behind it.
+        A call that came is answered even where its connection has closed since, as it would
+        have been at once: only the reply goes nowhere."""
+        self._waiting = None
+        reply = self._server.respond(method, payload, self.caller)
+        self._server.keep_polling()
+        if self._transport is None:
+            if not isinstance(reply, bytes):
+                self._server.keep_pending(reply)
+            return
+        if self._send(reply):
+            self._read_when_free()
+            self._answer()
 
     def _send(self, reply: bytes | Awaitable[bytes]) -> bool:
         """Sends a reply frame; a reply still awaited holds the frames behind it (False)."""
