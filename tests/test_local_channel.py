@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import stat
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -267,8 +269,22 @@ def test_work_done_while_a_call_is_in_flight_keeps_the_channel_in_step(daemon: D
         assert channel.call("Lookup", lookup).hit_chunks == 1
 
 
-def stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+@contextlib.contextmanager
+def paused(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for the block: what it sends waits in the sockets."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+            assert time.monotonic() < deadline, "the daemon did not stop"
+            time.sleep(0.001)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def lease_of(lease: pb.LeaseRequest, lease_id: int) -> pb.LeaseRequest:
+    return pb.LeaseRequest(namespace=lease.namespace, lease_id=lease_id, epoch=lease.epoch)
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
@@ -278,9 +294,8 @@ def test_a_lookup_that_arrives_with_lease_calls_is_answered_before_them(
     """Lease calls (Reserve, Commit, Abort, Release) are answered one a turn of the daemon's loop,
     after the other calls that came with them: frames that reach a stopped daemon together find,
     when it resumes, the Lookup and Stats of one connection answered before the Release another
-    sent first. Each connection's replies stay in order, and the bytes load back exact."""
-    import signal
-
+    sent first, and a Stats before a Lookup that takes a lease. Each connection's replies stay
+    in order, and the bytes load back exact."""
     daemon = daemon_factory(server__event_loop=loop)
     pid = daemon.process.pid
     with KVStoreClient.connect(daemon.address, SPEC) as client:
@@ -298,12 +313,7 @@ def test_a_lookup_that_arrives_with_lease_calls_is_answered_before_them(
             found = pb.LookupResponse.FromString(body)
             assert status == 0 and found.hit_chunks == 2
             lease = pb.LeaseRequest(namespace=namespace, lease_id=found.lease_id, epoch=client._mapped.epoch)
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                deadline = time.monotonic() + 30
-                while not stopped(pid):
-                    assert time.monotonic() < deadline, "the daemon did not stop"
-                    time.sleep(0.001)
+            with paused(pid):
                 # The Release first, then a Lookup and a Stats on another connection, and a Stats
                 # behind the Release on its own: all waiting in the sockets when it resumes.
                 holder.sendall(frame_of("Release", lease) + frame_of("Stats", pb.StatsRequest()))
@@ -311,8 +321,6 @@ def test_a_lookup_that_arrives_with_lease_calls_is_answered_before_them(
                     frame_of("Lookup", pb.LookupRequest(namespace=namespace, keys=keys))
                     + frame_of("Stats", pb.StatsRequest())
                 )
-            finally:
-                os.kill(pid, signal.SIGCONT)
             status, body = read_reply(asker)
             assert status == 0 and pb.LookupResponse.FromString(body).hit_chunks == 2
             status, body = read_reply(asker)
@@ -321,6 +329,21 @@ def test_a_lookup_that_arrives_with_lease_calls_is_answered_before_them(
             assert status == 0 and pb.LeaseResponse.FromString(body).pages == 2
             status, body = read_reply(holder)  # behind the Release on its connection: after it
             assert status == 0 and pb.StatsResponse.FromString(body).counters["active_leases"] == 0
+            # A Lookup that takes a lease waits its turn too: the Stats that came with it is first.
+            with paused(pid):
+                holder.sendall(
+                    frame_of("Lookup", pb.LookupRequest(namespace=namespace, keys=keys, lease=True))
+                )
+                asker.sendall(frame_of("Stats", pb.StatsRequest()))
+            status, body = read_reply(asker)
+            assert status == 0 and pb.StatsResponse.FromString(body).counters["active_leases"] == 0
+            status, body = read_reply(holder)
+            found = pb.LookupResponse.FromString(body)
+            assert status == 0 and found.hit_chunks == 2 and found.lease_id
+            asker.sendall(frame_of("Stats", pb.StatsRequest()))
+            assert pb.StatsResponse.FromString(read_reply(asker)[1]).counters["active_leases"] == 1
+            holder.sendall(frame_of("Release", lease_of(lease, found.lease_id)))
+            assert pb.LeaseResponse.FromString(read_reply(holder)[1]).pages == 2
         target = [torch.zeros_like(t) for t in cache]
         assert client.load(tokens, target, torch.arange(32)) == 512
         assert all(torch.equal(a, b) for a, b in zip(target, cache, strict=True))

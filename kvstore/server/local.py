@@ -11,11 +11,12 @@ frame each way, carrying the same protobuf messages to the same handlers:
 
 Replies come in the order of the requests, so a client may send a request without
 reading its reply (it reads it with the next one's). The daemon answers each frame in
-the event loop's read callback (an asyncio Protocol, no coroutine per frame); only a
-handler that must wait (an Acquire of pages coming from disk) holds the frames behind it.
-A request frame over `wire.MAX_REQUEST_BYTES` is refused before its body is read, and its
-connection closed. The socket is guarded by its
-file mode, like the gRPC socket; page bytes never travel here (they go through the arena).
+the event loop's read callback (an asyncio Protocol, no coroutine per frame), but for the
+lease calls (`local_turns`), answered one a turn of the loop after the calls that came with
+them, and a handler that must wait (an Acquire of pages coming from disk): either holds the
+frames behind it. A request frame over `wire.MAX_REQUEST_BYTES` is refused before its body is
+read, and its connection closed. The socket is guarded by its file mode, like the gRPC socket;
+page bytes never travel here (they go through the arena).
 A tenant's arena has no path (a sealed memfd, `kvstore.tiers.cpu.Arena`): the reply to a Connect
 carries its descriptor (SCM_RIGHTS) to the tenant's member that asked.
 Each connection knows its peer (pid, uid, gid and groups from the socket's credentials): that is
@@ -34,20 +35,17 @@ them); processes in no tenant get MAX_OUTSIDERS of their own, outside the member
 `stop()` closes the listener and then the connections once the replies being awaited have
 been sent (the daemon drains its leases before that: see `kvstore.server.daemon`).
 
-With `poll_s` (`server.local_poll_ms`), the event loop does not sleep for that long after a
-frame: a callback that queues itself again keeps the loop's select at a zero timeout, so the
-daemon's thread stays on its core and a worker's next call is read as soon as it arrives,
-where a loop that slept may first wait for its core to wake (slowest on virtual machines).
+With `poll_s` (`server.local_poll_ms`), the loop does not sleep for that long after a frame
+(a callback queuing itself keeps its select at a zero timeout): a worker's next call is read
+at once, not after the daemon's core wakes (slowest on virtual machines).
 
-Here: `LocalChannelServer` (listen, answer, poll, stop) and each connection's protocol. The caps
-and the refusals live in `local_caps` (ADMIN_RESERVE, LOCAL_CHANNEL_FULL: importable from here
-too), the status codes, error replies and descriptor passing in `local_frames`.
+Here: `LocalChannelServer` (listen, answer, poll, stop) and each connection's protocol; the
+caps and refusals in `local_caps`, the status codes, error replies and descriptors in `local_frames`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -59,13 +57,13 @@ from kvstore.config.claim import remove_stale_socket
 from kvstore.server.handlers import Handlers
 from kvstore.server.local_caps import ADMIN_RESERVE, LOCAL_CHANNEL_FULL, ConnectionCaps
 from kvstore.server.local_frames import INVALID_ARGUMENT, OK, WithFd, error_frame, send_with_fd
+from kvstore.server.local_turns import LeaseTurns, triage
 from kvstore.server.tenants import Caller
 from kvstore.shared.domain import MEMFD_PREFIX
 from kvstore.shared.peers import Peer
 from kvstore.shared.wire import (
     HEADER,
     MAX_REQUEST_BYTES,
-    METHOD_IDS,
     METHOD_NAMES,
     UNARY_METHODS,
     frame,
@@ -73,12 +71,6 @@ from kvstore.shared.wire import (
 )
 
 __all__ = ["ADMIN_RESERVE", "LOCAL_CHANNEL_FULL", "METHOD_NAMES", "LocalChannelServer", "WithFd"]
-
-# The calls that cost the daemon most (a prompt's pages reserved, committed, aborted or
-# released: tens of microseconds each): answered one a turn of the event loop, after the calls
-# that came with them (`LocalChannelServer.defer`), so a Lookup that arrives while four TP ranks
-# store waits for one of them, not all four.
-LEASE_METHODS = frozenset(METHOD_IDS[name] for name in ("Reserve", "Commit", "Abort", "Release"))
 
 
 class LocalChannelServer:
@@ -99,10 +91,7 @@ class LocalChannelServer:
         self._server: asyncio.Server | None = None
         self._poll_until = 0.0
         self._polling = False
-        self._deferred: collections.deque[tuple[_Session, int, bytes, asyncio.Future[None]]] = (
-            collections.deque()
-        )
-        self._pending: set[asyncio.Task[None]] = set()  # replies awaited for connections gone
+        self.turns = LeaseTurns()  # the lease calls, one a turn of the loop
         self.polls = 0  # turns of the loop spent polling (stats, tests)
         # Each method by its wire index: its name, request type and handler, looked up once here
         # rather than by name for every frame.
@@ -130,31 +119,6 @@ class LocalChannelServer:
         else:
             self._polling = False
 
-    def defer(self, session: _Session, method: int, payload: bytes) -> asyncio.Future[None]:
-        """Answers a lease call at a later turn of the loop, in the order they came: done once
-        answered. Each turn answers one, and the loop reads every socket between two."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        self._deferred.append((session, method, payload, done))
-        if len(self._deferred) == 1:
-            loop.call_soon(self._answer_deferred)
-        return done
-
-    def _answer_deferred(self) -> None:
-        session, method, payload, done = self._deferred.popleft()
-        if self._deferred:  # the next at the next turn: a callback queued now runs after its poll
-            asyncio.get_running_loop().call_soon(self._answer_deferred)
-        try:
-            session.answer_deferred(method, payload)
-        finally:
-            done.set_result(None)
-
-    def keep_pending(self, reply: Awaitable[bytes]) -> None:
-        """A reply awaited for a connection that closed: the handler's work still ends."""
-        task = asyncio.ensure_future(reply)
-        self._pending.add(task)  # type: ignore[arg-type]
-        task.add_done_callback(self._pending.discard)  # type: ignore[arg-type]
-
     async def start(self, mode: int) -> None:
         remove_stale_socket(self.path)
         loop = asyncio.get_running_loop()
@@ -174,14 +138,18 @@ class LocalChannelServer:
             session.close()
         self.path.unlink(missing_ok=True)
 
-    def respond(self, method: int, payload: bytes, caller: Caller | None = None) -> bytes | Awaitable[bytes]:
-        """The reply frame, or an awaitable of it where the handler must wait (Acquire)."""
+    def respond(
+        self, method: int, payload: bytes | Message, caller: Caller | None = None
+    ) -> bytes | Awaitable[bytes]:
+        """The reply frame, or an awaitable of it where the handler must wait (Acquire).
+        `payload`: the request's bytes, or the request parsed already."""
         if method >= len(METHOD_NAMES):
             return frame(INVALID_ARGUMENT, f"unknown local-channel method {method}".encode())
         name, request_type, handle = self._methods[method]
         started = time.perf_counter()
         try:
-            reply = handle(parse_request(name, request_type, payload), caller)
+            request = payload if isinstance(payload, Message) else parse_request(name, request_type, payload)
+            reply = handle(request, caller)
         except Exception as exc:
             answer = error_frame(name, exc)
         else:
@@ -299,10 +267,11 @@ class _Session(asyncio.Protocol):
             # copied through the buffer (one over MAX_REQUEST_BYTES is refused by `_answer`).
             if len(data) == HEADER.size + length and length <= MAX_REQUEST_BYTES:
                 server = self._server
-                if method in LEASE_METHODS:
-                    self._waiting = server.defer(self, method, data[HEADER.size :])
+                later, request = triage(method, data[HEADER.size :])
+                if later:
+                    self._waiting = server.turns.defer(self, method, request)
                     return
-                reply = server.respond(method, data[HEADER.size :], self.caller)
+                reply = server.respond(method, request, self.caller)
                 server.keep_polling()
                 if type(reply) is bytes:  # the usual reply: no descriptor, nothing to await
                     transport.write(reply)
@@ -331,15 +300,16 @@ class _Session(asyncio.Protocol):
                 buffer = self._buffer = bytearray()  # a bytearray never gives its capacity back
             else:
                 del buffer[:end]
-            if method in LEASE_METHODS:
-                self._waiting = self._server.defer(self, method, payload)
+            later, request = triage(method, payload)
+            if later:
+                self._waiting = self._server.turns.defer(self, method, request)
                 return
-            reply = self._server.respond(method, payload, self.caller)
+            reply = self._server.respond(method, request, self.caller)
             self._server.keep_polling()
             if not self._send(reply):
                 return
 
-    def answer_deferred(self, method: int, payload: bytes) -> None:
+    def answer_deferred(self, method: int, payload: bytes | Message) -> None:
         """A lease call's turn (`LocalChannelServer.defer`): answered, then the frames behind it.
         A call that came is answered even where its connection has closed since, as it would
         have been at once: only the reply goes nowhere."""
@@ -348,7 +318,7 @@ class _Session(asyncio.Protocol):
         self._server.keep_polling()
         if self._transport is None:
             if not isinstance(reply, bytes):
-                self._server.keep_pending(reply)
+                self._server.turns.keep(reply)
             return
         if self._send(reply):
             self._read_when_free()
