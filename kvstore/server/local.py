@@ -310,7 +310,7 @@ class _Session(asyncio.Protocol):
                 return
 
     def answer_deferred(self, method: int, payload: bytes | Message) -> None:
-        """A lease call's turn (`LocalChannelServer.defer`): answered, then the frames behind it.
+        """A lease call's turn (`LeaseTurns.defer`): answered, then the frames behind it.
         A call that came is answered even where its connection has closed since, as it would
         have been at once: only the reply goes nowhere."""
         self._waiting = None
