@@ -426,6 +426,15 @@ def run_count(count: int, args: dict[str, Any], address: str) -> dict[str, Any]:
     busy = [s for begin, s in samples for name in ("client store", "client load")
             for a, b in phases[name]["windows"] if a <= begin and begin + s <= b]  # fmt: skip
     lookups = {"idle": _latency(idle), "during_client_phases": _latency(busy)}
+    if idle and busy:  # the calls during that took over twice the idle p99: when, and how long
+        slow = 2 * lookups["idle"]["p99_us"] / 1e6
+        lookups["slow_during"] = [
+            (round(begin, 6), round(s * 1e6, 1))
+            for begin, s in samples
+            if s > slow
+            and any(a <= begin and begin + s <= b for name in ("client store", "client load")
+                    for a, b in phases[name]["windows"])
+        ]  # fmt: skip
     return {"gpus": count, "tp": args["tp"], "phases": phases, "lookups": lookups, "workers": workers}
 
 
@@ -534,6 +543,7 @@ def main(argv: list[str] | None = None) -> None:
          f"{row.get('p50_us', 0):.0f}", f"{row.get('p99_us', 0):.0f}"]
         for run in runs
         for when, row in run["lookups"].items()
+        if isinstance(row, dict)
     ]  # fmt: skip
     print_table(["GPUs", "64-key Lookups", "calls", "p50 us", "p99 us"], probe_rows)
     worker_rows = [
