@@ -1,0 +1,109 @@
+"""What eviction adds to a Reserve: a TP 4 rank's prompt (32 pages of 8 MiB, Llama-3.1-8B's
+geometry) reserved in the daemon's own store (`Store`, default policy), then committed in four
+parts of 8 as the client does, `--prompts` prompts in a row, three ways:
+
+- `room`: an arena with room for every prompt (nothing evicted);
+- `own`: an arena of 100 prompts, so each Reserve evicts as many of its own older pages;
+- `other`: an arena full of another geometry's 32 MiB pages (a TP 1 worker's), evicted to make
+  room (one frees room for four).
+
+p50 and max µs of the Reserve over the second half of the prompts, `--rounds` times in turns.
+`--profile`: a cProfile of the `own` way instead. The arenas are sparse (never touched).
+
+    python bench/reserve_evicting.py --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import print_table, write_results  # noqa: E402
+
+SLAB = 256 << 20
+
+
+def reserve_times(way: str, prompts: int) -> dict[str, Any]:
+    from kvstore.config.root import EvictionConfig
+    from kvstore.shared.peers import Peer
+    from kvstore.shared.spec_page import PageSpec
+    from kvstore.store.policy import make_policy
+    from kvstore.store.store import Store
+    from kvstore.store.store_settings import StoreSettings
+    from kvstore.tiers.cpu import Arena, CpuTier
+
+    def geometry(heads: int) -> PageSpec:
+        return PageSpec(
+            model="8b", num_layers=32, num_kv_heads=heads, head_dim=128, dtype="bfloat16", chunk_tokens=256
+        )
+
+    rank, whole = geometry(2), geometry(8)
+    held = 100 if way == "own" else prompts + 10
+    size = (held * 32 * rank.page_bytes // SLAB + 1) * SLAB
+    arena = Arena(Path(tempfile.mkdtemp(prefix="kvstore-bench-")) / "arena", size, prefault=False)
+    try:
+        store = Store(CpuTier(arena, size), make_policy(EvictionConfig().policy), StoreSettings(60.0, 600.0))
+        writer = Peer(pid=os.getpid(), uid=os.getuid(), start_time=1, connected=True)
+        if way == "other":
+            other = store.connect(whole).id
+            for prompt in range(size // (32 * whole.page_bytes)):
+                keys = [(10**6 + prompt * 32 + k).to_bytes(16, "little") for k in range(32)]
+                store.commit(other, store.reserve(other, keys, None, writer).lease_id)
+        ns = store.connect(rank).id
+        times = []
+        for prompt in range(prompts):
+            keys = [(prompt * 32 + k).to_bytes(16, "little") for k in range(32)]
+            begun = time.perf_counter()
+            lease = store.reserve(ns, keys, None, writer).lease_id
+            times.append(time.perf_counter() - begun)
+            for _ in range(4):
+                store.commit(ns, lease, 8)
+        if store.lookup(ns, keys).hit_chunks != 32:
+            raise RuntimeError("the last prompt's 32 pages are not all stored")
+        evicted = store.state.counters["evicted_chunks"]
+    finally:
+        arena.close(unlink=True)
+    steady = times[len(times) // 2 :]
+    return {"p50_us": statistics.median(steady) * 1e6, "max_us": max(steady) * 1e6, "evicted": evicted}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompts", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="a cProfile of the evicting way instead")
+    parser.add_argument("--name", default="reserve_evicting")
+    args = parser.parse_args()
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.enable()
+        reserve_times("own", args.prompts)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(22)
+        return
+    rows, runs = [], []
+    for round_ in range(args.rounds):
+        for way in ("room", "own", "other"):
+            result = {"round": round_, "way": way, **reserve_times(way, args.prompts)}
+            runs.append(result)
+            p50, most = f"{result['p50_us']:.0f}", f"{result['max_us']:.0f}"
+            rows.append([round_, way, p50, most, result["evicted"]])
+    print_table(["round", "way", "Reserve p50 µs", "max µs", "pages evicted"], rows)
+    print(f"wrote {write_results(args.name, {'prompts': args.prompts, 'runs': runs})}")
+
+
+if __name__ == "__main__":
+    main()
