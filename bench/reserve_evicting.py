@@ -16,15 +16,19 @@ p50 and max µs of the Reserve over the second half of the prompts, `--rounds` t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent.parent
+# a child of `--against` imports the product (and what imports it) from the tree it times
+sys.path.insert(0, sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv else str(HERE))
 
 from bench.common import print_table, write_results  # noqa: E402
 
@@ -83,7 +87,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="a cProfile of the evicting way instead")
     parser.add_argument("--name", default="reserve_evicting")
+    parser.add_argument("--against", help="a tree to time in turns with this one (each in its own process)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child: one way, its figures as JSON
+    parser.add_argument("--tree", help=argparse.SUPPRESS)  # the child's product tree
     args = parser.parse_args()
+    if args.one:
+        import kvstore
+
+        print(json.dumps(reserve_times(args.one, args.prompts) | {"product": kvstore.__file__}))
+        return
     if args.profile:
         import cProfile
         import pstats
@@ -94,15 +106,25 @@ def main() -> None:
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(22)
         return
+    trees = {"this": HERE} | ({"against": Path(args.against).resolve()} if args.against else {})
     rows, runs = [], []
     for round_ in range(args.rounds):
         for way in ("room", "own", "other"):
-            result = {"round": round_, "way": way, **reserve_times(way, args.prompts)}
-            runs.append(result)
-            p50, most = f"{result['p50_us']:.0f}", f"{result['max_us']:.0f}"
-            rows.append([round_, way, p50, most, result["evicted"]])
-    print_table(["round", "way", "Reserve p50 µs", "max µs", "pages evicted"], rows)
-    print(f"wrote {write_results(args.name, {'prompts': args.prompts, 'runs': runs})}")
+            for tree, root in trees.items():
+                result = {"round": round_, "way": way, "tree": tree, **_child(root, way, args.prompts)}
+                runs.append(result)
+                p50, most = f"{result['p50_us']:.0f}", f"{result['max_us']:.0f}"
+                rows.append([round_, way, tree, p50, most, result["evicted"]])
+    print_table(["round", "way", "tree", "Reserve p50 µs", "max µs", "pages evicted"], rows)
+    trees_run = {name: str(root) for name, root in trees.items()}
+    print(f"wrote {write_results(args.name, {'prompts': args.prompts, 'trees': trees_run, 'runs': runs})}")
+
+
+def _child(root: Path, way: str, prompts: int) -> dict[str, Any]:
+    """`reserve_times` in a fresh process that imports the product from `root`."""
+    child = [sys.executable, __file__, "--one", way, "--prompts", str(prompts), "--tree", str(root)]
+    out = subprocess.run(child, check=True, capture_output=True, text=True)
+    return dict(json.loads(out.stdout.splitlines()[-1]))
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ def names(policy: EvictionPolicy) -> list[int]:
 @pytest.mark.parametrize("seed", range(6))
 def test_runs_evict_in_the_page_at_a_time_order(seed: int) -> None:
     """Random chains stored, hit (whole, in part, with a page named twice, with gaps as pins
-    leave them), evicted and removed: after every call both policies give the same order."""
+    leave them), evicted (one at a time, and a Reserve's victims at once) and removed: after every
+    call both policies give the same order."""
     rng = random.Random(seed)
     runs, reference = make_policy("lfuda"), PageAtATime()
     pages = [Held(number) for number in range(400)]
@@ -121,12 +122,20 @@ def test_runs_evict_in_the_page_at_a_time_order(seed: int) -> None:
                 stored = [page for page in stored if rng.random() < 0.7]  # pinned pages left out
             for policy in (runs, reference):
                 policy.hit(stored)
-        elif draw < 0.95 and held:
+        elif draw < 0.85 and held:
             for _ in range(min(len(held), rng.randrange(1, 6))):
                 victim = next(reference.candidates())
                 assert next(runs.candidates()) is victim
                 for policy in (runs, reference):
                     policy.evicted(victim)
+                held.discard(victim.name)  # type: ignore[attr-defined]
+        elif draw < 0.95 and held:  # a Reserve's victims at once: candidates in order, some skipped
+            candidates = list(reference.candidates())
+            assert list(runs.candidates()) == candidates
+            victims = [page for page in candidates[: rng.randrange(1, 80)] if rng.random() < 0.8]
+            runs.evicted_many(victims)
+            for victim in victims:
+                reference.evicted(victim)
                 held.discard(victim.name)  # type: ignore[attr-defined]
         elif held:
             page = pages[rng.choice(sorted(held))]

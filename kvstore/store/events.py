@@ -41,7 +41,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from enum import IntEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvstore.shared.domain import Tier
 from kvstore.shared.errors import ResourceExhausted
@@ -69,12 +69,15 @@ class Event(NamedTuple):
     tenant: str = ""  # whose page it is ("": no tenants, or a namespace not yet named)
 
 
+_as_event = tuple.__new__  # an Event of its fields, without NamedTuple's own __new__ in Python
+
+
 class _Stream:
     """One numbering of events, in a ring of the last `capacity`; its consumers' waiting futures."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.ring: list[Event | None] = [None] * capacity  # event `s` at s % capacity
+        self.ring: list[tuple[Any, ...] | None] = [None] * capacity  # event `s`'s fields at s % capacity
         self.sequence = 0  # the last event's
         self.waiting: set[asyncio.Future[None]] = set()  # consumers of every event
         self.watching: dict[bytes, set[asyncio.Future[None]]] = {}  # consumers of one namespace's
@@ -109,11 +112,12 @@ class _Stream:
         reason: str,
         tenant: str,
     ) -> None:
-        """One event for each (key, parent) of `pages`, in order."""
+        """One event for each (key, parent) of `pages`, in order (held as plain tuples, made
+        `Event`s when read: a Reserve into a full arena adds one for each page it evicts)."""
         ring, capacity, sequence = self.ring, self.capacity, self.sequence
         for key, parent in pages:
             sequence += 1
-            ring[sequence % capacity] = Event(sequence, kind, tier, namespace, key, parent, reason, tenant)
+            ring[sequence % capacity] = (sequence, kind, tier, namespace, key, parent, reason, tenant)
         self.sequence = sequence
 
     def read(
@@ -135,8 +139,11 @@ class _Stream:
         sequence, stop = after, min(last, after + MAX_SCAN)
         while sequence < stop:
             sequence += 1
-            event = ring[sequence % capacity]
-            if event is not None and (keep is None or keep(event)):
+            held = ring[sequence % capacity]
+            if held is None:
+                continue
+            event = _as_event(Event, held)
+            if keep is None or keep(event):
                 out.append(event)
                 if len(out) >= limit:
                     break

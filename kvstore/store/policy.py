@@ -35,6 +35,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from itertools import groupby
+from operator import attrgetter
 from typing import ClassVar, Protocol, TypeVar
 
 from kvstore.store.history import FrequencyHistory
@@ -66,6 +67,11 @@ class EvictionPolicy(ABC):
     def evicted(self, page: Page) -> None:
         """The store evicted `page`, one of `candidates()`."""
 
+    def evicted_many(self, pages: Sequence[Page]) -> None:
+        """`evicted` for each of `pages`, in order."""
+        for page in pages:
+            self.evicted(page)
+
     @abstractmethod
     def remove(self, page: Page) -> None:
         """`page` left the policy's care, not as a victim (cleared, pinned); unknown pages are ignored."""
@@ -79,6 +85,7 @@ class EvictionPolicy(ABC):
 
 
 P = TypeVar("P", bound=type[EvictionPolicy])
+_PLACE = attrgetter("place")
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
 
@@ -315,6 +322,22 @@ class LFUDA(EvictionPolicy):
         self._age = max(self._age, run.priority)
         self._history.put(page.key, run.count)
         self._left(run, 1)
+
+    def evicted_many(self, pages: Sequence[Page]) -> None:
+        """`evicted` for each of `pages`, with each run's pages left at once (the same order of
+        candidates after)."""
+        put, age = self._history.put, self._age
+        for run, members in groupby(pages, _PLACE):
+            count = 0
+            for page in members:
+                page.place = None
+                put(page.key, run.count)
+                count += 1
+            if run.priority > age:
+                age = run.priority
+            self._held -= count
+            self._left(run, count)
+        self._age = age
 
     def remove(self, page: Page) -> None:
         run = page.place
