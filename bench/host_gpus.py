@@ -283,7 +283,7 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
         owner = 999 if tp else rank  # TP ranks store one prompt's shares; workers their own prompts
 
         def prompt_keys(batch: int) -> list[list[bytes]]:
-            base = (owner * 16 + batch) * prompts * tokens  # under 2**31 for 999 owners and 16 batches
+            base = (owner * 32 + batch) * prompts * tokens  # < 2**31: 999 owners, 32 batches, 4 prompts
             return [client.keys([base + p * tokens + t for t in range(tokens)]) for p in range(prompts)]
 
         # the first batch warms up: every store stores anew
@@ -327,6 +327,9 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
             handle.wait()
             for handle in [client.load_async(None, targets, table, keys=k) for k in again[batch]]
         ]
+        caches = (source, sources)
+        ways, checked = part_phases(client, spec, caches, table, host, prompt_keys, 3 * rounds + 4, args)
+        runs.update(ways)
         for batch in range(rounds + 1):  # round 0 warms every path up (Triton's compile too), untimed
             for name, run in runs.items():
                 if batch == 0:
@@ -336,7 +339,7 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
                     timeline.phase(name, lambda run=run, batch=batch: run(batch), synchronize)
         # The last prompt of the first round, stored each of the three ways, into a poisoned cache.
         loaded_tokens, prefix_ok = tokens, True
-        for keys in (loaded[-1], later[0][-1], again[0][-1]):
+        for keys in (loaded[-1], later[0][-1], again[0][-1], *checked):
             for layer in target:
                 layer.view(torch.uint8).fill_(0xA5)
             got = client.load(None, target, table, keys=keys)
@@ -370,6 +373,45 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
         }
     finally:
         client.close()
+
+
+def part_phases(
+    client: Any, spec: Any, caches: Any, table: list[int], host: Any, prompt_keys: Any, first: int, args: Any
+) -> tuple[dict[str, Any], list[list[bytes]]]:
+    """`--part-mib`: for each size, the staged engine's gather into the worker's own pinned buffer
+    in calls of that many MiB (`staged parts<N> store`), and the registered client's stores
+    committed in parts of that size (`client parts<N> store`; 0: one Commit at the end); and the
+    keys of a prompt of each size to load back and compare."""
+    import kvstore_kernels
+    from kvstore_client import stores
+
+    runs: dict[str, Any] = {}
+    checked: list[list[bytes]] = []
+    (source, sources), page, chunks = caches, spec.page.page_bytes, args["tokens"] // CHUNK_TOKENS
+    options = kvstore_kernels.TransferOptions(engine="staged" if host.is_pinned() else "torch")
+    for index, mib in enumerate(args["part_mib"]):
+        per_call = max(1, (mib << 20) // page) if mib else chunks
+        cuts = [list(range(start, min(chunks, start + per_call))) for start in range(0, chunks, per_call)]
+        runs[f"staged parts{mib} store"] = lambda _, cuts=cuts: [
+            kvstore_kernels.gather(spec, source, table, cut, host, [i * page for i in cut], options=options)
+            for _ in range(args["prompts"])
+            for cut in cuts
+        ]
+        batches = [prompt_keys(first + index * (args["rounds"] + 1) + b) for b in range(args["rounds"] + 1)]
+
+        def stored(batch: int, batches: list[Any] = batches, part: int = (mib << 20) or (1 << 50)) -> None:
+            kept = stores.EARLY_COMMIT_PART_BYTES
+            stores.EARLY_COMMIT_PART_BYTES = part  # this phase's alone: the bench's experiment
+            try:
+                handles = [client.store_async(None, sources, table, keys=k) for k in batches[batch]]
+            finally:
+                stores.EARLY_COMMIT_PART_BYTES = kept
+            for handle in handles:
+                handle.wait()
+
+        runs[f"client parts{mib} store"] = stored
+        checked.append(batches[0][-1])
+    return runs, checked
 
 
 def lookup_probe(address: str, stop: Any, out: Any) -> None:
@@ -475,14 +517,21 @@ def main(argv: list[str] | None = None) -> None:
         help="the GPU the daemon's CUDA context (a pinned arena's) is made on (its device 0): "
         "CUDA_VISIBLE_DEVICES reordered for the daemon alone",
     )
+    parser.add_argument(
+        "--part-mib",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also store in parts of these MiB: the staged engine alone, and the client's commits (0: one)",
+    )
     parser.add_argument("--name", default="host_gpus")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument(
         "--dry-run", action="store_true", help="on CPU: one worker, it runs and bytes are right"
     )
     args = parser.parse_args(argv)
-    if not 1 <= args.rounds <= 4:
-        parser.error("--rounds: 1 to 4 (each round's prompts get keys of their own, 16 batches in all)")
+    if not 1 <= args.rounds <= 4 or (3 + len(args.part_mib)) * (args.rounds + 1) > 32 or args.prompts > 4:
+        parser.error("--rounds 1 to 4, --prompts at most 4: each round's prompts get keys of their own")
     import torch
 
     if not torch.cuda.is_available() and not args.dry_run:
@@ -493,7 +542,8 @@ def main(argv: list[str] | None = None) -> None:
     # Room for the largest run's prompts (a TP group stores one worker's bytes): a run's evict the
     # earlier runs', which are done with.
     groups = max(counts + [1 for c in args.tp if c <= available])
-    arena = int(args.arena_gib * (1 << 30)) or groups * (3 * args.rounds + 3) * args.prompts * prompt_bytes
+    batches = (3 + len(args.part_mib)) * (args.rounds + 1)
+    arena = int(args.arena_gib * (1 << 30)) or groups * batches * args.prompts * prompt_bytes
     arena = -(-arena // SLAB_BYTES) * SLAB_BYTES + 2 * SLAB_BYTES
     cpu = {"bytes": arena, "slab_bytes": SLAB_BYTES, **({"pinned": True} if args.pinned else {})}
     config = {"chunk_tokens": CHUNK_TOKENS, "tiers": {"cpu": cpu}}
@@ -506,6 +556,7 @@ def main(argv: list[str] | None = None) -> None:
         "pinned": args.pinned,
         "rotate": args.rotate,
         "daemon_gpu": args.daemon_gpu,
+        "part_mib": args.part_mib,
     }
     runs = []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -538,6 +589,15 @@ def main(argv: list[str] | None = None) -> None:
             rows.append([label, name, f"{store['gbps']:.1f}", f"{store['x_memcpy']:.2f}",
                          f"{load['gbps']:.1f}", f"{load['x_memcpy']:.2f}"])  # fmt: skip
     print_table(["GPUs", "path", "store GB/s", "x memcpy", "load GB/s", "x memcpy"], rows)
+    part_rows = [
+        [f"{run['gpus']}{' TP' if run['tp'] else ''}",
+         f"{way} in parts of {mib} MiB" if mib else f"{way}, one part",
+         f"{run['phases'][f'{way} parts{mib} store']['gbps']:.1f}",
+         f"{run['phases'][f'{way} parts{mib} store']['x_memcpy']:.2f}"]
+        for run in runs for mib in args.part_mib for way in ("staged", "client")
+    ]  # fmt: skip
+    if part_rows:
+        print_table(["GPUs", "store", "GB/s", "x memcpy"], part_rows)
     probe_rows = [
         [f"{run['gpus']}{' TP' if run['tp'] else ''}", when, row.get("calls", 0),
          f"{row.get('p50_us', 0):.0f}", f"{row.get('p99_us', 0):.0f}"]
