@@ -21,9 +21,12 @@ from kvstore_client.session import Session, ignore, log
 from kvstore_client.transfers import Streams, cache_device
 
 # A store committed in parts (`_early_parts`): parts of ~1.2 ms of copy at ~50 GB/s, and a last part
-# of ~0.5 ms, about what the daemon needs to commit the part before it and answer.
+# of ~0.5 ms, about what the daemon needs to commit the part before it and answer; at most
+# `EARLY_COMMIT_MAX_PARTS` before the last, since each part is a transfer of its own and the copy
+# engines idle between two (1 GiB in 16 parts: 0.94 of memcpy on an H200, in 4: 0.97).
 EARLY_COMMIT_PART_BYTES = 64 << 20
 EARLY_COMMIT_TAIL_BYTES = 24 << 20
+EARLY_COMMIT_MAX_PARTS = 3
 
 
 class StorePath:
@@ -233,12 +236,19 @@ class StorePath:
         `EARLY_COMMIT_PART_BYTES` as soon as each is written, while later ones still cross PCIe,
         so the daemon does that work in the copy's shadow and stays awake; the last part, at
         least `EARLY_COMMIT_TAIL_BYTES` (and a page), is what the final Commit carries
-        (bench/NOTES-transfer.md)."""
+        (bench/NOTES-transfer.md). Where that would make more than `EARLY_COMMIT_MAX_PARTS` parts
+        before the last, the pages before a last part of the tail's size are cut into that many
+        parts of (nearly) equal size instead (bench/NOTES-host-gpus.md)."""
         if not self._s.commits_in_parts or self._s._conn.local is None or pages < 2:
             return []
         tail = max(1, -(-EARLY_COMMIT_TAIL_BYTES // self._s.page_bytes))
         part = max(1, EARLY_COMMIT_PART_BYTES // self._s.page_bytes)
-        return list(range(part, pages - tail + 1, part)) if pages > tail else []
+        if pages <= tail:
+            return []
+        head = pages - tail
+        cuts = list(range(part, head + 1, part))
+        parts = EARLY_COMMIT_MAX_PARTS
+        return cuts if len(cuts) <= parts else [head * i // parts for i in range(1, parts + 1)]
 
     def _commit_early(self, lease: pb.LeaseRequest, early: _EarlyCommits) -> None:
         """Each part but the last, once its pages are written: its Commit, sent without waiting

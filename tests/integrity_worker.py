@@ -118,6 +118,7 @@ def main() -> None:
         from kvstore_client import stores
 
         stores.EARLY_COMMIT_PART_BYTES = stores.EARLY_COMMIT_TAIL_BYTES = 1
+        stores.EARLY_COMMIT_MAX_PARTS = 1 << 20
     rng = random.Random(args.seed)
     caches = {i: cache_for(i) for i in range(args.prompts)}
     if args.gpu:

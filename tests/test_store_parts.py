@@ -49,20 +49,33 @@ def test_the_daemon_announces_commits_in_parts(daemon: Daemon) -> None:
         assert client.commits_in_parts is True
 
 
-def commit_in_parts(monkeypatch: pytest.MonkeyPatch, client: KVStoreClient, part: int, tail: int) -> None:
+def commit_in_parts(
+    monkeypatch: pytest.MonkeyPatch, client: KVStoreClient, part: int, tail: int, most: int = 1000
+) -> None:
     monkeypatch.setattr(stores, "EARLY_COMMIT_PART_BYTES", part * client.page_bytes)
     monkeypatch.setattr(stores, "EARLY_COMMIT_TAIL_BYTES", tail * client.page_bytes)
+    monkeypatch.setattr(stores, "EARLY_COMMIT_MAX_PARTS", most)
 
 
 @pytest.mark.parametrize(
-    ("part", "tail", "early"),
-    [(5, 3, [5]), (2, 1, [2, 2, 2]), (1, 1, [1] * 7), (3, 2, [3, 3]), (8, 1, [])],
-    ids=["5+3", "2+2+2+2", "1x8", "3+3+2", "one-commit"],
+    ("part", "tail", "most", "early"),
+    [
+        (5, 3, 1000, [5]),
+        (2, 1, 1000, [2, 2, 2]),
+        (1, 1, 1000, [1] * 7),
+        (3, 2, 1000, [3, 3]),
+        (8, 1, 1000, []),
+        (1, 1, 3, [2, 2, 3]),
+        (2, 1, 3, [2, 2, 2]),
+        (1, 2, 2, [3, 3]),
+    ],
+    ids=["5+3", "2+2+2+2", "1x8", "3+3+2", "one-commit", "at-most-3+1", "3-of-3", "at-most-2+2"],
 )
 def test_a_store_commits_its_pages_in_parts_as_they_are_written(
-    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, part: int, tail: int, early: list[int]
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, part: int, tail: int, most: int, early: list[int]
 ) -> None:
-    """Eight new pages in parts of `part` pages, the last at least `tail`: each part but the last
+    """Eight new pages in parts of `part` pages, the last at least `tail`, at most `most` parts
+    before the last (else those pages cut evenly, the last part `tail`): each part but the last
     is committed by a Commit sent without waiting, the last by the final one; the store counts
     all eight and another client loads them all."""
     spec = make_spec()
@@ -70,7 +83,7 @@ def test_a_store_commits_its_pages_in_parts_as_they_are_written(
     blocks = torch.randperm(400, generator=torch.Generator().manual_seed(12))[: len(tokens) // BLOCK]
     source = random_cache(spec, 400, seed=13)
     with KVStoreClient.connect(daemon.address, spec) as client:
-        commit_in_parts(monkeypatch, client, part, tail)
+        commit_in_parts(monkeypatch, client, part, tail, most)
         sent = sent_commits(client, monkeypatch)
         assert client.store(tokens, source, blocks) == 8
         assert [request.commit_count for request in sent] == early
