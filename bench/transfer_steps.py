@@ -58,7 +58,7 @@ class StepClock:
 
         original_call = LocalChannel.call
 
-        def call(channel: Any, method: str, request: Any, meanwhile: Any = None) -> Any:
+        def call(channel: Any, method: str, request: Any, meanwhile: Any = None, *rest: Any) -> Any:
             def timed_meanwhile() -> Any:
                 clock.mark(f"{method} meanwhile")
                 try:
@@ -68,7 +68,7 @@ class StepClock:
 
             clock.mark(f"{method} sent")
             try:
-                return original_call(channel, method, request, timed_meanwhile if meanwhile else None)
+                return original_call(channel, method, request, timed_meanwhile if meanwhile else None, *rest)
             finally:
                 clock.mark(f"{method} reply")
 
