@@ -400,7 +400,7 @@ def part_phases(
         batches = [prompt_keys(first + index * (args["rounds"] + 1) + b) for b in range(args["rounds"] + 1)]
 
         def stored(batch: int, batches: list[Any] = batches, part: int = (mib << 20) or (1 << 50)) -> None:
-            kept = stores.EARLY_COMMIT_PART_BYTES, stores.EARLY_COMMIT_MAX_PARTS
+            kept = stores.EARLY_COMMIT_PART_BYTES, getattr(stores, "EARLY_COMMIT_MAX_PARTS", 1 << 20)
             # this phase's alone (the bench's experiment): parts of that size, however many
             stores.EARLY_COMMIT_PART_BYTES, stores.EARLY_COMMIT_MAX_PARTS = part, 1 << 20
             try:

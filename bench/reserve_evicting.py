@@ -54,7 +54,7 @@ def reserve_times(way: str, prompts: int) -> dict[str, Any]:
     size = (held * 32 * rank.page_bytes // SLAB + 1) * SLAB
     arena = Arena(Path(tempfile.mkdtemp(prefix="kvstore-bench-")) / "arena", size, prefault=False)
     try:
-        store = Store(CpuTier(arena, size), make_policy(EvictionConfig().policy), StoreSettings(60.0, 600.0))
+        store = Store(CpuTier(arena, SLAB), make_policy(EvictionConfig().policy), StoreSettings(60.0, 600.0))
         writer = Peer(pid=os.getpid(), uid=os.getuid(), start_time=1, connected=True)
         if way == "other":
             other = store.connect(whole).id

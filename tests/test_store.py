@@ -160,6 +160,63 @@ def test_eviction_takes_tails_before_heads(tmp_path: Path, clock: Clock) -> None
     assert load_chain(store, c) == [page_bytes(k) for k in c]
 
 
+def store_in_parts(store: Store, spec: PageSpec, tokens: list[int], part: int) -> list[bytes]:
+    """Stores `tokens` as a client does, its pages committed `part` at a time (head first)."""
+    ns = store.connect(spec).id
+    keys = chunk_keys(ns, tokens, spec.chunk_tokens)
+    reserved = store.reserve(ns, keys)
+    for key, offset in zip(keys, reserved.offsets, strict=True):
+        store.cpu.write(offset, (key * (spec.page_bytes // len(key)))[: spec.page_bytes])
+    for _ in range(len(keys) // part):
+        store.commit(ns, reserved.lease_id, part)
+    return keys
+
+
+@pytest.mark.parametrize("policy", ["lfuda", "lru"])
+def test_a_chain_committed_in_parts_is_evicted_tail_first_for_another_page_size(
+    tmp_path: Path, clock: Clock, policy: str
+) -> None:
+    """Two chains of 8 small pages, each committed in four parts of 2, fill 4 slabs; one page four
+    times as large needs a whole slab. The policy holds a chain's parts head first, so the
+    eviction must reach the heads after their tails: it takes the oldest chain's last slab (its 4
+    tail pages), and both chains' other pages and bytes stay. Every byte is read back."""
+    slab = 4 * PAGE
+    arena = Arena(tmp_path / "arena", 4 * slab, prefault=False)
+    store = Store(CpuTier(arena, slab), make_policy(policy), StoreSettings(10.0, 60.0), clock=clock)
+    a = store_in_parts(store, SPEC, list(range(128)), 2)
+    b = store_in_parts(store, SPEC, list(range(1000, 1128)), 2)
+    big = replace(SPEC, model="big", head_dim=64)  # 16 KiB pages: one a slab
+    assert big.page_bytes == slab
+    big_keys = store_in_parts(store, big, list(range(16)), 1)
+    assert store.counters["evicted_chunks"] == 4
+    assert load_chain(store, a) == [page_bytes(k) for k in a[:4]]
+    assert load_chain(store, b) == [page_bytes(k) for k in b]
+    ns = big.namespace()
+    hit = store.lookup(ns, big_keys, lease=True)
+    assert hit.hit_chunks == 1
+    (offset,) = acquired(store, ns, hit.lease_id).offsets
+    assert bytes(store.cpu.read(offset, slab)) == (big_keys[0] * (slab // len(big_keys[0])))[:slab]
+    store.release(ns, hit.lease_id)
+
+
+@pytest.mark.parametrize("policy", ["lfuda", "lru"])
+def test_chains_committed_in_parts_leave_oldest_first_not_a_tail_each(
+    tmp_path: Path, clock: Clock, policy: str
+) -> None:
+    """Two chains of 8 pages committed in parts of 2 fill the arena; a new chain of 4 takes the
+    oldest chain's last 4 pages, as a chain stored whole would give them, not the last part of
+    each chain. Every byte is read back."""
+    arena = Arena(tmp_path / "arena", 16 * PAGE, prefault=False)
+    store = Store(CpuTier(arena, 4 * PAGE), make_policy(policy), StoreSettings(10.0, 60.0), clock=clock)
+    a = store_in_parts(store, SPEC, list(range(128)), 2)
+    b = store_in_parts(store, SPEC, list(range(1000, 1128)), 2)
+    c = store_in_parts(store, SPEC, list(range(2000, 2064)), 2)
+    assert store.counters["evicted_chunks"] == 4
+    assert load_chain(store, a) == [page_bytes(k) for k in a[:4]]
+    assert load_chain(store, b) == [page_bytes(k) for k in b]
+    assert load_chain(store, c) == [page_bytes(k) for k in c]
+
+
 def test_eviction_spares_pinned_pages_and_the_request_own_prefix(tmp_path: Path, clock: Clock) -> None:
     store = make_store(tmp_path, clock, 4)
     ns = SPEC.namespace()

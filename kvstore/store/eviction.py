@@ -171,22 +171,34 @@ class Eviction:
             settle(entry)
 
     def _evictable(self, protected: set[int]) -> Iterator[tuple[int, Entry]]:
+        """The pages that may leave, in policy order, each after every child it has in the index
+        (tails go first). A page passed over for a child not yet offered is offered as soon as its
+        last child is: a chain committed in parts is held in the policy as a run per part, its
+        head's part oldest, so in policy order its head comes first; passed over and never offered
+        again, every page of such a chain but its last part would be out of reach of one
+        eviction, whose walk then crossed the whole policy for nothing."""
         guard = self.guard_chains
         planned: dict[int, int] = {}  # per parent: its children already offered in this plan
+        waiting: dict[int, Entry] = {}  # passed over for a child not yet offered
         for item in self.policy.candidates():
-            entry = cast(Entry, item)
+            entry: Entry | None = cast(Entry, item)
             state = entry.state
             if state >= PIN or (entry.tiering is not None and entry.busy):
                 continue
             if protected and id(entry) in protected:
                 continue
             if guard and state & CHILDREN and (state & CHILDREN) // CHILD > planned.get(id(entry), 0):
-                continue  # a later page of its chain is held: tails go first
-            parent = entry.parent
-            if parent is not None:
+                waiting[id(entry)] = entry  # a later page of its chain is held: tails go first
+                continue
+            while entry is not None:
+                yield entry.offset, entry
+                parent = entry.parent
+                if parent is None:
+                    break
                 parent_id = id(parent)
-                planned[parent_id] = planned.get(parent_id, 0) + 1
-            yield entry.offset, entry
+                offered = planned[parent_id] = planned.get(parent_id, 0) + 1
+                last = (parent.state & CHILDREN) // CHILD <= offered
+                entry = waiting.pop(parent_id, None) if last else None
 
     # -- leaving ------------------------------------------------------------
 
