@@ -1,11 +1,15 @@
 """What eviction adds to a Reserve: a TP 4 rank's prompt (32 pages of 8 MiB, Llama-3.1-8B's
 geometry) reserved in the daemon's own store (`Store`, default policy), then committed in four
-parts of 8 as the client does, `--prompts` prompts in a row, three ways:
+parts of 8 as the client does, `--prompts` prompts in a row, four ways:
 
 - `room`: an arena with room for every prompt (nothing evicted);
 - `own`: an arena of 100 prompts, so each Reserve evicts as many of its own older pages;
-- `other`: an arena full of another geometry's 32 MiB pages (a TP 1 worker's), evicted to make
-  room (one frees room for four).
+- `other`: an arena full of another geometry's 32 MiB pages (a TP 1 worker's), each prompt
+  committed at once, evicted to make room (one frees room for four);
+- `other-parts`: the same, each of those prompts committed in parts as the client commits
+  them (10, 10, 11 and 1 pages).
+
+A way the tree cannot run (its Reserve refused) reports the error.
 
 p50 and max µs of the Reserve over the second half of the prompts, `--rounds` times in turns.
 `--profile`: a cProfile of the `own` way instead. The arenas are sparse (never touched).
@@ -56,17 +60,23 @@ def reserve_times(way: str, prompts: int) -> dict[str, Any]:
     try:
         store = Store(CpuTier(arena, SLAB), make_policy(EvictionConfig().policy), StoreSettings(60.0, 600.0))
         writer = Peer(pid=os.getpid(), uid=os.getuid(), start_time=1, connected=True)
-        if way == "other":
+        if way.startswith("other"):
             other = store.connect(whole).id
+            parts = [10, 10, 11, 1] if way == "other-parts" else [32]
             for prompt in range(size // (32 * whole.page_bytes)):
                 keys = [(10**6 + prompt * 32 + k).to_bytes(16, "little") for k in range(32)]
-                store.commit(other, store.reserve(other, keys, None, writer).lease_id)
+                lease = store.reserve(other, keys, None, writer).lease_id
+                for part in parts:
+                    store.commit(other, lease, part)
         ns = store.connect(rank).id
         times = []
         for prompt in range(prompts):
             keys = [(prompt * 32 + k).to_bytes(16, "little") for k in range(32)]
             begun = time.perf_counter()
-            lease = store.reserve(ns, keys, None, writer).lease_id
+            try:
+                lease = store.reserve(ns, keys, None, writer).lease_id
+            except Exception as exc:  # noqa: BLE001 - the figure is the refusal
+                return {"error": f"prompt {prompt}: {type(exc).__name__}: {exc}"[:160]}
             times.append(time.perf_counter() - begun)
             for _ in range(4):
                 store.commit(ns, lease, 8)
@@ -109,10 +119,13 @@ def main() -> None:
     trees = {"this": HERE} | ({"against": Path(args.against).resolve()} if args.against else {})
     rows, runs = [], []
     for round_ in range(args.rounds):
-        for way in ("room", "own", "other"):
+        for way in ("room", "own", "other", "other-parts"):
             for tree, root in trees.items():
                 result = {"round": round_, "way": way, "tree": tree, **_child(root, way, args.prompts)}
                 runs.append(result)
+                if "error" in result:
+                    rows.append([round_, way, tree, result["error"][:60], "", ""])
+                    continue
                 p50, most = f"{result['p50_us']:.0f}", f"{result['max_us']:.0f}"
                 rows.append([round_, way, tree, p50, most, result["evicted"]])
     print_table(["round", "way", "tree", "Reserve p50 µs", "max µs", "pages evicted"], rows)
