@@ -201,3 +201,27 @@ def test_kvctl_follows_the_events_as_json_lines(daemon: Daemon) -> None:
         (i + 1, "stored", "cpu", "m", key.hex()) for i, key in enumerate(keys)
     ]
     assert lines[1]["parent"] == keys[0].hex() and lines[0]["namespace"] == conn.ns.hex()
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 7, 16])
+def test_the_ring_keeps_the_last_events_in_order_whatever_the_batches(capacity: int) -> None:
+    """Batches of events of every size (one, a few, more than the ring holds) wrapping around a
+    small ring: reading from the start gives a RESYNC, then exactly the last `capacity` events
+    added, each with its own sequence, key and parent, as one at a time would leave them."""
+    import random
+
+    from kvstore.store.events import EventKind, EventLog
+
+    rng = random.Random(capacity)
+    log = EventLog(capacity)
+    added: list[tuple[int, bytes, bytes]] = []
+    for batch in range(60):
+        size = rng.choice([1, 2, capacity, 3 * capacity + 1])
+        pages = [(bytes([batch, k]), bytes([k])) for k in range(size)]
+        log.add_many(EventKind.STORED, Tier.CPU, b"ns", pages, "committed")
+        added += [(len(added) + 1 + i, key, parent) for i, (key, parent) in enumerate(pages)]
+        events, last = log.read(0, 10 * capacity)
+        assert last == log.sequence == len(added)
+        kept = [(e.sequence, e.key, e.parent) for e in events if e.kind == EventKind.STORED]
+        assert kept == added[-capacity:]
+        assert events[0].kind == EventKind.RESYNC or len(added) <= capacity
