@@ -217,6 +217,35 @@ def test_chains_committed_in_parts_leave_oldest_first_not_a_tail_each(
     assert load_chain(store, c) == [page_bytes(k) for k in c]
 
 
+def test_a_slab_freed_for_another_page_size_strands_no_tail(tmp_path: Path, clock: Clock) -> None:
+    """A chain of 6 small pages spans two slabs; the second also holds a leased chain, so only the
+    first can be emptied for a page four times as large. Taking the chain's first 4 pages
+    (its head) would leave its last 2 with no head, never to be hit: they leave with it, and
+    their slots take the next small pages without another eviction. Every byte is read back."""
+    slab = 4 * PAGE
+    arena = Arena(tmp_path / "arena", 2 * slab, prefault=False)
+    store = Store(CpuTier(arena, slab), make_policy("lfuda"), StoreSettings(10.0, 60.0), clock=clock)
+    ns = SPEC.namespace()
+    a = store_chain(store, list(range(96)))  # 6 pages: 4 in the first slab, 2 in the second
+    held = store_chain(store, list(range(1000, 1032)))  # the second slab's other 2
+    lease = store.lookup(ns, held, lease=True).lease_id
+    big = replace(SPEC, model="big", head_dim=64)
+    big_keys = store_in_parts(store, big, list(range(16)), 1)
+    assert store.counters["evicted_chunks"] == 6
+    assert store.lookup_each(ns, a) == bytes(6)  # the whole chain left, its tail too
+    assert [bytes(store.cpu.read(o, PAGE)) for o in acquired(store, ns, lease).offsets] == [
+        page_bytes(k) for k in held
+    ]
+    store.release(ns, lease)
+    c = store_chain(store, list(range(2000, 2032)))  # 2 slots the tail freed: nothing evicted
+    assert store.counters["evicted_chunks"] == 6
+    assert load_chain(store, c) == [page_bytes(k) for k in c]
+    assert load_chain(store, held) == [page_bytes(k) for k in held]
+    hit = store.lookup(big.namespace(), big_keys, lease=True)
+    (offset,) = acquired(store, big.namespace(), hit.lease_id).offsets
+    assert bytes(store.cpu.read(offset, slab)) == (big_keys[0] * (slab // len(big_keys[0])))[:slab]
+
+
 def test_eviction_spares_pinned_pages_and_the_request_own_prefix(tmp_path: Path, clock: Clock) -> None:
     store = make_store(tmp_path, clock, 4)
     ns = SPEC.namespace()

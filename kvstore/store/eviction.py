@@ -122,7 +122,9 @@ class Eviction:
 
     def make_cpu_room(self, page_bytes: int, count: int, protected: list[Entry]) -> None:
         """Evicts CPU-tier pages so that `count` slots of `page_bytes` are free; all or nothing."""
-        victims = self.cpu.slots.plan_free(page_bytes, count, self._evictable({id(e) for e in protected}))
+        offered: list[Entry] = []
+        candidates = self._evictable({id(e) for e in protected}, offered)
+        victims = self.cpu.slots.plan_free(page_bytes, count, candidates)
         if victims is None:
             slots = self.cpu.slots
             if slots.num_reserved < slots.num_slabs:  # the arena is still being reserved behind
@@ -139,6 +141,8 @@ class Eviction:
                 f"room is pinned by a lease or being written; release leases, wait for them to expire, "
                 f"or raise tiers.cpu.bytes"
             )
+        if len(offered) > len(victims):  # slabs of another size: some pages offered stay
+            victims += _orphans(victims, offered)
         self._evict(victims)
         self.counters["evicted_chunks"] += len(victims)
 
@@ -170,34 +174,37 @@ class Eviction:
                 gpu_pages.left(entry)
             settle(entry)
 
-    def _evictable(self, protected: set[int]) -> Iterator[tuple[int, Entry]]:
+    def _evictable(self, protected: set[int], offered: list[Entry]) -> Iterator[tuple[int, Entry]]:
         """The pages that may leave, in policy order, each after every child it has in the index
         (tails go first). A page passed over for a child not yet offered is offered as soon as its
         last child is: a chain committed in parts is held in the policy as a run per part, its
         head's part oldest, so in policy order its head comes first; passed over and never offered
         again, every page of such a chain but its last part would be out of reach of one
-        eviction, whose walk then crossed the whole policy for nothing."""
+        eviction, whose walk then crossed the whole policy for nothing. Each page offered is
+        appended to `offered`."""
         guard = self.guard_chains
         planned: dict[int, int] = {}  # per parent: its children already offered in this plan
         waiting: dict[int, Entry] = {}  # passed over for a child not yet offered
         for item in self.policy.candidates():
-            entry: Entry | None = cast(Entry, item)
-            state = entry.state
-            if state >= PIN or (entry.tiering is not None and entry.busy):
+            page = cast(Entry, item)
+            state = page.state
+            if state >= PIN or (page.tiering is not None and page.busy):
                 continue
-            if protected and id(entry) in protected:
+            if protected and id(page) in protected:
                 continue
-            if guard and state & CHILDREN and (state & CHILDREN) // CHILD > planned.get(id(entry), 0):
-                waiting[id(entry)] = entry  # a later page of its chain is held: tails go first
+            if guard and state & CHILDREN and (state & CHILDREN) // CHILD > planned.get(id(page), 0):
+                waiting[id(page)] = page  # a later page of its chain is held: tails go first
                 continue
+            entry: Entry | None = page
             while entry is not None:
+                offered.append(entry)
                 yield entry.offset, entry
                 parent = entry.parent
                 if parent is None:
                     break
                 parent_id = id(parent)
-                offered = planned[parent_id] = planned.get(parent_id, 0) + 1
-                last = (parent.state & CHILDREN) // CHILD <= offered
+                given = planned[parent_id] = planned.get(parent_id, 0) + 1
+                last = (parent.state & CHILDREN) // CHILD <= given
                 entry = waiting.pop(parent_id, None) if last else None
 
     # -- leaving ------------------------------------------------------------
@@ -236,3 +243,17 @@ class Eviction:
             entry.offset = -1
         if state & REMOVED and tiering is not None and tiering.gpu >= 0 and self.gpu_pages is not None:
             self.gpu_pages.free_slot(entry)
+
+
+def _orphans(victims: list[Entry], offered: list[Entry]) -> list[Entry]:
+    """The pages offered but not taken whose parent is taken (and theirs, down the chain): freeing
+    whole slabs for another page size may take a chain's head while some of its tail sits in a
+    slab that does not empty, a tail that could never be hit again. They leave with the head."""
+    taken = {id(entry) for entry in victims}
+    orphans: list[Entry] = []
+    for entry in reversed(offered):  # a parent is offered after its children: it is seen first here
+        parent = entry.parent
+        if parent is not None and id(parent) in taken and id(entry) not in taken:
+            taken.add(id(entry))
+            orphans.append(entry)
+    return orphans
