@@ -356,6 +356,10 @@ def run_worker(rank: int, count: int, args: dict[str, Any], address: str, barrie
             else {}
         )
         ok = loaded_tokens == tokens and prefix_ok
+        # Each count leaves the arena empty once every worker has checked its bytes, so the next
+        # count stores into room as the first did: what eviction costs is reserve_evicting's.
+        timeline.barrier.wait()
+        client.clear()
         cpus = sorted(os.sched_getaffinity(0))
         return {
             "rank": rank,
@@ -540,8 +544,8 @@ def main(argv: list[str] | None = None) -> None:
     available = torch.cuda.device_count() if torch.cuda.is_available() else 1
     counts = [c for c in args.gpus if c <= available]
     prompt_bytes = llama_spec().page.page_bytes * (args.tokens // CHUNK_TOKENS)
-    # Room for the largest run's prompts (a TP group stores one worker's bytes): a run's evict the
-    # earlier runs', which are done with.
+    # Room for the largest run's prompts (a TP group stores one worker's bytes); each run clears
+    # its namespaces when it ends.
     groups = max(counts + [1 for c in args.tp if c <= available])
     batches = (3 + len(args.part_mib)) * (args.rounds + 1)
     arena = int(args.arena_gib * (1 << 30)) or groups * batches * args.prompts * prompt_bytes
