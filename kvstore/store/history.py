@@ -35,6 +35,15 @@ class FrequencyHistory:
         self._prints[slot] = fingerprint
         self._counts[slot] = min(count, MAX_COUNT)
 
+    def put_many(self, keys_counts: list[tuple[bytes, int]]) -> None:
+        """`put` for each (key, count), in order."""
+        prints, counts, shift = self._prints, self._counts, 64 - self._bits
+        for key, count in keys_counts:
+            fingerprint = int.from_bytes(key[:8], "little") or 1
+            slot = ((fingerprint * _MIX) & _MASK64) >> shift
+            prints[slot] = fingerprint
+            counts[slot] = count if count < MAX_COUNT else MAX_COUNT
+
     def pop(self, key: bytes) -> int:
         fingerprint = int.from_bytes(key[:8], "little") or 1
         slot = self._slot(fingerprint)

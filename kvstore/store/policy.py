@@ -326,18 +326,19 @@ class LFUDA(EvictionPolicy):
     def evicted_many(self, pages: Sequence[Page]) -> None:
         """`evicted` for each of `pages`, with each run's pages left at once (the same order of
         candidates after)."""
-        put, age = self._history.put, self._age
+        age = self._age
+        evicted: list[tuple[bytes, int]] = []  # each page's key and count, for the history
         for run, members in groupby(pages, _PLACE):
-            count = 0
+            before = len(evicted)
             for page in members:
                 page.place = None
-                put(page.key, run.count)
-                count += 1
+                evicted.append((page.key, run.count))
             if run.priority > age:
                 age = run.priority
-            self._held -= count
-            self._left(run, count)
+            self._held -= len(evicted) - before
+            self._left(run, len(evicted) - before)
         self._age = age
+        self._history.put_many(evicted)
 
     def remove(self, page: Page) -> None:
         run = page.place
