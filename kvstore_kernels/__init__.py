@@ -50,7 +50,6 @@ blocks) takes a shorter path (`device_scatter`: the GPU tier's loads).
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -62,6 +61,7 @@ from kvstore.shared.spec import KVSpec
 
 from . import reference
 from .cache_facts import RegisteredCaches, register
+from .kept import Kept, without_references
 from .layouts import KVCaches
 from .routing import TransferOptions, backend_name, choose
 from .validate import CheckedBlocks, Transfer, check_blocks, facts_of, plan_pages, plan_transfer, replan
@@ -208,14 +208,14 @@ def prepare(
     small uploads are queued on `stream` (default: the current one), where `run` queues too.
 
     With `RegisteredCaches` (tensors that keep their storage, shape and strides), what does not
-    depend on the block table is kept on that object (`_Kept`) for the next call with the same
+    depend on the block table is kept on that object (`Kept`) for the next call with the same
     spec, layers, buffer and direction: that call checks its chunks and block table and uploads
     the kernel's tables, nothing else."""
     options = options or TransferOptions()
     if not isinstance(options, TransferOptions):
         raise ValueError(f"options: expected a TransferOptions, got {type(options).__name__}")
     with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        kept = _Kept.of(spec, kv_caches, buffer, layers, batch_index, to_page, options)
+        kept = Kept.of(spec, kv_caches, buffer, layers, batch_index, to_page, options)
         plan = _prepared_plan(spec, kv_caches, block_ids, chunks, buffer, layers, batch_index, to_page, kept)
         if stream is not None and plan.device != stream.device:
             raise ValueError(f"stream: on {stream.device}, but the KV cache is on {plan.device}")
@@ -234,7 +234,7 @@ def _prepared_plan(
     layers: range | None,
     batch_index: int,
     to_page: bool,
-    kept: _Kept | None,
+    kept: Kept | None,
 ) -> Transfer:
     """The checked plan of every chunk, offsets not known yet: the kept plan with this call's
     chunks and block table, or a new one (then kept, where `kept` is given)."""
@@ -246,12 +246,12 @@ def _prepared_plan(
         spec, kv_caches, block_ids, chunks, buffer, None, layers, batch_index, writes_cache=writes_cache
     )
     if kept is not None:
-        kept.plan, kept.facts = _without_references(plan), facts_of(spec, kv_caches, layers, batch_index)
+        kept.plan, kept.facts = without_references(plan), facts_of(spec, kv_caches, layers, batch_index)
     return plan
 
 
 def _staged_path(
-    spec: KVSpec, plan: Transfer, options: TransferOptions, to_page: bool, kept: _Kept | None
+    spec: KVSpec, plan: Transfer, options: TransferOptions, to_page: bool, kept: Kept | None
 ) -> Any:
     """The staged path's setup of `plan` where the route takes the staged path, else None."""
     if not (plan.layers and len(plan.blocks)):
@@ -267,9 +267,7 @@ def _staged_path(
     return None
 
 
-def _staged(
-    spec: KVSpec, every: Transfer, to_page: bool, options: TransferOptions, kept: _Kept | None
-) -> Any:
+def _staged(spec: KVSpec, every: Transfer, to_page: bool, options: TransferOptions, kept: Kept | None) -> Any:
     """The staged path's setup of `every`: made, or a kept one of as many pages renewed."""
     from .staged import Staged
 
@@ -281,63 +279,12 @@ def _staged(
         spec, every, to_page=to_page, max_programs=options.max_programs, staging_bytes=options.staging_bytes
     )
     if kept is not None:
-        if len(kept.setups) >= _Kept.MAX_SETUPS:  # one call, atomic: transfers on other threads
+        if len(kept.setups) >= Kept.MAX_SETUPS:  # one call, atomic: transfers on other threads
             kept.setups.clear()
         template = copy.copy(setup)
-        template.plan = _without_references(every)
+        template.plan = without_references(every)
         kept.setups[pages] = template
     return setup
-
-
-def _without_references(plan: Transfer) -> Transfer:
-    """`plan` as kept: without the buffer (a weak reference decides) or the caches (kept on them:
-    a reference back would keep the tensors alive until a garbage collection finds the cycle)."""
-    return plan._replace(buffer=None, kv_caches=None)  # type: ignore[arg-type]  # filled in by `prepare`
-
-
-class _Kept:
-    """What a prepared transfer of `RegisteredCaches` keeps for the next one of the same spec,
-    layers, batch index, direction, options and buffer: the plan but its block ids (and the cache
-    facts it was checked with), whether the staged path moves it, and the staged setup per page
-    count. Kept on the registered caches object (it lives as long as they do), the buffer by a
-    weak reference (a kept entry never holds an arena's mapping alive, and a new buffer at the
-    same address is another buffer)."""
-
-    MAX_ENTRIES = 16  # per registered caches object
-    MAX_SETUPS = 16  # page counts per entry
-
-    def __init__(self, spec: KVSpec, buffer: torch.Tensor) -> None:
-        self.spec = spec
-        self.buffer = weakref.ref(buffer)
-        self.plan: Transfer | None = None
-        self.facts: Any = None
-        self.staged: bool | None = None
-        self.setups: dict[int, Any] = {}
-
-    @classmethod
-    def of(
-        cls,
-        spec: KVSpec,
-        kv_caches: KVCaches,
-        buffer: Any,
-        layers: range | None,
-        batch_index: int,
-        to_page: bool,
-        options: TransferOptions,
-    ) -> _Kept | None:
-        if type(kv_caches) is not RegisteredCaches or not isinstance(buffer, torch.Tensor):
-            return None
-        if layers is not None and type(layers) is not range:
-            return None
-        entries: dict[tuple[Any, ...], _Kept] = kv_caches.__dict__.setdefault("_prepared", {})
-        key = (id(spec), layers, batch_index, to_page, options, id(buffer))
-        entry = entries.get(key)
-        if entry is not None and entry.spec is spec and entry.buffer() is buffer:
-            return entry
-        if len(entries) >= cls.MAX_ENTRIES:
-            entries.clear()
-        entry = entries[key] = cls(spec, buffer)
-        return entry
 
 
 class Prepared:
@@ -389,12 +336,35 @@ class Prepared:
         prepared chunks `chunks` at `offsets`; the other arguments are the ones `prepare` took."""
         self.run(chunks, offsets)
 
-    def run(self, pages: Sequence[int], offsets: Sequence[int]) -> None:
+    def run(self, pages: Sequence[int], offsets: Sequence[int], marks: Sequence[int] = ()) -> list[Any]:
         """Moves prepared chunks `pages` (indices among the chunks `prepare` took) between the KV
-        cache and the pages at `offsets` in the buffer: one offset per page, checked here."""
+        cache and the pages at `offsets` in the buffer: one offset per page, checked here.
+
+        `marks`: increasing counts m (0 < m < len(pages)) of the first pages the caller wants to
+        know moved before the rest (a store that commits them early): for each, what to
+        `synchronize()` on until pages[:m] are in place (None: they are). The staged path moves
+        every page in one transfer and marks it as it goes; the others move each part in turn."""
+        bounds = [0, *marks, len(pages)]
+        if marks and any(stop <= start for start, stop in zip(bounds, bounds[1:], strict=False)):
+            raise ValueError(f"marks: expected increasing counts in 1..{len(pages) - 1}, got {list(marks)}")
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            plan = plan_pages(self.plan, pages, offsets, writes_cache=not self.to_page)
             if self._staged is not None:
-                self._staged.issue(pages, plan.offsets)
-            else:
+                plan = plan_pages(self.plan, pages, offsets, writes_cache=not self.to_page)
+                return self._staged.issue(pages, plan.offsets, marks=marks)
+            done: list[Any] = []
+            for start, stop in zip(bounds, bounds[1:], strict=False):
+                part, at = pages[start:stop], offsets[start:stop]
+                plan = plan_pages(self.plan, part, at, writes_cache=not self.to_page)
                 _run(self.spec, plan, self.options, self.to_page)
+                if stop < len(pages):
+                    done.append(_event_after(plan.device))
+            return done
+
+
+def _event_after(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the work queued so far on `device`'s current stream (None: a CPU device)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -40,9 +40,8 @@ With CPU tensors (tests) the kernel runs in Triton's interpreter and the copies 
 from __future__ import annotations
 
 import copy
-import ctypes
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -51,6 +50,10 @@ import torch
 from kvstore.shared.spec import KVSpec, PageSpec
 
 from .geometry import Geometry
+from .staged_issue import Done
+from .staged_issue import issue_cpu as _issue_cpu
+from .staged_issue import issue_cuda as _issue_cuda
+from .staged_issue import runs as _runs
 from .staged_pieces import Piece, layers_per_piece, pages_per_slot, slot_pieces
 from .staged_pieces import pieces as pieces  # staged.pieces, as before it moved
 from .staged_ring import NUM_SLOTS, StagingRing
@@ -239,12 +242,16 @@ class Staged:
         *,
         overlap: bool = OVERLAP,
         copy_streams: int = COPY_STREAMS,
-    ) -> None:
+        marks: Sequence[int] = (),
+    ) -> list[Done | None]:
         """Queue `pages` (indices into the plan's pages; checked by the caller) at `offsets` (one
-        per page, in the plan's buffer, checked by the caller) on the current stream."""
+        per page, in the plan's buffer, checked by the caller) on the current stream.
+
+        `marks`: increasing counts m of first pages: for each, a `Done` right after pages[:m]'s
+        copies (None: CPU tensors); a store committed in parts is one transfer, not one a part."""
         plan, ring, to_page = self.plan, self.ring, self.to_page
         if not plan.layers:
-            return
+            return [None] * len(marks)
         layer_bytes = plan.page.layer_bytes
         cuda = self.cuda
         with ring.lock, torch.cuda.device(plan.device) if cuda else nullcontext():
@@ -261,7 +268,8 @@ class Staged:
             pages = list(pages)
             if len(pages) != len(offsets):
                 raise ValueError(f"pages and offsets: {len(pages)} pages but {len(offsets)} offsets")
-            work = slot_pieces(pages, len(plan.layers), self.per_piece, self.per_slot)
+            breaks = _breaks(marks, len(pages))
+            work = slot_pieces(pages, len(plan.layers), self.per_piece, self.per_slot, breaks)
             page_span = self.page_span
 
             def pack(piece: Piece, slot: int) -> None:
@@ -280,99 +288,18 @@ class Staged:
                 size = (piece.stop_layer - piece.first_layer) * layer_bytes
                 return _runs([at + offsets[piece.page + k] for k in range(piece.pages)], size, page_span)
 
-            if stream is not None:
-                streams = max(1, copy_streams) if overlap else 0
-                _issue_cuda(ring, work, pack, span, stream, to_page=to_page, copy_streams=streams)
-            else:
+            if stream is None:
                 _issue_cpu(ring, work, pack, span, to_page=to_page)
+                return [None] * len(breaks)
+            streams = max(1, copy_streams) if overlap else 0
+            sides = [_copy_stream(plan.device, to_page, i) for i in range(streams)]
+            marked = (breaks, len(plan.layers))
+            return list(_issue_cuda(ring, work, pack, span, stream, sides, to_page=to_page, marked=marked))
 
 
-def _runs(addresses: list[int], size: int, stride: int) -> list[tuple[int, int, int]]:
-    """(host address, offset in the slot, bytes) of each run of a slot's pages (`size` bytes at
-    each of `addresses` in the buffer, `stride` apart in the slot) that lie one after another on
-    both sides: one copy each."""
-    runs: list[tuple[int, int, int]] = []
-    for k, at in enumerate(addresses):
-        last = runs[-1] if runs else None
-        if last and last[0] + last[2] == at and last[1] + last[2] == k * stride:
-            runs[-1] = (last[0], last[1], last[2] + size)
-        else:
-            runs.append((at, k * stride, size))
-    return runs
-
-
-def _issue_cpu(
-    ring: StagingRing,
-    work: Iterable[Piece],
-    pack: Callable[[Piece, int], None],
-    span: Callable[[Piece], list[tuple[int, int, int]]],
-    *,
-    to_page: bool,
-) -> None:
-    """Every piece in turn with CPU tensors (tests): pack then `memmove`s, or the reverse."""
-    for piece in work:
-        slot = ring.take()
-        if to_page:
-            pack(piece, slot)
-        for at, within, size in span(piece):
-            if to_page:
-                ctypes.memmove(at, ring.address(slot) + within, size)
-            else:
-                ctypes.memmove(ring.address(slot) + within, at, size)
-        if not to_page:
-            pack(piece, slot)
-
-
-def _issue_cuda(
-    ring: StagingRing,
-    work: Iterable[Piece],
-    pack: Callable[[Piece, int], None],
-    span: Callable[[Piece], list[tuple[int, int, int]]],
-    current: int,
-    *,
-    to_page: bool,
-    copy_streams: int,
-) -> None:
-    """Queue every piece: pack then copy (gather) or copy then unpack (scatter), slot by slot.
-
-    `current`: the caller's stream (its handle). `copy_streams`: side streams the copies take
-    in turn, each piece's slot handed over with events; 0: the copies run on `current`."""
-    from . import cudart
-
-    runtime = cudart.runtime()
-    record, wait, memcpy = runtime.event_record, runtime.stream_wait_event, runtime.memcpy_async
-    overlap = copy_streams > 0
-    sides = [_copy_stream(ring.device, to_page, i).cuda_stream for i in range(copy_streams)] or [current]
-    if overlap and not to_page:
-        # The copies read pages that work queued earlier on the caller's stream may write.
-        record(ring.started, current)
-        for side in sides:
-            wait(side, ring.started)
-    last: dict[int, int] = {}  # per side stream: the slot of its last copy
-    for index, piece in enumerate(work):
-        slot = ring.take()
-        copies = sides[index % len(sides)]
-        free, ready, address = ring.free[slot], ring.ready[slot], ring.address(slot)
-        runs = span(piece)
-        if to_page:
-            wait(current, free)  # the copy out of this slot's last contents has run
-            pack(piece, slot)
-            if overlap:
-                record(ready, current)
-                wait(copies, ready)
-            for at, within, size in runs:
-                memcpy(at, address + within, size, copies)
-            record(free, copies)
-            last[copies] = slot
-        else:
-            wait(copies, free)  # the unpack of this slot's last contents has run
-            for at, within, size in runs:
-                memcpy(address + within, at, size, copies)
-            if overlap:
-                record(ready, copies)
-                wait(current, ready)
-            pack(piece, slot)
-            record(free, current)
-    if overlap and to_page:
-        for slot in last.values():  # each side runs its copies in order: its last covers them
-            wait(current, ring.free[slot])
+def _breaks(marks: Sequence[int], pages: int) -> frozenset[int]:
+    """`Staged.issue`'s marks, checked: increasing counts of its first pages, short of all."""
+    breaks = frozenset(marks)
+    if list(marks) != sorted(breaks) or any(not 0 < mark < pages for mark in breaks):
+        raise ValueError(f"marks: expected increasing counts in 1..{pages - 1}, got {list(marks)}")
+    return breaks

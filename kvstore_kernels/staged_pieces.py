@@ -57,10 +57,13 @@ def pages_per_slot(plan: Transfer, per_piece: int, staging_bytes: int) -> int:
     return max(1, (staging_bytes // NUM_SLOTS) // span)
 
 
-def slot_pieces(pages: list[int], count: int, per_piece: int, per_slot: int) -> Iterator[Piece]:
+def slot_pieces(
+    pages: list[int], count: int, per_piece: int, per_slot: int, breaks: frozenset[int] = frozenset()
+) -> Iterator[Piece]:
     """What each slot moves, in order: a run of a page's `count` moved layers (at most
     `per_piece`), or, where `per_slot` whole pages fit a slot, up to `per_slot` pages that follow
-    one another in the plan (`pages[j + k] == pages[j] + k`: the kernel walks them in order)."""
+    one another in the plan (`pages[j + k] == pages[j] + k`: the kernel walks them in order). No
+    slot holds both page j - 1 and page j for j in `breaks`."""
     if per_slot <= 1:
         for j in range(len(pages)):
             yield from page_pieces(j, count, per_piece)
@@ -68,7 +71,12 @@ def slot_pieces(pages: list[int], count: int, per_piece: int, per_slot: int) -> 
     j = 0
     while j < len(pages):
         run = 1
-        while run < per_slot and j + run < len(pages) and pages[j + run] == pages[j] + run:
+        while (
+            run < per_slot
+            and j + run < len(pages)
+            and pages[j + run] == pages[j] + run
+            and j + run not in breaks
+        ):
             run += 1
         yield Piece(j, 0, count, run)
         j += run

@@ -5,6 +5,8 @@ Skipped without a CUDA device (CI has none); run on the GPU machine.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -108,3 +110,85 @@ def test_the_side_stream_waits_for_the_default_stream() -> None:
         assert after.query() is False
         after.synchronize()
         assert torch.cuda.current_stream(device).query() is True
+
+
+def test_cuda_early_commits_go_out_once_their_pages_are_in_the_arena(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store of 8 pages committed in parts of 2 (one transfer, marked at each part's end), its
+    copy stream held back ~30 ms first: each early Commit goes out only once its pages' bytes are
+    in the arena (read there as the Commit is sent, against the torch reference's pages), and
+    another client loads all 8 back."""
+    import time
+
+    import kvstore_kernels
+    from kvstore_client import stores
+    from kvstore_kernels import staged
+
+    spec = make_spec("flash_attn")
+    tokens = torch.randint(0, 50_000, (2048,)).tolist()
+    blocks = torch.randperm(512)[:128]
+    source = cuda_cache(spec, 512)
+    with KVStoreClient.connect(daemon.address, spec) as client:
+        page_bytes = client.page_bytes
+        pages = torch.zeros(8 * page_bytes, dtype=torch.uint8)  # the torch reference's pages
+        kvstore_kernels.gather(
+            client.spec,
+            [layer.cpu() for layer in source],
+            blocks,
+            range(8),
+            pages,
+            [i * page_bytes for i in range(8)],
+            options=kvstore_kernels.TransferOptions(engine="torch"),
+        )
+        registrar = client._mapped.registrar
+        deadline = time.monotonic() + 120
+        while registrar is not None and not registrar.all_registered and time.monotonic() < deadline:
+            time.sleep(0.01)
+        monkeypatch.setattr(stores, "EARLY_COMMIT_PART_BYTES", 2 * page_bytes)
+        monkeypatch.setattr(stores, "EARLY_COMMIT_TAIL_BYTES", 2 * page_bytes)
+        replies: list[object] = []
+        real_reserve = client._stores._reserve
+
+        def reserve(*args: Any, **kwargs: Any) -> Any:
+            replies.append(reply := real_reserve(*args, **kwargs))
+            return reply
+
+        monkeypatch.setattr(client._stores, "_reserve", reserve)
+        marks: list[list[int]] = []
+        real_run = kvstore_kernels.Prepared.run
+
+        def run(self: object, pages_: object, offsets: object, marks_: list[int] = ()) -> object:  # type: ignore[assignment]
+            marks.append(list(marks_))
+            return real_run(self, pages_, offsets, marks_)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(kvstore_kernels.Prepared, "run", run)
+        local = client._conn.local
+        assert local is not None
+        real_send, checked = local.send, list[int]()
+
+        def send(method: str, request: object) -> None:
+            if method == "Commit":
+                offsets = list(replies[-1].offsets)  # type: ignore[attr-defined]
+                arena = client.arena
+                assert arena is not None
+                upto = sum(checked) + request.commit_count  # type: ignore[attr-defined]
+                for page in range(upto):
+                    got = arena[offsets[page] : offsets[page] + page_bytes]
+                    assert torch.equal(got, pages[page * page_bytes : (page + 1) * page_bytes]), page
+                checked.append(request.commit_count)  # type: ignore[attr-defined]
+            real_send(method, request)
+
+        monkeypatch.setattr(local, "send", send)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(staged._copy_stream(source[0].device, True, 0)):
+            torch.cuda._sleep(60_000_000)
+        assert client.store(tokens, source, blocks) == 8
+        assert marks == [[2, 4, 6]] and checked == [2, 2, 2]
+    with KVStoreClient.connect(daemon.address, spec) as other:
+        target = cuda_cache(spec, 256, fill=-3.0)
+        target_blocks = torch.randperm(256)[:128]
+        assert other.load(tokens, target, target_blocks) == 2048
+        assert torch.equal(
+            blocks_of(target, target_blocks, "flash_attn"), blocks_of(source, blocks, "flash_attn")
+        )
