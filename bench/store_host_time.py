@@ -3,7 +3,8 @@ public client into a daemon, the KV caches registered as the engine adapters pas
 
 For each prompt length:
 - `prepare`: `kvstore_kernels.prepare` of every chunk into the arena alone (what a store does
-  while its Reserve is in flight), median µs over 50 calls;
+  while its Reserve is in flight), median µs over 50 calls back to back, then each after a
+  pinned memcpy of the prompt's bytes, then each after a 20 ms sleep;
 - `reserve`: a Reserve of the prompt's keys alone, answered and aborted, median µs;
 - `store`: the whole store, median ms, against a pinned memcpy of the same bytes in turn;
 - cProfile over 20 stores: the functions with the most own time, and the most with callees.
@@ -36,9 +37,13 @@ from kvstore.proto import kvstore_pb2 as pb  # noqa: E402
 from kvstore_client import KVStoreClient  # noqa: E402
 
 
-def median_us(call: Any, count: int) -> float:
+def median_us(call: Any, count: int, before: Any = None) -> float:
+    """`call`'s median µs over `count` calls, each after `before()` (and a synchronize) where given."""
     took = []
     for _ in range(count):
+        if before is not None:
+            before()
+            synchronize()
         start = time.perf_counter()
         call()
         took.append(time.perf_counter() - start)
@@ -103,8 +108,11 @@ def measure(tokens: int, profiles: int) -> dict[str, Any]:
                 client.clear()
                 store()
             prepare_us = median_us(prepare, 50)
+            memcpy = copy.run(moved, True)
+            after_memcpy = median_us(prepare, 30, before=memcpy)
+            after_sleep = median_us(prepare, 30, before=lambda: time.sleep(0.02))
             reserve_us = statistics.median(reserve() for _ in range(50)) * 1e6
-            stores, copies, memcpy = [], [], copy.run(moved, True)
+            stores, copies = [], []
             profiler = cProfile.Profile()
             for round_ in range(20 + profiles):
                 client.clear()
@@ -133,6 +141,8 @@ def measure(tokens: int, profiles: int) -> dict[str, Any]:
         "tokens": tokens,
         "bytes": moved,
         "prepare_us": round(prepare_us, 1),
+        "prepare_after_memcpy_us": round(after_memcpy, 1),
+        "prepare_after_sleep_us": round(after_sleep, 1),
         "reserve_us": round(reserve_us, 1),
         "store_ms": round(store_ms, 3),
         "memcpy_ms": round(memcpy_ms, 3),
@@ -152,7 +162,17 @@ def main() -> None:
     for row in rows:
         print(f"-- {row['tokens']} tokens: own time\n{row['profile_tottime']}")
         print(f"-- {row['tokens']} tokens: with callees\n{row['profile_cumtime']}")
-    columns = ["tokens", "bytes", "prepare_us", "reserve_us", "store_ms", "memcpy_ms", "x_memcpy"]
+    columns = [
+        "tokens",
+        "bytes",
+        "prepare_us",
+        "prepare_after_memcpy_us",
+        "prepare_after_sleep_us",
+        "reserve_us",
+        "store_ms",
+        "memcpy_ms",
+        "x_memcpy",
+    ]
     print_table(columns, [[row[column] for column in columns] for row in rows])
     write_results(args.name, {"rows": rows})
 
