@@ -39,8 +39,9 @@ block table, chunks, offsets and buffer: a fraction of the first call's host tim
 the tensors keep their storage, shape and strides, as vLLM's `register_kv_caches` does).
 `prepare(spec, kv_caches, block_ids, chunks, buffer, layers, to_page=...)` checks a transfer of
 every chunk and sets it up (the staged path's kernel arguments too) before its page offsets are
-known; `Prepared.run(pages, offsets)` then moves the pages that turn out to be wanted, with
-only those offsets left to check: a store or load does the setup while the daemon answers.
+known; `Prepared.run(pages, offsets, marks=())` then moves the pages that turn out to be wanted,
+with only those offsets left to check (and, at each mark, an event once the pages before it are
+in place): a store or load does the setup while the daemon answers.
 `check_blocks(spec, kv_caches, block_ids, chunks, writes_cache=...)` checks a host block
 table's first chunks ahead of the calls that use it (`validate`): a load does it while its
 Lookup is in flight. A scatter from a device buffer given both (registered caches, checked

@@ -23,22 +23,13 @@ from tests.kernel_cases import (
     expected_buffer,
     make_spec,
     staged_options,
-    triton_module,
     write_expected,
 )
+from tests.test_prepared import IMPLS, options_for, settle
 
-IMPLS = ["staged", "torch", "triton"]
 CHUNKS = [5, 1, 2, 3, 4, 0, 6, 7]  # what `prepare` takes
 PAGES = [0, 1, 2, 3, 4, 5, 6, 7]  # the run names every prepared chunk, in order
 MARKS = [2, 3, 6]  # parts of 2, 1 and 3 pages before a last of 2
-
-
-def options_for(impl: str, spec: Any, layers_per_slot: int) -> kvstore_kernels.TransferOptions:
-    if impl == "staged":
-        return staged_options(spec, layers_per_slot)
-    if impl == "triton":
-        triton_module()
-    return kvstore_kernels.TransferOptions(engine="kernel" if impl == "triton" else impl)
 
 
 def offsets_of(page_bytes: int, apart: int = 40) -> tuple[list[int], int]:
@@ -53,11 +44,6 @@ def hold_the_copies(device: torch.device) -> None:
 
     with torch.cuda.stream(staged._copy_stream(device, True, 0)):
         torch.cuda._sleep(60_000_000)
-
-
-def settle(impl: str) -> None:
-    if CUDA and impl != "torch":
-        torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
