@@ -7,7 +7,8 @@ For each prompt length:
   pinned memcpy of the prompt's bytes, then each after a 20 ms sleep;
 - `reserve`: a Reserve of the prompt's keys alone, answered and aborted, median µs;
 - `store`: the whole store, median ms, against a pinned memcpy of the same bytes in turn;
-- cProfile over 20 stores: the functions with the most own time, and the most with callees.
+- cProfile over 200 setups alone, and over 20 stores: the functions with the most own time, and
+  the most with callees.
 
     python bench/store_host_time.py [--tokens 2048 8192] [--name store-host-time]
 
@@ -111,6 +112,12 @@ def measure(tokens: int, profiles: int) -> dict[str, Any]:
             memcpy = copy.run(moved, True)
             after_memcpy = median_us(prepare, 30, before=memcpy)
             after_sleep = median_us(prepare, 30, before=lambda: time.sleep(0.02))
+            prepares = cProfile.Profile()
+            prepares.enable()
+            for _ in range(200):
+                prepare()
+            prepares.disable()
+            synchronize()
             reserve_us = statistics.median(reserve() for _ in range(50)) * 1e6
             stores, copies = [], []
             profiler = cProfile.Profile()
@@ -147,6 +154,7 @@ def measure(tokens: int, profiles: int) -> dict[str, Any]:
         "store_ms": round(store_ms, 3),
         "memcpy_ms": round(memcpy_ms, 3),
         "x_memcpy": round(memcpy_ms / store_ms, 3),
+        "profile_prepare": profile_text(prepares, "tottime", 40),
         "profile_tottime": profile_text(profiler, "tottime", 30),
         "profile_cumtime": profile_text(profiler, "cumulative", 45),
     }
