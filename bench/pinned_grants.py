@@ -10,7 +10,8 @@ GPU the slabs costs the stores least:
 - meanwhile a thread maps 64 slabs (16 GiB) of daemon 2's pinned arena (descriptors fetched
   ahead, over its local channel) into a range of its own, one way at a time, then unmaps them:
   per slab (as the client does), 4, 16 or all 64 slabs granted in one `cuMemSetAccess`, or per
-  slab with 5 ms between slabs; each way three times, in turns.
+  slab with 5 ms between slabs; each way three times, in turns. `--another-process`: another
+  process maps, one slab a call (does a grant slow the GPU's copies, or its own process's?).
 
 "extra ms per slab" is the stores' time over the median of the stores that overlapped no
 mapping (and no unmapping), summed over the stores that overlapped the window, per slab
@@ -103,7 +104,27 @@ def map_one_way(
         time.sleep(0.4)
 
 
-def measure() -> dict[str, Any]:
+def mapper_process(address: str, ways: list[tuple[str, int, float]], out: Any) -> None:
+    """`--another-process`: the mapping in a process of its own, its windows put on `out`
+    (`time.perf_counter` is the system's monotonic clock, the same in both processes)."""
+    from kvstore.shared.cuda_vmm import load_vmm
+
+    side, fetch = descriptors_only(address)
+    vmm = load_vmm()
+    with vmm.on_device(0):
+        base = vmm.reserve(SLABS * SLAB)
+    marks: list[dict[str, Any]] = []
+    time.sleep(0.5)
+    for name, group, gap_s in ways * 3:
+        map_one_way(vmm, fetch, base, group, gap_s, marks)
+        marks[-2]["name"] = name
+    side.close()
+    out.put(marks)
+
+
+def measure(another_process: bool) -> dict[str, Any]:
+    import multiprocessing
+
     import torch
 
     from kvstore.shared.cuda_vmm import load_vmm
@@ -122,22 +143,35 @@ def measure() -> dict[str, Any]:
         client = KVStoreClient.connect(first.address, SPEC)
         while client._mapped.stats().get("slabs_pending", 1):
             time.sleep(0.01)
-        side, fetch = descriptors_only(second.address)
-        vmm = load_vmm()
-        with vmm.on_device(0):
-            base = vmm.reserve(SLABS * SLAB)
         for i in range(6):  # warm: Triton's compile, the arena's first touches
             prompts.store(client, i)
         done = threading.Event()
+        if another_process:
+            context = multiprocessing.get_context("spawn")
+            out = context.Queue()
+            child = context.Process(target=mapper_process, args=(second.address, WAYS[:1], out))
+            child.start()
 
-        def mapper() -> None:
-            try:
-                time.sleep(0.5)
-                for name, group, gap_s in WAYS * 3:
-                    map_one_way(vmm, fetch, base, group, gap_s, marks)
-                    marks[-2]["name"] = name
-            finally:
-                done.set()
+            def mapper() -> None:
+                try:
+                    marks.extend(out.get(timeout=600))
+                finally:
+                    done.set()
+
+        else:
+            side, fetch = descriptors_only(second.address)
+            vmm = load_vmm()
+            with vmm.on_device(0):
+                base = vmm.reserve(SLABS * SLAB)
+
+            def mapper() -> None:
+                try:
+                    time.sleep(0.5)
+                    for name, group, gap_s in WAYS * 3:
+                        map_one_way(vmm, fetch, base, group, gap_s, marks)
+                        marks[-2]["name"] = name
+                finally:
+                    done.set()
 
         thread = threading.Thread(target=mapper)
         thread.start()
@@ -151,9 +185,16 @@ def measure() -> dict[str, Any]:
             stores.append((begun, time.perf_counter()))
             i += 1
         thread.join()
-        side.close()
+        if another_process:
+            child.join()
+        else:
+            side.close()
         client.close()
-    return {"gpu": torch.cuda.get_device_name(0), **summarize(stores, marks)}
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "another_process": another_process,
+        **summarize(stores, marks),
+    }
 
 
 def summarize(stores: list[tuple[float, float]], marks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -179,8 +220,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--name", default="pinned-grants")
+    parser.add_argument(
+        "--another-process",
+        action="store_true",
+        help="map (one slab a call) in another process than the one storing: do grants slow the GPU's "
+        "copies, or this process's?",
+    )
     args = parser.parse_args()
-    result = measure()
+    result = measure(args.another_process)
     rows = [
         [name, len(reps), f"{statistics.median(r['extra_ms_per_slab'] for r in reps):.3f}",
          f"{statistics.median(r['grant_ms_sum'] for r in reps) / SLABS:.2f}",
