@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
+# Before gRPC is imported: the tests fork children that use raw sockets only, after this process
+# has used gRPC, and gRPC's fork handlers can hang the fork itself (seen in a fresh clone's run:
+# `os.fork()` waiting in cygrpc's handler for good). Off, a fork is a plain fork.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from tests.harness import Daemon, RedisServer, start_daemon
+import pytest  # noqa: E402
+
+from tests.harness import Daemon, RedisServer, start_daemon  # noqa: E402
 
 
 @pytest.fixture

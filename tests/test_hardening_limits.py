@@ -84,13 +84,16 @@ def holding(path: str, uid: int, gid: int, count: int) -> Iterator[None]:
             code = 0
         finally:
             os._exit(code)
+    os.close(ready_w)  # the child's ends: a child that died reads as the end of its pipe, not a wait
+    os.close(done_r)
     try:
-        assert os.read(ready_r, 1) == b"1"
+        assert os.read(ready_r, 1) == b"1", f"uid {uid}'s child failed before it held its connections"
         yield
     finally:
-        os.write(done_w, b"1")
+        with contextlib.suppress(BrokenPipeError):
+            os.write(done_w, b"1")
         os.waitpid(pid, 0)
-        for fd in (ready_r, ready_w, done_r, done_w):
+        for fd in (ready_r, done_w):
             os.close(fd)
 
 
@@ -247,6 +250,8 @@ def member_of_beta(daemon: Daemon) -> Iterator[tuple[str, Callable[[], int]]]:
             code = 0
         finally:
             os._exit(code)
+    os.close(to_parent)  # the child's ends: a child that died reads as the end of its pipe
+    os.close(from_parent)
     replies = os.fdopen(from_child, "rb")
 
     def stores() -> int:
@@ -260,8 +265,7 @@ def member_of_beta(daemon: Daemon) -> Iterator[tuple[str, Callable[[], int]]]:
             os.write(to_child, b"0")
         os.waitpid(pid, 0)
         replies.close()
-        for fd in (to_child, from_parent, to_parent):
-            os.close(fd)
+        os.close(to_child)
 
 
 @needs_root

@@ -8,6 +8,7 @@ is refused with a clear status, and alpha's pages load back byte-identical after
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import pickle
@@ -531,8 +532,10 @@ def test_processes_in_no_tenant_cannot_crowd_out_the_members(tenant_daemon: Call
             code = 0
         finally:
             os._exit(code)
+    os.close(ready_w)  # the child's ends: a child that died reads as the end of its pipe, not a wait
+    os.close(done_r)
     try:
-        assert os.read(ready_r, 1) == b"1"
+        assert os.read(ready_r, 1) == b"1", "the outsider's child failed before it held its connections"
         time.sleep(0.2)
         client, tokens, source = store_alpha(daemon)  # a member still connects, on the local channel
         assert client._local is not None and client.shared_memory
@@ -541,5 +544,8 @@ def test_processes_in_no_tenant_cannot_crowd_out_the_members(tenant_daemon: Call
         assert counters["refused_outsider_connections"] == 40 - 16  # 16 outsiders kept, told why
         client.close()
     finally:
-        os.write(done_w, b"1")
+        with contextlib.suppress(BrokenPipeError):
+            os.write(done_w, b"1")
         os.waitpid(pid, 0)
+        os.close(ready_r)
+        os.close(done_w)
