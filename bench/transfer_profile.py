@@ -78,9 +78,9 @@ def issue_times(setup: Setup, to_page: bool, call: Enqueue) -> None:
     issue_pieces = staged._issue_cuda
     reached: list[float] = []
 
-    def marked(*args: Any, **kwargs: Any) -> None:
+    def marked(*args: Any, **kwargs: Any) -> Any:
         reached.append(time.perf_counter())  # the host is about to queue the first piece
-        issue_pieces(*args, **kwargs)
+        return issue_pieces(*args, **kwargs)
 
     staged._issue_cuda = marked
     try:
