@@ -14,7 +14,8 @@ calls each:
 - `leased_lookup_512`: `store.lookup(lease=True)` then `store.release`, the daemon's work for a
   load's Lookup; `plain_lookup_512`: a Lookup that is a query (no lease, not a use);
 - `respond_lookup_64`: the local channel's whole answer to a 64-key Lookup frame
-  (`LocalChannelServer.respond`: parse, handler, reply frame);
+  (`LocalChannelServer.respond`: parse, handler, reply frame); `respond_query_64`: to the same
+  question as a Query (`wire.QUERY`, no message), where the tree has it;
 - `reserve_32`, `commit_8`, `leased_lookup_32`: a TP 4 rank's 8k-token prompt of Llama-3.1-8B's
   geometry (32 pages of 8 MiB) stored and loaded as the client does it: its Reserve (with the
   writer named), each of its four Commits of 8 pages, its leased Lookup + Release (a fresh
@@ -51,6 +52,7 @@ def measure(calls: int) -> dict[str, float]:
     from kvstore.proto import kvstore_pb2 as pb
     from kvstore.server.handlers import Handlers
     from kvstore.server.local import LocalChannelServer
+    from kvstore.shared import wire
     from kvstore.shared.keys import pack_keys
     from kvstore.shared.wire import METHOD_IDS
     from kvstore.store.policy import make_policy
@@ -82,6 +84,10 @@ def measure(calls: int) -> dict[str, float]:
                 "plain_lookup_512": p50_us(lambda: store.lookup(ns, keys, touch=False), calls),
                 "respond_lookup_64": p50_us(lambda: server.respond(lookup_id, frame_64, None), calls),
             }
+            query = getattr(wire, "QUERY", None)  # a tree from before the Query has none
+            if query is not None:
+                query_64 = ns + pack_keys(keys[:64])
+                figures["respond_query_64"] = p50_us(lambda: server.respond(query, query_64, None), calls)
             if store.lookup(ns, keys).hit_chunks != 512 or len(store.policy) != 512:
                 raise RuntimeError("the 512 stored keys did not all stay stored and in the policy")
         finally:

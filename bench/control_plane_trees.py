@@ -62,6 +62,7 @@ def report_host(host: dict[str, Any]) -> None:
         ("leased_lookup_512", "leased Lookup + Release, 512 keys"),
         ("plain_lookup_512", "plain Lookup, 512 keys"),
         ("respond_lookup_64", "local channel answer, 64-key Lookup"),
+        ("respond_query_64", "local channel answer, the same as a Query"),
         ("reserve_32", "Reserve, a TP 4 prompt's 32 pages"),
         ("commit_8", "Commit of 8 of them"),
         ("leased_lookup_32", "leased Lookup + Release, the 32"),
@@ -86,7 +87,8 @@ def report_storm(storm: dict[str, Any]) -> None:
         for name, runs in storm["runs"].items()
         for index, run in enumerate(runs)
     ]
-    print(f"\n64-key Lookups from {storm['runs'][next(iter(storm['runs']))][0]['processes']} processes")
+    processes = storm["runs"][next(iter(storm["runs"]))][0]["processes"]
+    print(f"\n64-key Lookups (`lookup_chunks`: a Query where the tree has it) from {processes} processes")
     print_table(
         [
             "tree, round",

@@ -43,7 +43,7 @@ from kvstore.shared.channel import LocalChannel
 from kvstore.shared.errors import Unavailable
 from kvstore.shared.keys import pack_keys
 from kvstore.shared.spec import KVSpec
-from kvstore.shared.wire import page_spec_message, stats_to_dict
+from kvstore.shared.wire import QueryRequest, page_spec_message, stats_to_dict
 from kvstore_client.connection import ClientTls, default_address
 from kvstore_client.deliveries import HandOver
 from kvstore_client.gpu_pools import device_bus_id
@@ -361,10 +361,8 @@ class KVStoreClient(HandOver):
         if not keys:
             return 0
         try:
-            reply = self._conn.call(  # lent blocks count too (`lend`): a worker's load copies them
-                "Lookup",
-                lambda: pb.LookupRequest(namespace=self.namespace, keys=pack_keys(keys), lent_devices=["*"]),
-            )
+            # A Query (a Lookup with no message built); lent blocks count too: a worker's load copies them.
+            reply = self._conn.call("Query", lambda: QueryRequest(self.namespace, pack_keys(keys)))
         except Unavailable:
             return 0
         hit: int = reply.hit_chunks

@@ -39,6 +39,7 @@ from kvstore.shared.errors import (
     DAEMON_STOPPING,
     Code,
     DeadlineExceeded,
+    InvalidArgument,
     KVStoreError,
     NotFound,
     ResourceExhausted,
@@ -47,7 +48,7 @@ from kvstore.shared.errors import (
     Unavailable,
     from_rpc_error,
 )
-from kvstore.shared.wire import HEADER
+from kvstore.shared.wire import HEADER, UNKNOWN_METHOD
 
 log = logging.getLogger(__name__)
 
@@ -217,17 +218,28 @@ class Connection:
         fds: list[int] | None = None,
     ) -> Any:
         """The reply to `request`; `meanwhile()` runs while the daemon answers (over the local
-        channel; before the call over gRPC). `fds`: see `LocalChannel.call`."""
-        if self.local is not None:
-            first_reply = not self.local.answered
+        channel; before the call over gRPC). `fds`: see `LocalChannel.call`. A Query (`wire.QUERY`)
+        is asked as a Lookup over gRPC, and of a daemon whose local channel has no Query."""
+        local = self.local
+        if method == "Query" and (local is None or not local.queries):
+            method, request = "Lookup", request.as_lookup()
+        if local is not None:
+            first_reply = not local.answered
             try:
-                return self.local.call(method, request, meanwhile, fds)
+                return local.call(method, request, meanwhile, fds)
             except (Refused, ResourceExhausted) as exc:
                 if not is_refusal(exc, first_reply):
                     raise
                 self._refused(exc)
                 if not isinstance(exc, Refused) or exc.ran_meanwhile:
                     meanwhile = None
+            except InvalidArgument as exc:
+                if method != "Query" or UNKNOWN_METHOD not in str(exc):
+                    raise
+                local.queries = False  # a daemon from before the Query: a Lookup from now on
+                return self.rpc(method, request, meanwhile, fds)
+        if method == "Query":
+            method, request = "Lookup", request.as_lookup()
         if meanwhile is not None:
             meanwhile()
         try:

@@ -40,6 +40,7 @@ from kvstore.tiers.gpu import GpuPool, GpuTier, _address
 from kvstore.tiers.slab import SlabAllocator
 from kvstore_client import KVSpec, KVStoreClient
 from tests.harness import Daemon, python_env
+from tests.test_lookup_prefix import assert_unplain_holds
 
 SPEC = PageSpec(model="gpu-test", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", chunk_tokens=16)
 PAGE = SPEC.page_bytes  # 4 KiB
@@ -152,6 +153,7 @@ class Rig:
         self.ns = self.store.connect(SPEC).id
 
     def close(self) -> None:
+        assert_unplain_holds(self.store)  # what each test did to the pages kept `unplain` exact
         self.gpu.close()
         self.arena.close()
 
@@ -165,6 +167,7 @@ class Rig:
 
     async def load(self, keys: list[bytes], pools: tuple[int, ...] = (0,), release: bool = True) -> Loaded:
         """A leased load: where Acquire says each page is, and its bytes read from there."""
+        assert_unplain_holds(self.store)
         hit = self.store.lookup(self.ns, keys, lease=True, gpu_pools=pools)
         acquired = await self.store.acquire(self.ns, hit.lease_id)
         pages = [

@@ -35,7 +35,7 @@ from kvstore.shared.channel import LocalChannel
 from kvstore.shared.errors import KVStoreError, PermissionDenied
 from kvstore.shared.keys import chunk_keys, pack_keys
 from kvstore.shared.spec import PageSpec
-from kvstore.shared.wire import page_spec_message
+from kvstore.shared.wire import QueryRequest, page_spec_message
 from kvstore_client import KVStoreClient
 from tests.harness import Daemon, start_daemon
 from tests.test_cli import kvctl
@@ -242,6 +242,7 @@ def test_every_attack_of_another_tenant_is_refused(tenant_daemon: Callable[..., 
         "lookup": lambda r: r.call(
             "Lookup", pb.LookupRequest(namespace=alpha_ns, keys=pack_keys(alpha_keys))
         ),
+        "query": lambda r: r.call("Query", QueryRequest(alpha_ns, pack_keys(alpha_keys))),
         "reserve": lambda r: r.call(
             "Reserve", pb.ReserveRequest(namespace=alpha_ns, keys=pack_keys(alpha_keys), epoch=r.epoch)
         ),
@@ -286,7 +287,7 @@ def test_every_attack_of_another_tenant_is_refused(tenant_daemon: Callable[..., 
 
     outcomes = as_user(BETA_UID, beta)
     not_found = "is not registered with this daemon for tenant 'beta'"
-    for name in ("lookup", "reserve", "release", "acquire", "pin", "clear one"):
+    for name in ("lookup", "query", "reserve", "release", "acquire", "pin", "clear one"):
         assert outcomes[name][0] == "NotFound" and not_found in outcomes[name][1], (name, outcomes[name])
     assert outcomes["release in its own namespace"][0] in ("NotFound", "FailedPrecondition")
     assert outcomes["clear all"][0] == "PermissionDenied"

@@ -4,7 +4,7 @@ Each method takes a request message and the caller (`tenants.Caller`: from the l
 channel's socket credentials, or from the token a gRPC call carries) and returns the
 reply message, raising a `KVStoreError` (or `ValueError`) for a request that cannot be
 served. The gRPC servicer and the local channel call these and nothing else; neither
-adds behaviour of its own.
+adds behaviour of its own. `Query` is the local channel's plain Lookup without protobuf.
 
 Each tenant has a store of its own (`stores`, by tenant name; one, "", without tenants):
 a call reaches its caller's tenant's store and nothing else, so namespaces, leases and
@@ -12,17 +12,17 @@ pages of another tenant cannot even be named. Admins reach every store for Stats
 and Pin (`kvstore.server.tenants`).
 
 Calls that name or hand out arena offsets carry the epoch of the caller's arena
-(`ConnectResponse.epoch`): one from another arena is refused with `StaleEpoch`
-before anything is done, so a worker still mapping a dead daemon's arena never
-stores into, or loads from, the wrong memory.
+(`ConnectResponse.epoch`): one from another arena is refused with `StaleEpoch` before
+anything is done, so a worker still mapping a dead daemon's arena never stores into,
+or loads from, the wrong memory.
 
 While the daemon stops (`stopping`), calls that start work (Connect, Lookup,
 Reserve, Pin, Clear) are refused as Unavailable, which clients treat as a miss;
 calls that finish work in flight (Commit, Abort, Acquire, Release, Renew) are
 served, so stores and loads under way complete.
 
-Beside this module: replies built from the store's answers (`handlers_replies`), a Put's page
-bytes written into its lease (`handlers_pages`), Events streams (`handlers_events`), lent blocks.
+Beside it: replies built from the store's answers (`handlers_replies`), a Put's page bytes
+written into its lease (`handlers_pages`), Events streams (`handlers_events`), lent blocks.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from kvstore import __version__
 from kvstore.proto import kvstore_pb2 as pb
 from kvstore.server.handlers_events import EVENTS_PER_BATCH, event_message, start_of
 from kvstore.server.handlers_lends import lend_reply, lent_reply
-from kvstore.server.handlers_pages import put_pages
+from kvstore.server.handlers_pages import get_pages, put_pages
 from kvstore.server.handlers_replies import (
     acquire_reply,
     arena_message,
@@ -50,7 +50,7 @@ from kvstore.server.tenants import Caller, Tenancy
 from kvstore.shared.errors import DAEMON_STOPPING, ArenaWarmingUp, InvalidArgument, StaleEpoch, Unavailable
 from kvstore.shared.keys import unpack_keys
 from kvstore.shared.peers import Peer, boot_id
-from kvstore.shared.wire import page_spec_of
+from kvstore.shared.wire import QueryReply, QueryRequest, page_spec_of
 from kvstore.store.events import MAX_STREAMS, MAX_STREAMS_PER_TENANT, Consumers
 from kvstore.store.store import Store
 
@@ -183,18 +183,24 @@ class Handlers:
             )
         else:
             ready = None
-            result = store.lookup(
-                request.namespace,
-                unpack_keys(request.keys),
-                lease,
-                _ttl(request.lease_ttl_ms),
-                touch=lease,  # a query is not a use: the load's leased lookup is
-                gpu_pools=request.gpu_pools if lease else (),  # read for a lease's reader only
-            )
+            # A query is not a use (touch): the load's leased lookup is; gpu_pools: a lease's reader's.
+            keys = unpack_keys(request.keys)
+            gpu_pools = request.gpu_pools if lease else ()
+            ttl_s = _ttl(request.lease_ttl_ms)
+            result = store.lookup(request.namespace, keys, lease, ttl_s, lease, gpu_pools)
         reply = pb.LookupResponse(hit_chunks=result.hit_chunks, tiers=result.tiers, lease_id=result.lease_id)
         if ready is not None:
             reply.acquired.CopyFrom(acquire_reply(ready))
         return reply
+
+    def Query(self, request: QueryRequest, caller: Caller | None = None) -> QueryReply:
+        """A Lookup without lease or each, lent blocks counting (`wire.QUERY`): no message built."""
+        self._check_serving()
+        store = self._store(caller)
+        if store.lends:  # lent blocks count: asked the Lookup's way
+            reply = self.Lookup(request.as_lookup(), caller)
+            return QueryReply(reply.hit_chunks, reply.tiers)
+        return QueryReply(*store.query(request.namespace, unpack_keys(request.keys)))
 
     def Lend(self, request: pb.LendRequest, caller: Caller | None = None) -> pb.LendResponse:
         self._check_serving()
@@ -304,14 +310,9 @@ class Handlers:
     async def get(
         self, request: pb.LeaseRequest, message_bytes: int, caller: Caller | None = None
     ) -> AsyncIterator[bytes]:
-        """A load lease's pages in pieces of at most `message_bytes`, each read while the lease
-        holds it (`Store.read_leased`)."""
-        store = self._store(caller)
-        lease, result = await store.begin_get(request.namespace, request.lease_id)
-        for offset in result.offsets:
-            for start in range(0, result.page_bytes, message_bytes):
-                length = min(message_bytes, result.page_bytes - start)
-                yield store.read_leased(lease, offset + start, length)
+        """A load lease's pages in pieces of at most `message_bytes` (`get_pages`)."""
+        async for piece in get_pages(self._store(caller), request, message_bytes):
+            yield piece
 
     def Release(self, request: pb.LeaseRequest, caller: Caller | None = None) -> pb.LeaseResponse:
         return pb.LeaseResponse(pages=self._store(caller).release(request.namespace, request.lease_id))
@@ -393,8 +394,5 @@ class Handlers:
         else:
             keys = store.chain_keys(request.namespace, request.tokens)
         result = store.pin(request.namespace, keys, request.ttl_ms / 1000, shorten=caller.admin)
-        return pb.PinResponse(
-            pinned_chunks=result.pinned_chunks,
-            pinned_pages=result.pinned_pages,
-            pinned_bytes=result.pinned_bytes,
-        )
+        chunks, pages, size = result.pinned_chunks, result.pinned_pages, result.pinned_bytes
+        return pb.PinResponse(pinned_chunks=chunks, pinned_pages=pages, pinned_bytes=size)

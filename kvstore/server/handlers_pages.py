@@ -1,10 +1,12 @@
-"""Put: a store lease's page bytes sent inline, for clients that cannot map the arena.
+"""Put and Get: a lease's page bytes sent inline, for clients that cannot map the arena.
 
 - `put_pages(store, header, messages)`: writes the data messages that follow a Put's header
   into the lease's pages, exactly their bytes and no more; a Put that fails part-way marks the
   lease broken (`Store.end_put`), so that its Commit stores nothing.
 - `write_pages(store, lease, offsets, page_bytes, messages)`: the writes alone, each checked
   against the lease (`Store.write_leased`); returns the bytes written.
+- `get_pages(store, request, message_bytes)`: a load lease's pages, in pieces, each read while
+  the lease holds it.
 """
 
 from __future__ import annotations
@@ -57,3 +59,13 @@ async def write_pages(
             f"of {page_bytes} bytes need exactly {total}"
         )
     return position
+
+
+async def get_pages(store: Store, request: pb.LeaseRequest, message_bytes: int) -> AsyncIterator[bytes]:
+    """A load lease's pages in pieces of at most `message_bytes`, each read while the lease holds
+    it (`Store.read_leased`): a Get's stream."""
+    lease, result = await store.begin_get(request.namespace, request.lease_id)
+    for offset in result.offsets:
+        for start in range(0, result.page_bytes, message_bytes):
+            length = min(message_bytes, result.page_bytes - start)
+            yield store.read_leased(lease, offset + start, length)

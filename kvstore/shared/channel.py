@@ -39,7 +39,7 @@ from typing import Any
 
 from kvstore.shared.domain import ARENA_SLABS_PER_CALL
 from kvstore.shared.errors import ResourceExhausted, Unavailable, error_for
-from kvstore.shared.wire import HEADER, METHOD_IDS, UNARY_METHODS
+from kvstore.shared.wire import HEADER, LOCAL_IDS, LOCAL_REPLIES
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Pending:
         status, body = self._answer
         if status:
             raise error_for(status, self.method, body.decode(errors="replace"))
-        self._reply = UNARY_METHODS[self.method][1].FromString(body)  # type: ignore[attr-defined]
+        self._reply = LOCAL_REPLIES[self.method].FromString(body)
         return self._reply
 
 
@@ -100,6 +100,7 @@ class LocalChannel:
     def __init__(self, path: str, timeout_s: float, spin_s: float | None = None) -> None:
         self.path = path
         self.answered = False  # a reply came: a failure from now on is the daemon's outage
+        self.queries = True  # the daemon answers a Query (`wire.QUERY`); False once it said it does not
         self.spin_s = spin_from_env() if spin_s is None else spin_s
         self.read_slots: Any = None  # this connection's `kvstore.shared.read_slots.SlotView`, once sent
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -133,7 +134,7 @@ class LocalChannel:
             with self._lock:
                 self._with_fds = fds is not None or method in _WITH_FDS
                 before = len(self._fds)
-                self._sock.sendall(HEADER.pack(len(payload), METHOD_IDS[method]) + payload)
+                self._sock.sendall(HEADER.pack(len(payload), LOCAL_IDS[method]) + payload)
                 self._read_unread()  # the daemon works on this request meanwhile
                 if meanwhile is not None:
                     ran = True
@@ -159,7 +160,7 @@ class LocalChannel:
             raise failed
         if status:
             raise error_for(status, method, body.decode(errors="replace"))
-        return UNARY_METHODS[method][1].FromString(body)  # type: ignore[attr-defined]
+        return LOCAL_REPLIES[method].FromString(body)
 
     def call_with_fds(self, method: str, request: Any) -> tuple[Any, list[int]]:
         """`call`, and the descriptors its reply carried (the caller owns them). ResourceExhausted
@@ -184,7 +185,7 @@ class LocalChannel:
     def frame(method: str, request: Any) -> bytes:
         """`request` as the channel sends it: made ahead, it is sent later with `send_frame`."""
         payload = request.SerializeToString()
-        return HEADER.pack(len(payload), METHOD_IDS[method]) + payload
+        return HEADER.pack(len(payload), LOCAL_IDS[method]) + payload
 
     def send(self, method: str, request: Any) -> None:
         """Sends `request` without waiting for the reply (read, and an error logged, with the next call's)."""

@@ -2,6 +2,9 @@
 
 - `UNARY_METHODS`: the unary calls of kvstore.v1.KVStore, name -> (request type, reply type), in
   wire order: the local channel numbers methods by position (`METHOD_NAMES`).
+- `QUERY`, `QueryRequest`, `QueryReply`: the local channel's one call without protobuf, a plain
+  Lookup (the call a scheduler makes most); `LOCAL_IDS` / `LOCAL_REPLIES`: every call the local
+  channel carries, by name: its method byte and its reply's type.
 - The local channel's framing (`kvstore.server.local` serves it, `kvstore.shared.channel` calls it):
   `HEADER` (u32 length, u8 method or status), `frame(code, body)`, `MAX_FRAME_BYTES` (a reply).
 - `MAX_REQUEST_BYTES`: the largest unary request the daemon reads (65,536 keys and room for
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf.message import DecodeError
 
@@ -46,6 +49,51 @@ UNARY_METHODS: dict[str, tuple[type, type]] = {
 }
 METHOD_NAMES = tuple(UNARY_METHODS)
 METHOD_IDS = {name: index for index, name in enumerate(METHOD_NAMES)}
+
+# The local channel's Query: a plain Lookup with no protobuf on either side (a query of the tiers,
+# neither a use nor a lease; lent blocks count, as `lookup_chunks`' Lookup asks), answered by the
+# same store call as a Lookup without `lease` or `each`. It is what an engine's scheduler asks of
+# every waiting request at every step, so it is the call the daemon's one core answers most: its
+# reply costs it no message built, parsed or serialized (bench/NOTES-control-plane.md).
+#     request: u8 method QUERY | namespace (16 bytes) | keys (16 bytes each)
+#     reply:   OK | u32 hit_chunks | tiers (a byte per hit chunk)
+# A daemon before it answers INVALID_ARGUMENT ("unknown local-channel method"); the client then
+# asks with a Lookup, as over gRPC.
+QUERY = 0x80
+UNKNOWN_METHOD = "unknown local-channel method"  # a daemon's answer to a method it does not serve
+QUERY_HIT = struct.Struct("<I")
+NAMESPACE_BYTES = 16
+
+
+class QueryRequest(NamedTuple):
+    namespace: bytes
+    keys: bytes  # packed, 16 bytes each
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - as a message's, for the channel
+        return self.namespace + self.keys
+
+    def as_lookup(self) -> pb.LookupRequest:
+        """The same question as a Lookup: over gRPC, or of a daemon without the Query."""
+        return pb.LookupRequest(namespace=self.namespace, keys=self.keys, lent_devices=["*"])
+
+
+class QueryReply(NamedTuple):
+    hit_chunks: int
+    tiers: bytes
+
+    @classmethod
+    def FromString(cls, body: bytes) -> QueryReply:  # noqa: N802 - as a message type's, for the channel
+        if len(body) < QUERY_HIT.size:
+            raise InvalidArgument(f"Query: a reply of {len(body)} bytes; it starts with a u32 count")
+        return cls(QUERY_HIT.unpack_from(body)[0], body[QUERY_HIT.size :])
+
+    def to_bytes(self) -> bytes:
+        return QUERY_HIT.pack(self.hit_chunks) + self.tiers
+
+
+LOCAL_IDS = {**METHOD_IDS, "Query": QUERY}
+LOCAL_REPLIES: dict[str, Any] = {name: reply for name, (_, reply) in UNARY_METHODS.items()}
+LOCAL_REPLIES["Query"] = QueryReply
 
 HEADER = struct.Struct("<IB")  # request: length, method index; reply: length, grpc.StatusCode value
 MAX_FRAME_BYTES = 16 << 20

@@ -157,6 +157,7 @@ class Eviction:
         for entry in victims:
             ns = entry.namespace
             del ns.entries[entry.key]
+            ns.unplain.discard(entry.key)
             ns.pages -= 1
             if entry.parent is not None:
                 entry.parent.state -= CHILD
@@ -217,6 +218,7 @@ class Eviction:
             tier = Tier.GPU if entry.on_gpu else Tier.CPU
             self.events.add(EventKind.REMOVED, tier, ns.id, entry.key, b"", "evicted" if evicted else reason)
         del ns.entries[entry.key]
+        ns.unplain.discard(entry.key)
         ns.pages -= 1
         if entry.parent is not None:
             entry.parent.state -= CHILD

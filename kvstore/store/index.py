@@ -119,6 +119,7 @@ class Entry:
         tiering = self.tiering
         if tiering is None:
             tiering = self.tiering = Tiering()
+            self.namespace.unplain.add(self.key)  # a Lookup looks at it from now on (`Namespace.unplain`)
         return tiering
 
     # The `Tiering` fields, read and written as if they were the entry's own.
@@ -242,6 +243,13 @@ class Namespace:
     spec: PageSpec
     # Its pages by key. `make_room` may replace the dict: never keep it across a call that adds pages.
     entries: dict[bytes, Entry] = field(default_factory=dict)
+    # The keys of its pages in `entries` that are not plain: not committed yet, or with a `Tiering`
+    # (a GPU slot, a copy in flight, promotion hits). Every other page there is committed and in the
+    # arena alone, so a Lookup none of whose keys is here looks at no page one by one
+    # (`store_loads._hits`). Added to where such a page enters `entries` and where a page gets a
+    # `Tiering`, taken from where a page is committed without one and where one leaves `entries`.
+    # A key kept here for longer than that only sends a Lookup the slower way.
+    unplain: set[bytes] = field(default_factory=set)
     pages: int = 0  # committed pages
     gpu_pool: int = -1  # the GPU pool its pages go to (its workers' device); -1: the emptiest
     # The class of its pages: an `Entry` whose `namespace` is this one (`new_entry(key, offset)`).

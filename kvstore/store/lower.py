@@ -130,7 +130,7 @@ class LowerTiers:
             entry = ns.new_entry(key, self.cpu.slots.alloc(page_bytes))
             entry.loaded = loop.create_future()
             entry.source = source.medium
-            ns.entries[key] = entry
+            ns.entries[key] = entry  # (a `Tiering`: in `ns.unplain`)
 
             def done(page: object, entry: Entry = entry) -> None:
                 loop.call_soon_threadsafe(self._promoted, entry, page is not None)
@@ -155,6 +155,7 @@ class LowerTiers:
             self.counters["promotion_failures"] += 1
             if ns.entries.get(entry.key) is entry:
                 del ns.entries[entry.key]
+                ns.unplain.discard(entry.key)
             entry.removed = True
         if entry.loaded is not None and not entry.loaded.done():
             entry.loaded.set_result(ok)

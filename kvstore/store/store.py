@@ -162,6 +162,10 @@ class Store:
         """The longest stored prefix of `keys`; with `lease`, pins it (`Loads.lookup`)."""
         return self.loads.lookup(ns_id, keys, lease, ttl_s, touch, gpu_pools)
 
+    def query(self, ns_id: bytes, keys: Sequence[bytes]) -> tuple[int, bytes]:
+        """`lookup(ns_id, keys, touch=False)`'s hit count and tiers: a query, neither a use nor a lease."""
+        return self.loads.query(ns_id, keys)
+
     def lookup_acquire(
         self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float | None = None, gpu_pools: Sequence[int] = ()
     ) -> tuple[LookupResult, AcquireResult | None]:

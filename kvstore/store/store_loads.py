@@ -7,6 +7,7 @@ reader copies them out and Releases the lease (or Get streams them inline).
   the lease holds them all.
 - `lookup_acquire(ns, keys)`: a leased Lookup that answers the Acquire too, when none of its
   pages must be waited for (a Lookup with `acquire`: one call).
+- `query(ns, keys)`: a Lookup's hit count and tiers alone (no lease, not a use).
 - `lookup_each(ns, keys)`: the tier of each key on its own (a query, not a use).
 - `acquire(ns, lease)`: waits (up to PROMOTION_TIMEOUT_S) for the pages still read into the
   arena; `acquire_now` answers at once when none is, else None.
@@ -32,7 +33,7 @@ from kvstore.store.leases import Lease, LeaseKind
 from kvstore.store.store_state import StoreParts
 
 if TYPE_CHECKING:
-    pass
+    from kvstore.store.lower import Run
 
 PROMOTION_TIMEOUT_S = 10.0
 _TIERING = attrgetter("tiering")
@@ -64,30 +65,48 @@ class Loads:
         ns = state.namespaces.registered(ns_id)
         state.check_keys(keys)
         ttl_s = state.ttl(ttl_s)
-        hits, plain = _hits(_present(ns.entries, keys))
+        hits, plain = _hits(_present(ns.entries, keys), ns.unplain, keys)
         lower = self.lower
         runs = lower.find(ns, keys[len(hits) :]) if lower is not None and len(hits) < len(keys) else []
         if lease and runs and lower is not None:
             lower.promote(ns, runs, hits)
             runs = []  # promoted ones joined `hits`; the rest are no longer in the answer
             plain = not any(map(_TIERING, hits))
-        found = len(hits)
-        if runs:
-            found += sum(len(run) for _, run in runs)
-        counters = state.counters
-        counters["lookups"] += 1
-        counters["hit_chunks"] += found
-        counters["missed_chunks"] += len(keys) - found
+        found, tiers = self._counted(keys, hits, plain, runs)
         if touch:
             committed = hits if plain else [e for e in hits if e.state & COMMITTED]
             self.eviction.tell_hit(self.eviction.policy_pages(committed))
             if lower is not None and found:
                 lower.touch(ns, keys[:found])
-        tiers = _CPU_TIER * len(hits) if plain else bytes(e.hit_tier for e in hits)
-        if runs:
-            tiers += b"".join(bytes([s.medium]) * len(run) for s, run in runs)
         lease_id = self._lease_hits(ns_id, hits, ttl_s, touch, gpu_pools) if lease and hits else 0
         return LookupResult(found, tiers, lease_id)
+
+    def query(self, ns_id: bytes, keys: Sequence[bytes]) -> tuple[int, bytes]:
+        """`lookup(ns_id, keys, touch=False)`'s hit count and tiers, with nothing else to do: the
+        local channel's Query, the call the daemon answers most."""
+        state = self.state
+        ns = state.namespaces.registered(ns_id)
+        state.check_keys(keys)
+        hits, plain = _hits(_present(ns.entries, keys), ns.unplain, keys)
+        lower = self.lower
+        runs = lower.find(ns, keys[len(hits) :]) if lower is not None and len(hits) < len(keys) else ()
+        return self._counted(keys, hits, plain, runs)
+
+    def _counted(
+        self, keys: Sequence[bytes], hits: list[Entry], plain: bool, runs: Sequence[Run]
+    ) -> tuple[int, bytes]:
+        """A Lookup's hit count and tiers (the arena's or GPU pools' `hits`, then the lower tiers'
+        `runs`), counted in the store's figures."""
+        found = len(hits)
+        tiers = _CPU_TIER * found if plain else bytes(e.hit_tier for e in hits)
+        if runs:
+            found += sum(len(run) for _, run in runs)
+            tiers += b"".join(bytes([s.medium]) * len(run) for s, run in runs)
+        counters = self.state.counters
+        counters["lookups"] += 1
+        counters["hit_chunks"] += found
+        counters["missed_chunks"] += len(keys) - found
+        return found, tiers
 
     def lookup_acquire(
         self, ns_id: bytes, keys: Sequence[bytes], ttl_s: float | None = None, gpu_pools: Sequence[int] = ()
@@ -216,10 +235,14 @@ def _present(entries: dict[bytes, Entry], keys: Sequence[bytes]) -> Sequence[Ent
     return () if entry is None else (entry,)
 
 
-def _hits(present: Sequence[Entry]) -> tuple[list[Entry], bool]:
+def _hits(present: Sequence[Entry], unplain: set[bytes], keys: Sequence[bytes]) -> tuple[list[Entry], bool]:
     """The pages a Lookup hits (`_hit_prefix`), and whether they are all plain: committed, with no
     `Tiering` (in the arena alone, no copy in flight). The usual hits are: their tiers, and which
-    of them the policy hears of, then need no look at each one."""
+    of them the policy hears of, then need no look at each one. Where none of `keys` is one of
+    the namespace's pages that are not plain (`Namespace.unplain`), the pages `present` are all
+    plain: one C call tells, not a look at each."""
+    if not unplain or unplain.isdisjoint(keys):
+        return list(present), True
     for entry in present:
         if not entry.state & COMMITTED or entry.tiering is not None:
             hits = _hit_prefix(present)

@@ -114,6 +114,7 @@ class Writes:
                 entry.gpu, entry.pool = slot, pool
                 ns.entries[key] = entry
                 entries.append(entry)
+        ns.unplain.update(keys)  # not committed yet
         return entries
 
     def _pool_slots(
@@ -177,8 +178,11 @@ class Writes:
             raise FailedPrecondition(f"lease {lease_id} cannot be committed: {why}; Abort it and store again")
         part, stop = self._next_part(lease, count)
         ns = state.namespaces[ns_id]
+        unplain = ns.unplain
         for entry in part:
             entry.state |= COMMITTED
+            if entry.tiering is None:
+                unplain.discard(entry.key)
         ns.pages += len(part)
         in_pool = bool(part) and part[0].offset < 0  # a lease's new pages: all in one pool, or in the arena
         if in_pool:
@@ -224,6 +228,7 @@ class Writes:
         pending = lease.pending
         for entry in pending:
             del ns.entries[entry.key]
+            ns.unplain.discard(entry.key)
             if entry.offset >= 0:
                 self.state.cpu.slots.free(entry.offset)
             else:  # reserved in a GPU pool
@@ -240,6 +245,7 @@ class Writes:
         pending = lease.pending
         for entry in pending:
             del ns.entries[entry.key]
+            ns.unplain.discard(entry.key)
         in_pool = [entry for entry in pending if entry.offset < 0]
         if in_pool:  # a lease's new pages are all in one pool, or all in the arena
             assert self.placement is not None
