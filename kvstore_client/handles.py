@@ -74,11 +74,21 @@ class StoreHandle(TransferHandle):
         chunks: int,
         positions: Sequence[int] = (),
         early: Callable[[], None] | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(event, finish, fail)
         self.chunks = chunks  # chunks being written (not yet stored)
         self.positions = positions  # their indices among the call's chunks
         self._early = early  # run by the first wait(), before it waits for the last pages
+        self._progress = progress  # the early Commits of the parts written already, without waiting
+
+    def progress(self) -> None:
+        """Commits the pages of a store issued in parts that are written already, without
+        blocking. An engine that waits for its stores only once they are `done()` calls it at
+        each step, so the first pages are stored (every worker's lookups find them) while the
+        last ones are still being copied."""
+        if self._progress is not None and self._result is None and self._error is None:
+            self._progress()
 
     def wait(self) -> int:
         """Blocks until the pages are written and commits them; returns how many were new. A store

@@ -102,7 +102,8 @@ class StorePath:
             lambda exc: self._s._end_quietly("Abort", lease),
             len(chunks),
             chunks,
-            early=functools.partial(self._commit_early, lease, early) if early is not None else None,
+            early=functools.partial(self._commit_early, lease, early) if early else None,
+            progress=functools.partial(self._commit_early, lease, early, False) if early else None,
         )
         self._s._renewer.owned_by(lease.lease_id, handle)  # a handle dropped unwaited: no more renewals
         return handle
@@ -272,23 +273,31 @@ class StorePath:
         parts = EARLY_COMMIT_MAX_PARTS
         return cuts if len(cuts) <= parts else [head * i // parts for i in range(1, parts + 1)]
 
-    def _commit_early(self, lease: pb.LeaseRequest, early: _EarlyCommits) -> None:
-        """Each part but the last, once its pages are written: its Commit, sent without waiting
-        (the replies are read with the final Commit's). Nothing here fails the store: the final
-        Commit tells what was stored."""
+    def _commit_early(self, lease: pb.LeaseRequest, early: _EarlyCommits, wait: bool = True) -> None:
+        """Each part but the last not committed yet, once its pages are written (`wait`: waited
+        for; else only those written already, in order: `StoreHandle.progress`): its Commit, sent
+        without waiting (the replies are read with the next call's). Nothing here fails the store:
+        where one cannot go, none after it does, and the final Commit takes the rest."""
         try:
-            for event, pages in early.parts:
+            while early.next < len(early.parts):
+                event, pages = early.parts[early.next]
                 if event is not None:  # None: written already (a CPU cache)
-                    event.synchronize()
+                    if wait:
+                        event.synchronize()
+                    elif not event.query():
+                        return
                 local = self._s._conn.local
                 if local is None or lease.epoch != self._s.epoch:
+                    early.next = len(early.parts)
                     return
                 request = pb.LeaseRequest(
                     namespace=lease.namespace, lease_id=lease.lease_id, epoch=lease.epoch, commit_count=pages
                 )
                 local.send("Commit", request)
                 early.sent += pages
+                early.next += 1
         except Exception:
+            early.next = len(early.parts)
             log.debug("store lease %d: an early Commit failed", lease.lease_id, exc_info=True)
 
     def _commit(self, lease: pb.LeaseRequest, early: _EarlyCommits | None = None) -> int:
@@ -361,8 +370,10 @@ class _GatherAhead:
 
 class _EarlyCommits:
     """A store's gather issued in parts: `parts`, the event after each part but the last and its
-    pages; `sent`, the pages whose early Commits went out."""
+    pages; `sent`, the pages whose early Commits went out; `next`, the first part whose Commit
+    has not."""
 
     def __init__(self) -> None:
         self.parts: list[tuple[Any, int]] = []
         self.sent = 0
+        self.next = 0

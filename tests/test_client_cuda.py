@@ -112,13 +112,15 @@ def test_the_side_stream_waits_for_the_default_stream() -> None:
         assert torch.cuda.current_stream(device).query() is True
 
 
+@pytest.mark.parametrize("asked", [False, True], ids=["at-wait", "as-written"])
 def test_cuda_early_commits_go_out_once_their_pages_are_in_the_arena(
-    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, asked: bool
 ) -> None:
     """A store of 8 pages committed in parts of 2 (one transfer, marked at each part's end), its
     copy stream held back ~30 ms first: each early Commit goes out only once its pages' bytes are
     in the arena (read there as the Commit is sent, against the torch reference's pages), and
-    another client loads all 8 back."""
+    another client loads all 8 back. `asked`: a `store_async` whose handle is asked to make
+    `progress()` until every early Commit went out, without blocking, then waited."""
     import time
 
     import kvstore_kernels
@@ -183,7 +185,15 @@ def test_cuda_early_commits_go_out_once_their_pages_are_in_the_arena(
         torch.cuda.synchronize()
         with torch.cuda.stream(staged._copy_stream(source[0].device, True, 0)):
             torch.cuda._sleep(60_000_000)
-        assert client.store(tokens, source, blocks) == 8
+        if asked:
+            handle = client.store_async(tokens, source, blocks)
+            deadline = time.monotonic() + 120
+            while len(checked) < 3 and time.monotonic() < deadline:
+                handle.progress()
+            assert checked == [2, 2, 2]  # each sent once its part's bytes were in the arena
+            assert handle.wait() == 8
+        else:
+            assert client.store(tokens, source, blocks) == 8
         assert marks == [[2, 4, 6]] and checked == [2, 2, 2]
     with KVStoreClient.connect(daemon.address, spec) as other:
         target = cuda_cache(spec, 256, fill=-3.0)

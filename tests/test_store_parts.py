@@ -108,6 +108,34 @@ def test_early_commit_with_pages_already_stored(daemon: Daemon, monkeypatch: pyt
     assert load_back(daemon, spec, tokens, source, blocks) == 8 * 256
 
 
+def test_a_store_in_flight_commits_its_written_parts_when_asked(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`store_async` of 8 pages in parts of 2: nothing is committed until the handle is asked;
+    `progress()` sends the early Commits of the parts written already (from a CPU cache, all of
+    them), so the first 6 pages are stored before `wait()`, which commits the last 2; asked again,
+    it sends nothing more. Another client loads all 8 back."""
+    spec = make_spec()
+    tokens = tokens_of(8 * 256, seed=41)
+    blocks = torch.randperm(400, generator=torch.Generator().manual_seed(42))[: len(tokens) // BLOCK]
+    source = random_cache(spec, 400, seed=43)
+    with KVStoreClient.connect(daemon.address, spec) as client:
+        commit_in_parts(monkeypatch, client, 2, 2)
+        sent = sent_commits(client, monkeypatch)
+        handle = client.store_async(tokens, source, blocks)
+        assert sent == [] and client.lookup(tokens) == 0
+        handle.progress()
+        assert [request.commit_count for request in sent] == [2, 2, 2]
+        assert client.lookup(tokens) == 6 * 256  # read after the early Commits on the same channel
+        handle.progress()
+        assert len(sent) == 3
+        assert handle.wait() == 8
+        assert len(sent) == 3 and client.lookup(tokens) == 8 * 256
+        handle.progress()  # a store waited for: nothing left to send
+        assert len(sent) == 3
+    assert load_back(daemon, spec, tokens, source, blocks) == 8 * 256
+
+
 def test_no_early_commit_where_the_daemon_does_not_commit_in_parts(
     daemon: Daemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:

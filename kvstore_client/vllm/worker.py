@@ -248,9 +248,14 @@ class WorkerSide:
             self._saving.setdefault(spec.req_id, []).append((handle, spec))
 
     def commit_done(self) -> None:
-        """Commits the saves whose gathers have finished (the others wait for a later step)."""
-        for req_id in [req_id for req_id, saves in self._saving.items() if all(h.done() for h, _ in saves)]:
-            self._commit(req_id)
+        """Commits the saves whose gathers have finished; of the others (a later step's), the
+        parts written already."""
+        for req_id, saves in list(self._saving.items()):
+            if all(h.done() for h, _ in saves):
+                self._commit(req_id)
+            else:
+                for handle, _ in saves:
+                    handle.progress()
 
     def _commit(self, req_id: str) -> None:
         for handle, spec in self._saving.pop(req_id, ()):
