@@ -313,6 +313,10 @@ def test_a_lookup_that_arrives_with_lease_calls_is_answered_before_them(
             found = pb.LookupResponse.FromString(body)
             assert status == 0 and found.hit_chunks == 2
             lease = pb.LeaseRequest(namespace=namespace, lease_id=found.lease_id, epoch=client._mapped.epoch)
+            # A round trip on each connection first: asyncio's loop sets a connection's reader up a
+            # turn or two after accepting it, and one paused before that would be read late.
+            asker.sendall(frame_of("Stats", pb.StatsRequest()))
+            assert read_reply(asker)[0] == 0
             with paused(pid):
                 # The Release first, then a Lookup and a Stats on another connection, and a Stats
                 # behind the Release on its own: all waiting in the sockets when it resumes.
