@@ -232,6 +232,8 @@ def test_unknown_key_without_a_close_one_lists_the_valid_keys() -> None:
             "leases.max_ttl_s: expected a value >= leases.ttl_s (60.0), got 30.0",
         ),
         ({"server": {"grace_s": -1}}, "server.grace_s: expected a value >= 0, got -1.0"),
+        ({"server": {"gc_freeze_s": -1}}, "server.gc_freeze_s: expected a value >= 0, got -1.0"),
+        ({"server": {"gc_full_s": "hourly"}}, "server.gc_full_s: expected a number, got 'hourly'"),
         ({"server": {"auth_token": 12345}}, "server.auth_token: expected a string, got 12345"),
         ({"server": {"unix_socket": ""}}, "server.unix_socket: expected a non-empty string"),
         ({"eviction": {"policy": " "}}, "eviction.policy: expected a non-empty string"),

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -49,6 +48,7 @@ from kvstore.server.daemon_servers import Servers
 from kvstore.server.daemon_shutdown import drain
 from kvstore.server.daemon_tiers import Tiers, arena_name
 from kvstore.server.handlers import Handlers
+from kvstore.server.heap import Heap
 from kvstore.server.logs import configure as configure_logs
 from kvstore.store.events import EventLog
 from kvstore.store.store import Store
@@ -105,6 +105,7 @@ async def serve(config: Config) -> None:
     opened: list[Tiers] = []
     servers = Servers()
     reaper: asyncio.Task[None] | None = None
+    heap, tending = Heap(config.server.gc_freeze_s, config.server.gc_full_s), None
     try:
         starting()
         events = EventLog(config.server.events_buffer)
@@ -114,7 +115,9 @@ async def serve(config: Config) -> None:
         handlers = _make_handlers(config, stores, local_path)
         await servers.start(config, handlers, socket_path, local_path, loop)
         starting()
-        gc.freeze()  # the objects built at start never die: keep them out of every collection
+        heap.start()  # what was built at start frozen; the index never scanned (`kvstore.server.heap`)
+        handlers.heap_figures = heap.figures
+        tending = asyncio.create_task(heap.tend()) if heap.tended else None
         await servers.set_serving()
         handlers.serving = True
         _log_serving(config, socket_path, opened[0], stores, servers, loop)
@@ -126,6 +129,9 @@ async def serve(config: Config) -> None:
         # the lock file and the arena go whatever happened before.
         if reaper is not None:
             reaper.cancel()
+        if tending is not None:
+            tending.cancel()
+        heap.stop()
         await servers.close()
         for tiers in opened:
             await tiers.close(config.server.grace_s)

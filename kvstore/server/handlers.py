@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from kvstore import __version__
 from kvstore.proto import kvstore_pb2 as pb
@@ -88,6 +88,7 @@ class Handlers:
         self.counters: Counter[str] = Counter()  # the channels' own figures (Stats adds them)
         self._writers: dict[tuple[int, int], Peer] = {}  # gRPC writers, checked once each
         self._anonymous = self.tenancy.of_token(None)
+        self.heap_figures: Callable[[], dict[str, float]] = dict  # the collector's, for Stats (`heap`)
 
     @property
     def store(self) -> Store:
@@ -336,6 +337,7 @@ class Handlers:
             stats.counters["refused_event_streams"] = self.consumers.refused
             stats.counters["event_names"] = self.events.num_names
             stats.counters["event_wakeups"] = self.events.num_woken
+            stats.counters.update(self.heap_figures())
         else:  # a member: its tenant's figures, not the shared remote server's totals
             stats = self._store(caller).stats(server_usage=False)
         stats.counters["event_sequence"] = self.events.last(self._event_stream(caller))
