@@ -529,6 +529,9 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         help="also store in parts of these MiB: the staged engine alone, and the client's commits (0: one)",
     )
+    parser.add_argument(
+        "--gc-freeze-s", type=float, help="the daemon's server.gc_freeze_s (default: its own; 0: CPython's)"
+    )
     parser.add_argument("--name", default="host_gpus")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument(
@@ -551,7 +554,9 @@ def main(argv: list[str] | None = None) -> None:
     arena = int(args.arena_gib * (1 << 30)) or groups * batches * args.prompts * prompt_bytes
     arena = -(-arena // SLAB_BYTES) * SLAB_BYTES + 2 * SLAB_BYTES
     cpu = {"bytes": arena, "slab_bytes": SLAB_BYTES, **({"pinned": True} if args.pinned else {})}
-    config = {"chunk_tokens": CHUNK_TOKENS, "tiers": {"cpu": cpu}}
+    config: dict[str, Any] = {"chunk_tokens": CHUNK_TOKENS, "tiers": {"cpu": cpu}}
+    if args.gc_freeze_s is not None:
+        config["server"] = {"gc_freeze_s": args.gc_freeze_s}
     settings = {
         "tokens": args.tokens,
         "prompts": args.prompts,
@@ -562,6 +567,7 @@ def main(argv: list[str] | None = None) -> None:
         "rotate": args.rotate,
         "daemon_gpu": args.daemon_gpu,
         "part_mib": args.part_mib,
+        "gc_freeze_s": args.gc_freeze_s,
     }
     runs = []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
