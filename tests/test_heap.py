@@ -72,7 +72,7 @@ def test_a_turn_collects_what_died_and_freezes_what_lives(collector: None) -> No
     figures = heap.figures()
     assert figures["gc_turns"] == 4 and figures["gc_full_turns"] == 1
     assert 0 < figures["gc_last_pause_ms"] <= figures["gc_max_pause_ms"]
-    assert figures["gc_frozen_objects"] == gc.get_freeze_count()
+    assert "gc_frozen_objects" not in figures  # counting them walks them all: not on a Stats call
     heap.stop()
     assert gc.get_threshold() == (young, middle, _)
 
@@ -106,7 +106,7 @@ def test_a_daemon_tends_its_heap_while_it_serves(daemon_factory: Callable[..., D
 
         wait_for(lambda: counters().get("gc_full_turns", 0) >= 2)
         figures = counters()
-        assert figures["gc_turns"] >= figures["gc_full_turns"] >= 2 and figures["gc_frozen_objects"] > 0
+        assert figures["gc_turns"] >= figures["gc_full_turns"] >= 2 and figures["gc_max_pause_ms"] > 0
         for first in range(0, 2048, 512):
             tokens = list(range(first, first + 512))
             target = [torch.full_like(t, float("nan")) for t in cache]

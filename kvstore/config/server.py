@@ -93,8 +93,8 @@ class ServerConfig:
     # Cyclic garbage collection off the calls' path (`kvstore.server.heap`): every gc_freeze_s the
     # objects that survived since are collected and frozen, so no collection scans the index again
     # (for a large index under churn: CPython's pauses reach ~190 ms at 1M pages); every gc_full_s
-    # the whole heap is collected once (0: never). 0 (the default): CPython's own collections; the
-    # turns cost idle Lookups on the 4-GPU host (p99 1.3 ms against 87 µs), not yet explained.
+    # the whole heap is collected once (0: never). 0 (the default): CPython's own collections, until
+    # the turns are measured again on the GPU hosts (bench/NOTES-control-plane.md).
     gc_freeze_s: float = setting(0.0, ge=0, le=3600)
     gc_full_s: float = setting(3600.0, ge=0, le=7 * 86400)
     # The event loop: uvloop (libuv) answers a local-channel call in a fraction of asyncio's time;

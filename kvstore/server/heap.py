@@ -22,11 +22,11 @@ their counts as the page leaves), so the index need not be scanned at all:
   collected whole, for cycles among objects that died after they were frozen (a request's
   objects frozen while in flight), then frozen again: one full collection's stall each period.
 
-`server.gc_freeze_s: 0`, the default, leaves the collector as CPython runs it: on the 4-GPU
-host the turns cost the Lookups made while its workers started (p99 1.3 ms against 87 µs at
-0.25 s), for a reason not found yet, so a daemon tends its heap only where asked (a large index
-that stores steadily). `figures()`: the turns, the full ones, the last and longest pause (ms)
-and the objects frozen, for Stats.
+`server.gc_freeze_s: 0`, the default, leaves the collector as CPython runs it: a daemon tends its
+heap where asked (a large index that stores steadily), until the turns are measured again on the
+GPU hosts: a first version's Stats counted the frozen objects (`gc.get_freeze_count()`, a walk of
+them all, 14 ms a million), which slowed the 4-GPU host's Lookups while its workers polled Stats.
+`figures()`: the turns, the full ones, the last and longest pause (ms), for Stats.
 """
 
 from __future__ import annotations
@@ -105,7 +105,6 @@ class Heap:
             "gc_full_turns": self.full_turns,
             "gc_last_pause_ms": round(self.last_pause_ms, 3),
             "gc_max_pause_ms": round(self.max_pause_ms, 3),
-            "gc_frozen_objects": gc.get_freeze_count(),
         }
 
     def _now(self) -> float:
